@@ -1,0 +1,138 @@
+#pragma once
+/// \file
+/// `kvq::KVCache`: the one interface an engine talks to (DESIGN.md section 2).
+///
+/// Per layer and step, an engine calls `append` with the K and V of the new tokens of a sequence,
+/// then `attend` with the queries of a batch of sequences. The cache quantizes on write into
+/// pages whose format the policy picks, keeps the newest tokens in an FP16 recent window, and
+/// attends over any mix of formats.
+///
+/// Token life cycle (per sequence and layer; P = page_tokens, R = window, r = recent):
+/// - every appended token enters the FP16 ring of the last R tokens;
+/// - once P + r tokens are not yet encoded, the oldest P of them are encoded into a new page of
+///   each (kv head, role) in the format the policy gives at that moment (forward-only);
+/// - attention reads each token once: from its page once encoded, else from the ring; the tokens
+///   of the current step (the last q_len appended) are always read in FP16 from the ring, so a
+///   prompt attends to itself at full precision (q_len <= R). A prefill longer than R is fed in
+///   chunks of at most R tokens; a query then sees earlier chunks as decoding would see them.
+///
+/// Errors: every call validates first and returns a `status` naming the problem; a failed call
+/// leaves stored bytes and statistics exactly as they were.
+///
+/// Thread-safety: a cache is not thread-safe; calls on one cache must not overlap. `stats()` and
+/// other const calls may run concurrently with each other. Distinct caches are independent.
+
+#include <kvq/config.hpp>
+#include <kvq/format/format.hpp>
+#include <kvq/policy/policy.hpp>
+#include <kvq/status.hpp>
+#include <kvq/tensor.hpp>
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+KVQ_NAMESPACE_BEGIN
+
+/// Where the cache's bytes live and where its attention runs.
+enum class backend : uint8_t { cpu, cuda };
+
+/// Everything fixed at cache creation.
+struct cache_config {
+  cache_shape shape;            ///< layers, heads, head_dim, page_tokens, window R, recent r
+  uint64_t budget_bytes = 0;    ///< one budget for pages of every format and the windows
+  backend where = backend::cpu;
+  float softmax_scale = 0.f;    ///< 0: 1/sqrt(head_dim)
+  int max_sequences = 256;      ///< CUDA: capacity of the device page tables
+  int64_t max_tokens = 1 << 17; ///< CUDA: tokens per sequence the device page tables can index
+  void* stream = nullptr;       ///< CUDA: the caller's cudaStream_t (nullptr = legacy default)
+};
+
+/// Statistics at any moment (DESIGN.md section 4).
+struct cache_stats {
+  uint64_t budget_bytes = 0;
+  uint64_t used_bytes = 0;    ///< pages + windows, as allocated (256-byte aligned blocks)
+  uint64_t page_bytes = 0;    ///< bytes of live pages (their layout sizes)
+  uint64_t window_bytes = 0;  ///< bytes of the FP16 recent windows
+  uint64_t pages = 0;
+  int64_t sequences = 0;
+  int64_t tokens = 0;                            ///< tokens held, summed over sequences and layers
+  uint64_t encoded_elements = 0;                 ///< K and V elements held in pages
+  std::array<uint64_t, format_count> bytes_by_format{};
+  std::array<uint64_t, format_count> pages_by_format{};
+  std::vector<format_pair> format_map;           ///< [layers][kv_heads] current policy decision
+
+  /// Average bits per element of the pages, scales and zeros included.
+  double page_bits() const { return encoded_elements ? 8.0 * page_bytes / double(encoded_elements) : 0.0; }
+  /// Bits per element of everything held (pages + windows) over the K and V elements of all
+  /// tokens: what the cache really costs per stored value.
+  double total_bits(int kv_heads, int head_dim) const {
+    const double elems = double(tokens) * kv_heads * head_dim * 2;
+    return elems > 0 ? 8.0 * double(page_bytes + window_bytes) / elems : 0.0;
+  }
+};
+
+/// One sequence's part of an attention batch.
+struct attend_item {
+  seq_id seq;
+  int q_len = 1;
+};
+
+namespace detail {
+class cache_backend;
+}
+
+/// The cache. Move-only; create with `KVCache::create`.
+class KVQ_EXPORT KVCache {
+ public:
+  /// Validates the configuration and binds the policy (shared: a policy may serve several caches
+  /// only if it says it is safe to). Errors name the bad field.
+  static result<KVCache> create(const cache_config& cfg, std::shared_ptr<policy> pol);
+
+  KVCache(KVCache&&) noexcept;
+  KVCache& operator=(KVCache&&) noexcept;
+  ~KVCache();
+
+  /// Starts an empty sequence; allocates its windows from the budget.
+  status create_sequence(seq_id id);
+  /// Returns every page and window of the sequence to the budget.
+  status release_sequence(seq_id id);
+  bool has_sequence(seq_id id) const;
+  /// Tokens stored for (sequence, layer), or -1 for an unknown sequence.
+  int64_t length(seq_id id, int layer) const;
+
+  /// Appends the K and V of `k.tokens` new tokens of one sequence and layer.
+  /// \param k [tokens][kv_heads][head_dim] f32/f16/bf16, finite and within fp16 range
+  /// \param v same shape as k
+  status append(seq_id id, int layer, const tensor_view& k, const tensor_view& v);
+
+  /// Decode / extend attention of one layer for a batch of sequences.
+  /// \param items one entry per sequence; each q_len <= its appended length and <= window
+  /// \param q [sum q_len][q_heads][head_dim], items' queries in order
+  /// \param o [sum q_len][q_heads][head_dim] output
+  status attend(std::span<const attend_item> items, int layer, const tensor_view& q, const tensor_mut& o);
+
+  /// What the next step will read for (sequence, layer, role): token j of kv head h is
+  /// dequantized from its page if encoded, else read from the FP16 ring.
+  /// \param out host [length][kv_heads][head_dim] float
+  status read(seq_id id, int layer, role r, std::span<float> out) const;
+
+  /// rolealign clip ratios, [layers][kv_heads][2] (K then V), each in (0, 1]. Applies to pages
+  /// encoded afterwards.
+  status set_clip_ratios(std::span<const float> ratios);
+
+  cache_stats stats() const;
+  const cache_config& config() const;
+  policy& active_policy() const;
+
+ private:
+  explicit KVCache(std::unique_ptr<detail::cache_backend> b);
+  std::unique_ptr<detail::cache_backend> impl_;
+};
+
+/// STYLE.md's snake_case spelling of the same type.
+using kv_cache = KVCache;
+
+KVQ_NAMESPACE_END

@@ -1,0 +1,53 @@
+#pragma once
+/// \file
+/// Internal: the backend interface behind `KVCache`. The base validates every request and keeps
+/// the bookkeeping (`page_store`); a backend owns the bytes and runs the data plane. Not part of
+/// the public API.
+
+#include <kvq/cache/cache.hpp>
+#include <kvq/store/store.hpp>
+
+#include <memory>
+#include <vector>
+
+KVQ_NAMESPACE_BEGIN
+namespace detail {
+
+class cache_backend {
+ public:
+  cache_backend(const cache_config& cfg, std::shared_ptr<policy> pol)
+      : cfg_(cfg),
+        pol_(std::move(pol)),
+        store_(cfg.shape, cfg.budget_bytes, cfg.max_sequences),
+        clip_(size_t(cfg.shape.layers) * cfg.shape.kv_heads * 2, 1.0f) {}
+  virtual ~cache_backend() = default;
+
+  /// Converts, validates (finite, within fp16 range) and stores m tokens; encodes the planned
+  /// pages. Must leave the ring untouched when the values are rejected.
+  virtual status write(sequence_state& s, int layer, const tensor_view& k, const tensor_view& v,
+                       const append_plan& plan) = 0;
+  /// Attention for a validated batch.
+  virtual status attend(std::span<const attend_item> items, int layer, const tensor_view& q, const tensor_mut& o) = 0;
+  /// Dequantized view of one (sequence, layer, role) into host memory.
+  virtual status read(const sequence_state& s, int layer, role r, std::span<float> out) const = 0;
+  /// Called after a sequence is created or released (device tables).
+  virtual void on_sequence_change(const sequence_state&, bool /*created*/) {}
+
+  cache_config cfg_;
+  std::shared_ptr<policy> pol_;
+  page_store store_;
+  std::vector<float> clip_;  ///< [layers][kv_heads][2]
+
+  float softmax_scale() const;
+  float clip_of(int layer, int kv_head, role r) const {
+    return clip_[(size_t(layer) * cfg_.shape.kv_heads + kv_head) * 2 + (r == role::k ? 0 : 1)];
+  }
+};
+
+/// The CPU reference backend.
+std::unique_ptr<cache_backend> make_cpu_backend(const cache_config& cfg, std::shared_ptr<policy> pol);
+/// The CUDA backend, or an `unsupported` status when kvq was built without CUDA.
+result<std::unique_ptr<cache_backend>> make_cuda_backend(const cache_config& cfg, std::shared_ptr<policy> pol);
+
+}  // namespace detail
+KVQ_NAMESPACE_END

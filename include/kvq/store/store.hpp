@@ -1,0 +1,103 @@
+#pragma once
+/// \file
+/// Host-side bookkeeping of the paged store, shared by every backend: the byte budget, the
+/// sequences, their per-(layer, kv head, role) page lists and the recent-window placement. It
+/// knows offsets and formats, never bytes: the backend owns the memory (host or device) the
+/// offsets point into (DESIGN.md section 4).
+///
+/// Window layout of one sequence: [layers][kv_heads][2 roles][window][head_dim] fp16, one block.
+/// Page list of (layer): entry (page i, kv head h, role r) at index (i*kv_heads + h)*2 + r.
+
+#include <kvq/config.hpp>
+#include <kvq/format/format.hpp>
+#include <kvq/policy/policy.hpp>
+#include <kvq/status.hpp>
+#include <kvq/store/arena.hpp>
+
+#include <array>
+#include <cstdint>
+#include <unordered_map>
+#include <vector>
+
+KVQ_NAMESPACE_BEGIN
+
+/// One page: where its bytes start in the arena and its format.
+struct page_entry {
+  uint64_t offset;
+  format_id fmt;
+};
+
+/// Per (sequence, layer): tokens appended (n), tokens encoded into pages (e), the pages.
+struct layer_state {
+  int64_t n = 0;
+  int64_t e = 0;
+  std::vector<page_entry> pages;  ///< [page][kv_head][role]
+};
+
+struct sequence_state {
+  seq_id id = 0;
+  uint64_t window_offset = 0;
+  int slot = 0;  ///< dense index (0 .. max_sequences-1), for device tables
+  std::vector<layer_state> layers;
+};
+
+/// Pages an append will create, allocated up front (all or nothing).
+struct append_plan {
+  int64_t first_page = 0;  ///< index of the first new page in the layer's list
+  int pages = 0;           ///< new pages per (kv head, role)
+  std::vector<page_entry> entries;  ///< [pages][kv_heads][2]
+};
+
+class KVQ_EXPORT page_store {
+ public:
+  page_store() = default;
+  page_store(const cache_shape& shape, uint64_t budget, int max_sequences);
+
+  const cache_shape& shape() const { return shape_; }
+  uint64_t window_bytes_per_sequence() const;
+  /// Offset of the ring of (layer, kv head, role) inside the arena.
+  uint64_t window_offset(const sequence_state& s, int layer, int kv_head, role r) const;
+
+  result<sequence_state*> create(seq_id id);
+  /// Releases every block of the sequence.
+  status release(seq_id id);
+  sequence_state* find(seq_id id);
+  const sequence_state* find(seq_id id) const;
+  const std::unordered_map<seq_id, sequence_state>& sequences() const { return seqs_; }
+
+  /// Number of pages to encode when m tokens are appended to a layer holding n tokens of which
+  /// e are encoded.
+  int64_t pages_after(int64_t n, int64_t e, int64_t m) const;
+
+  /// Asks the policy for the formats of the pages an append of m tokens creates and allocates
+  /// them. On failure nothing is allocated and the status names the request.
+  result<append_plan> plan_append(sequence_state& s, int layer, int64_t m, policy& pol);
+  /// Returns the planned pages to the budget (the backend rejected the data).
+  void abandon(append_plan&& plan);
+  /// Records the planned pages and the new token count (after the backend wrote the bytes).
+  void commit_append(sequence_state& s, int layer, int64_t m, append_plan&& plan);
+
+  uint64_t page_bytes_of(format_id f, role r) const { return page_bytes_[r == role::k ? 0 : 1][f]; }
+  const arena_allocator& arena() const { return arena_; }
+
+  /// Counters for `cache_stats` (page bytes by format, pages, elements).
+  struct counters {
+    uint64_t page_bytes = 0, pages = 0, window_bytes = 0, encoded_elements = 0;
+    int64_t tokens = 0;
+    std::array<uint64_t, format_count> bytes_by_format{}, pages_by_format{};
+  };
+  const counters& totals() const { return totals_; }
+
+ private:
+  void account(const page_entry& p, role r, int sign);
+
+  cache_shape shape_;
+  arena_allocator arena_;
+  int max_sequences_ = 0;
+  std::unordered_map<seq_id, sequence_state> seqs_;
+  std::vector<int> free_slots_;
+  std::array<std::array<uint64_t, format_count>, 2> page_bytes_{};
+  counters totals_;
+};
+
+KVQ_NAMESPACE_END

@@ -1,0 +1,190 @@
+// KVCache: validation and bookkeeping shared by every backend; the data plane is the backend's.
+#include <kvq/cache/cache.hpp>
+#include <kvq/detail/backend.hpp>
+
+#include <fmt/format.h>
+
+#include <cmath>
+
+KVQ_NAMESPACE_BEGIN
+
+float detail::cache_backend::softmax_scale() const {
+  return cfg_.softmax_scale > 0.f ? cfg_.softmax_scale : 1.0f / std::sqrt(float(cfg_.shape.head_dim));
+}
+
+namespace {
+status validate_config(const cache_config& c) {
+  const auto& s = c.shape;
+  auto bad = [](std::string m) { return status{errc::invalid_argument, "cache_config: " + m}; };
+  if (s.layers <= 0) return bad(fmt::format("layers must be positive, got {}", s.layers));
+  if (s.kv_heads <= 0 || s.q_heads <= 0) return bad(fmt::format("q_heads {} and kv_heads {} must be positive", s.q_heads, s.kv_heads));
+  if (s.q_heads % s.kv_heads != 0)
+    return bad(fmt::format("q_heads {} is not a multiple of kv_heads {} (GQA groups must be whole)", s.q_heads, s.kv_heads));
+  if (s.head_dim <= 0 || s.head_dim % 8 != 0 || s.head_dim > 256)
+    return bad(fmt::format("head_dim {} must be a multiple of 8 in [8, 256]", s.head_dim));
+  if (s.page_tokens <= 0 || s.page_tokens % 32 != 0)
+    return bad(fmt::format("page_tokens {} must be a positive multiple of 32", s.page_tokens));
+  if (s.recent < 0) return bad(fmt::format("recent {} must be >= 0", s.recent));
+  if (s.window < s.page_tokens + s.recent || s.window % s.page_tokens != 0)
+    return bad(fmt::format("window {} must be a multiple of page_tokens {} and >= page_tokens + recent ({})", s.window,
+                           s.page_tokens, s.page_tokens + s.recent));
+  if (c.max_sequences <= 0) return bad(fmt::format("max_sequences {} must be positive", c.max_sequences));
+  if (!(c.softmax_scale >= 0.f) || !std::isfinite(c.softmax_scale))
+    return bad(fmt::format("softmax_scale {} must be finite and >= 0 (0 = 1/sqrt(head_dim))", c.softmax_scale));
+  return {};
+}
+
+status check_kv_view(const tensor_view& t, const char* which, const cache_shape& s) {
+  if (!t.data && t.tokens > 0) return {errc::invalid_argument, fmt::format("append: {} data is null", which)};
+  if (t.tokens <= 0) return {errc::invalid_argument, fmt::format("append: {} has {} tokens; need at least 1", which, t.tokens)};
+  if (t.heads != s.kv_heads || t.head_dim != s.head_dim)
+    return {errc::invalid_argument, fmt::format("append: {} is [{}][{}][{}], the cache expects [tokens][{}][{}]", which,
+                                                t.tokens, t.heads, t.head_dim, s.kv_heads, s.head_dim)};
+  if (t.stride() < int64_t(s.kv_heads) * s.head_dim)
+    return {errc::invalid_argument, fmt::format("append: {} token_stride {} is smaller than kv_heads*head_dim {}", which,
+                                                t.stride(), s.kv_heads * s.head_dim)};
+  return {};
+}
+}  // namespace
+
+result<KVCache> KVCache::create(const cache_config& cfg, std::shared_ptr<policy> pol) {
+  KVQ_TRY(validate_config(cfg));
+  if (!pol) return status{errc::invalid_argument, "KVCache::create: policy is null"};
+  if (status s = pol->bind(cfg.shape); !s.ok()) return s;
+  if (cfg.where == backend::cpu) return KVCache(detail::make_cpu_backend(cfg, std::move(pol)));
+  auto b = detail::make_cuda_backend(cfg, std::move(pol));
+  if (!b) return b.error();
+  return KVCache(std::move(b).value());
+}
+
+KVCache::KVCache(std::unique_ptr<detail::cache_backend> b) : impl_(std::move(b)) {}
+KVCache::KVCache(KVCache&&) noexcept = default;
+KVCache& KVCache::operator=(KVCache&&) noexcept = default;
+KVCache::~KVCache() = default;
+
+status KVCache::create_sequence(seq_id id) {
+  auto s = impl_->store_.create(id);
+  if (!s) return s.error();
+  impl_->on_sequence_change(**s, true);
+  return {};
+}
+
+status KVCache::release_sequence(seq_id id) {
+  const sequence_state* s = impl_->store_.find(id);
+  if (!s) return {errc::not_found, fmt::format("release_sequence: unknown sequence {}", id)};
+  impl_->on_sequence_change(*s, false);
+  return impl_->store_.release(id);
+}
+
+bool KVCache::has_sequence(seq_id id) const { return impl_->store_.find(id) != nullptr; }
+
+int64_t KVCache::length(seq_id id, int layer) const {
+  const sequence_state* s = impl_->store_.find(id);
+  if (!s || layer < 0 || layer >= impl_->cfg_.shape.layers) return -1;
+  return s->layers[size_t(layer)].n;
+}
+
+status KVCache::append(seq_id id, int layer, const tensor_view& k, const tensor_view& v) {
+  const auto& sh = impl_->cfg_.shape;
+  sequence_state* s = impl_->store_.find(id);
+  if (!s) return {errc::not_found, fmt::format("append: unknown sequence {}", id)};
+  if (layer < 0 || layer >= sh.layers)
+    return {errc::invalid_argument, fmt::format("append: layer {} out of range [0, {})", layer, sh.layers)};
+  KVQ_TRY(check_kv_view(k, "K", sh));
+  KVQ_TRY(check_kv_view(v, "V", sh));
+  if (k.tokens != v.tokens)
+    return {errc::invalid_argument, fmt::format("append: K has {} tokens but V has {}", k.tokens, v.tokens)};
+  const int64_t n = s->layers[size_t(layer)].n;
+  if (impl_->cfg_.where == backend::cuda && n + k.tokens > impl_->cfg_.max_tokens)
+    return {errc::out_of_budget, fmt::format("append: sequence {} layer {} would hold {} tokens, above max_tokens {}", id,
+                                             layer, n + k.tokens, impl_->cfg_.max_tokens)};
+  auto plan = impl_->store_.plan_append(*s, layer, k.tokens, *impl_->pol_);
+  if (!plan) return plan.error();
+  if (status st = impl_->write(*s, layer, k, v, *plan); !st.ok()) {
+    impl_->store_.abandon(std::move(plan).value());  // nothing was committed: give the pages back
+    return st;
+  }
+  impl_->store_.commit_append(*s, layer, k.tokens, std::move(plan).value());
+  return {};
+}
+
+status KVCache::attend(std::span<const attend_item> items, int layer, const tensor_view& q, const tensor_mut& o) {
+  const auto& sh = impl_->cfg_.shape;
+  if (layer < 0 || layer >= sh.layers)
+    return {errc::invalid_argument, fmt::format("attend: layer {} out of range [0, {})", layer, sh.layers)};
+  if (items.empty()) return {errc::invalid_argument, "attend: empty batch"};
+  int64_t total = 0;
+  for (const auto& it : items) {
+    const sequence_state* s = impl_->store_.find(it.seq);
+    if (!s) return {errc::not_found, fmt::format("attend: unknown sequence {}", it.seq)};
+    const int64_t n = s->layers[size_t(layer)].n;
+    if (it.q_len < 1 || it.q_len > n || it.q_len > sh.window)
+      return {errc::invalid_argument,
+              fmt::format("attend: sequence {} layer {} has q_len {}; need 1 <= q_len <= min(appended tokens {}, window {})"
+                          " (append the step's tokens first; feed longer prefills in chunks of at most the window)",
+                          it.seq, layer, it.q_len, n, sh.window)};
+    total += it.q_len;
+  }
+  auto check_q = [&](const char* which, const void* data, int64_t tokens, int heads, int d, int64_t stride) -> status {
+    if (!data) return {errc::invalid_argument, fmt::format("attend: {} data is null", which)};
+    if (tokens != total || heads != sh.q_heads || d != sh.head_dim)
+      return {errc::invalid_argument, fmt::format("attend: {} is [{}][{}][{}], expected [{}][{}][{}] (sum of q_len, q_heads, head_dim)",
+                                                  which, tokens, heads, d, total, sh.q_heads, sh.head_dim)};
+    if (stride < int64_t(heads) * d)
+      return {errc::invalid_argument, fmt::format("attend: {} token_stride {} is below q_heads*head_dim", which, stride)};
+    return {};
+  };
+  KVQ_TRY(check_q("Q", q.data, q.tokens, q.heads, q.head_dim, q.stride()));
+  KVQ_TRY(check_q("O", o.data, o.tokens, o.heads, o.head_dim, o.stride()));
+  return impl_->attend(items, layer, q, o);
+}
+
+status KVCache::read(seq_id id, int layer, role r, std::span<float> out) const {
+  const auto& sh = impl_->cfg_.shape;
+  const sequence_state* s = impl_->store_.find(id);
+  if (!s) return {errc::not_found, fmt::format("read: unknown sequence {}", id)};
+  if (layer < 0 || layer >= sh.layers) return {errc::invalid_argument, fmt::format("read: layer {} out of range", layer)};
+  const size_t need = size_t(s->layers[size_t(layer)].n) * sh.kv_heads * sh.head_dim;
+  if (out.size() < need)
+    return {errc::invalid_argument, fmt::format("read: output holds {} floats, need {}", out.size(), need)};
+  return impl_->read(*s, layer, r, out);
+}
+
+status KVCache::set_clip_ratios(std::span<const float> ratios) {
+  const auto& sh = impl_->cfg_.shape;
+  const size_t need = size_t(sh.layers) * sh.kv_heads * 2;
+  if (ratios.size() != need)
+    return {errc::invalid_argument, fmt::format("set_clip_ratios: got {} ratios, need layers*kv_heads*2 = {}", ratios.size(), need)};
+  for (size_t i = 0; i < need; ++i)
+    if (!(ratios[i] > 0.f && ratios[i] <= 1.f))
+      return {errc::invalid_argument, fmt::format("set_clip_ratios: ratio {} at index {} (layer {}, head {}, {}) is not in (0, 1]",
+                                                  ratios[i], i, i / (2 * sh.kv_heads), (i / 2) % sh.kv_heads, i % 2 ? "V" : "K")};
+  impl_->clip_.assign(ratios.begin(), ratios.end());
+  return {};
+}
+
+cache_stats KVCache::stats() const {
+  const auto& st = impl_->store_;
+  const auto& t = st.totals();
+  cache_stats out;
+  out.budget_bytes = st.arena().capacity();
+  out.used_bytes = st.arena().used();
+  out.page_bytes = t.page_bytes;
+  out.window_bytes = t.window_bytes;
+  out.pages = t.pages;
+  out.sequences = int64_t(st.sequences().size());
+  out.tokens = t.tokens;
+  out.encoded_elements = t.encoded_elements;
+  out.bytes_by_format = t.bytes_by_format;
+  out.pages_by_format = t.pages_by_format;
+  const auto& sh = impl_->cfg_.shape;
+  out.format_map.reserve(size_t(sh.layers) * sh.kv_heads);
+  for (int l = 0; l < sh.layers; ++l)
+    for (int h = 0; h < sh.kv_heads; ++h) out.format_map.push_back(impl_->pol_->current(l, h));
+  return out;
+}
+
+const cache_config& KVCache::config() const { return impl_->cfg_; }
+policy& KVCache::active_policy() const { return *impl_->pol_; }
+
+KVQ_NAMESPACE_END

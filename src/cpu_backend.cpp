@@ -1,0 +1,152 @@
+// The CPU reference backend: the arena in host memory, quantize-on-write through the shared
+// codec, attention through kvq::ref::attend.
+#include <kvq/attention/reference.hpp>
+#include <kvq/codec/codec.hpp>
+#include <kvq/detail/backend.hpp>
+
+#include <fmt/format.h>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+KVQ_NAMESPACE_BEGIN
+namespace detail {
+namespace {
+
+float load(const void* base, dtype t, int64_t idx) {
+  switch (t) {
+    case dtype::f32: return static_cast<const float*>(base)[idx];
+    case dtype::f16: return half_to_float(static_cast<const uint16_t*>(base)[idx]);
+    case dtype::bf16: return bf16_to_float(static_cast<const uint16_t*>(base)[idx]);
+  }
+  return 0.f;
+}
+
+void store_out(void* base, dtype t, int64_t idx, float x) {
+  switch (t) {
+    case dtype::f32: static_cast<float*>(base)[idx] = x; break;
+    case dtype::f16: static_cast<uint16_t*>(base)[idx] = float_to_half(x); break;
+    case dtype::bf16: static_cast<uint16_t*>(base)[idx] = float_to_bf16(x); break;
+  }
+}
+
+class cpu_backend final : public cache_backend {
+ public:
+  cpu_backend(const cache_config& cfg, std::shared_ptr<policy> pol)
+      : cache_backend(cfg, std::move(pol)), bytes_(new uint8_t[store_.arena().capacity()]) {}
+
+  uint16_t* ring(const sequence_state& s, int layer, int h, role r) const {
+    return reinterpret_cast<uint16_t*>(bytes_.get() + store_.window_offset(s, layer, h, r));
+  }
+
+  status write(sequence_state& s, int layer, const tensor_view& k, const tensor_view& v, const append_plan& plan) override {
+    const auto& sh = cfg_.shape;
+    const int d = sh.head_dim, H = sh.kv_heads, R = sh.window, P = sh.page_tokens;
+    // Validate every value before anything is stored.
+    for (const tensor_view* t : {&k, &v}) {
+      for (int64_t i = 0; i < t->tokens; ++i)
+        for (int e = 0; e < H * d; ++e) {
+          const float x = load(t->data, t->type, i * t->stride() + e);
+          if (!std::isfinite(x) || std::fabs(x) > fp16_max)
+            return {std::isfinite(x) ? errc::invalid_argument : errc::non_finite,
+                    fmt::format("append: {}[token {}][head {}][channel {}] = {} of sequence {} layer {} is {}; nothing was "
+                                "stored",
+                                t == &k ? "K" : "V", i, e / d, e % d, x, s.id, layer,
+                                std::isfinite(x) ? "outside the fp16 range" : "not finite")};
+        }
+    }
+    layer_state& ls = s.layers[size_t(layer)];
+    int64_t n = ls.n, e = ls.e;
+    int page = 0;
+    for (int64_t i = 0; i < k.tokens; ++i, ++n) {
+      for (int h = 0; h < H; ++h)
+        for (role r : {role::k, role::v}) {
+          const tensor_view& t = r == role::k ? k : v;
+          uint16_t* dst = ring(s, layer, h, r) + (n % R) * d;
+          for (int c = 0; c < d; ++c) dst[c] = float_to_half(load(t.data, t.type, i * t.stride() + h * d + c));
+        }
+      if (n + 1 - e == P + sh.recent) {  // the oldest P unencoded tokens become a page
+        for (int h = 0; h < H; ++h)
+          for (role r : {role::k, role::v}) {
+            const page_entry& pe = plan.entries[(size_t(page) * H + h) * 2 + (r == role::k ? 0 : 1)];
+            const codec::page_geom g = codec::make_geom(pe.fmt, r, P, d);
+            uint8_t* dst = bytes_.get() + pe.offset;
+            std::memset(dst, 0, g.lay.total());
+            const uint16_t* src = ring(s, layer, h, r) + (e % R) * d;
+            const float clip = clip_of(layer, h, r);
+            for (int u = 0; u < g.unit_count(); ++u) codec::encode_unit(g, src, d, u, dst, clip);
+          }
+        e += P;
+        ++page;
+      }
+    }
+    return {};
+  }
+
+  /// Fills k or v [n][kv_heads][d] with what a step of `q_len` new tokens reads.
+  void gather(const sequence_state& s, int layer, role r, int q_len, float* out) const {
+    const auto& sh = cfg_.shape;
+    const int d = sh.head_dim, H = sh.kv_heads, R = sh.window, P = sh.page_tokens;
+    const layer_state& ls = s.layers[size_t(layer)];
+    const int64_t from_pages = std::min(ls.e, ls.n - q_len);
+    for (int h = 0; h < H; ++h) {
+      for (int64_t p0 = 0; p0 < from_pages; p0 += P) {
+        const page_entry& pe = ls.pages[(size_t(p0 / P) * H + h) * 2 + (r == role::k ? 0 : 1)];
+        const codec::page_geom g = codec::make_geom(pe.fmt, r, P, d);
+        const uint8_t* page = bytes_.get() + pe.offset;
+        const int64_t rows = std::min<int64_t>(P, from_pages - p0);
+        for (int t = 0; t < rows; ++t)
+          for (int c = 0; c < d; ++c) out[((p0 + t) * H + h) * d + c] = codec::decode_element(g, page, t, c);
+      }
+      const uint16_t* rg = ring(s, layer, h, r);
+      for (int64_t j = from_pages; j < ls.n; ++j)
+        for (int c = 0; c < d; ++c) out[(j * H + h) * d + c] = half_to_float(rg[(j % R) * d + c]);
+    }
+  }
+
+  status attend(std::span<const attend_item> items, int layer, const tensor_view& q, const tensor_mut& o) override {
+    const auto& sh = cfg_.shape;
+    const int d = sh.head_dim, Hq = sh.q_heads, H = sh.kv_heads;
+    int64_t row = 0;
+    std::vector<float> qf, of, kf, vf;
+    for (const auto& it : items) {
+      const sequence_state& s = *store_.find(it.seq);
+      const int64_t n = s.layers[size_t(layer)].n;
+      qf.resize(size_t(it.q_len) * Hq * d);
+      of.resize(qf.size());
+      for (int i = 0; i < it.q_len; ++i)
+        for (int e = 0; e < Hq * d; ++e) qf[size_t(i) * Hq * d + e] = load(q.data, q.type, (row + i) * q.stride() + e);
+      if (pol_->wants_queries()) {
+        const int64_t first = std::max<int64_t>(0, n - sh.window);
+        pol_->observe({it.seq, layer, n, it.q_len, qf.data(), ring(s, layer, 0, role::k), first});
+      }
+      kf.resize(size_t(n) * H * d);
+      vf.resize(kf.size());
+      gather(s, layer, role::k, it.q_len, kf.data());
+      gather(s, layer, role::v, it.q_len, vf.data());
+      ref::attend(kf.data(), vf.data(), n, qf.data(), it.q_len, Hq, H, d, softmax_scale(), of.data());
+      for (int i = 0; i < it.q_len; ++i)
+        for (int e = 0; e < Hq * d; ++e) store_out(o.data, o.type, (row + i) * o.stride() + e, of[size_t(i) * Hq * d + e]);
+      row += it.q_len;
+    }
+    return {};
+  }
+
+  status read(const sequence_state& s, int layer, role r, std::span<float> out) const override {
+    gather(s, layer, r, 0, out.data());
+    return {};
+  }
+
+ private:
+  std::unique_ptr<uint8_t[]> bytes_;
+};
+
+}  // namespace
+
+std::unique_ptr<cache_backend> make_cpu_backend(const cache_config& cfg, std::shared_ptr<policy> pol) {
+  return std::make_unique<cpu_backend>(cfg, std::move(pol));
+}
+
+}  // namespace detail
+KVQ_NAMESPACE_END

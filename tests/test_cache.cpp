@@ -1,0 +1,390 @@
+// KVCache on the CPU backend: window and page edges, mixed formats over time, extend, GQA,
+// batches, bad input leaving the cache unchanged, and a soak of random appends and releases.
+#include <kvq/cache/cache.hpp>
+#include <kvq/format/numeric.hpp>
+#include <kvq/policy/static_policy.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <limits>
+#include <random>
+#include <vector>
+
+using namespace kvq;
+
+namespace {
+
+struct shape_args {
+  int layers = 2, hq = 8, h = 2, d = 64, page = 64, window = 128, recent = 32;
+  uint64_t budget = 64ull << 20;
+};
+
+std::pair<KVCache, std::shared_ptr<static_policy>> make(const std::string& spec, shape_args a = {}) {
+  cache_config cfg;
+  cfg.shape = {a.layers, a.hq, a.h, a.d, a.page, a.window, a.recent};
+  cfg.budget_bytes = a.budget;
+  auto pol = std::make_shared<static_policy>(static_policy::parse(spec).value_or_throw());
+  return {KVCache::create(cfg, pol).value_or_throw(), pol};
+}
+
+std::vector<float> randn(std::mt19937& rng, size_t n, float sigma = 1.f) {
+  std::normal_distribution<float> nd(0.f, sigma);
+  std::vector<float> x(n);
+  for (auto& v : x) v = nd(rng);
+  return x;
+}
+
+// float64 causal GQA attention, written independently of kvq::ref.
+std::vector<double> attention64(const std::vector<float>& k, const std::vector<float>& v, int64_t n,
+                                const std::vector<float>& q, int q_len, int hq, int h, int d) {
+  std::vector<double> o(size_t(q_len) * hq * d, 0.0);
+  const double scale = 1.0 / std::sqrt(double(d));
+  for (int i = 0; i < q_len; ++i)
+    for (int qh = 0; qh < hq; ++qh) {
+      const int kh = qh / (hq / h);
+      const int64_t last = n - q_len + i;
+      std::vector<double> s(size_t(last + 1));
+      double mx = -1e300;
+      for (int64_t j = 0; j <= last; ++j) {
+        double acc = 0;
+        for (int c = 0; c < d; ++c) acc += double(q[(size_t(i) * hq + qh) * d + c]) * k[(size_t(j) * h + kh) * d + c];
+        s[size_t(j)] = acc * scale;
+        mx = std::max(mx, s[size_t(j)]);
+      }
+      double sum = 0;
+      for (auto& x : s) sum += (x = std::exp(x - mx));
+      for (int64_t j = 0; j <= last; ++j)
+        for (int c = 0; c < d; ++c) o[(size_t(i) * hq + qh) * d + c] += s[size_t(j)] / sum * v[(size_t(j) * h + kh) * d + c];
+    }
+  return o;
+}
+
+double rel_err(const std::vector<float>& a, const std::vector<double>& ref) {
+  double e = 0, n = 0;
+  for (size_t i = 0; i < a.size(); ++i) e += (a[i] - ref[i]) * (a[i] - ref[i]), n += ref[i] * ref[i];
+  return std::sqrt(e / n);
+}
+
+tensor_view view(const std::vector<float>& x, int64_t tokens, int heads, int d) {
+  return {x.data(), dtype::f32, tokens, heads, d};
+}
+
+// What a step of q_len tokens reads: the stored view, with the step's own tokens in fp16.
+std::vector<float> step_view(KVCache& c, seq_id s, int layer, role r, const std::vector<float>& orig, int q_len) {
+  const auto& sh = c.config().shape;
+  const int64_t n = c.length(s, layer);
+  std::vector<float> out(size_t(n) * sh.kv_heads * sh.head_dim);
+  check(c.read(s, layer, r, out));
+  for (size_t i = size_t(n - q_len) * sh.kv_heads * sh.head_dim; i < out.size(); ++i)
+    out[i] = half_to_float(float_to_half(orig[i]));
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("decode attention is exact over the dequantized cache at page and window edges", "[cache]") {
+  const std::string spec = GENERATE("fp16", "bf16", "fp8", "int8", "sym4/g32", "sym2/g64", "kivi4/g32", "kivi2/g64",
+                                    "k=kivi8/g32,v=kivi4/g32", "ra4/g32");
+  const int64_t n = GENERATE(1, 3, 31, 32, 33, 63, 64, 65, 95, 96, 97, 127, 128, 129, 200, 450);
+  CAPTURE(spec, n);
+  auto [c, pol] = make(spec);
+  std::mt19937 rng{static_cast<uint32_t>(n * 31 + spec.size())};
+  const int H = 2, Hq = 8, d = 64;
+  auto k = randn(rng, size_t(n) * H * d), v = randn(rng, size_t(n) * H * d), q = randn(rng, size_t(Hq) * d);
+  check(c.create_sequence(1));
+  check(c.append(1, 0, view(k, n, H, d), view(v, n, H, d)));
+  // pages hold exactly the tokens that fell P + recent behind
+  const auto st = c.stats();
+  const int64_t expect_pages = n >= 64 + 32 ? (n - 32) / 64 : 0;
+  REQUIRE(st.pages == uint64_t(expect_pages * H * 2));
+  std::vector<float> o(size_t(Hq) * d);
+  const attend_item it{1, 1};
+  check(c.attend({&it, 1}, 0, {q.data(), dtype::f32, 1, Hq, d}, {o.data(), dtype::f32, 1, Hq, d}));
+  auto kd = step_view(c, 1, 0, role::k, k, 1), vd = step_view(c, 1, 0, role::v, v, 1);
+  REQUIRE(rel_err(o, attention64(kd, vd, n, q, 1, Hq, H, d)) < 1e-5);
+  if (spec == "fp16") REQUIRE(rel_err(o, attention64(k, v, n, q, 1, Hq, H, d)) < 1e-3);
+}
+
+TEST_CASE("token-by-token and one-shot appends store the same cache", "[cache]") {
+  const std::string spec = GENERATE("kivi2/g32", "k=sym4/g32,v=fp8");
+  auto [a, pa] = make(spec);
+  auto [b, pb] = make(spec);
+  std::mt19937 rng(9);
+  const int n = 333, H = 2, d = 64;
+  auto k = randn(rng, size_t(n) * H * d), v = randn(rng, size_t(n) * H * d);
+  check(a.create_sequence(5));
+  check(b.create_sequence(5));
+  check(a.append(5, 1, view(k, n, H, d), view(v, n, H, d)));
+  for (int t = 0; t < n; ++t)
+    check(b.append(5, 1, {k.data() + size_t(t) * H * d, dtype::f32, 1, H, d}, {v.data() + size_t(t) * H * d, dtype::f32, 1, H, d}));
+  for (role r : {role::k, role::v}) {
+    std::vector<float> ra(size_t(n) * H * d), rb(ra.size());
+    check(a.read(5, 1, r, ra));
+    check(b.read(5, 1, r, rb));
+    REQUIRE(ra == rb);
+  }
+  REQUIRE(a.stats().page_bytes == b.stats().page_bytes);
+}
+
+TEST_CASE("a tier change mid-sequence leaves earlier pages identical (temporal striping)", "[cache]") {
+  auto [c, pol] = make("kivi4/g32");
+  std::mt19937 rng(21);
+  const int H = 2, Hq = 8, d = 64, n1 = 300, n2 = 260;
+  auto k = randn(rng, size_t(n1 + n2) * H * d), v = randn(rng, size_t(n1 + n2) * H * d);
+  check(c.create_sequence(3));
+  check(c.append(3, 0, view(k, n1, H, d), view(v, n1, H, d)));
+  const int64_t e1 = c.stats().pages / (2 * H) * 64;  // tokens in pages before the change
+  std::vector<float> before(size_t(n1) * H * d);
+  check(c.read(3, 0, role::k, before));
+
+  pol->set_all(*parse_format_pair("k=kivi2/g32,v=fp8"));  // demote: affects new pages only
+  pol->set_head(0, 1, *parse_format_pair("fp16"));
+  check(c.append(3, 0, {k.data() + size_t(n1) * H * d, dtype::f32, n2, H, d}, {v.data() + size_t(n1) * H * d, dtype::f32, n2, H, d}));
+  std::vector<float> after(size_t(n1 + n2) * H * d);
+  check(c.read(3, 0, role::k, after));
+  for (size_t i = 0; i < size_t(e1) * H * d; ++i) REQUIRE(after[i] == before[i]);
+
+  const auto st = c.stats();
+  REQUIRE(st.pages_by_format[*parse_format("kivi4/g32")] == uint64_t(e1 / 64 * H * 2));
+  REQUIRE(st.pages_by_format[*parse_format("kivi2/g32")] > 0);
+  REQUIRE(st.pages_by_format[*parse_format("fp8")] > 0);
+  REQUIRE(st.pages_by_format[fp16_format] > 0);
+  REQUIRE(st.format_map[1] == *parse_format_pair("fp16"));
+  REQUIRE(st.format_map[0] == *parse_format_pair("k=kivi2/g32,v=fp8"));
+
+  const int n = n1 + n2;
+  auto q = randn(rng, size_t(Hq) * d);
+  std::vector<float> o(size_t(Hq) * d);
+  const attend_item it{3, 1};
+  check(c.attend({&it, 1}, 0, {q.data(), dtype::f32, 1, Hq, d}, {o.data(), dtype::f32, 1, Hq, d}));
+  REQUIRE(rel_err(o, attention64(step_view(c, 3, 0, role::k, k, 1), step_view(c, 3, 0, role::v, v, 1), n, q, 1, Hq, H, d)) < 1e-5);
+}
+
+TEST_CASE("extend attention (q_len > 1) is causal and sees its own tokens in fp16", "[cache]") {
+  const int q_len = GENERATE(2, 7, 16, 64, 128);
+  const int gqa = GENERATE(1, 4, 8);
+  CAPTURE(q_len, gqa);
+  shape_args a;
+  a.h = 2;
+  a.hq = 2 * gqa;
+  auto [c, pol] = make("k=kivi4/g32,v=kivi2/g32", a);
+  std::mt19937 rng{static_cast<uint32_t>(q_len * 13 + gqa)};
+  const int H = a.h, Hq = a.hq, d = a.d, n0 = 250, n = n0 + q_len;
+  auto k = randn(rng, size_t(n) * H * d), v = randn(rng, size_t(n) * H * d), q = randn(rng, size_t(q_len) * Hq * d);
+  check(c.create_sequence(0));
+  check(c.append(0, 1, view(k, n0, H, d), view(v, n0, H, d)));
+  check(c.append(0, 1, {k.data() + size_t(n0) * H * d, dtype::f32, q_len, H, d}, {v.data() + size_t(n0) * H * d, dtype::f32, q_len, H, d}));
+  std::vector<float> o(size_t(q_len) * Hq * d);
+  const attend_item it{0, q_len};
+  check(c.attend({&it, 1}, 1, {q.data(), dtype::f32, q_len, Hq, d}, {o.data(), dtype::f32, q_len, Hq, d}));
+  auto kd = step_view(c, 0, 1, role::k, k, q_len), vd = step_view(c, 0, 1, role::v, v, q_len);
+  REQUIRE(rel_err(o, attention64(kd, vd, n, q, q_len, Hq, H, d)) < 1e-5);
+}
+
+TEST_CASE("a batch of unequal sequences equals each sequence alone", "[cache]") {
+  auto [c, pol] = make("k=kivi4/g32,v=sym4/g32");
+  std::mt19937 rng(77);
+  const int H = 2, Hq = 8, d = 64;
+  const std::vector<int64_t> lens = {5, 64, 97, 300, 129};
+  std::vector<attend_item> items;
+  for (size_t s = 0; s < lens.size(); ++s) {
+    auto k = randn(rng, size_t(lens[s]) * H * d), v = randn(rng, size_t(lens[s]) * H * d);
+    check(c.create_sequence(int64_t(s) + 10));
+    check(c.append(int64_t(s) + 10, 0, view(k, lens[s], H, d), view(v, lens[s], H, d)));
+    items.push_back({int64_t(s) + 10, s == 3 ? 3 : 1});
+  }
+  int total = 0;
+  for (auto& it : items) total += it.q_len;
+  auto q = randn(rng, size_t(total) * Hq * d);
+  std::vector<float> o(q.size()), o1(q.size());
+  check(c.attend(items, 0, {q.data(), dtype::f32, total, Hq, d}, {o.data(), dtype::f32, total, Hq, d}));
+  int row = 0;
+  for (auto& it : items) {
+    check(c.attend({&it, 1}, 0, {q.data() + size_t(row) * Hq * d, dtype::f32, it.q_len, Hq, d},
+                   {o1.data() + size_t(row) * Hq * d, dtype::f32, it.q_len, Hq, d}));
+    row += it.q_len;
+  }
+  REQUIRE(o == o1);
+}
+
+TEST_CASE("f16, bf16 and strided inputs store what f32 input stores", "[cache]") {
+  auto [a, pa] = make("kivi4/g32");
+  auto [b, pb] = make("kivi4/g32");
+  std::mt19937 rng(4);
+  const int n = 200, H = 2, d = 64, stride = 3 * H * d;  // a fused QKV row: K at offset H*d
+  auto k = randn(rng, size_t(n) * H * d), v = randn(rng, size_t(n) * H * d);
+  std::vector<uint16_t> fused(size_t(n) * stride), vh(v.size());
+  for (int t = 0; t < n; ++t)
+    for (int e = 0; e < H * d; ++e) fused[size_t(t) * stride + H * d + e] = float_to_half(k[size_t(t) * H * d + e]);
+  for (size_t i = 0; i < v.size(); ++i) vh[i] = float_to_half(v[i]);
+  check(a.create_sequence(1));
+  check(b.create_sequence(1));
+  check(a.append(1, 0, view(k, n, H, d), view(v, n, H, d)));
+  check(b.append(1, 0, {fused.data() + H * d, dtype::f16, n, H, d, stride}, {vh.data(), dtype::f16, n, H, d}));
+  std::vector<float> ra(size_t(n) * H * d), rb(ra.size());
+  for (role r : {role::k, role::v}) {
+    check(a.read(1, 0, r, ra));
+    check(b.read(1, 0, r, rb));
+    REQUIRE(ra == rb);
+  }
+  // bf16 input goes through fp16 exactly like f32 input of the same values
+  std::vector<uint16_t> kb(k.size());
+  std::vector<float> kbf(k.size());
+  for (size_t i = 0; i < k.size(); ++i) kbf[i] = bf16_to_float(kb[i] = float_to_bf16(k[i]));
+  auto [e, pe] = make("kivi4/g32");
+  auto [f, pf] = make("kivi4/g32");
+  check(e.create_sequence(1));
+  check(f.create_sequence(1));
+  check(e.append(1, 0, {kb.data(), dtype::bf16, n, H, d}, view(v, n, H, d)));
+  check(f.append(1, 0, view(kbf, n, H, d), view(v, n, H, d)));
+  check(e.read(1, 0, role::k, ra));
+  check(f.read(1, 0, role::k, rb));
+  REQUIRE(ra == rb);
+}
+
+namespace {
+// Everything observable about a cache, to prove a failed call changed nothing.
+struct snapshot {
+  cache_stats st;
+  std::vector<float> k, v;
+  bool operator==(const snapshot& o) const {
+    return st.used_bytes == o.st.used_bytes && st.page_bytes == o.st.page_bytes && st.pages == o.st.pages &&
+           st.tokens == o.st.tokens && st.bytes_by_format == o.st.bytes_by_format && k == o.k && v == o.v;
+  }
+};
+snapshot snap(KVCache& c, seq_id s) {
+  snapshot out{c.stats(), {}, {}};
+  const auto& sh = c.config().shape;
+  out.k.resize(size_t(c.length(s, 0)) * sh.kv_heads * sh.head_dim);
+  out.v.resize(out.k.size());
+  check(c.read(s, 0, role::k, out.k));
+  check(c.read(s, 0, role::v, out.v));
+  return out;
+}
+}  // namespace
+
+TEST_CASE("bad input is a clear error and leaves the cache unchanged", "[cache][errors]") {
+  shape_args a;
+  a.budget = 200 * 1024;
+  auto [c, pol] = make("kivi4/g32", a);
+  std::mt19937 rng(8);
+  const int H = 2, Hq = 8, d = 64;
+  auto k = randn(rng, 2000 * H * d), v = randn(rng, 2000 * H * d);
+  check(c.create_sequence(1));
+  check(c.append(1, 0, view(k, 150, H, d), view(v, 150, H, d)));
+  const snapshot before = snap(c, 1);
+
+  auto expect = [&](status s, errc code, const char* text) {
+    CAPTURE(s.to_string());
+    REQUIRE_FALSE(s.ok());
+    REQUIRE(s.code() == code);
+    REQUIRE_THAT(s.message(), Catch::Contains(text));
+    REQUIRE(snap(c, 1) == before);
+  };
+  // NaN / Inf deep inside a multi-page append: nothing stored
+  auto kn = k;
+  kn[size_t(140) * H * d + 70] = std::numeric_limits<float>::quiet_NaN();
+  expect(c.append(1, 0, view(kn, 200, H, d), view(v, 200, H, d)), errc::non_finite, "K[token 140][head 1][channel 6]");
+  auto vi = v;
+  vi[5] = std::numeric_limits<float>::infinity();
+  expect(c.append(1, 0, view(k, 10, H, d), view(vi, 10, H, d)), errc::non_finite, "not finite");
+  auto kb = k;
+  kb[3] = 1e6f;
+  expect(c.append(1, 0, view(kb, 10, H, d), view(v, 10, H, d)), errc::invalid_argument, "outside the fp16 range");
+  // shapes
+  expect(c.append(1, 0, view(k, 10, 3, d), view(v, 10, 3, d)), errc::invalid_argument, "expects [tokens][2][64]");
+  expect(c.append(1, 0, view(k, 10, H, d), view(v, 9, H, d)), errc::invalid_argument, "K has 10 tokens but V has 9");
+  expect(c.append(1, 7, view(k, 10, H, d), view(v, 10, H, d)), errc::invalid_argument, "layer 7 out of range");
+  expect(c.append(2, 0, view(k, 10, H, d), view(v, 10, H, d)), errc::not_found, "unknown sequence 2");
+  // full budget: a long append that needs more pages than the budget holds
+  expect(c.append(1, 0, view(k, 2000, H, d), view(v, 2000, H, d)), errc::out_of_budget, "nothing was stored");
+  // attention requests
+  std::vector<float> q(size_t(Hq) * d * 200), o(q.size());
+  attend_item big{1, 129};
+  expect(c.attend({&big, 1}, 0, {q.data(), dtype::f32, 129, Hq, d}, {o.data(), dtype::f32, 129, Hq, d}),
+         errc::invalid_argument, "q_len 129");
+  attend_item one{1, 1};
+  expect(c.attend({&one, 1}, 0, {q.data(), dtype::f32, 2, Hq, d}, {o.data(), dtype::f32, 2, Hq, d}),
+         errc::invalid_argument, "expected [1][8][64]");
+  attend_item unknown{9, 1};
+  expect(c.attend({&unknown, 1}, 0, {q.data(), dtype::f32, 1, Hq, d}, {o.data(), dtype::f32, 1, Hq, d}),
+         errc::not_found, "unknown sequence 9");
+  expect(c.release_sequence(4), errc::not_found, "unknown sequence 4");
+  expect(c.create_sequence(1), errc::invalid_argument, "already exists");
+  std::vector<float> bad_ratios(a.layers * H * 2, 1.5f);
+  expect(c.set_clip_ratios(bad_ratios), errc::invalid_argument, "not in (0, 1]");
+  // and the cache still works afterwards
+  check(c.append(1, 0, view(k, 10, H, d), view(v, 10, H, d)));
+  REQUIRE(c.length(1, 0) == 160);
+}
+
+TEST_CASE("configuration and policy errors name the problem", "[cache][errors]") {
+  cache_config cfg;
+  cfg.shape = {2, 8, 3, 64, 64, 128, 32};
+  cfg.budget_bytes = 1 << 20;
+  auto pol = std::make_shared<static_policy>(*parse_format_pair("kivi4/g32"));
+  auto r = KVCache::create(cfg, pol);
+  REQUIRE_FALSE(r.ok());
+  REQUIRE_THAT(r.error().message(), Catch::Contains("q_heads 8 is not a multiple of kv_heads 3"));
+  cfg.shape = {2, 8, 2, 64, 64, 96, 32};
+  REQUIRE_THAT(KVCache::create(cfg, pol).error().message(), Catch::Contains("window 96"));
+  cfg.shape = {2, 8, 2, 64, 64, 128, 32};
+  auto p128 = std::make_shared<static_policy>(*parse_format_pair("kivi4/g128"));
+  REQUIRE_THAT(KVCache::create(cfg, p128).error().message(), Catch::Contains("does not divide page_tokens 64"));
+  cfg.shape = {2, 8, 2, 8, 64, 128, 32};
+  REQUIRE_THAT(KVCache::create(cfg, pol).error().message(), Catch::Contains("multiple of 32"));
+  auto fp16 = std::make_shared<static_policy>();
+  REQUIRE(KVCache::create(cfg, fp16).ok());  // head_dim 8 is fine for fp16 (stories260K)
+  cfg.where = backend::cuda;
+#if !defined(KVQ_WITH_CUDA)
+  REQUIRE(KVCache::create(cfg, fp16).error().code() == errc::unsupported);
+#endif
+}
+
+TEST_CASE("soak: 100,000 random appends and releases leak no bytes", "[cache][soak]") {
+  shape_args a;
+  a.layers = 2;
+  a.budget = 6 << 20;
+  a.d = 32;
+  auto [c, pol] = make("k=kivi4/g32,v=kivi2/g32;1=fp8", a);
+  const uint64_t base = c.stats().used_bytes;
+  std::mt19937 rng(2024);
+  const int H = 2, d = 32;
+  auto k = randn(rng, 200 * H * d), v = randn(rng, 200 * H * d);
+  std::vector<seq_id> live;
+  seq_id next = 0;
+  int fails = 0;
+  for (int op = 0; op < 100000; ++op) {
+    const unsigned r = rng() % 100;
+    if (live.empty() || r < 8) {
+      if (c.create_sequence(next).ok()) live.push_back(next);
+      ++next;
+    } else if (r < 15) {
+      const size_t i = rng() % live.size();
+      check(c.release_sequence(live[i]));
+      live[i] = live.back();
+      live.pop_back();
+    } else {
+      const seq_id s = live[rng() % live.size()];
+      const int n = 1 + int(rng() % (r < 20 ? 200 : 4));
+      const int layer = int(rng() % 2);
+      const auto before = c.stats().used_bytes;
+      status st = c.append(s, layer, view(k, n, H, d), view(v, n, H, d));
+      if (!st.ok()) {
+        REQUIRE(st.code() == errc::out_of_budget);
+        REQUIRE(c.stats().used_bytes == before);
+        ++fails;
+      }
+    }
+  }
+  for (auto s : live) check(c.release_sequence(s));
+  const auto st = c.stats();
+  REQUIRE(st.used_bytes == base);
+  REQUIRE(st.pages == 0);
+  REQUIRE(st.page_bytes == 0);
+  REQUIRE(st.window_bytes == 0);
+  REQUIRE(st.tokens == 0);
+  INFO("appends refused for budget: " << fails);
+  REQUIRE(fails > 0);  // the budget was really exercised
+}
