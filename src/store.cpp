@@ -72,7 +72,7 @@ status page_store::release(seq_id id) {
   for (auto& ls : s.layers) {
     for (size_t i = 0; i < ls.pages.size(); ++i) {
       account(ls.pages[i], i % 2 == 0 ? role::k : role::v, -1);
-      arena_.free(ls.pages[i].offset);
+      if (i % (size_t(shape_.kv_heads) * 2) == 0) arena_.free(ls.pages[i].offset);  // the page block
     }
     totals_.tokens -= ls.n;
   }
@@ -107,37 +107,46 @@ result<append_plan> page_store::plan_append(sequence_state& s, int layer, int64_
   plan.entries.reserve(size_t(plan.pages) * shape_.kv_heads * 2);
   uint64_t need = 0;
   auto rollback = [&] { abandon(std::move(plan)); };
+  // One block per page index holds the pages of every (kv head, role), back to back in the order
+  // of the page list: one allocation instead of 2*kv_heads, and one block offset per page for the
+  // device tables.
   for (int i = 0; i < plan.pages; ++i) {
+    const size_t first = plan.entries.size();
+    uint64_t block = 0;
     for (int h = 0; h < shape_.kv_heads; ++h) {
       for (role r : {role::k, role::v}) {
         const page_request req{s.id, layer, h, r, ls.e + int64_t(i) * shape_.page_tokens};
         const format_id f = pol.choose(req);
         if (status st = check_shape(f, r, shape_.page_tokens, shape_.head_dim); !st.ok()) {
+          plan.entries.resize(first);
           rollback();
           return status{errc::invalid_argument,
                         fmt::format("policy {} chose an unusable format for sequence {} layer {} head {} {}: {}",
                                     pol.name(), s.id, layer, h, role_name(r), st.message())};
         }
-        const uint64_t b = page_bytes_of(f, r);
-        need += arena_allocator::rounded(b);
-        auto off = arena_.allocate(b);
-        if (!off) {
-          rollback();
-          return status{errc::out_of_budget,
-                        fmt::format("append of {} tokens to sequence {} layer {} needs {} new pages (at least {} bytes); "
-                                    "{} of {} budget bytes free, largest block {}; nothing was stored",
-                                    m, s.id, layer, plan.pages * shape_.kv_heads * 2, need, arena_.free_bytes(),
-                                    arena_.capacity(), arena_.largest_free())};
-        }
-        plan.entries.push_back({*off, f});
+        plan.entries.push_back({block, f});  // offset within the block for now
+        block += page_bytes_of(f, r);
       }
     }
+    need += arena_allocator::rounded(block);
+    auto off = arena_.allocate(block);
+    if (!off) {
+      plan.entries.resize(first);
+      rollback();
+      return status{errc::out_of_budget,
+                    fmt::format("append of {} tokens to sequence {} layer {} needs {} new pages (at least {} bytes); "
+                                "{} of {} budget bytes free, largest block {}; nothing was stored",
+                                m, s.id, layer, plan.pages * shape_.kv_heads * 2, need, arena_.free_bytes(),
+                                arena_.capacity(), arena_.largest_free())};
+    }
+    for (size_t j = first; j < plan.entries.size(); ++j) plan.entries[j].offset += *off;
   }
   return plan;
 }
 
 void page_store::abandon(append_plan&& plan) {
-  for (const auto& p : plan.entries) arena_.free(p.offset);
+  const size_t per_page = size_t(shape_.kv_heads) * 2;
+  for (size_t i = 0; i < plan.entries.size(); i += per_page) arena_.free(plan.entries[i].offset);
 }
 
 void page_store::commit_append(sequence_state& s, int layer, int64_t m, append_plan&& plan) {

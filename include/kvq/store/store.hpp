@@ -7,6 +7,8 @@
 ///
 /// Window layout of one sequence: [layers][kv_heads][2 roles][window][head_dim] fp16, one block.
 /// Page list of (layer): entry (page i, kv head h, role r) at index (i*kv_heads + h)*2 + r.
+/// The pages of one page index (all kv heads and roles) share one arena block, back to back in
+/// that order; the first entry's offset is the block's.
 
 #include <kvq/config.hpp>
 #include <kvq/format/format.hpp>
