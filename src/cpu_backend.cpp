@@ -84,25 +84,10 @@ class cpu_backend final : public cache_backend {
     return {};
   }
 
-  /// Fills k or v [n][kv_heads][d] with what a step of `q_len` new tokens reads.
   void gather(const sequence_state& s, int layer, role r, int q_len, float* out) const {
-    const auto& sh = cfg_.shape;
-    const int d = sh.head_dim, H = sh.kv_heads, R = sh.window, P = sh.page_tokens;
-    const layer_state& ls = s.layers[size_t(layer)];
-    const int64_t from_pages = std::min(ls.e, ls.n - q_len);
-    for (int h = 0; h < H; ++h) {
-      for (int64_t p0 = 0; p0 < from_pages; p0 += P) {
-        const page_entry& pe = ls.pages[(size_t(p0 / P) * H + h) * 2 + (r == role::k ? 0 : 1)];
-        const codec::page_geom g = codec::make_geom(pe.fmt, r, P, d);
-        const uint8_t* page = bytes_.get() + pe.offset;
-        const int64_t rows = std::min<int64_t>(P, from_pages - p0);
-        for (int t = 0; t < rows; ++t)
-          for (int c = 0; c < d; ++c) out[((p0 + t) * H + h) * d + c] = codec::decode_element(g, page, t, c);
-      }
-      const uint16_t* rg = ring(s, layer, h, r);
-      for (int64_t j = from_pages; j < ls.n; ++j)
-        for (int c = 0; c < d; ++c) out[(j * H + h) * d + c] = half_to_float(rg[(j % R) * d + c]);
-    }
+    detail::gather(
+        cfg_.shape, s.layers[size_t(layer)], r, q_len, [&](const page_entry& pe) { return bytes_.get() + pe.offset; },
+        [&](int h) { return ring(s, layer, h, r); }, out);
   }
 
   status attend(std::span<const attend_item> items, int layer, const tensor_view& q, const tensor_mut& o) override {
@@ -143,6 +128,26 @@ class cpu_backend final : public cache_backend {
 };
 
 }  // namespace
+
+void gather(const cache_shape& sh, const layer_state& ls, role r, int q_len,
+            const std::function<const uint8_t*(const page_entry&)>& page_at,
+            const std::function<const uint16_t*(int kv_head)>& ring_at, float* out) {
+  const int d = sh.head_dim, H = sh.kv_heads, R = sh.window, P = sh.page_tokens;
+  const int64_t from_pages = std::min(ls.e, ls.n - q_len);
+  for (int h = 0; h < H; ++h) {
+    for (int64_t p0 = 0; p0 < from_pages; p0 += P) {
+      const page_entry& pe = ls.pages[(size_t(p0 / P) * H + h) * 2 + (r == role::k ? 0 : 1)];
+      const codec::page_geom g = codec::make_geom(pe.fmt, r, P, d);
+      const uint8_t* page = page_at(pe);
+      const int64_t rows = std::min<int64_t>(P, from_pages - p0);
+      for (int t = 0; t < rows; ++t)
+        for (int c = 0; c < d; ++c) out[((p0 + t) * H + h) * d + c] = codec::decode_element(g, page, t, c);
+    }
+    const uint16_t* rg = ring_at(h);
+    for (int64_t j = from_pages; j < ls.n; ++j)
+      for (int c = 0; c < d; ++c) out[(j * H + h) * d + c] = half_to_float(rg[(j % R) * d + c]);
+  }
+}
 
 std::unique_ptr<cache_backend> make_cpu_backend(const cache_config& cfg, std::shared_ptr<policy> pol) {
   return std::make_unique<cpu_backend>(cfg, std::move(pol));

@@ -48,6 +48,10 @@ struct cache_config {
   int max_sequences = 256;      ///< CUDA: capacity of the device page tables
   int64_t max_tokens = 1 << 17; ///< CUDA: tokens per sequence the device page tables can index
   void* stream = nullptr;       ///< CUDA: the caller's cudaStream_t (nullptr = legacy default)
+  /// CUDA: check appended K/V for NaN/Inf/out-of-range on the device before storing, which costs
+  /// one stream synchronization per append. An engine that guarantees finite inputs turns it off
+  /// for a synchronization-free hot path (then bad values are stored as they come).
+  bool check_values = true;
 };
 
 /// Statistics at any moment (DESIGN.md section 4).

@@ -102,7 +102,7 @@ struct page_geom {
 
 /// Builds the geometry of a page of format `id` (host or device).
 KVQ_HOST_DEVICE page_geom make_geom(format_id id, role r, int page_tokens, int head_dim) {
-  page_geom g{format_table[id], r, page_tokens, head_dim, {}};
+  page_geom g{traits_of(id), r, page_tokens, head_dim, {}};
   g.lay = layout_of(g.fmt, r, page_tokens, head_dim);
   return g;
 }

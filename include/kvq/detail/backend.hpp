@@ -7,6 +7,7 @@
 #include <kvq/cache/cache.hpp>
 #include <kvq/store/store.hpp>
 
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -43,6 +44,13 @@ class cache_backend {
     return clip_[(size_t(layer) * cfg_.shape.kv_heads + kv_head) * 2 + (r == role::k ? 0 : 1)];
   }
 };
+
+/// Fills `out` [n][kv_heads][d] floats with what a step of `q_len` new tokens of (sequence, layer)
+/// reads for role `r`: pages (through the codec) for encoded tokens older than the step, the FP16
+/// ring for the rest. `page_at(entry)` and `ring_at(kv_head)` give host copies of the bytes.
+void gather(const cache_shape& sh, const layer_state& ls, role r, int q_len,
+            const std::function<const uint8_t*(const page_entry&)>& page_at,
+            const std::function<const uint16_t*(int kv_head)>& ring_at, float* out);
 
 /// The CPU reference backend.
 std::unique_ptr<cache_backend> make_cpu_backend(const cache_config& cfg, std::shared_ptr<policy> pol);

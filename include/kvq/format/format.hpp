@@ -104,8 +104,32 @@ inline constexpr auto format_table = detail::make_format_table();
 inline constexpr size_t format_count = format_table.size();
 static_assert(format_count < 256, "format_id is one byte");
 
-/// Traits of a format id (caller guarantees id < format_count).
-constexpr const format_traits& traits_of(format_id id) { return format_table[id]; }
+/// Traits of a format id (caller guarantees id < format_count). Computed from the id rather
+/// than read from `format_table` so that device code can call it; the static_assert below pins
+/// it to the generated table.
+KVQ_HOST_DEVICE constexpr format_traits traits_of(format_id id) {
+  if (id == 0) return {family::fp16, 16, 1};
+  if (id == 1) return {family::bf16, 16, 1};
+  if (id == 2) return {family::fp8_e4m3, 8, 1};
+  const auto bits_at = [](int i) { return uint8_t(i == 0 ? 8 : i == 1 ? 4 : 2); };
+  if (id < 15) {
+    const int k = id - 3;
+    return {family::sym, bits_at(k / 4), uint16_t(k % 4 == 3 ? 0 : 32 << (k % 4))};
+  }
+  const int k = (id - 15) % 9;
+  return {id < 24 ? family::kivi : family::rolealign, bits_at(k / 3), uint16_t(32 << (k % 3))};
+}
+
+namespace detail {
+constexpr bool traits_match_table() {
+  for (size_t i = 0; i < format_count; ++i) {
+    const format_traits a = traits_of(format_id(i)), b = format_table[i];
+    if (a.fam != b.fam || a.bits != b.bits || a.group != b.group) return false;
+  }
+  return true;
+}
+static_assert(traits_match_table(), "traits_of must agree with the generated format table");
+}  // namespace detail
 
 /// Id of the format with these traits, or -1 if kvq does not support it.
 constexpr int find_format(family f, int bits, int group) {
@@ -120,7 +144,7 @@ inline constexpr format_id fp16_format = format_id(find_format(family::fp16, 16,
 static_assert(fp16_format == 0);
 
 /// Effective group size in channels or tokens (resolves g = 0 to head_dim).
-constexpr int group_of(const format_traits& t, int head_dim) { return t.group == 0 ? head_dim : t.group; }
+KVQ_HOST_DEVICE constexpr int group_of(const format_traits& t, int head_dim) { return t.group == 0 ? head_dim : t.group; }
 
 /// Byte sizes of the sections of one page (layout table above).
 struct page_layout {
@@ -132,7 +156,7 @@ struct page_layout {
 
 /// Layout of a page of `page_tokens` tokens of `head_dim` channels in format `t` for role `r`.
 /// Callers validate the shape first with `check_shape`.
-constexpr page_layout layout_of(const format_traits& t, role r, int page_tokens, int head_dim) {
+KVQ_HOST_DEVICE constexpr page_layout layout_of(const format_traits& t, role r, int page_tokens, int head_dim) {
   page_layout l;
   const uint32_t P = uint32_t(page_tokens), d = uint32_t(head_dim);
   l.code_bytes = P * d * t.bits / 8;

@@ -1,0 +1,170 @@
+// GPU decode-attention benchmark of kvq's CUDA backend: Llama-8B-like layer (32 query heads,
+// 8 kv heads, head_dim 128), batch x context from the peer script's shapes, one format per run.
+// CUDA-event timing (median over iterations), cold L2 by rotating over sets of sequences larger
+// than the L2, bytes processed = the bytes the kernel must read (pages with scales + the FP16
+// window part), counters: TB/s and the fraction of the copy-bandwidth floor measured in this run.
+// Run beside ../shared/bench/peer_decode.py (see bench/run_gpu.sh) and compare ratios.
+#include <kvq/cache/cache.hpp>
+#include <kvq/format/numeric.hpp>
+#include <kvq/policy/static_policy.hpp>
+
+#include <benchmark/benchmark.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace {
+
+#define CUDA_CHECK(x)                                                                    \
+  do {                                                                                   \
+    cudaError_t e_ = (x);                                                                \
+    if (e_ != cudaSuccess) {                                                             \
+      std::fprintf(stderr, "%s failed: %s\n", #x, cudaGetErrorString(e_));              \
+      std::exit(1);                                                                      \
+    }                                                                                    \
+  } while (0)
+
+constexpr int Hq = 32, H = 8, D = 128;
+
+double copy_bandwidth() {  // bytes read + written per second of a large device-to-device copy
+  static double bw = 0;
+  if (bw > 0) return bw;
+  const size_t bytes = size_t(2) << 30;
+  void *a, *b;
+  CUDA_CHECK(cudaMalloc(&a, bytes));
+  CUDA_CHECK(cudaMalloc(&b, bytes));
+  CUDA_CHECK(cudaMemset(a, 1, bytes));
+  cudaEvent_t s, e;
+  cudaEventCreate(&s);
+  cudaEventCreate(&e);
+  std::vector<float> t;
+  for (int i = 0; i < 12; ++i) {
+    cudaEventRecord(s);
+    CUDA_CHECK(cudaMemcpy(b, a, bytes, cudaMemcpyDeviceToDevice));
+    cudaEventRecord(e);
+    cudaEventSynchronize(e);
+    float ms;
+    cudaEventElapsedTime(&ms, s, e);
+    if (i >= 2) t.push_back(ms);
+  }
+  std::sort(t.begin(), t.end());
+  bw = 2.0 * bytes / (t[t.size() / 2] * 1e-3);
+  cudaFree(a);
+  cudaFree(b);
+  return bw;
+}
+
+void bm_decode(benchmark::State& state, std::string spec, int batch, int context) {
+  // memory: pages for every set + windows
+  const auto fp = kvq::parse_format_pair(spec).value();
+  const double bpe = 0.5 * (kvq::bits_per_element(kvq::traits_of(fp.k), kvq::role::k, 64, D) +
+                            kvq::bits_per_element(kvq::traits_of(fp.v), kvq::role::v, 64, D));
+  const double set_bytes = double(batch) * context * H * D * 2 * bpe / 8;
+  const int sets = int(std::clamp(std::ceil(512e6 / set_bytes), 1.0, 64.0));
+  kvq::cache_config cfg;
+  cfg.shape = {1, Hq, H, D, 64, 128, 64};
+  cfg.where = kvq::backend::cuda;
+  cfg.max_sequences = batch * sets;
+  cfg.max_tokens = context;
+  cfg.budget_bytes = uint64_t(set_bytes * sets * 1.05) + uint64_t(batch) * sets * (H * 2 * 128 * D * 2 + 4096) + (64 << 20);
+  auto pol = std::make_shared<kvq::static_policy>(fp);
+  auto cr = kvq::KVCache::create(cfg, pol);
+  if (!cr.ok()) {
+    state.SkipWithError(cr.error().to_string().c_str());
+    return;
+  }
+  auto cache = std::move(cr).value();
+  // fill: one random fp16 chunk appended repeatedly (random data, never zeros)
+  const int chunk = 4096;
+  std::mt19937 rng(7);
+  std::normal_distribution<float> nd;
+  std::vector<uint16_t> host(size_t(chunk) * H * D);
+  for (size_t i = 0; i < host.size(); ++i) host[i] = kvq::float_to_half(nd(rng) * ((i % 16) == 3 ? 5.f : 1.f));
+  void *dk, *dq, *dout;
+  CUDA_CHECK(cudaMalloc(&dk, host.size() * 2));
+  CUDA_CHECK(cudaMemcpy(dk, host.data(), host.size() * 2, cudaMemcpyHostToDevice));
+  for (int s = 0; s < batch * sets; ++s) {
+    kvq::check(cache.create_sequence(s));
+    for (int done = 0; done < context; done += chunk) {
+      const int n = std::min(chunk, context - done);
+      kvq::check(cache.append(s, 0, {dk, kvq::dtype::f16, n, H, D}, {dk, kvq::dtype::f16, n, H, D}));
+    }
+  }
+  std::vector<uint16_t> q(size_t(batch) * Hq * D);
+  for (auto& x : q) x = kvq::float_to_half(nd(rng));
+  CUDA_CHECK(cudaMalloc(&dq, q.size() * 2));
+  CUDA_CHECK(cudaMalloc(&dout, q.size() * 2));
+  CUDA_CHECK(cudaMemcpy(dq, q.data(), q.size() * 2, cudaMemcpyHostToDevice));
+  std::vector<std::vector<kvq::attend_item>> items(static_cast<size_t>(sets));
+  for (int s = 0; s < sets; ++s)
+    for (int b = 0; b < batch; ++b) items[size_t(s)].push_back({s * batch + b, 1});
+  const auto st = cache.stats();
+  // bytes one call must read: its set's pages + the ring tokens not in pages
+  const int64_t in_pages = (context - 64) / 64 * 64;
+  const double bytes = double(st.page_bytes) / sets + double(batch) * (context - in_pages) * H * D * 2 * 2;
+  cudaEvent_t e0, e1;
+  cudaEventCreate(&e0);
+  cudaEventCreate(&e1);
+  int it = 0;
+  auto call = [&] {
+    kvq::check(cache.attend(items[size_t(it++ % sets)], 0, {dq, kvq::dtype::f16, batch, Hq, D},
+                            {dout, kvq::dtype::f16, batch, Hq, D}));
+  };
+  for (int w = 0; w < 5; ++w) call();
+  CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<double> times;
+  for (auto _ : state) {
+    cudaEventRecord(e0);
+    call();
+    cudaEventRecord(e1);
+    cudaEventSynchronize(e1);
+    float ms;
+    cudaEventElapsedTime(&ms, e0, e1);
+    state.SetIterationTime(ms * 1e-3);
+    times.push_back(ms * 1e-3);
+  }
+  CUDA_CHECK(cudaGetLastError());
+  std::sort(times.begin(), times.end());
+  const double med = times[times.size() / 2];
+  state.SetBytesProcessed(int64_t(bytes * double(state.iterations())));
+  state.counters["median_us"] = med * 1e6;
+  state.counters["TBps"] = bytes / med / 1e12;
+  state.counters["floor_frac"] = (bytes / copy_bandwidth()) / med;
+  state.counters["bits"] = st.page_bits();
+  state.counters["sets"] = sets;
+  cudaFree(dk);
+  cudaFree(dq);
+  cudaFree(dout);
+}
+
+const int registered = [] {
+  const char* formats_env = std::getenv("KVQ_BENCH_FORMATS");
+  std::vector<std::string> formats = {"fp16", "sym8", "kivi8/g32", "fp8", "kivi4/g32", "k=kivi4/g32,v=kivi2/g32", "kivi2/g32"};
+  if (formats_env) {
+    formats.clear();
+    std::string s = formats_env;
+    for (size_t p = 0; p <= s.size();) {
+      const size_t q = s.find(';', p);
+      formats.push_back(s.substr(p, q == std::string::npos ? std::string::npos : q - p));
+      if (q == std::string::npos) break;
+      p = q + 1;
+    }
+  }
+  const std::pair<int, int> shapes[] = {{1, 4096}, {8, 4096}, {32, 4096}, {1, 32768}, {8, 32768}, {32, 32768}, {1, 131072}, {8, 131072}};
+  for (const auto& f : formats)
+    for (auto [b, l] : shapes)
+      benchmark::RegisterBenchmark(("decode/" + f + "/B" + std::to_string(b) + "/L" + std::to_string(l)).c_str(), bm_decode, f, b, l)
+          ->UseManualTime()
+          ->Iterations(100)
+          ->Unit(benchmark::kMicrosecond);
+  return 0;
+}();
+
+}  // namespace
+
+BENCHMARK_MAIN();

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine over the files scripts/gpu-stage put in .gpu/: GPU tests, compute-
+# sanitizer (memcheck + racecheck on reduced sizes), the decode benchmark and the FP16 peer, in
+# one session so that ratios compare like with like. Logs go to $OUT.
+#   bash bench/run_gpu.sh [tests] [sanitize] [bench] [peer]     (default: all four)
+set -uo pipefail
+OUT=${OUT:-/tmp/kvq-out}
+mkdir -p "$OUT"
+export LD_LIBRARY_PATH="$PWD/.gpu/lib:${LD_LIBRARY_PATH:-}"
+steps=${*:-tests sanitize bench peer}
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
+date -u +%Y-%m-%dT%H:%MZ >> "$OUT/gpu.txt"
+rc=0
+for s in $steps; do
+  case $s in
+    tests)
+      ./.gpu/kvq_cuda_tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -20; rc=$((rc | ${PIPESTATUS[0]})) ;;
+    sanitize)
+      cs=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+      KVQ_GPU_TEST_SMALL=1 "$cs" --tool memcheck --error-exitcode 3 ./.gpu/kvq_cuda_tests "[decode],[extend],[errors]" \
+        > "$OUT/memcheck.log" 2>&1; r=$?; tail -4 "$OUT/memcheck.log"; rc=$((rc | r))
+      KVQ_GPU_TEST_SMALL=1 "$cs" --tool memcheck --error-exitcode 3 ./.gpu/kvq_cuda_tests "gpu: append stores what the CPU stores, every format" \
+        > "$OUT/memcheck_append.log" 2>&1; r=$?; tail -3 "$OUT/memcheck_append.log"; rc=$((rc | r))
+      KVQ_GPU_TEST_SMALL=1 "$cs" --tool racecheck --error-exitcode 3 ./.gpu/kvq_cuda_tests "gpu: mixed formats within one sequence (temporal striping)" \
+        > "$OUT/racecheck.log" 2>&1; r=$?; tail -3 "$OUT/racecheck.log"; rc=$((rc | r)) ;;
+    bench)
+      ./.gpu/kvq_bench_decode_cuda --benchmark_out="$OUT/bench.json" --benchmark_out_format=json \
+        --benchmark_counters_tabular=true 2>&1 | tee "$OUT/bench.log" | grep -E "decode/" | awk '{print $1, $2, $NF}' | head -80 ;;
+    peer)
+      python3 .gpu/peer_decode.py 2>&1 | tee "$OUT/peer.csv" ;;
+  esac
+done
+exit $rc

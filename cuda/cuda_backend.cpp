@@ -1,0 +1,237 @@
+// The CUDA backend of KVCache: the arena, page tables and windows in device memory; the host keeps
+// the bookkeeping (page_store) and launches the kernels of kernels.cu on the caller's stream.
+#include <kvq/cuda/paged_attention.hpp>
+#include <kvq/detail/backend.hpp>
+
+#include <cuda_runtime.h>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <vector>
+
+KVQ_NAMESPACE_BEGIN
+namespace detail {
+namespace {
+
+status cuda_ok(cudaError_t e, const char* what) {
+  if (e == cudaSuccess) return {};
+  return {errc::cuda_error, fmt::format("{}: {} ({})", what, cudaGetErrorName(e), cudaGetErrorString(e))};
+}
+
+template <class T>
+struct device_buffer {
+  T* ptr = nullptr;
+  size_t count = 0;
+  device_buffer() = default;
+  device_buffer(const device_buffer&) = delete;
+  device_buffer& operator=(const device_buffer&) = delete;
+  ~device_buffer() {
+    if (ptr) cudaFree(ptr);
+  }
+  status allocate(size_t n, const char* what) {
+    if (ptr) cudaFree(ptr);
+    ptr = nullptr;
+    count = n;
+    if (n == 0) return {};
+    const cudaError_t e = cudaMalloc(reinterpret_cast<void**>(&ptr), n * sizeof(T));
+    if (e != cudaSuccess)
+      return {errc::out_of_budget,
+              fmt::format("cudaMalloc of {} bytes for the {} failed: {}", n * sizeof(T), what, cudaGetErrorString(e))};
+    return {};
+  }
+};
+
+class cuda_backend final : public cache_backend {
+ public:
+  cuda_backend(const cache_config& cfg, std::shared_ptr<policy> pol) : cache_backend(cfg, std::move(pol)) {}
+
+  ~cuda_backend() override {
+    if (flag_host_) cudaFreeHost(flag_host_);
+  }
+
+  status init() {
+    const auto& sh = cfg_.shape;
+    if (pol_->wants_queries())
+      return {errc::unsupported, fmt::format("policy {} observes queries; the CUDA backend does not feed observations yet",
+                                             pol_->name())};
+    int dev = 0;
+    KVQ_TRY(cuda_ok(cudaGetDevice(&dev), "cudaGetDevice"));
+    KVQ_TRY(cuda_ok(cudaDeviceGetAttribute(&sms_, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute"));
+    max_pages_ = int((cfg_.max_tokens + sh.page_tokens - 1) / sh.page_tokens);
+    KVQ_TRY(arena_.allocate(store_.arena().capacity(), "cache arena"));
+    const size_t rows = size_t(cfg_.max_sequences) * sh.layers * max_pages_;
+    KVQ_TRY(blocks_.allocate(rows, "device page table"));
+    KVQ_TRY(fmts_.allocate(rows * sh.kv_heads * 2, "device format table"));
+    KVQ_TRY(flag_.allocate(1, "value-check flag"));
+    KVQ_TRY(cuda_ok(cudaMallocHost(reinterpret_cast<void**>(&flag_host_), sizeof(int)), "cudaMallocHost"));
+    view_.arena = arena_.ptr;
+    view_.blocks = blocks_.ptr;
+    view_.fmts = fmts_.ptr;
+    view_.layers = sh.layers;
+    view_.kv_heads = sh.kv_heads;
+    view_.head_dim = sh.head_dim;
+    view_.page_tokens = sh.page_tokens;
+    view_.window = sh.window;
+    view_.max_pages = max_pages_;
+    for (size_t f = 0; f < format_count; ++f) {
+      view_.k_page_bytes[f] = uint32_t(store_.page_bytes_of(format_id(f), role::k));
+      view_.v_page_bytes[f] = uint32_t(store_.page_bytes_of(format_id(f), role::v));
+    }
+    // Probe the kernels' constraints once, with a one-item batch.
+    const cuda::decode_item probe{0, 1, 1, 0, 0, 0};
+    cuda::attend_args a;
+    a.kv = view_;
+    a.q_heads = sh.q_heads;
+    a.items = {&probe, 1};
+    return cuda::attend_can_implement(a);
+  }
+
+  cudaStream_t stream() const { return static_cast<cudaStream_t>(cfg_.stream); }
+
+  status write(sequence_state& s, int layer, const tensor_view& k, const tensor_view& v, const append_plan& plan) override {
+    const auto& sh = cfg_.shape;
+    if (cfg_.check_values) {
+      KVQ_TRY(cuda::check_values(k, v, flag_.ptr, cfg_.stream));
+      KVQ_TRY(cuda_ok(cudaMemcpyAsync(flag_host_, flag_.ptr, sizeof(int), cudaMemcpyDeviceToHost, stream()), "cudaMemcpyAsync"));
+      KVQ_TRY(cuda_ok(cudaStreamSynchronize(stream()), "cudaStreamSynchronize"));
+      if (*flag_host_)
+        return {errc::non_finite, fmt::format("append: K or V of sequence {} layer {} holds NaN, Inf or a value outside the "
+                                              "fp16 range; nothing was stored",
+                                              s.id, layer)};
+    }
+    const layer_state& ls = s.layers[size_t(layer)];
+    // Feed the append in pieces of at most max_append_pages new pages each.
+    int64_t n = ls.n, e = ls.e, done = 0;
+    int page = 0;
+    const int per_page = sh.kv_heads * 2;
+    std::vector<uint32_t> blocks;
+    std::vector<uint8_t> fmts;
+    const float* clip = clip_.data() + size_t(layer) * sh.kv_heads * 2;
+    while (done < k.tokens) {
+      int64_t piece = k.tokens - done;
+      const int64_t cap = int64_t(cuda::max_append_pages) * sh.page_tokens;
+      if (store_.pages_after(n, e, piece) > cuda::max_append_pages) piece = std::max<int64_t>(1, e + cap + sh.recent - n);
+      const int pages = int(store_.pages_after(n, e, piece));
+      blocks.resize(size_t(pages));
+      fmts.resize(size_t(pages) * per_page);
+      for (int i = 0; i < pages; ++i) {
+        const size_t first = size_t(page + i) * per_page;
+        blocks[size_t(i)] = uint32_t(plan.entries[first].offset / 256);
+        for (int j = 0; j < per_page; ++j) fmts[size_t(i) * per_page + j] = plan.entries[first + j].fmt;
+      }
+      cuda::append_args a;
+      a.kv = view_;
+      a.arena = arena_.ptr;
+      a.blocks = blocks_.ptr;
+      a.fmts = fmts_.ptr;
+      a.slot = s.slot;
+      a.layer = layer;
+      a.n = int32_t(n);
+      a.e = int32_t(e);
+      a.m = int32_t(piece);
+      a.window_unit = uint32_t(s.window_offset / 256);
+      a.k = k;
+      a.v = v;
+      a.k.data = static_cast<const uint8_t*>(k.data) + done * k.stride() * dtype_size(k.type);
+      a.v.data = static_cast<const uint8_t*>(v.data) + done * v.stride() * dtype_size(v.type);
+      a.k.tokens = a.v.tokens = piece;
+      a.first_page = int(plan.first_page) + page;
+      a.pages = pages;
+      a.page_blocks = blocks.data();
+      a.page_fmts = fmts.data();
+      a.clip = clip;
+      KVQ_TRY(cuda::append_run(a, cfg_.stream));
+      n += piece;
+      e += int64_t(pages) * sh.page_tokens;
+      page += pages;
+      done += piece;
+    }
+    return {};
+  }
+
+  status attend(std::span<const attend_item> items, int layer, const tensor_view& q, const tensor_mut& o) override {
+    const auto& sh = cfg_.shape;
+    items_.clear();
+    int32_t row = 0;
+    for (const auto& it : items) {
+      const sequence_state& s = *store_.find(it.seq);
+      const layer_state& ls = s.layers[size_t(layer)];
+      items_.push_back({s.slot, it.q_len, int32_t(ls.n), int32_t(std::min(ls.e, ls.n - it.q_len)),
+                        uint32_t(s.window_offset / 256), row});
+      row += it.q_len;
+    }
+    cuda::attend_args a;
+    a.kv = view_;
+    a.layer = layer;
+    a.q_heads = sh.q_heads;
+    a.items = items_;
+    a.q = q.data;
+    a.q_type = q.type;
+    a.q_stride = q.stride();
+    a.o = o.data;
+    a.o_type = o.type;
+    a.o_stride = o.stride();
+    a.scale = softmax_scale();
+    a.num_sms = sms_;
+    const size_t need = cuda::attend_workspace_bytes(a);
+    if (need > workspace_.count)  // grows to the largest batch shape seen, then never again
+      KVQ_TRY(workspace_.allocate(need, "attention workspace"));
+    return cuda::attend_run(a, workspace_.ptr, workspace_.count, cfg_.stream);
+  }
+
+  status read(const sequence_state& s, int layer, role r, std::span<float> out) const override {
+    const auto& sh = cfg_.shape;
+    KVQ_TRY(cuda_ok(cudaStreamSynchronize(stream()), "cudaStreamSynchronize"));
+    const layer_state& ls = s.layers[size_t(layer)];
+    std::vector<std::vector<uint8_t>> pages;
+    std::vector<uint16_t> ring(size_t(sh.window) * sh.head_dim);
+    std::vector<uint8_t> buf;
+    int ring_head = -1;
+    status err;
+    auto page_at = [&](const page_entry& pe) -> const uint8_t* {
+      buf.resize(store_.page_bytes_of(pe.fmt, r));
+      if (status st = cuda_ok(cudaMemcpy(buf.data(), arena_.ptr + pe.offset, buf.size(), cudaMemcpyDeviceToHost), "cudaMemcpy");
+          !st.ok())
+        err = st;
+      return buf.data();
+    };
+    auto ring_at = [&](int h) -> const uint16_t* {
+      if (ring_head != h) {
+        ring_head = h;
+        if (status st = cuda_ok(cudaMemcpy(ring.data(), arena_.ptr + store_.window_offset(s, layer, h, r),
+                                           ring.size() * 2, cudaMemcpyDeviceToHost),
+                                "cudaMemcpy");
+            !st.ok())
+          err = st;
+      }
+      return ring.data();
+    };
+    gather(sh, ls, r, 0, page_at, ring_at, out.data());
+    return err;
+  }
+
+ private:
+  int sms_ = 132;
+  int max_pages_ = 0;
+  device_buffer<uint8_t> arena_;
+  device_buffer<uint32_t> blocks_;
+  device_buffer<uint8_t> fmts_;
+  device_buffer<uint8_t> workspace_;
+  device_buffer<int> flag_;
+  int* flag_host_ = nullptr;
+  cuda::paged_view view_;
+  std::vector<cuda::decode_item> items_;
+};
+
+}  // namespace
+
+result<std::unique_ptr<cache_backend>> make_cuda_backend(const cache_config& cfg, std::shared_ptr<policy> pol) {
+  if (cfg.max_tokens <= 0 || cfg.max_tokens > (int64_t(1) << 30))
+    return status{errc::invalid_argument, fmt::format("cache_config: max_tokens {} must be in [1, 2^30]", cfg.max_tokens)};
+  auto b = std::make_unique<cuda_backend>(cfg, std::move(pol));
+  KVQ_TRY(b->init());
+  return std::unique_ptr<cache_backend>(std::move(b));
+}
+
+}  // namespace detail
+KVQ_NAMESPACE_END

@@ -1,0 +1,776 @@
+// CUDA kernels of kvq: quantize-on-append (through the shared codec, so bytes equal the CPU's)
+// and fused mixed-format paged decode/extend attention on tensor cores.
+//
+// Attention design (DESIGN.md section 5):
+// - Grid: (split, kv head x 16-row query tile, sequence). A thread block serves every query head
+//   of one GQA group (rows = group x q_len, 16 per MMA tile) with one read of K and V, over a
+//   contiguous range of 64-token tiles of the sequence (flash-decoding split); a second kernel
+//   merges the splits by log-sum-exp.
+// - Per tile the 4 warps dequantize the page's K and V into shared memory as fp16 (one
+//   warp-uniform branch per page format, 16-byte loads, codes turned into halves by
+//   byte-permute / magic-number bit tricks, no per-element int->float conversions). KIVI keys keep
+//   their raw codes: the per-channel scale is folded into the query (q' = q * s per token group)
+//   and the zero point into one dot product per row (q . z), so key dequantization is one
+//   subtraction per two elements.
+// - Each warp owns 16 tokens of the tile: S = Q K^T and O += P V with mma.sync m16n8k16
+//   (fp16 operands, fp32 accumulation), online softmax in fp32 registers.
+#include <kvq/codec/codec.hpp>
+#include <kvq/cuda/paged_attention.hpp>
+
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+#include <sstream>
+
+#include <algorithm>
+#include <cmath>
+
+KVQ_NAMESPACE_BEGIN
+namespace cuda {
+namespace {
+
+constexpr int tile_tokens = 64;
+constexpr int threads = 128;
+constexpr int max_items = 256;
+constexpr int max_kv_heads = 32;
+
+// NOTE: fmt's compile-time format checks do not survive nvcc's host pass; messages here are
+// built with a stream.
+template <class... A>
+std::string msg(const A&... a) {
+  std::ostringstream os;
+  (os << ... << a);
+  return os.str();
+}
+
+status cuda_status(cudaError_t e, const char* what) {
+  if (e == cudaSuccess) return {};
+  return {errc::cuda_error, msg(what, ": ", cudaGetErrorName(e), " (", cudaGetErrorString(e), ")")};
+}
+
+__host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+// ---------------------------------------------------------------------------------------------
+// attention
+// ---------------------------------------------------------------------------------------------
+
+struct attend_params {
+  const uint8_t* arena;
+  const uint32_t* blocks;
+  const uint8_t* fmts;
+  int layers, kv_heads, page_tokens, window, max_pages;
+  uint32_t k_bytes[format_count];
+  uint32_t v_bytes[format_count];
+  int layer, q_heads, group, mtiles;
+  const void* q;
+  int64_t q_stride;
+  void* o;
+  int64_t o_stride;
+  dtype q_type, o_type;
+  float scale_log2;
+  int tiles_per_split, max_splits;
+  float* ws_o;   // [partials][16][D]
+  float* ws_ml;  // [partials][16][2]
+  int n_items;
+  decode_item items[max_items];
+};
+
+__device__ __forceinline__ float load_any(const void* base, dtype t, int64_t i) {
+  switch (t) {
+    case dtype::f32: return static_cast<const float*>(base)[i];
+    case dtype::f16: return __half2float(static_cast<const __half*>(base)[i]);
+    default: return __bfloat162float(static_cast<const __nv_bfloat16*>(base)[i]);
+  }
+}
+
+__device__ __forceinline__ void store_any(void* base, dtype t, int64_t i, float x) {
+  switch (t) {
+    case dtype::f32: static_cast<float*>(base)[i] = x; break;
+    case dtype::f16: static_cast<__half*>(base)[i] = __float2half_rn(x); break;
+    default: static_cast<__nv_bfloat16*>(base)[i] = __float2bfloat16_rn(x); break;
+  }
+}
+
+// Shared-memory tiles are [rows][D] halves with 16-byte chunks XOR-swizzled by row, so that
+// ldmatrix's 8 row addresses hit 8 different bank groups.
+template <int D>
+__device__ __forceinline__ int swz(int row, int chunk) {
+  return row * D + ((chunk ^ (row & 7)) << 3);
+}
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_t(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(addr));
+}
+__device__ __forceinline__ void mma16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                         uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t h2_bits(__half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
+__device__ __forceinline__ __half2 bits_h2(uint32_t u) { return *reinterpret_cast<__half2*>(&u); }
+
+// Codes -> halves (1024 + code) by bit tricks. `out` receives channel pairs in order.
+// 8-bit: one byte-permute per pair. 4-bit: split even/odd nibbles once per word, then one
+// permute + one lop3 per pair. 2-bit likewise with four phases.
+template <int Bits>
+__device__ __forceinline__ void codes_to_magic(const uint32_t (&w)[4], uint32_t (&out)[64 / Bits]) {
+  if constexpr (Bits == 8) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      out[2 * i] = __byte_perm(w[i], 0x64646464u, 0x5140);
+      out[2 * i + 1] = __byte_perm(w[i], 0x64646464u, 0x7342);
+    }
+  } else if constexpr (Bits == 4) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint32_t ev = w[i] & 0x0F0F0F0Fu, od = (w[i] >> 4) & 0x0F0F0F0Fu;
+#pragma unroll
+      for (int k = 0; k < 4; ++k)
+        out[4 * i + k] = (__byte_perm(ev, od, k | (k << 4) | ((4 + k) << 8) | ((4 + k) << 12)) & 0x00FF00FFu) | 0x64006400u;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint32_t c0 = w[i] & 0x03030303u, c1 = (w[i] >> 2) & 0x03030303u, c2 = (w[i] >> 4) & 0x03030303u,
+                     c3 = (w[i] >> 6) & 0x03030303u;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const uint32_t sel = k | (k << 4) | ((4 + k) << 8) | ((4 + k) << 12);
+        out[8 * i + 2 * k] = (__byte_perm(c0, c1, sel) & 0x00FF00FFu) | 0x64006400u;
+        out[8 * i + 2 * k + 1] = (__byte_perm(c2, c3, sel) & 0x00FF00FFu) | 0x64006400u;
+      }
+    }
+  }
+}
+
+// One 16-byte chunk of integer codes (128/Bits channels of one token) -> halves in the tile.
+template <int D, int Bits>
+__device__ __forceinline__ void dequant_int_chunk(const uint32_t (&w)[4], format_traits f, bool k_codes,
+                                                  const uint16_t* scales, const uint16_t* zeros, int tok, int ch0, int g,
+                                                  uint4* out, int row) {
+  constexpr int elems = 128 / Bits, pairs = elems / 2;
+  uint32_t m[pairs];
+  codes_to_magic<Bits>(w, m);
+  if (k_codes) {  // centered codes: smaller terms to cancel against q . z
+    const __half2 bias = __float2half2_rn(1024.f + float(1 << (Bits - 1)));
+#pragma unroll
+    for (int i = 0; i < pairs; ++i) m[i] = h2_bits(__hsub2(bits_h2(m[i]), bias));
+  } else {
+    const int ng = D / g;
+    const bool sym = f.fam == family::sym;
+    const __half2 bias = __float2half2_rn(sym ? 1024.f + float(1 << (Bits - 1)) : 1024.f);
+    // a chunk spans at most two groups (g >= 32); scales change only at 8-channel boundaries
+#pragma unroll
+    for (int q = 0; q < elems / 8; ++q) {
+      const int gi = tok * ng + (ch0 + 8 * q) / g;
+      const __half2 s = __half2half2(__ushort_as_half(scales[gi]));
+      const __half2 z = sym ? __float2half2_rn(0.f) : __half2half2(__ushort_as_half(zeros[gi]));
+#pragma unroll
+      for (int i = 4 * q; i < 4 * q + 4; ++i) m[i] = h2_bits(__hfma2(__hsub2(bits_h2(m[i]), bias), s, z));
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < elems / 8; ++k) out[swz<D>(row, ch0 / 8 + k) / 8] = make_uint4(m[4 * k], m[4 * k + 1], m[4 * k + 2], m[4 * k + 3]);
+}
+
+// Dequantizes rows [row0, row0 + 64) of a page whose codes are Bits wide (16 = fp16/bf16) into a
+// swizzled [64][D] half tile; rows >= valid become zeros. All of a thread's 16-byte loads are
+// issued before the first is used, so each tile costs one memory latency, not one per chunk.
+// KIVI/RoleAlign keys keep their centered codes (code - 2^(b-1), exact in fp16) and the caller
+// folds scales and zero points into the query.
+template <int D, int Bits>
+__device__ __forceinline__ void tile_from_page(const uint8_t* page, format_traits f, role r, int P, int row0, int valid,
+                                               __half* dst) {
+  constexpr int row_bytes = D * Bits / 8, cpr = row_bytes / 16, total = tile_tokens * cpr;
+  constexpr int per_thread = (total + threads - 1) / threads;
+  constexpr int elems = 128 / Bits;
+  const page_layout lay = layout_of(f, r, P, D);
+  const uint16_t* scales = reinterpret_cast<const uint16_t*>(page + lay.code_bytes);
+  const uint16_t* zeros = reinterpret_cast<const uint16_t*>(page + lay.code_bytes + lay.scale_bytes);
+  const bool k_codes = r == role::k && f.k_along_tokens();
+  const int g = f.group == 0 ? D : f.group;
+  uint4 raw[per_thread];
+#pragma unroll
+  for (int i = 0; i < per_thread; ++i) {
+    const int c = threadIdx.x + i * threads, row = c / cpr, col = c % cpr;
+    raw[i] = (c < total && row < valid)
+                 ? __ldg(reinterpret_cast<const uint4*>(page + size_t(row0 + row) * row_bytes + col * 16))
+                 : make_uint4(0, 0, 0, 0);
+  }
+  uint4* out = reinterpret_cast<uint4*>(dst);
+#pragma unroll
+  for (int i = 0; i < per_thread; ++i) {
+    const int c = threadIdx.x + i * threads, row = c / cpr, col = c % cpr, ch0 = col * elems, tok = row0 + row;
+    if (c >= total) break;
+    if (row >= valid) {
+#pragma unroll
+      for (int k = 0; k < elems / 8; ++k) out[swz<D>(row, ch0 / 8 + k) / 8] = make_uint4(0, 0, 0, 0);
+      continue;
+    }
+    const uint32_t w[4] = {raw[i].x, raw[i].y, raw[i].z, raw[i].w};
+    if constexpr (Bits == 16) {
+      if (f.fam == family::fp16) {
+        out[swz<D>(row, ch0 / 8) / 8] = raw[i];
+      } else {
+        uint32_t h[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+          h[j] = h2_bits(__floats2half2_rn(__uint_as_float(w[j] << 16), __uint_as_float(w[j] & 0xffff0000u)));
+        out[swz<D>(row, ch0 / 8) / 8] = make_uint4(h[0], h[1], h[2], h[3]);
+      }
+    } else {
+      if (Bits == 8 && f.fam == family::fp8_e4m3) {
+        const float sc = reinterpret_cast<const float*>(scales)[tok];
+        uint32_t h[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const __half2_raw hr =
+              __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t((w[j / 2] >> (16 * (j % 2))) & 0xffffu), __NV_E4M3);
+          const float2 v = __half22float2(bits_h2(uint32_t(hr.x) | (uint32_t(hr.y) << 16)));
+          h[j] = h2_bits(__floats2half2_rn(v.x * sc, v.y * sc));
+        }
+        out[swz<D>(row, ch0 / 8) / 8] = make_uint4(h[0], h[1], h[2], h[3]);
+        out[swz<D>(row, ch0 / 8 + 1) / 8] = make_uint4(h[4], h[5], h[6], h[7]);
+      } else {
+        dequant_int_chunk<D, Bits>(w, f, k_codes, scales, zeros, tok, ch0, g, out, row);
+      }
+    }
+  }
+}
+
+template <int D>
+__device__ bool dequant_tile(const uint8_t* page, format_id fid, role r, int P, int row0, int valid_rows, __half* dst) {
+  const format_traits f = traits_of(fid);
+  switch (f.bits) {
+    case 16: tile_from_page<D, 16>(page, f, r, P, row0, valid_rows, dst); break;
+    case 8: tile_from_page<D, 8>(page, f, r, P, row0, valid_rows, dst); break;
+    case 4: tile_from_page<D, 4>(page, f, r, P, row0, valid_rows, dst); break;
+    default: tile_from_page<D, 2>(page, f, r, P, row0, valid_rows, dst); break;
+  }
+  return r == role::k && f.k_along_tokens();
+}
+
+template <int D>
+struct attend_smem {
+  __half k[tile_tokens * D];
+  __half v[tile_tokens * D];
+  __half qh[16 * D];     // the query tile, fp16
+  __half qs[2][16 * D];  // KIVI keys: query scaled by each token group's channel scales
+  float qf[16 * D];      // the query tile, fp32
+  float cz[2][16];       // KIVI keys: q . z per token group and row
+};
+
+template <int D>
+__global__ void __launch_bounds__(threads, D == 128 ? 2 : 3) attend_kernel(const __grid_constant__ attend_params p) {
+  extern __shared__ __align__(16) uint8_t smem_raw[];
+  attend_smem<D>& sm = *reinterpret_cast<attend_smem<D>*>(smem_raw);
+  const int split = blockIdx.x, h = blockIdx.y / p.mtiles, mt = blockIdx.y % p.mtiles;
+  const decode_item item = p.items[blockIdx.z];
+  const int rows_used = p.group * item.q_len;
+  if (mt * 16 >= rows_used) return;
+  const int page_tiles = ceil_div(item.from_pages, tile_tokens);
+  const int T = page_tiles + ceil_div(item.n - item.from_pages, tile_tokens);
+  const int t0 = split * p.tiles_per_split, t1 = min(T, t0 + p.tiles_per_split);
+  if (t0 >= T) return;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+
+  // query tile: row r -> query i = (mt*16 + r) / group, head h*group + (mt*16 + r) % group
+  for (int idx = tid; idx < 16 * D; idx += threads) {
+    const int r = idx / D, c = idx % D, mm = mt * 16 + r;
+    float x = 0.f;
+    if (mm < rows_used) {
+      const int i = mm / p.group, qh = h * p.group + mm % p.group;
+      x = load_any(p.q, p.q_type, int64_t(item.q_row + i) * p.q_stride + int64_t(qh) * D + c);
+    }
+    sm.qf[r * D + c] = x;
+    sm.qh[swz<D>(r, c / 8) + c % 8] = __float2half_rn(x);
+  }
+
+  // per-lane softmax state for rows lane/4 and lane/4 + 8
+  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
+  float acc[D / 8][4];
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+
+  const int R = p.window, P = p.page_tokens;
+  const size_t table_row = (size_t(item.slot) * p.layers + p.layer) * p.max_pages;
+  const int q_first = item.n - item.q_len;  // position of query 0
+
+  for (int t = t0; t < t1; ++t) {
+    __syncthreads();  // previous tile fully consumed (and the query tile written)
+    int tok0, valid;
+    bool k_codes = false;
+    int groups_base = 0, G = 0;
+    if (t < page_tiles) {
+      tok0 = t * tile_tokens;
+      valid = min(tile_tokens, item.from_pages - tok0);
+      const int page = tok0 / P, row0 = tok0 % P;
+      const uint8_t* fm = p.fmts + (table_row + page) * p.kv_heads * 2;
+      uint32_t off = 0;
+      for (int hh = 0; hh < h; ++hh) off += p.k_bytes[fm[2 * hh]] + p.v_bytes[fm[2 * hh + 1]];
+      const uint8_t* kpage = p.arena + size_t(p.blocks[table_row + page]) * 256 + off;
+      const format_id fk = fm[2 * h], fv = fm[2 * h + 1];
+      const uint8_t* vpage = kpage + p.k_bytes[fk];
+      k_codes = dequant_tile<D>(kpage, fk, role::k, P, row0, valid, sm.k);
+      dequant_tile<D>(vpage, fv, role::v, P, row0, valid, sm.v);
+      if (k_codes) {
+        // fold the channel scales into the query and the zero points into q . z, per token group
+        G = traits_of(fk).group;
+        const float mid = float(1 << (traits_of(fk).bits - 1));  // codes are centered by 2^(b-1)
+        groups_base = row0 / G;
+        const int ngroups = G >= tile_tokens ? 1 : tile_tokens / G;
+        const page_layout lay = layout_of(traits_of(fk), role::k, P, D);
+        const __half* sc = reinterpret_cast<const __half*>(kpage + lay.code_bytes);
+        const __half* zr = reinterpret_cast<const __half*>(kpage + lay.code_bytes + lay.scale_bytes);
+        for (int gi = 0; gi < ngroups; ++gi) {
+          const int r = tid / 8, c0 = (tid % 8) * (D / 8);
+          const __half* s = sc + size_t(groups_base + gi) * D;
+          const __half* z = zr + size_t(groups_base + gi) * D;
+          float cz = 0.f;
+#pragma unroll
+          for (int c = c0; c < c0 + D / 8; c += 2) {
+            const float2 s2 = __half22float2(*reinterpret_cast<const __half2*>(s + c));
+            const float2 z2 = __half22float2(*reinterpret_cast<const __half2*>(z + c));
+            const float q0 = sm.qf[r * D + c], q1 = sm.qf[r * D + c + 1];
+            *reinterpret_cast<__half2*>(&sm.qs[gi][swz<D>(r, c / 8) + c % 8]) = __floats2half2_rn(q0 * s2.x, q1 * s2.y);
+            cz += q0 * fmaf(s2.x, mid, z2.x) + q1 * fmaf(s2.y, mid, z2.y);
+          }
+          cz += __shfl_xor_sync(0xffffffffu, cz, 1);
+          cz += __shfl_xor_sync(0xffffffffu, cz, 2);
+          cz += __shfl_xor_sync(0xffffffffu, cz, 4);
+          if (tid % 8 == 0) sm.cz[gi][r] = cz;
+        }
+      }
+    } else {
+      tok0 = item.from_pages + (t - page_tiles) * tile_tokens;
+      valid = min(tile_tokens, item.n - tok0);
+      const uint8_t* win = p.arena + size_t(item.window_unit) * 256 +
+                           ((size_t(p.layer) * p.kv_heads + h) * 2) * size_t(R) * D * 2;
+      constexpr int per_thread = tile_tokens * (D / 8) / threads;
+      uint4 kk[per_thread], vv[per_thread];
+#pragma unroll
+      for (int i = 0; i < per_thread; ++i) {
+        const int c = tid + i * threads, row = c / (D / 8), ch = c % (D / 8);
+        kk[i] = vv[i] = make_uint4(0, 0, 0, 0);
+        if (row < valid) {
+          const size_t slot = size_t((tok0 + row) % R) * D * 2 + ch * 16;
+          kk[i] = __ldg(reinterpret_cast<const uint4*>(win + slot));
+          vv[i] = __ldg(reinterpret_cast<const uint4*>(win + size_t(R) * D * 2 + slot));
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < per_thread; ++i) {
+        const int c = tid + i * threads, row = c / (D / 8), ch = c % (D / 8);
+        reinterpret_cast<uint4*>(sm.k)[swz<D>(row, ch) / 8] = kk[i];
+        reinterpret_cast<uint4*>(sm.v)[swz<D>(row, ch) / 8] = vv[i];
+      }
+    }
+    __syncthreads();
+
+    // ---- S = Q K^T for this warp's 16 tokens ----
+    const int wrow = warp * 16;
+    const int gsel = k_codes ? (tok0 % P + wrow) / G - groups_base : 0;
+    const __half* qa = k_codes ? sm.qs[gsel] : sm.qh;
+    float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      uint32_t a0, a1, a2, a3, b0, b1, b2, b3;
+      ldsm_x4(smem_addr(qa + swz<D>((lane % 8) + ((lane / 8) % 2) * 8, ks * 2 + lane / 16)), a0, a1, a2, a3);
+      ldsm_x4(smem_addr(sm.k + swz<D>(wrow + (lane / 16) * 8 + lane % 8, ks * 2 + (lane / 8) % 2)), b0, b1, b2, b3);
+      mma16816(s[0], a0, a1, a2, a3, b0, b1);
+      mma16816(s[1], a0, a1, a2, a3, b2, b3);
+    }
+    // ---- scale, zero-point term, mask, online softmax ----
+    const int r_lo = lane / 4;
+    float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = r_lo + (e / 2) * 8;
+        const int j = tok0 + wrow + nt * 8 + (lane % 4) * 2 + (e % 2);
+        const int i = (mt * 16 + r) / p.group;
+        float x = s[nt][e];
+        if (k_codes) x += sm.cz[gsel][r];
+        x *= p.scale_log2;
+        const bool ok = (j - tok0) < valid && j <= q_first + i;
+        s[nt][e] = ok ? x : -INFINITY;
+        tile_max[e / 2] = fmaxf(tile_max[e / 2], s[nt][e]);
+      }
+    __half2 pf[2][2];
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      tile_max[hr] = fmaxf(tile_max[hr], __shfl_xor_sync(0xffffffffu, tile_max[hr], 1));
+      tile_max[hr] = fmaxf(tile_max[hr], __shfl_xor_sync(0xffffffffu, tile_max[hr], 2));
+      const float m_new = fmaxf(row_max[hr], tile_max[hr]);
+      const float alpha = m_new == -INFINITY ? 1.f : exp2f(row_max[hr] - m_new);
+      row_max[hr] = m_new;
+      row_sum[hr] *= alpha;
+#pragma unroll
+      for (int j = 0; j < D / 8; ++j) {
+        acc[j][2 * hr] *= alpha;
+        acc[j][2 * hr + 1] *= alpha;
+      }
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        const float p0 = m_new == -INFINITY ? 0.f : exp2f(s[nt][2 * hr] - m_new);
+        const float p1 = m_new == -INFINITY ? 0.f : exp2f(s[nt][2 * hr + 1] - m_new);
+        row_sum[hr] += p0 + p1;
+        pf[nt][hr] = __floats2half2_rn(p0, p1);
+      }
+    }
+    // ---- O += P V ----
+    const uint32_t pa0 = h2_bits(pf[0][0]), pa1 = h2_bits(pf[0][1]), pa2 = h2_bits(pf[1][0]), pa3 = h2_bits(pf[1][1]);
+#pragma unroll
+    for (int jp = 0; jp < D / 16; ++jp) {
+      uint32_t b0, b1, b2, b3;
+      ldsm_x4_t(smem_addr(sm.v + swz<D>(wrow + (lane % 8) + ((lane / 8) % 2) * 8, jp * 2 + lane / 16)), b0, b1, b2, b3);
+      mma16816(acc[2 * jp], pa0, pa1, pa2, pa3, b0, b1);
+      mma16816(acc[2 * jp + 1], pa0, pa1, pa2, pa3, b2, b3);
+    }
+  }
+
+  // ---- merge the 4 warps, write this split's partial (max, sum, unnormalized O) ----
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    row_sum[hr] += __shfl_xor_sync(0xffffffffu, row_sum[hr], 1);
+    row_sum[hr] += __shfl_xor_sync(0xffffffffu, row_sum[hr], 2);
+  }
+  __syncthreads();
+  float* wo = reinterpret_cast<float*>(sm.k);  // [4 warps][16][D] floats over the K and V tiles
+  float* wml = sm.qf;                          // [4 warps][16][2]
+  const int r_lo = lane / 4;
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      wo[(warp * 16 + r_lo + (e / 2) * 8) * D + j * 8 + (lane % 4) * 2 + (e % 2)] = acc[j][e];
+  if (lane % 4 == 0)
+    for (int hr = 0; hr < 2; ++hr) {
+      wml[(warp * 16 + r_lo + hr * 8) * 2] = row_max[hr];
+      wml[(warp * 16 + r_lo + hr * 8) * 2 + 1] = row_sum[hr];
+    }
+  __syncthreads();
+  const size_t part = ((size_t(blockIdx.z) * p.kv_heads + h) * p.mtiles + mt) * p.max_splits + split;
+  for (int idx = tid; idx < 16 * D; idx += threads) {
+    const int r = idx / D, c = idx % D;
+    float m = -INFINITY;
+    for (int w = 0; w < 4; ++w) m = fmaxf(m, wml[(w * 16 + r) * 2]);
+    float o = 0.f, l = 0.f;
+    for (int w = 0; w < 4; ++w) {
+      const float mw = wml[(w * 16 + r) * 2];
+      const float f = mw == -INFINITY ? 0.f : exp2f(mw - m);
+      o += f * wo[(w * 16 + r) * D + c];
+      l += f * wml[(w * 16 + r) * 2 + 1];
+    }
+    p.ws_o[part * 16 * D + idx] = o;
+    if (c == 0) {
+      p.ws_ml[(part * 16 + r) * 2] = m;
+      p.ws_ml[(part * 16 + r) * 2 + 1] = l;
+    }
+  }
+}
+
+template <int D>
+__global__ void __launch_bounds__(threads) merge_kernel(const __grid_constant__ attend_params p) {
+  const int h = blockIdx.y / p.mtiles, mt = blockIdx.y % p.mtiles;
+  const decode_item item = p.items[blockIdx.x];
+  const int rows_used = p.group * item.q_len;
+  if (mt * 16 >= rows_used) return;
+  const int T = ceil_div(item.from_pages, tile_tokens) + ceil_div(item.n - item.from_pages, tile_tokens);
+  const int splits = ceil_div(T, p.tiles_per_split);
+  const size_t part0 = ((size_t(blockIdx.x) * p.kv_heads + h) * p.mtiles + mt) * p.max_splits;
+  for (int idx = threadIdx.x; idx < 16 * D; idx += threads) {
+    const int r = idx / D, c = idx % D, mm = mt * 16 + r;
+    if (mm >= rows_used) continue;
+    float m = -INFINITY;
+    for (int s = 0; s < splits; ++s) m = fmaxf(m, p.ws_ml[((part0 + s) * 16 + r) * 2]);
+    float o = 0.f, l = 0.f;
+    for (int s = 0; s < splits; ++s) {
+      const float ms = p.ws_ml[((part0 + s) * 16 + r) * 2];
+      const float f = ms == -INFINITY ? 0.f : exp2f(ms - m);
+      o += f * p.ws_o[(part0 + s) * 16 * D + idx];
+      l += f * p.ws_ml[((part0 + s) * 16 + r) * 2 + 1];
+    }
+    const int i = mm / p.group, qh = h * p.group + mm % p.group;
+    store_any(p.o, p.o_type, int64_t(item.q_row + i) * p.o_stride + int64_t(qh) * D + c, o / l);
+  }
+}
+
+// Splits and tiles for a batch: enough thread blocks to fill the chip about four times over.
+struct launch_plan {
+  int mtiles, tiles_per_split, max_splits, max_tiles;
+};
+
+launch_plan plan_for(const attend_args& a) {
+  launch_plan lp{};
+  const int group = a.q_heads / a.kv.kv_heads;
+  int max_q = 1;
+  lp.max_tiles = 1;
+  for (const auto& it : a.items) {
+    max_q = std::max(max_q, int(it.q_len));
+    lp.max_tiles = std::max(lp.max_tiles, ceil_div(it.from_pages, tile_tokens) + ceil_div(it.n - it.from_pages, tile_tokens));
+  }
+  lp.mtiles = ceil_div(group * max_q, 16);
+  const int64_t base = int64_t(std::max<size_t>(1, a.items.size())) * a.kv.kv_heads * lp.mtiles;
+  const int64_t want = int64_t(a.num_sms) * 4;
+  const int splits = int(std::clamp<int64_t>((want + base - 1) / base, 1, lp.max_tiles));
+  lp.tiles_per_split = ceil_div(lp.max_tiles, splits);
+  lp.max_splits = ceil_div(lp.max_tiles, lp.tiles_per_split);
+  return lp;
+}
+
+}  // namespace
+
+status attend_can_implement(const attend_args& a) {
+  const auto& kv = a.kv;
+  if (kv.head_dim != 64 && kv.head_dim != 128)
+    return {errc::unsupported, msg("CUDA attention supports head_dim 64 and 128, not ", kv.head_dim)};
+  if (kv.page_tokens % tile_tokens != 0)
+    return {errc::unsupported, msg("CUDA attention needs page_tokens a multiple of 64, not ", kv.page_tokens)};
+  if (kv.kv_heads <= 0 || kv.kv_heads > max_kv_heads || a.q_heads % kv.kv_heads != 0 || a.q_heads / kv.kv_heads > 16)
+    return {errc::unsupported, msg("CUDA attention supports kv_heads <= ", max_kv_heads, " and a GQA group of at most 16; got ",
+                                   a.q_heads, " query heads over ", kv.kv_heads, " kv heads")};
+  if (a.items.empty()) return {errc::invalid_argument, "attend: empty batch"};
+  for (const auto& it : a.items)
+    if (it.q_len < 1 || it.q_len > it.n || it.from_pages < 0 || it.from_pages > it.n - it.q_len ||
+        it.n - it.from_pages > kv.window)
+      return {errc::invalid_argument, msg("attend: inconsistent item (slot ", it.slot, ", q_len ", it.q_len, ", n ", it.n,
+                                          ", from_pages ", it.from_pages, ")")};
+  return {};
+}
+
+size_t attend_workspace_bytes(const attend_args& a) {
+  const launch_plan lp = plan_for(a);
+  const size_t batch = std::min<size_t>(a.items.size(), max_items);
+  const size_t parts = batch * a.kv.kv_heads * lp.mtiles * lp.max_splits;
+  return parts * 16 * (size_t(a.kv.head_dim) + 2) * sizeof(float);
+}
+
+status attend_run(const attend_args& a, void* workspace, size_t workspace_bytes, void* stream) {
+  KVQ_TRY(attend_can_implement(a));
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  for (size_t first = 0; first < a.items.size(); first += max_items) {
+    attend_args sub = a;
+    sub.items = a.items.subspan(first, std::min<size_t>(max_items, a.items.size() - first));
+    const launch_plan lp = plan_for(sub);
+    const size_t need = attend_workspace_bytes(sub);
+    if (workspace_bytes < need)
+      return {errc::invalid_argument, msg("attend: workspace of ", workspace_bytes, " bytes, need ", need)};
+    attend_params p{};
+    p.arena = a.kv.arena;
+    p.blocks = a.kv.blocks;
+    p.fmts = a.kv.fmts;
+    p.layers = a.kv.layers;
+    p.kv_heads = a.kv.kv_heads;
+    p.page_tokens = a.kv.page_tokens;
+    p.window = a.kv.window;
+    p.max_pages = a.kv.max_pages;
+    for (size_t f = 0; f < format_count; ++f) p.k_bytes[f] = a.kv.k_page_bytes[f], p.v_bytes[f] = a.kv.v_page_bytes[f];
+    p.layer = a.layer;
+    p.q_heads = a.q_heads;
+    p.group = a.q_heads / a.kv.kv_heads;
+    p.mtiles = lp.mtiles;
+    p.q = a.q;
+    p.q_type = a.q_type;
+    p.q_stride = a.q_stride ? a.q_stride : int64_t(a.q_heads) * a.kv.head_dim;
+    p.o = a.o;
+    p.o_type = a.o_type;
+    p.o_stride = a.o_stride ? a.o_stride : int64_t(a.q_heads) * a.kv.head_dim;
+    const float scale = a.scale > 0.f ? a.scale : 1.0f / std::sqrt(float(a.kv.head_dim));
+    p.scale_log2 = scale * 1.4426950408889634f;
+    p.tiles_per_split = lp.tiles_per_split;
+    p.max_splits = lp.max_splits;
+    const size_t parts = sub.items.size() * a.kv.kv_heads * lp.mtiles * lp.max_splits;
+    p.ws_o = static_cast<float*>(workspace);
+    p.ws_ml = p.ws_o + parts * 16 * a.kv.head_dim;
+    p.n_items = int(sub.items.size());
+    std::copy(sub.items.begin(), sub.items.end(), p.items);
+    const dim3 grid(unsigned(lp.max_splits), unsigned(a.kv.kv_heads * lp.mtiles), unsigned(sub.items.size()));
+    const dim3 mgrid(unsigned(sub.items.size()), unsigned(a.kv.kv_heads * lp.mtiles));
+    if (a.kv.head_dim == 128) {
+      const int smem = int(sizeof(attend_smem<128>));
+      KVQ_TRY(cuda_status(cudaFuncSetAttribute(attend_kernel<128>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+                          "cudaFuncSetAttribute"));
+      attend_kernel<128><<<grid, threads, smem, st>>>(p);
+      merge_kernel<128><<<mgrid, threads, 0, st>>>(p);
+    } else {
+      const int smem = int(sizeof(attend_smem<64>));
+      KVQ_TRY(cuda_status(cudaFuncSetAttribute(attend_kernel<64>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+                          "cudaFuncSetAttribute"));
+      attend_kernel<64><<<grid, threads, smem, st>>>(p);
+      merge_kernel<64><<<mgrid, threads, 0, st>>>(p);
+    }
+    KVQ_TRY(cuda_status(cudaGetLastError(), "attention launch"));
+  }
+  return {};
+}
+
+// ---------------------------------------------------------------------------------------------
+// append
+// ---------------------------------------------------------------------------------------------
+namespace {
+
+struct append_params {
+  uint8_t* arena;
+  uint32_t* blocks;
+  uint8_t* fmts;
+  int layers, kv_heads, head_dim, page_tokens, window, max_pages;
+  uint32_t k_bytes[format_count];
+  uint32_t v_bytes[format_count];
+  int slot, layer;
+  int32_t n, e, m;
+  uint32_t window_unit;
+  const void* src[2];
+  dtype src_type[2];
+  int64_t src_stride[2];
+  int first_page, pages;
+  uint32_t page_blocks[max_append_pages];
+  uint8_t page_fmts[max_append_pages][max_kv_heads * 2];
+  float clip[max_kv_heads * 2];
+};
+
+__device__ __forceinline__ uint16_t src_half(const append_params& p, int r, int64_t token, int h, int c) {
+  const int64_t i = token * p.src_stride[r] + int64_t(h) * p.head_dim + c;
+  switch (p.src_type[r]) {
+    case dtype::f32: return float_to_half(static_cast<const float*>(p.src[r])[i]);
+    case dtype::f16: return static_cast<const uint16_t*>(p.src[r])[i];
+    default: return float_to_half(bf16_to_float(static_cast<const uint16_t*>(p.src[r])[i]));
+  }
+}
+
+__device__ __forceinline__ uint16_t* ring_of(const append_params& p, int h, int r) {
+  return reinterpret_cast<uint16_t*>(p.arena + size_t(p.window_unit) * 256) +
+         ((size_t(p.layer) * p.kv_heads + h) * 2 + r) * size_t(p.window) * p.head_dim;
+}
+
+// One block per (new page, kv head, role): stage the page's fp16 rows (old tokens from the ring,
+// new ones from the input) in shared memory, then encode every unit with the shared codec.
+__global__ void __launch_bounds__(threads) encode_kernel(const __grid_constant__ append_params p) {
+  extern __shared__ __align__(16) uint8_t smem_raw[];
+  uint16_t* src = reinterpret_cast<uint16_t*>(smem_raw);
+  const int pg = blockIdx.x, h = blockIdx.y, r = blockIdx.z, d = p.head_dim, P = p.page_tokens;
+  const uint16_t* ring = ring_of(p, h, r);
+  const int first_tok = p.e + pg * P;
+  for (int idx = threadIdx.x; idx < P * d; idx += threads) {
+    const int row = idx / d, c = idx % d, j = first_tok + row;
+    src[idx] = j < p.n ? ring[size_t(j % p.window) * d + c] : src_half(p, r, j - p.n, h, c);
+  }
+  const uint8_t* fm = p.page_fmts[pg];
+  uint32_t off = 0;
+  for (int hh = 0; hh < h; ++hh) off += p.k_bytes[fm[2 * hh]] + p.v_bytes[fm[2 * hh + 1]];
+  if (r == 1) off += p.k_bytes[fm[2 * h]];
+  const format_id f = fm[2 * h + r];
+  const codec::page_geom g = codec::make_geom(f, r == 0 ? role::k : role::v, P, d);
+  uint8_t* page = p.arena + size_t(p.page_blocks[pg]) * 256 + off;
+  for (uint32_t i = threadIdx.x * 16; i < g.lay.total(); i += threads * 16) *reinterpret_cast<uint4*>(page + i) = make_uint4(0, 0, 0, 0);
+  __syncthreads();
+  const float clip = p.clip[2 * h + r];
+  for (int u = threadIdx.x; u < g.unit_count(); u += threads) codec::encode_unit(g, src, d, u, page, clip);
+  if (h == 0 && r == 0) {
+    const size_t row = (size_t(p.slot) * p.layers + p.layer) * p.max_pages + p.first_page + pg;
+    if (threadIdx.x == 0) p.blocks[row] = p.page_blocks[pg];
+    for (int i = threadIdx.x; i < p.kv_heads * 2; i += threads) p.fmts[row * p.kv_heads * 2 + i] = fm[i];
+  }
+}
+
+// The ring keeps the last `window` tokens: write the new ones that remain among them.
+__global__ void ring_kernel(const __grid_constant__ append_params p) {
+  const int32_t first = max(p.n, p.n + p.m - p.window);
+  const int d = p.head_dim;
+  const int64_t total = int64_t(p.n + p.m - first) * p.kv_heads * 2 * d;
+  for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < total; idx += int64_t(gridDim.x) * blockDim.x) {
+    const int c = int(idx % d);
+    const int r = int((idx / d) % 2);
+    const int h = int((idx / (2 * d)) % p.kv_heads);
+    const int32_t j = first + int32_t(idx / (int64_t(2) * d * p.kv_heads));
+    ring_of(p, h, r)[size_t(j % p.window) * d + c] = src_half(p, r, j - p.n, h, c);
+  }
+}
+
+__global__ void check_kernel(const void* k, const void* v, dtype kt, dtype vt, int64_t tokens, int hd, int64_t ks,
+                             int64_t vs, int* flag) {
+  const int64_t total = tokens * hd;
+  for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < total; idx += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t t = idx / hd, e = idx % hd;
+    const float a = load_any(k, kt, t * ks + e), b = load_any(v, vt, t * vs + e);
+    if (!(fabsf(a) <= fp16_max) || !(fabsf(b) <= fp16_max)) *flag = 1;
+  }
+}
+
+}  // namespace
+
+status append_run(const append_args& a, void* stream) {
+  const auto& kv = a.kv;
+  if (kv.kv_heads > max_kv_heads) return {errc::unsupported, msg("append: kv_heads ", kv.kv_heads, " above ", max_kv_heads)};
+  if (a.pages > max_append_pages)
+    return {errc::invalid_argument, msg("append: ", a.pages, " new pages in one call, at most ", max_append_pages)};
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  append_params p{};
+  p.arena = a.arena;
+  p.blocks = a.blocks;
+  p.fmts = a.fmts;
+  p.layers = kv.layers;
+  p.kv_heads = kv.kv_heads;
+  p.head_dim = kv.head_dim;
+  p.page_tokens = kv.page_tokens;
+  p.window = kv.window;
+  p.max_pages = kv.max_pages;
+  for (size_t f = 0; f < format_count; ++f) p.k_bytes[f] = kv.k_page_bytes[f], p.v_bytes[f] = kv.v_page_bytes[f];
+  p.slot = a.slot;
+  p.layer = a.layer;
+  p.n = a.n;
+  p.e = a.e;
+  p.m = a.m;
+  p.window_unit = a.window_unit;
+  p.src[0] = a.k.data;
+  p.src[1] = a.v.data;
+  p.src_type[0] = a.k.type;
+  p.src_type[1] = a.v.type;
+  p.src_stride[0] = a.k.stride();
+  p.src_stride[1] = a.v.stride();
+  p.first_page = a.first_page;
+  p.pages = a.pages;
+  for (int i = 0; i < a.pages; ++i) {
+    p.page_blocks[i] = a.page_blocks[i];
+    for (int j = 0; j < kv.kv_heads * 2; ++j) p.page_fmts[i][j] = a.page_fmts[i * kv.kv_heads * 2 + j];
+  }
+  for (int j = 0; j < kv.kv_heads * 2; ++j) p.clip[j] = a.clip ? a.clip[j] : 1.0f;
+  if (a.pages > 0) {
+    const int smem = kv.page_tokens * kv.head_dim * 2;
+    KVQ_TRY(cuda_status(cudaFuncSetAttribute(encode_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+                        "cudaFuncSetAttribute"));
+    encode_kernel<<<dim3(unsigned(a.pages), unsigned(kv.kv_heads), 2), threads, smem, st>>>(p);
+  }
+  const int64_t ring_elems = int64_t(std::min(a.m, kv.window)) * kv.kv_heads * 2 * kv.head_dim;
+  const int blocks = int(std::min<int64_t>(1024, (ring_elems + 255) / 256));
+  ring_kernel<<<std::max(1, blocks), 256, 0, st>>>(p);
+  return cuda_status(cudaGetLastError(), "append launch");
+}
+
+status check_values(const tensor_view& k, const tensor_view& v, int* flag, void* stream) {
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  KVQ_TRY(cuda_status(cudaMemsetAsync(flag, 0, sizeof(int), st), "cudaMemsetAsync"));
+  const int64_t total = k.tokens * k.heads * k.head_dim;
+  const int blocks = int(std::min<int64_t>(1024, (total + 255) / 256));
+  check_kernel<<<std::max(1, blocks), 256, 0, st>>>(k.data, v.data, k.type, v.type, k.tokens, k.heads * k.head_dim,
+                                                    k.stride(), v.stride(), flag);
+  return cuda_status(cudaGetLastError(), "check launch");
+}
+
+}  // namespace cuda
+KVQ_NAMESPACE_END

@@ -1,0 +1,112 @@
+#pragma once
+/// \file
+/// Low-level CUDA entry points for engines that own their memory (CUTLASS-style
+/// `can_implement` -> `workspace_bytes` -> `run`). `KVCache` with `backend::cuda` is built on
+/// these; an engine may call them directly over its own arena and page tables, laid out as below.
+/// Host-compilable: streams are passed as `void*` (a `cudaStream_t`).
+///
+/// Device memory an engine provides:
+/// - `arena`: page blocks and FP16 windows. A page block holds the pages of one (sequence, layer,
+///   page index) for every (kv head, role), back to back in the order (h0 K, h0 V, h1 K, ...), each
+///   page laid out as in format/format.hpp; blocks start at multiples of 256 bytes.
+/// - `blocks`: [slots][layers][max_pages] uint32 block offsets in 256-byte units.
+/// - `fmts`:   [slots][layers][max_pages][kv_heads][2] format ids.
+/// - windows: per sequence, [layers][kv_heads][2][window][head_dim] fp16 rings at
+///   `window_unit * 256`; token j lives in slot j % window.
+///
+/// Supported: head_dim 64 or 128, page_tokens 64 or 128, q_heads / kv_heads <= 16, any mix of
+/// formats per page. Launches take the caller's stream, allocate nothing and never synchronize,
+/// so they can be captured in a CUDA graph (batch descriptors travel as kernel parameters).
+
+#include <kvq/config.hpp>
+#include <kvq/format/format.hpp>
+#include <kvq/status.hpp>
+#include <kvq/tensor.hpp>
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+
+KVQ_NAMESPACE_BEGIN
+namespace cuda {
+
+/// Non-owning view of a paged store in device memory (see file comment).
+struct paged_view {
+  const uint8_t* arena = nullptr;
+  const uint32_t* blocks = nullptr;  ///< [slots][layers][max_pages]
+  const uint8_t* fmts = nullptr;     ///< [slots][layers][max_pages][kv_heads][2]
+  int layers = 0;
+  int kv_heads = 0;
+  int head_dim = 0;
+  int page_tokens = 0;
+  int window = 0;
+  int max_pages = 0;
+  std::array<uint32_t, format_count> k_page_bytes{};  ///< page bytes of each format, role K
+  std::array<uint32_t, format_count> v_page_bytes{};  ///< page bytes of each format, role V
+};
+
+/// One sequence of an attention batch.
+struct decode_item {
+  int32_t slot;         ///< row of the page tables
+  int32_t q_len;        ///< new queries (their tokens are the last q_len of the n)
+  int32_t n;            ///< tokens held for the layer, the step's own included
+  int32_t from_pages;   ///< tokens read from pages: min(encoded, n - q_len); the rest from the ring
+  uint32_t window_unit; ///< the sequence's window block, in 256-byte units
+  int32_t q_row;        ///< first row of this item's queries in q and o
+};
+
+/// Arguments of one attention call over one layer.
+struct attend_args {
+  paged_view kv;
+  int layer = 0;
+  int q_heads = 0;
+  std::span<const decode_item> items;  ///< host memory; copied into the launch parameters
+  const void* q = nullptr;             ///< device [rows][q_heads][head_dim]
+  dtype q_type = dtype::f16;
+  int64_t q_stride = 0;                ///< elements between rows (0: packed)
+  void* o = nullptr;                   ///< device [rows][q_heads][head_dim]
+  dtype o_type = dtype::f16;
+  int64_t o_stride = 0;
+  float scale = 0.f;                   ///< 0: 1/sqrt(head_dim)
+  int num_sms = 132;                   ///< used to size the split across thread blocks
+};
+
+/// Checks that the arguments are supported; the message names what is not.
+KVQ_EXPORT status attend_can_implement(const attend_args& a);
+/// Device workspace the call needs (partial results of the split sequence).
+KVQ_EXPORT size_t attend_workspace_bytes(const attend_args& a);
+/// Runs decode/extend attention on `stream`; `workspace` holds `attend_workspace_bytes(a)`.
+KVQ_EXPORT status attend_run(const attend_args& a, void* workspace, size_t workspace_bytes, void* stream);
+
+/// New pages of one append (at most `max_append_pages` per call).
+inline constexpr int max_append_pages = 32;
+
+/// Arguments of quantize-on-append for one (sequence, layer).
+struct append_args {
+  paged_view kv;
+  uint8_t* arena = nullptr;  ///< writable alias of kv.arena
+  uint32_t* blocks = nullptr;
+  uint8_t* fmts = nullptr;
+  int slot = 0;
+  int layer = 0;
+  int32_t n = 0;        ///< tokens held before the append
+  int32_t e = 0;        ///< tokens encoded before the append
+  int32_t m = 0;        ///< tokens appended
+  uint32_t window_unit = 0;
+  tensor_view k, v;     ///< device [m][kv_heads][head_dim]
+  int first_page = 0;   ///< page index of the first new page
+  int pages = 0;        ///< new pages (each spans every kv head and role)
+  const uint32_t* page_blocks = nullptr;  ///< host [pages] block offsets, 256-byte units
+  const uint8_t* page_fmts = nullptr;     ///< host [pages][kv_heads][2]
+  const float* clip = nullptr;            ///< host [kv_heads][2] rolealign clip ratios of the layer
+};
+
+/// Writes the m tokens into the ring and encodes the new pages: bytes identical to the CPU codec.
+KVQ_EXPORT status append_run(const append_args& a, void* stream);
+
+/// Sets `*flag` (device int) to 1 if any of the K/V values is NaN, Inf or beyond the fp16 range.
+KVQ_EXPORT status check_values(const tensor_view& k, const tensor_view& v, int* flag, void* stream);
+
+}  // namespace cuda
+KVQ_NAMESPACE_END

@@ -1,0 +1,234 @@
+// The CUDA backend against the CPU reference backend: append bytes identical (through what both
+// decode), decode and extend attention within the NMSE bound of the tolerance table, over every
+// format, mixed formats within one sequence, page-edge lengths, unequal batches and GQA 1/4/8.
+#include <kvq/cache/cache.hpp>
+#include <kvq/format/numeric.hpp>
+#include <kvq/policy/static_policy.hpp>
+
+#include <catch2/catch.hpp>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <random>
+#include <vector>
+
+using namespace kvq;
+
+namespace {
+
+bool small() { return std::getenv("KVQ_GPU_TEST_SMALL") != nullptr; }
+
+// NMSE bounds of GPU attention against the CPU reference. The GPU rounds dequantized K/V, the
+// query and the probabilities to fp16 for the tensor cores (relative 2^-11 each); the CPU works
+// in fp32. One table for every format.
+constexpr double nmse_bound = 2e-5;
+
+struct dev_mem {
+  void* p = nullptr;
+  explicit dev_mem(size_t bytes) { REQUIRE(cudaMalloc(&p, bytes) == cudaSuccess); }
+  ~dev_mem() { cudaFree(p); }
+};
+
+template <class T>
+void upload(dev_mem& d, const std::vector<T>& h) {
+  REQUIRE(cudaMemcpy(d.p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice) == cudaSuccess);
+}
+
+// Can this spec store pages of 64 tokens of head_dim d (both roles)?
+bool supported(const std::string& spec, int d) {
+  const auto p = parse_format_pair(spec).value_or_throw();
+  return check_shape(p.k, role::k, 64, d).ok() && check_shape(p.v, role::v, 64, d).ok();
+}
+
+struct pair_of_caches {
+  KVCache cpu, gpu;
+  std::shared_ptr<static_policy> pol;
+};
+
+pair_of_caches make(const std::string& spec, int layers, int hq, int h, int d, int page = 64) {
+  cache_config cfg;
+  cfg.shape = {layers, hq, h, d, page, 2 * page, 32};
+  cfg.budget_bytes = 512ull << 20;
+  cfg.max_sequences = 16;
+  cfg.max_tokens = 1 << 15;
+  auto pol = std::make_shared<static_policy>(static_policy::parse(spec).value_or_throw());
+  auto c = KVCache::create(cfg, pol).value_or_throw();
+  cfg.where = backend::cuda;
+  auto g = KVCache::create(cfg, pol).value_or_throw();
+  return {std::move(c), std::move(g), pol};
+}
+
+std::vector<uint16_t> randn_h(std::mt19937& rng, size_t n, float sigma = 1.f) {
+  std::normal_distribution<float> nd(0.f, sigma);
+  std::vector<uint16_t> x(n);
+  for (size_t i = 0; i < n; ++i) x[i] = float_to_half(nd(rng) * ((i % 16) == 5 ? 6.f : 1.f));
+  return x;
+}
+
+// Appends the same fp16 tokens to both caches (host copy for the CPU, device copy for the GPU).
+void append_both(pair_of_caches& c, seq_id s, int layer, const std::vector<uint16_t>& k, const std::vector<uint16_t>& v,
+                 int64_t tokens, int h, int d) {
+  check(c.cpu.append(s, layer, {k.data(), dtype::f16, tokens, h, d}, {v.data(), dtype::f16, tokens, h, d}));
+  dev_mem dk(k.size() * 2), dv(v.size() * 2);
+  upload(dk, k);
+  upload(dv, v);
+  check(c.gpu.append(s, layer, {dk.p, dtype::f16, tokens, h, d}, {dv.p, dtype::f16, tokens, h, d}));
+  REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+}
+
+void require_same_store(pair_of_caches& c, seq_id s, int layer) {
+  const auto& sh = c.cpu.config().shape;
+  const size_t n = size_t(c.cpu.length(s, layer)) * sh.kv_heads * sh.head_dim;
+  for (role r : {role::k, role::v}) {
+    std::vector<float> a(n), b(n);
+    check(c.cpu.read(s, layer, r, a));
+    check(c.gpu.read(s, layer, r, b));
+    for (size_t i = 0; i < n; ++i) {
+      if (a[i] != b[i]) {
+        CAPTURE(int(r), i, a[i], b[i]);
+        REQUIRE(a[i] == b[i]);
+      }
+    }
+  }
+  REQUIRE(c.cpu.stats().page_bytes == c.gpu.stats().page_bytes);
+}
+
+// Runs one attention batch on both backends; returns the NMSE of GPU against CPU.
+double attend_both(pair_of_caches& c, const std::vector<attend_item>& items, int layer, std::mt19937& rng) {
+  const auto& sh = c.cpu.config().shape;
+  int total = 0;
+  for (auto& it : items) total += it.q_len;
+  const auto qh = randn_h(rng, size_t(total) * sh.q_heads * sh.head_dim);
+  std::vector<float> qf(qh.size()), oc(qh.size()), og(qh.size(), std::nanf(""));
+  for (size_t i = 0; i < qh.size(); ++i) qf[i] = half_to_float(qh[i]);
+  check(c.cpu.attend(items, layer, {qf.data(), dtype::f32, total, sh.q_heads, sh.head_dim},
+                     {oc.data(), dtype::f32, total, sh.q_heads, sh.head_dim}));
+  dev_mem dq(qh.size() * 2), dout(og.size() * 4);
+  upload(dq, qh);
+  upload(dout, og);  // poisoned: every element must be written
+  check(c.gpu.attend(items, layer, {dq.p, dtype::f16, total, sh.q_heads, sh.head_dim},
+                     {dout.p, dtype::f32, total, sh.q_heads, sh.head_dim}));
+  REQUIRE(cudaMemcpy(og.data(), dout.p, og.size() * 4, cudaMemcpyDeviceToHost) == cudaSuccess);
+  double e = 0, n = 0;
+  for (size_t i = 0; i < og.size(); ++i) {
+    REQUIRE(std::isfinite(og[i]));
+    e += (og[i] - oc[i]) * double(og[i] - oc[i]);
+    n += double(oc[i]) * oc[i];
+  }
+  return e / n;
+}
+
+}  // namespace
+
+TEST_CASE("gpu: append stores what the CPU stores, every format", "[gpu][append]") {
+  const int fi = GENERATE(range(0, int(format_count)));
+  const int d = GENERATE(64, 128);
+  const std::string spec = format_name(format_id(fi));
+  if (!supported(spec, d)) return;
+  CAPTURE(spec, d);
+  auto c = make(spec, 2, 8, 2, d);
+  std::vector<float> clip(2 * 2 * 2);
+  for (size_t i = 0; i < clip.size(); ++i) clip[i] = 0.8f + 0.05f * float(i % 4);
+  check(c.cpu.set_clip_ratios(clip));
+  check(c.gpu.set_clip_ratios(clip));
+  std::mt19937 rng(uint32_t(fi * 100 + d));
+  check(c.cpu.create_sequence(3));
+  check(c.gpu.create_sequence(3));
+  for (int64_t len : {1, 95, 64, 3, 300}) {  // crosses page edges, one long append
+    auto k = randn_h(rng, size_t(len) * 2 * d), v = randn_h(rng, size_t(len) * 2 * d);
+    append_both(c, 3, 1, k, v, len, 2, d);
+  }
+  require_same_store(c, 3, 1);
+}
+
+TEST_CASE("gpu: decode attention matches the CPU reference over formats and lengths", "[gpu][decode]") {
+  const std::string spec = GENERATE("fp16", "bf16", "fp8", "int8", "sym4/g32", "sym2/g64", "kivi8/g32", "kivi4/g32",
+                                    "kivi2/g32", "kivi4/g64", "ra4/g32", "k=kivi4/g32,v=kivi2/g32", "k=int8,v=kivi4/g128");
+  const int d = GENERATE(64, 128);
+  const int gqa = GENERATE(1, 4, 8);
+  CAPTURE(spec, d, gqa);
+  if (!supported(spec, d)) return;
+  auto c = make(spec, 1, 2 * gqa, 2, d);
+  std::mt19937 rng(uint32_t(spec.size() * 7 + d + gqa));
+  const std::vector<int64_t> lens = small() ? std::vector<int64_t>{1, 65, 130}
+                                            : std::vector<int64_t>{1, 3, 63, 64, 65, 96, 97, 127, 128, 129, 200, 1000};
+  std::vector<attend_item> items;
+  for (size_t i = 0; i < lens.size(); ++i) {
+    check(c.cpu.create_sequence(int64_t(i)));
+    check(c.gpu.create_sequence(int64_t(i)));
+    auto k = randn_h(rng, size_t(lens[i]) * 2 * d), v = randn_h(rng, size_t(lens[i]) * 2 * d);
+    append_both(c, int64_t(i), 0, k, v, lens[i], 2, d);
+    items.push_back({int64_t(i), 1});
+  }
+  // the whole batch of unequal lengths in one launch, then one sequence at a time
+  REQUIRE(attend_both(c, items, 0, rng) < nmse_bound);
+  for (const auto& it : items) {
+    CAPTURE(it.seq);
+    REQUIRE(attend_both(c, {it}, 0, rng) < nmse_bound);
+  }
+}
+
+TEST_CASE("gpu: mixed formats within one sequence (temporal striping)", "[gpu][decode]") {
+  auto c = make("kivi4/g32", 2, 32, 8, 128);
+  std::mt19937 rng(5);
+  check(c.cpu.create_sequence(0));
+  check(c.gpu.create_sequence(0));
+  const char* tiers[] = {"kivi4/g32", "k=kivi2/g32,v=fp8", "fp16", "k=int8,v=kivi2/g64", "ra2/g32", "bf16"};
+  const int steps = small() ? 3 : 6;
+  for (int i = 0; i < steps; ++i) {
+    c.pol->set_all(*parse_format_pair(tiers[i]));
+    c.pol->set_head(1, i % 8, *parse_format_pair("sym4/g32"));
+    const int64_t len = 150 + 37 * i;
+    auto k = randn_h(rng, size_t(len) * 8 * 128), v = randn_h(rng, size_t(len) * 8 * 128);
+    append_both(c, 0, 1, k, v, len, 8, 128);
+  }
+  require_same_store(c, 0, 1);
+  const auto st = c.gpu.stats();
+  int formats_used = 0;
+  for (auto p : st.pages_by_format) formats_used += p > 0;
+  REQUIRE(formats_used >= 6);
+  REQUIRE(attend_both(c, {{0, 1}}, 1, rng) < nmse_bound);
+}
+
+TEST_CASE("gpu: speculative (q_len <= 16) and extend (q_len up to the window) attention", "[gpu][extend]") {
+  const int q_len = GENERATE(2, 5, 16, 64, 128);
+  const int gqa = GENERATE(1, 4);
+  CAPTURE(q_len, gqa);
+  auto c = make("k=kivi4/g32,v=kivi2/g32", 1, 2 * gqa, 2, 128);
+  std::mt19937 rng(uint32_t(q_len * 3 + gqa));
+  std::vector<attend_item> items;
+  const std::vector<int64_t> prefix = small() ? std::vector<int64_t>{70} : std::vector<int64_t>{0, 70, 500};
+  for (size_t i = 0; i < prefix.size(); ++i) {
+    check(c.cpu.create_sequence(int64_t(i)));
+    check(c.gpu.create_sequence(int64_t(i)));
+    if (prefix[i] > 0) {
+      auto k = randn_h(rng, size_t(prefix[i]) * 2 * 128), v = randn_h(rng, size_t(prefix[i]) * 2 * 128);
+      append_both(c, int64_t(i), 0, k, v, prefix[i], 2, 128);
+    }
+    auto k = randn_h(rng, size_t(q_len) * 2 * 128), v = randn_h(rng, size_t(q_len) * 2 * 128);
+    append_both(c, int64_t(i), 0, k, v, q_len, 2, 128);
+    items.push_back({int64_t(i), q_len});
+  }
+  REQUIRE(attend_both(c, items, 0, rng) < nmse_bound);
+}
+
+TEST_CASE("gpu: bad values are rejected before anything is stored", "[gpu][errors]") {
+  auto c = make("kivi4/g32", 1, 8, 2, 128);
+  std::mt19937 rng(1);
+  check(c.gpu.create_sequence(0));
+  check(c.cpu.create_sequence(0));
+  auto k = randn_h(rng, 200 * 2 * 128), v = randn_h(rng, 200 * 2 * 128);
+  append_both(c, 0, 0, k, v, 100, 2, 128);
+  const auto before = c.gpu.stats();
+  auto kb = k;
+  kb[150 * 256 + 17] = 0x7e00;  // fp16 NaN
+  dev_mem dk(kb.size() * 2), dv(v.size() * 2);
+  upload(dk, kb);
+  upload(dv, v);
+  const status s = c.gpu.append(0, 0, {dk.p, dtype::f16, 200, 2, 128}, {dv.p, dtype::f16, 200, 2, 128});
+  REQUIRE(s.code() == errc::non_finite);
+  REQUIRE(c.gpu.stats().page_bytes == before.page_bytes);
+  REQUIRE(c.gpu.stats().used_bytes == before.used_bytes);
+  require_same_store(c, 0, 0);
+}
