@@ -49,6 +49,9 @@ status cuda_status(cudaError_t e, const char* what) {
 }
 
 __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
+// Group sizes, head_dim and page_tokens are powers of two: divisions become shifts (a runtime
+// integer division costs dozens of instructions in the per-tile path).
+__device__ __forceinline__ int log2i(int x) { return 31 - __clz(x); }
 
 // ---------------------------------------------------------------------------------------------
 // attention
@@ -170,13 +173,13 @@ __device__ __forceinline__ void dequant_int_chunk(const uint32_t (&w)[4], format
 #pragma unroll
     for (int i = 0; i < pairs; ++i) m[i] = h2_bits(__hsub2(bits_h2(m[i]), bias));
   } else {
-    const int ng = D / g;
+    const int lg = log2i(g), ng = D >> lg;
     const bool sym = f.fam == family::sym;
     const __half2 bias = __float2half2_rn(sym ? 1024.f + float(1 << (Bits - 1)) : 1024.f);
     // a chunk spans at most two groups (g >= 32); scales change only at 8-channel boundaries
 #pragma unroll
     for (int q = 0; q < elems / 8; ++q) {
-      const int gi = tok * ng + (ch0 + 8 * q) / g;
+      const int gi = tok * ng + ((ch0 + 8 * q) >> lg);
       const __half2 s = __half2half2(__ushort_as_half(scales[gi]));
       const __half2 z = sym ? __float2half2_rn(0.f) : __half2half2(__ushort_as_half(zeros[gi]));
 #pragma unroll
@@ -187,95 +190,236 @@ __device__ __forceinline__ void dequant_int_chunk(const uint32_t (&w)[4], format
   for (int k = 0; k < elems / 8; ++k) out[swz<D>(row, ch0 / 8 + k) / 8] = make_uint4(m[4 * k], m[4 * k + 1], m[4 * k + 2], m[4 * k + 3]);
 }
 
-// Dequantizes rows [row0, row0 + 64) of a page whose codes are Bits wide (16 = fp16/bf16) into a
-// swizzled [64][D] half tile; rows >= valid become zeros. All of a thread's 16-byte loads are
-// issued before the first is used, so each tile costs one memory latency, not one per chunk.
-// KIVI/RoleAlign keys keep their centered codes (code - 2^(b-1), exact in fp16) and the caller
-// folds scales and zero points into the query.
+// ---- the asynchronous copy pipeline --------------------------------------------------------------
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+// Waits until at most n copy groups are pending (n is uniform; at most pipeline_tiles - 1).
+__device__ __forceinline__ void cp_wait_dyn(int n) {
+  switch (n) {
+    case 0: cp_wait<0>(); break;
+    case 1: cp_wait<1>(); break;
+    case 2: cp_wait<2>(); break;
+    case 3: cp_wait<3>(); break;
+    case 4: cp_wait<4>(); break;
+    case 5: cp_wait<5>(); break;
+    case 6: cp_wait<6>(); break;
+    default: cp_wait<7>(); break;
+  }
+}
+
+constexpr int pipeline_tiles = 8;  // tiles in flight at most (cp.async groups)
+
+// Where the bytes of one 64-token tile come from, and their sizes: the K and V code rows and up to
+// two parameter sections per role (scales, zeros), each a contiguous, 16-byte aligned range of its
+// page. A tile of the FP16 ring has only row copies.
+struct tile_src {
+  int tok0, valid, row0;
+  bool ring;
+  format_id fk, fv;
+  const uint8_t* page[2];  // K, V page
+  uint32_t size[2][3];     // [role][codes, params 1, params 2] bytes
+  uint32_t from[2][3];     // offsets of those ranges inside the page
+  __device__ uint32_t bytes() const { return size[0][0] + size[0][1] + size[0][2] + size[1][0] + size[1][1] + size[1][2]; }
+};
+
+template <int D>
+__device__ __forceinline__ void role_ranges(format_id fid, role r, int P, int row0, uint32_t (&size)[3], uint32_t (&from)[3]) {
+  const format_traits f = traits_of(fid);
+  const uint32_t row_bytes = (D * f.bits) >> 3, code_bytes = uint32_t(P) * row_bytes;
+  size[0] = tile_tokens * row_bytes;
+  from[0] = uint32_t(row0) * row_bytes;
+  size[1] = size[2] = 0;
+  from[1] = from[2] = code_bytes;
+  if (f.fam == family::fp8_e4m3) {
+    size[1] = tile_tokens * 4;
+    from[1] += uint32_t(row0) * 4;
+  } else if (f.fam == family::sym || (f.has_zero() && r == role::v)) {
+    const uint32_t per_row = uint32_t(D >> log2i(f.group == 0 ? D : f.group)) * 2;
+    size[1] = tile_tokens * per_row;
+    from[1] += uint32_t(row0) * per_row;
+    if (f.has_zero()) {
+      size[2] = size[1];
+      from[2] = from[1] + uint32_t(P) * per_row;
+    }
+  } else if (f.has_zero()) {  // KIVI keys: the channel scales and zeros of the tile's token groups
+    const int lg = log2i(f.group);
+    const uint32_t ngroups = f.group >= tile_tokens ? 1u : uint32_t(tile_tokens >> lg);
+    size[1] = size[2] = ngroups * D * 2;
+    from[1] += uint32_t(row0 >> lg) * D * 2;
+    from[2] = from[1] + uint32_t(P >> lg) * D * 2;
+  }
+}
+
+// Per-tile page lookups of one thread block, loaded once at kernel start (one memory latency for
+// the whole split instead of one per tile): the K page's offset in 16-byte units and both formats.
+constexpr int max_split_tiles = 256;
+struct tile_table {
+  uint32_t page16[max_split_tiles];
+  format_id fk[max_split_tiles];
+  format_id fv[max_split_tiles];
+};
+
+template <int D>
+__device__ __forceinline__ void load_tile_table(const attend_params& p, const decode_item& item, int h, int t0, int t1,
+                                                tile_table& tt) {
+  const int page_tiles = ceil_div(item.from_pages, tile_tokens);
+  for (int t = t0 + int(threadIdx.x); t < min(t1, page_tiles); t += threads) {
+    const int page = (t * tile_tokens) >> log2i(p.page_tokens);
+    const size_t table_row = (size_t(item.slot) * p.layers + p.layer) * p.max_pages + page;
+    const uint8_t* fm = p.fmts + table_row * p.kv_heads * 2;
+    uint32_t off = 0;
+    for (int hh = 0; hh < h; ++hh) off += p.k_bytes[fm[2 * hh]] + p.v_bytes[fm[2 * hh + 1]];
+    tt.page16[t - t0] = uint32_t((size_t(p.blocks[table_row]) * 256 + off) / 16);
+    tt.fk[t - t0] = fm[2 * h];
+    tt.fv[t - t0] = fm[2 * h + 1];
+  }
+}
+
+template <int D>
+__device__ __forceinline__ tile_src describe_tile(const attend_params& p, const decode_item& item, int h, int t, int t0,
+                                                  const tile_table& tt) {
+  tile_src s{};
+  const int page_tiles = ceil_div(item.from_pages, tile_tokens);
+  if (t < page_tiles) {
+    s.ring = false;
+    s.tok0 = t * tile_tokens;
+    s.valid = min(tile_tokens, item.from_pages - s.tok0);
+    s.row0 = s.tok0 & (p.page_tokens - 1);
+    s.fk = tt.fk[t - t0];
+    s.fv = tt.fv[t - t0];
+    s.page[0] = p.arena + size_t(tt.page16[t - t0]) * 16;
+    s.page[1] = s.page[0] + p.k_bytes[s.fk];
+    role_ranges<D>(s.fk, role::k, p.page_tokens, s.row0, s.size[0], s.from[0]);
+    role_ranges<D>(s.fv, role::v, p.page_tokens, s.row0, s.size[1], s.from[1]);
+  } else {
+    s.ring = true;
+    s.tok0 = item.from_pages + (t - page_tiles) * tile_tokens;
+    s.valid = min(tile_tokens, item.n - s.tok0);
+    s.row0 = 0;
+    s.fk = s.fv = fp16_format;
+    s.page[0] = p.arena + size_t(item.window_unit) * 256 + ((size_t(p.layer) * p.kv_heads + h) * 2) * size_t(p.window) * D * 2;
+    s.page[1] = s.page[0] + size_t(p.window) * D * 2;
+    for (int r = 0; r < 2; ++r) {
+      s.size[r][0] = tile_tokens * D * 2;
+      s.size[r][1] = s.size[r][2] = 0;
+    }
+  }
+  return s;
+}
+
+// Issues the copies of one tile into the raw ring at `dst` (shared address); commits one group.
+template <int D>
+__device__ __forceinline__ void issue_tile(const tile_src& s, uint32_t dst, int window) {
+  if (s.ring) {
+    constexpr int chunks_per_row = D * 2 / 16;
+    for (int c = threadIdx.x; c < 2 * tile_tokens * chunks_per_row; c += threads) {
+      const int r = c / (tile_tokens * chunks_per_row), rem = c % (tile_tokens * chunks_per_row);
+      const int row = rem / chunks_per_row, ch = rem % chunks_per_row;
+      if (row < s.valid)
+        cp_async16(dst + uint32_t(c) * 16, s.page[r] + size_t((s.tok0 + row) % window) * D * 2 + ch * 16);
+    }
+  } else {
+    uint32_t at = dst;
+    for (int r = 0; r < 2; ++r)
+      for (int k = 0; k < 3; ++k) {
+        const uint8_t* src = s.page[r] + s.from[r][k];
+        for (uint32_t c = threadIdx.x; c < s.size[r][k] / 16; c += threads) cp_async16(at + c * 16, src + c * 16);
+        at += s.size[r][k];
+      }
+  }
+  cp_commit();
+}
+
+// One 16-byte chunk (128/Bits channels of one token row) from the raw ring -> halves in the tile.
+// KIVI/RoleAlign keys keep centered codes (code - 2^(b-1), exact in fp16): the caller folds their
+// scales and zero points into the query.
 template <int D, int Bits>
-__device__ __forceinline__ void tile_from_page(const uint8_t* page, format_traits f, role r, int P, int row0, int valid,
-                                               __half* dst) {
-  constexpr int row_bytes = D * Bits / 8, cpr = row_bytes / 16, total = tile_tokens * cpr;
-  constexpr int per_thread = (total + threads - 1) / threads;
-  constexpr int elems = 128 / Bits;
-  const page_layout lay = layout_of(f, r, P, D);
-  const uint16_t* scales = reinterpret_cast<const uint16_t*>(page + lay.code_bytes);
-  const uint16_t* zeros = reinterpret_cast<const uint16_t*>(page + lay.code_bytes + lay.scale_bytes);
+__device__ __forceinline__ void tile_from_raw(const uint8_t* codes, const uint8_t* par1, const uint8_t* par2,
+                                              format_traits f, role r, int valid, __half* dst) {
+  constexpr int row_bytes = D * Bits / 8, cpr = row_bytes / 16, total = tile_tokens * cpr, elems = 128 / Bits;
   const bool k_codes = r == role::k && f.k_along_tokens();
   const int g = f.group == 0 ? D : f.group;
-  uint4 raw[per_thread];
-#pragma unroll
-  for (int i = 0; i < per_thread; ++i) {
-    const int c = threadIdx.x + i * threads, row = c / cpr, col = c % cpr;
-    raw[i] = (c < total && row < valid)
-                 ? __ldg(reinterpret_cast<const uint4*>(page + size_t(row0 + row) * row_bytes + col * 16))
-                 : make_uint4(0, 0, 0, 0);
-  }
+  const uint16_t* scales = reinterpret_cast<const uint16_t*>(par1);
+  const uint16_t* zeros = reinterpret_cast<const uint16_t*>(par2);
   uint4* out = reinterpret_cast<uint4*>(dst);
 #pragma unroll
-  for (int i = 0; i < per_thread; ++i) {
-    const int c = threadIdx.x + i * threads, row = c / cpr, col = c % cpr, ch0 = col * elems, tok = row0 + row;
+  for (int i = 0; i < (total + threads - 1) / threads; ++i) {
+    const int c = threadIdx.x + i * threads, row = c / cpr, col = c % cpr, ch0 = col * elems;
     if (c >= total) break;
     if (row >= valid) {
 #pragma unroll
       for (int k = 0; k < elems / 8; ++k) out[swz<D>(row, ch0 / 8 + k) / 8] = make_uint4(0, 0, 0, 0);
       continue;
     }
-    const uint32_t w[4] = {raw[i].x, raw[i].y, raw[i].z, raw[i].w};
+    const uint4 raw = reinterpret_cast<const uint4*>(codes)[c];
+    const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
     if constexpr (Bits == 16) {
       if (f.fam == family::fp16) {
-        out[swz<D>(row, ch0 / 8) / 8] = raw[i];
+        out[swz<D>(row, ch0 / 8) / 8] = raw;
       } else {
-        uint32_t h[4];
+        uint32_t hh[4];
 #pragma unroll
         for (int j = 0; j < 4; ++j)
-          h[j] = h2_bits(__floats2half2_rn(__uint_as_float(w[j] << 16), __uint_as_float(w[j] & 0xffff0000u)));
-        out[swz<D>(row, ch0 / 8) / 8] = make_uint4(h[0], h[1], h[2], h[3]);
+          hh[j] = h2_bits(__floats2half2_rn(__uint_as_float(w[j] << 16), __uint_as_float(w[j] & 0xffff0000u)));
+        out[swz<D>(row, ch0 / 8) / 8] = make_uint4(hh[0], hh[1], hh[2], hh[3]);
       }
     } else {
       if (Bits == 8 && f.fam == family::fp8_e4m3) {
-        const float sc = reinterpret_cast<const float*>(scales)[tok];
-        uint32_t h[8];
+        const float sc = reinterpret_cast<const float*>(par1)[row];
+        uint32_t hh[8];
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
           const __half2_raw hr =
               __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t((w[j / 2] >> (16 * (j % 2))) & 0xffffu), __NV_E4M3);
           const float2 v = __half22float2(bits_h2(uint32_t(hr.x) | (uint32_t(hr.y) << 16)));
-          h[j] = h2_bits(__floats2half2_rn(v.x * sc, v.y * sc));
+          hh[j] = h2_bits(__floats2half2_rn(v.x * sc, v.y * sc));
         }
-        out[swz<D>(row, ch0 / 8) / 8] = make_uint4(h[0], h[1], h[2], h[3]);
-        out[swz<D>(row, ch0 / 8 + 1) / 8] = make_uint4(h[4], h[5], h[6], h[7]);
+        out[swz<D>(row, ch0 / 8) / 8] = make_uint4(hh[0], hh[1], hh[2], hh[3]);
+        out[swz<D>(row, ch0 / 8 + 1) / 8] = make_uint4(hh[4], hh[5], hh[6], hh[7]);
       } else {
-        dequant_int_chunk<D, Bits>(w, f, k_codes, scales, zeros, tok, ch0, g, out, row);
+        dequant_int_chunk<D, Bits>(w, f, k_codes, scales, zeros, row, ch0, g, out, row);
       }
     }
   }
 }
 
 template <int D>
-__device__ bool dequant_tile(const uint8_t* page, format_id fid, role r, int P, int row0, int valid_rows, __half* dst) {
+__device__ __forceinline__ void dequant_role(const uint8_t* raw, const uint32_t (&size)[3], format_id fid, role r,
+                                             int valid, __half* dst) {
   const format_traits f = traits_of(fid);
+  const uint8_t* p1 = raw + size[0];
+  const uint8_t* p2 = p1 + size[1];
   switch (f.bits) {
-    case 16: tile_from_page<D, 16>(page, f, r, P, row0, valid_rows, dst); break;
-    case 8: tile_from_page<D, 8>(page, f, r, P, row0, valid_rows, dst); break;
-    case 4: tile_from_page<D, 4>(page, f, r, P, row0, valid_rows, dst); break;
-    default: tile_from_page<D, 2>(page, f, r, P, row0, valid_rows, dst); break;
+    case 16: tile_from_raw<D, 16>(raw, p1, p2, f, r, valid, dst); break;
+    case 8: tile_from_raw<D, 8>(raw, p1, p2, f, r, valid, dst); break;
+    case 4: tile_from_raw<D, 4>(raw, p1, p2, f, r, valid, dst); break;
+    default: tile_from_raw<D, 2>(raw, p1, p2, f, r, valid, dst); break;
   }
-  return r == role::k && f.k_along_tokens();
 }
+
+// Raw ring of the copy pipeline: two FP16 tiles (the largest) for head_dim 128; four for 64.
+template <int D>
+constexpr uint32_t raw_ring_bytes = 64 * 1024;
 
 template <int D>
 struct attend_smem {
-  __half k[tile_tokens * D];
-  __half v[tile_tokens * D];
-  __half qh[16 * D];     // the query tile, fp16
-  __half qs[2][16 * D];  // KIVI keys: query scaled by each token group's channel scales
-  float qf[16 * D];      // the query tile, fp32
-  float cz[2][16];       // KIVI keys: q . z per token group and row
+  uint8_t raw[raw_ring_bytes<D>];  // in-flight page bytes, tile after tile
+  __half k[tile_tokens * D];       // the tile's keys (values or centered codes), swizzled
+  __half v[tile_tokens * D];       // the tile's values, swizzled
+  __half qh[16 * D];               // the query tile, fp16, swizzled
+  __half qs[2][16 * D];            // KIVI keys: query scaled by each token group's channel scales
+  float cz[2][16];                 // KIVI keys: q . (z + s 2^(b-1)) per token group and row
+  tile_table tiles;                // page lookups of this block's tiles
 };
 
 template <int D>
-__global__ void __launch_bounds__(threads, D == 128 ? 2 : 3) attend_kernel(const __grid_constant__ attend_params p) {
+__global__ void __launch_bounds__(threads, 2) attend_kernel(const __grid_constant__ attend_params p) {
   extern __shared__ __align__(16) uint8_t smem_raw[];
   attend_smem<D>& sm = *reinterpret_cast<attend_smem<D>*>(smem_raw);
   const int split = blockIdx.x, h = blockIdx.y / p.mtiles, mt = blockIdx.y % p.mtiles;
@@ -287,6 +431,32 @@ __global__ void __launch_bounds__(threads, D == 128 ? 2 : 3) attend_kernel(const
   const int t0 = split * p.tiles_per_split, t1 = min(T, t0 + p.tiles_per_split);
   if (t0 >= T) return;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  constexpr uint32_t ring_bytes = raw_ring_bytes<D>;
+  const uint32_t raw_base = smem_addr(sm.raw);
+
+  // The copy pipeline: tiles are issued in order into the raw ring while space and group slots
+  // last; a tile's bytes are freed once it is dequantized. Every thread keeps the same counters.
+  load_tile_table<D>(p, item, h, t0, t1, sm.tiles);
+  __syncthreads();
+  int issued = t0;
+  uint32_t head = 0, tail = 0;  // monotone byte counters over the ring
+  uint32_t start[pipeline_tiles], end[pipeline_tiles];
+  auto pump = [&](int consumed_upto) {
+    while (issued < t1 && issued - consumed_upto < pipeline_tiles) {
+      const tile_src s = describe_tile<D>(p, item, h, issued, t0, sm.tiles);
+      const uint32_t need = s.bytes();
+      const uint32_t off = head % ring_bytes;
+      const uint32_t pad = off + need > ring_bytes ? ring_bytes - off : 0;
+      if (head + pad + need - tail > ring_bytes) break;
+      head += pad;
+      start[issued % pipeline_tiles] = head % ring_bytes;
+      issue_tile<D>(s, raw_base + head % ring_bytes, p.window);
+      head += need;
+      end[issued % pipeline_tiles] = head;
+      ++issued;
+    }
+  };
+  pump(t0);
 
   // query tile: row r -> query i = (mt*16 + r) / group, head h*group + (mt*16 + r) % group
   for (int idx = tid; idx < 16 * D; idx += threads) {
@@ -296,58 +466,59 @@ __global__ void __launch_bounds__(threads, D == 128 ? 2 : 3) attend_kernel(const
       const int i = mm / p.group, qh = h * p.group + mm % p.group;
       x = load_any(p.q, p.q_type, int64_t(item.q_row + i) * p.q_stride + int64_t(qh) * D + c);
     }
-    sm.qf[r * D + c] = x;
     sm.qh[swz<D>(r, c / 8) + c % 8] = __float2half_rn(x);
   }
 
-  // per-lane softmax state for rows lane/4 and lane/4 + 8
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
   float acc[D / 8][4];
 #pragma unroll
   for (int j = 0; j < D / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-
-  const int R = p.window, P = p.page_tokens;
-  const size_t table_row = (size_t(item.slot) * p.layers + p.layer) * p.max_pages;
   const int q_first = item.n - item.q_len;  // position of query 0
+  // last visible token of this lane's two rows (lane/4 and lane/4 + 8): causal mask bound
+  const int last_visible[2] = {q_first + (mt * 16 + lane / 4) / p.group, q_first + (mt * 16 + lane / 4 + 8) / p.group};
 
   for (int t = t0; t < t1; ++t) {
-    __syncthreads();  // previous tile fully consumed (and the query tile written)
-    int tok0, valid;
+    cp_wait_dyn(issued - t - 1);  // this tile's group has landed (for this thread's copies)
+    __syncthreads();              // ... for every thread's, and the previous tile is consumed
+    const tile_src s = describe_tile<D>(p, item, h, t, t0, sm.tiles);
+    const uint8_t* raw = sm.raw + start[t % pipeline_tiles];
     bool k_codes = false;
-    int groups_base = 0, G = 0;
-    if (t < page_tiles) {
-      tok0 = t * tile_tokens;
-      valid = min(tile_tokens, item.from_pages - tok0);
-      const int page = tok0 / P, row0 = tok0 % P;
-      const uint8_t* fm = p.fmts + (table_row + page) * p.kv_heads * 2;
-      uint32_t off = 0;
-      for (int hh = 0; hh < h; ++hh) off += p.k_bytes[fm[2 * hh]] + p.v_bytes[fm[2 * hh + 1]];
-      const uint8_t* kpage = p.arena + size_t(p.blocks[table_row + page]) * 256 + off;
-      const format_id fk = fm[2 * h], fv = fm[2 * h + 1];
-      const uint8_t* vpage = kpage + p.k_bytes[fk];
-      k_codes = dequant_tile<D>(kpage, fk, role::k, P, row0, valid, sm.k);
-      dequant_tile<D>(vpage, fv, role::v, P, row0, valid, sm.v);
+    int groups_base = 0, G = 1;
+    if (s.ring) {
+      constexpr int cpr = D * 2 / 16;
+#pragma unroll
+      for (int i = 0; i < tile_tokens * cpr / threads; ++i) {
+        const int c = tid + i * threads, row = c / cpr, ch = c % cpr;
+        const bool ok = row < s.valid;
+        const uint4 kk = ok ? reinterpret_cast<const uint4*>(raw)[c] : make_uint4(0, 0, 0, 0);
+        const uint4 vv = ok ? reinterpret_cast<const uint4*>(raw + tile_tokens * D * 2)[c] : make_uint4(0, 0, 0, 0);
+        reinterpret_cast<uint4*>(sm.k)[swz<D>(row, ch) / 8] = kk;
+        reinterpret_cast<uint4*>(sm.v)[swz<D>(row, ch) / 8] = vv;
+      }
+    } else {
+      const uint8_t* vraw = raw + s.size[0][0] + s.size[0][1] + s.size[0][2];
+      dequant_role<D>(raw, s.size[0], s.fk, role::k, s.valid, sm.k);
+      dequant_role<D>(vraw, s.size[1], s.fv, role::v, s.valid, sm.v);
+      const format_traits fk = traits_of(s.fk);
+      k_codes = fk.k_along_tokens();
       if (k_codes) {
-        // fold the channel scales into the query and the zero points into q . z, per token group
-        G = traits_of(fk).group;
-        const float mid = float(1 << (traits_of(fk).bits - 1));  // codes are centered by 2^(b-1)
-        groups_base = row0 / G;
-        const int ngroups = G >= tile_tokens ? 1 : tile_tokens / G;
-        const page_layout lay = layout_of(traits_of(fk), role::k, P, D);
-        const __half* sc = reinterpret_cast<const __half*>(kpage + lay.code_bytes);
-        const __half* zr = reinterpret_cast<const __half*>(kpage + lay.code_bytes + lay.scale_bytes);
+        // fold the channel scales into the query and the zero points into one dot product per row
+        G = fk.group;
+        groups_base = s.row0 >> log2i(G);
+        const int ngroups = G >= tile_tokens ? 1 : tile_tokens >> log2i(G);
+        const float mid = float(1 << (fk.bits - 1));  // codes are centered by 2^(b-1)
+        const __half* sc = reinterpret_cast<const __half*>(raw + s.size[0][0]);
+        const __half* zr = reinterpret_cast<const __half*>(raw + s.size[0][0] + s.size[0][1]);
+        const int r = tid / 8, c0 = (tid % 8) * (D / 8);
         for (int gi = 0; gi < ngroups; ++gi) {
-          const int r = tid / 8, c0 = (tid % 8) * (D / 8);
-          const __half* s = sc + size_t(groups_base + gi) * D;
-          const __half* z = zr + size_t(groups_base + gi) * D;
           float cz = 0.f;
 #pragma unroll
           for (int c = c0; c < c0 + D / 8; c += 2) {
-            const float2 s2 = __half22float2(*reinterpret_cast<const __half2*>(s + c));
-            const float2 z2 = __half22float2(*reinterpret_cast<const __half2*>(z + c));
-            const float q0 = sm.qf[r * D + c], q1 = sm.qf[r * D + c + 1];
-            *reinterpret_cast<__half2*>(&sm.qs[gi][swz<D>(r, c / 8) + c % 8]) = __floats2half2_rn(q0 * s2.x, q1 * s2.y);
-            cz += q0 * fmaf(s2.x, mid, z2.x) + q1 * fmaf(s2.y, mid, z2.y);
+            const float2 s2 = __half22float2(*reinterpret_cast<const __half2*>(sc + gi * D + c));
+            const float2 z2 = __half22float2(*reinterpret_cast<const __half2*>(zr + gi * D + c));
+            const float2 q2 = __half22float2(*reinterpret_cast<const __half2*>(&sm.qh[swz<D>(r, c / 8) + c % 8]));
+            *reinterpret_cast<__half2*>(&sm.qs[gi][swz<D>(r, c / 8) + c % 8]) = __floats2half2_rn(q2.x * s2.x, q2.y * s2.y);
+            cz += q2.x * fmaf(s2.x, mid, z2.x) + q2.y * fmaf(s2.y, mid, z2.y);
           }
           cz += __shfl_xor_sync(0xffffffffu, cz, 1);
           cz += __shfl_xor_sync(0xffffffffu, cz, 2);
@@ -355,44 +526,24 @@ __global__ void __launch_bounds__(threads, D == 128 ? 2 : 3) attend_kernel(const
           if (tid % 8 == 0) sm.cz[gi][r] = cz;
         }
       }
-    } else {
-      tok0 = item.from_pages + (t - page_tiles) * tile_tokens;
-      valid = min(tile_tokens, item.n - tok0);
-      const uint8_t* win = p.arena + size_t(item.window_unit) * 256 +
-                           ((size_t(p.layer) * p.kv_heads + h) * 2) * size_t(R) * D * 2;
-      constexpr int per_thread = tile_tokens * (D / 8) / threads;
-      uint4 kk[per_thread], vv[per_thread];
-#pragma unroll
-      for (int i = 0; i < per_thread; ++i) {
-        const int c = tid + i * threads, row = c / (D / 8), ch = c % (D / 8);
-        kk[i] = vv[i] = make_uint4(0, 0, 0, 0);
-        if (row < valid) {
-          const size_t slot = size_t((tok0 + row) % R) * D * 2 + ch * 16;
-          kk[i] = __ldg(reinterpret_cast<const uint4*>(win + slot));
-          vv[i] = __ldg(reinterpret_cast<const uint4*>(win + size_t(R) * D * 2 + slot));
-        }
-      }
-#pragma unroll
-      for (int i = 0; i < per_thread; ++i) {
-        const int c = tid + i * threads, row = c / (D / 8), ch = c % (D / 8);
-        reinterpret_cast<uint4*>(sm.k)[swz<D>(row, ch) / 8] = kk[i];
-        reinterpret_cast<uint4*>(sm.v)[swz<D>(row, ch) / 8] = vv[i];
-      }
     }
-    __syncthreads();
+    __syncthreads();  // tile ready; its raw bytes are free
+    tail = end[t % pipeline_tiles];
+    pump(t + 1);  // keep the copies flowing while the tensor cores work
 
     // ---- S = Q K^T for this warp's 16 tokens ----
+    const int tok0 = s.tok0, valid = s.valid;
     const int wrow = warp * 16;
-    const int gsel = k_codes ? (tok0 % P + wrow) / G - groups_base : 0;
+    const int gsel = k_codes ? ((s.row0 + wrow) >> log2i(G)) - groups_base : 0;
     const __half* qa = k_codes ? sm.qs[gsel] : sm.qh;
-    float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    float sc4[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks) {
       uint32_t a0, a1, a2, a3, b0, b1, b2, b3;
       ldsm_x4(smem_addr(qa + swz<D>((lane % 8) + ((lane / 8) % 2) * 8, ks * 2 + lane / 16)), a0, a1, a2, a3);
       ldsm_x4(smem_addr(sm.k + swz<D>(wrow + (lane / 16) * 8 + lane % 8, ks * 2 + (lane / 8) % 2)), b0, b1, b2, b3);
-      mma16816(s[0], a0, a1, a2, a3, b0, b1);
-      mma16816(s[1], a0, a1, a2, a3, b2, b3);
+      mma16816(sc4[0], a0, a1, a2, a3, b0, b1);
+      mma16816(sc4[1], a0, a1, a2, a3, b2, b3);
     }
     // ---- scale, zero-point term, mask, online softmax ----
     const int r_lo = lane / 4;
@@ -403,13 +554,12 @@ __global__ void __launch_bounds__(threads, D == 128 ? 2 : 3) attend_kernel(const
       for (int e = 0; e < 4; ++e) {
         const int r = r_lo + (e / 2) * 8;
         const int j = tok0 + wrow + nt * 8 + (lane % 4) * 2 + (e % 2);
-        const int i = (mt * 16 + r) / p.group;
-        float x = s[nt][e];
+        float x = sc4[nt][e];
         if (k_codes) x += sm.cz[gsel][r];
         x *= p.scale_log2;
-        const bool ok = (j - tok0) < valid && j <= q_first + i;
-        s[nt][e] = ok ? x : -INFINITY;
-        tile_max[e / 2] = fmaxf(tile_max[e / 2], s[nt][e]);
+        const bool ok = (j - tok0) < valid && j <= last_visible[e / 2];
+        sc4[nt][e] = ok ? x : -INFINITY;
+        tile_max[e / 2] = fmaxf(tile_max[e / 2], sc4[nt][e]);
       }
     __half2 pf[2][2];
 #pragma unroll
@@ -427,8 +577,8 @@ __global__ void __launch_bounds__(threads, D == 128 ? 2 : 3) attend_kernel(const
       }
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
-        const float p0 = m_new == -INFINITY ? 0.f : exp2f(s[nt][2 * hr] - m_new);
-        const float p1 = m_new == -INFINITY ? 0.f : exp2f(s[nt][2 * hr + 1] - m_new);
+        const float p0 = m_new == -INFINITY ? 0.f : exp2f(sc4[nt][2 * hr] - m_new);
+        const float p1 = m_new == -INFINITY ? 0.f : exp2f(sc4[nt][2 * hr + 1] - m_new);
         row_sum[hr] += p0 + p1;
         pf[nt][hr] = __floats2half2_rn(p0, p1);
       }
@@ -451,8 +601,9 @@ __global__ void __launch_bounds__(threads, D == 128 ? 2 : 3) attend_kernel(const
     row_sum[hr] += __shfl_xor_sync(0xffffffffu, row_sum[hr], 2);
   }
   __syncthreads();
-  float* wo = reinterpret_cast<float*>(sm.k);  // [4 warps][16][D] floats over the K and V tiles
-  float* wml = sm.qf;                          // [4 warps][16][2]
+  float* wo = reinterpret_cast<float*>(sm.raw);  // [4 warps][16][D] floats
+  float* wml = wo + 4 * 16 * D;                  // [4 warps][16][2]
+  static_assert(sizeof(float) * (4 * 16 * D + 4 * 16 * 2) <= raw_ring_bytes<D>, "merge area fits the raw ring");
   const int r_lo = lane / 4;
 #pragma unroll
   for (int j = 0; j < D / 8; ++j)
@@ -528,7 +679,8 @@ launch_plan plan_for(const attend_args& a) {
   lp.mtiles = ceil_div(group * max_q, 16);
   const int64_t base = int64_t(std::max<size_t>(1, a.items.size())) * a.kv.kv_heads * lp.mtiles;
   const int64_t want = int64_t(a.num_sms) * 4;
-  const int splits = int(std::clamp<int64_t>((want + base - 1) / base, 1, lp.max_tiles));
+  int splits = int(std::clamp<int64_t>((want + base - 1) / base, 1, lp.max_tiles));
+  splits = std::max(splits, ceil_div(lp.max_tiles, max_split_tiles));
   lp.tiles_per_split = ceil_div(lp.max_tiles, splits);
   lp.max_splits = ceil_div(lp.max_tiles, lp.tiles_per_split);
   return lp;

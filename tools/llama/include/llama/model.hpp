@@ -1,0 +1,153 @@
+#pragma once
+/// \file
+/// Llama-architecture forward pass on the CPU (Eigen), attention through `kvq::KVCache`.
+///
+/// Per layer: RMSNorm → Q, K, V projections → RoPE (llama.cpp "normal" layout: adjacent pairs
+/// (2i, 2i+1) rotated by pos * base^(-2i/n_rot), as GGUF llama files expect) → K, V appended to
+/// the cache, attention of the chunk's queries → output projection and residual → RMSNorm →
+/// SwiGLU FFN (down(silu(gate(x)) * up(x))) and residual. Then the final RMSNorm and the output
+/// head (tied to `token_embd.weight` when the file has no `output.weight`).
+///
+/// Weights are dequantized to float at load (fine for the small models kvq evaluates on:
+/// SmolLM2-135M takes about 540 MB). Matrices are stored as in GGUF: [out][in] row-major.
+///
+/// Positions: a chunk's first token has position `cache.length(seq, 0)`, so a sequence is fed
+/// chunk after chunk (prefill) and then one token at a time (decode). A chunk holds at most the
+/// cache's window R tokens (the cache's limit on q_len); `prefill` splits longer inputs.
+///
+/// A reference path (`forward_reference`) recomputes attention from scratch in plain float over
+/// K and V kept in a `reference_kv`, with no kvq cache at all: the baseline that a cache
+/// configuration is compared to.
+
+#include <cstdint>
+#include <kvq/cache/cache.hpp>
+#include <kvq/status.hpp>
+#include <llama/gguf.hpp>
+#include <llama/tokenizer.hpp>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace kvq::llama {
+
+/// Hyper-parameters of a Llama-architecture model, from `llama.*` metadata.
+struct llama_hparams {
+  int n_vocab = 0;
+  int n_embd = 0;  ///< model width
+  int n_layer = 0;
+  int n_head = 0;     ///< query heads
+  int n_head_kv = 0;  ///< key/value heads (GQA: n_head is a multiple)
+  int head_dim = 0;
+  int n_ff = 0;         ///< FFN hidden width
+  int n_rot = 0;        ///< rotated channels per head (`rope.dimension_count`, default head_dim)
+  int n_ctx_train = 0;  ///< training context (informational)
+  float rms_eps = 1e-5f;
+  float rope_base = 10000.f;
+};
+
+/// One transformer block's weights, [out][in] row-major.
+struct llama_layer {
+  std::vector<float> attn_norm;  ///< [n_embd]
+  std::vector<float> wq;         ///< [n_head * head_dim][n_embd]
+  std::vector<float> wk;         ///< [n_head_kv * head_dim][n_embd]
+  std::vector<float> wv;         ///< [n_head_kv * head_dim][n_embd]
+  std::vector<float> wo;         ///< [n_embd][n_head * head_dim]
+  std::vector<float> ffn_norm;   ///< [n_embd]
+  std::vector<float> w_gate;     ///< [n_ff][n_embd]
+  std::vector<float> w_up;       ///< [n_ff][n_embd]
+  std::vector<float> w_down;     ///< [n_embd][n_ff]
+};
+
+/// K and V of one sequence for the reference path: per layer [tokens][n_head_kv][head_dim].
+struct reference_kv {
+  std::vector<std::vector<float>> k, v;
+  int64_t length = 0;  ///< tokens held (same in every layer)
+  /// Round K and V through fp16 as they are stored (what an FP16 cache does to them), so the
+  /// reference isolates the cache's attention from its storage rounding.
+  bool round_to_f16 = false;
+};
+
+/// Which logits a forward call writes.
+enum class logits_mode : uint8_t {
+  last,  ///< [n_vocab]: the chunk's last token only
+  all,   ///< [tokens][n_vocab]: every token of the chunk
+};
+
+/// A loaded model: hyper-parameters and float weights. Immutable after load; forward calls may
+/// run concurrently on distinct caches.
+class llama_model {
+ public:
+  /// Reads hyper-parameters and dequantizes every weight of a GGUF file of architecture
+  /// `llama`. Errors name the file and the key or tensor: missing tensor (not_found), wrong
+  /// shape or inconsistent hyper-parameters (io_error), unsupported architecture, RoPE scaling
+  /// or tensor type (unsupported).
+  static result<llama_model> load(const gguf_file& f);
+  /// Opens (memory-maps) and loads `path`.
+  static result<llama_model> load(const std::string& path);
+
+  const llama_hparams& hparams() const { return hp_; }
+  const std::string& name() const { return name_; }
+  /// True when the output head is `token_embd.weight` (no `output.weight` in the file).
+  bool tied_output() const { return tied_output_; }
+
+  /// A cache shape for this model (layers, heads, head_dim) with kvq's default page_tokens,
+  /// window and recent.
+  kvq::cache_shape cache_shape() const;
+
+  /// Runs one chunk of `tokens` of sequence `seq` through the model, appending its K and V to
+  /// `cache` and attending through it. Positions start at `cache.length(seq, 0)`.
+  /// \param tokens [T] token ids, 1 <= T <= the cache's window
+  /// \param logits [n_vocab] (mode last) or [T][n_vocab] (mode all) output
+  /// Errors: invalid_argument (bad chunk, token id or logits size), not_found (unknown sequence),
+  /// or the cache's status (budget, non-finite K/V). After a failed call the sequence's layers may
+  /// hold different lengths: release it.
+  status forward(kvq::KVCache& cache, kvq::seq_id seq, std::span<const token_id> tokens, std::span<float> logits,
+                 logits_mode mode = logits_mode::last) const;
+
+  /// `forward` over any number of tokens, in chunks of at most the cache's window. Logits as in
+  /// `forward`, over all of `tokens` for mode all.
+  status prefill(kvq::KVCache& cache, kvq::seq_id seq, std::span<const token_id> tokens, std::span<float> logits,
+                 logits_mode mode = logits_mode::last) const;
+
+  /// The same computation with attention recomputed from scratch in plain float over `kv` (no
+  /// cache, no chunk limit). Positions start at `kv.length`.
+  status forward_reference(reference_kv& kv, std::span<const token_id> tokens, std::span<float> logits,
+                           logits_mode mode = logits_mode::last) const;
+
+  /// Raw weights (for tests and analysis).
+  const std::vector<float>& token_embd() const { return tok_embd_; }
+  const std::vector<llama_layer>& layers() const { return layers_; }
+
+ private:
+  llama_model() = default;
+
+  // Shared pieces of both forward paths, on [T][...] row-major float buffers.
+  status check_chunk(std::span<const token_id> tokens, std::span<const float> logits, logits_mode mode) const;
+  void embed(std::span<const token_id> tokens, std::vector<float>& x) const;
+  void attention_inputs(int layer, const std::vector<float>& x, int64_t T, int64_t pos0, std::vector<float>& q,
+                        std::vector<float>& k, std::vector<float>& v) const;
+  void attention_output_and_ffn(int layer, std::vector<float>& x, const std::vector<float>& attn, int64_t T) const;
+  void output_logits(const std::vector<float>& x, int64_t T, std::span<float> logits, logits_mode mode) const;
+  void rope(float* rows, int64_t T, int heads, int64_t pos0) const;
+
+  std::string name_;
+  llama_hparams hp_;
+  std::vector<double> inv_freq_;  // [n_rot / 2] base^(-2i / n_rot)
+  std::vector<float> tok_embd_;   // [n_vocab][n_embd]
+  std::vector<float> out_norm_;   // [n_embd]
+  std::vector<float> output_;     // [n_vocab][n_embd]; empty when tied
+  bool tied_output_ = false;
+  std::vector<llama_layer> layers_;
+};
+
+/// Index of the largest logit (the first on ties); -1 for an empty span.
+token_id argmax(std::span<const float> logits);
+
+/// Creates a CPU cache for `model` under a static policy given by `policy_spec` (the grammar of
+/// `kvq::static_policy::parse`, e.g. "fp16", "k=kivi4/g32,v=kivi2/g32;0=fp16"), with a budget
+/// in bytes and the paging of `kvq::cache_shape` (page_tokens, window R, recent r). Errors: the
+/// spec parser's or the cache's (e.g. a quantized format with head_dim not a multiple of 32).
+result<kvq::KVCache> make_cache(const llama_model& model, std::string_view policy_spec, uint64_t budget_bytes,
+                                int page_tokens = 64, int window = 128, int recent = 64);
+
+}  // namespace kvq::llama

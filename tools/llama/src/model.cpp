@@ -1,0 +1,417 @@
+#include <fmt/format.h>
+
+#include <Eigen/Core>
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <kvq/policy/static_policy.hpp>
+#include <limits>
+#include <llama/model.hpp>
+
+namespace kvq::llama {
+
+namespace {
+
+using row_matrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+using const_map = Eigen::Map<const row_matrix>;
+using mut_map = Eigen::Map<row_matrix>;
+
+/// y[T][out] = x[T][in] * w[out][in]^T
+void matmul_t(const float* x, int64_t T, int64_t in, const std::vector<float>& w, int64_t out, float* y) {
+  const_map X(x, T, in);
+  const_map W(w.data(), out, in);
+  mut_map Y(y, T, out);
+  Y.noalias() = X * W.transpose();
+}
+
+/// y[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w, row by row.
+void rms_norm(const float* x, int64_t T, int64_t n, const std::vector<float>& w, float eps, float* y) {
+  for (int64_t t = 0; t < T; ++t) {
+    const float* xr = x + t * n;
+    float* yr = y + t * n;
+    double ss = 0;
+    for (int64_t i = 0; i < n; ++i) ss += double(xr[i]) * xr[i];
+    const float inv = float(1.0 / std::sqrt(ss / double(n) + double(eps)));
+    for (int64_t i = 0; i < n; ++i) yr[i] = xr[i] * inv * w[size_t(i)];
+  }
+}
+
+/// Rounds a float to the nearest fp16 value (ties to even) and back; fp16 overflow gives ±inf.
+float round_f16(float f) {
+  const uint32_t x = std::bit_cast<uint32_t>(f);
+  const uint32_t sign = x & 0x80000000u;
+  const uint32_t ax = x & 0x7fffffffu;
+  if (ax >= 0x7f800000u) return f;  // inf / nan
+  const float a = std::bit_cast<float>(ax);
+  if (a >= 65520.f) return std::bit_cast<float>(sign | 0x7f800000u);
+  float r;
+  if (a < 6.103515625e-05f) {  // fp16 subnormal range: quantum 2^-24
+    r = std::nearbyint(a * 16777216.f) / 16777216.f;
+  } else {
+    // Keep 10 mantissa bits: add half an ulp (ties to even) and truncate.
+    const uint32_t lsb = (ax >> 13) & 1;
+    r = std::bit_cast<float>((ax + 0xfffu + lsb) & ~0x1fffu);
+  }
+  return std::bit_cast<float>(sign | std::bit_cast<uint32_t>(r));
+}
+
+constexpr int64_t max_dim = 1 << 20;  // sanity bound on every hyper-parameter read from a file
+
+}  // namespace
+
+// ---- loading ------------------------------------------------------------------------------------
+
+result<llama_model> llama_model::load(const std::string& path) {
+  auto f = gguf_file::open(path);
+  if (!f) return f.error();
+  return load(*f);
+}
+
+result<llama_model> llama_model::load(const gguf_file& f) {
+  llama_model m;
+  const std::string& path = f.path();
+  auto arch = f.get_string("general.architecture");
+  if (!arch) return arch.error();
+  if (*arch != "llama")
+    return status{errc::unsupported,
+                  fmt::format("{}: architecture '{}' is not supported (expected 'llama')", path, *arch)};
+  m.name_ = f.get_string("general.name").ok() ? f.get_string("general.name").value() : path;
+
+  auto int_key = [&](const std::string& key, int64_t fallback, bool required, int& out) -> status {
+    auto v = required ? f.get_int(key) : f.get_int_or(key, fallback);
+    if (!v) return v.error();
+    if (*v <= 0 || *v > max_dim)
+      return {errc::io_error, fmt::format("{}: {} = {} is out of range (1..{})", path, key, *v, max_dim)};
+    out = int(*v);
+    return {};
+  };
+  llama_hparams& hp = m.hp_;
+  KVQ_TRY(int_key("llama.embedding_length", 0, true, hp.n_embd));
+  KVQ_TRY(int_key("llama.block_count", 0, true, hp.n_layer));
+  KVQ_TRY(int_key("llama.feed_forward_length", 0, true, hp.n_ff));
+  KVQ_TRY(int_key("llama.attention.head_count", 0, true, hp.n_head));
+  KVQ_TRY(int_key("llama.attention.head_count_kv", hp.n_head, false, hp.n_head_kv));
+  KVQ_TRY(int_key("llama.context_length", 2048, false, hp.n_ctx_train));
+  if (hp.n_embd % hp.n_head != 0 && !f.find("llama.attention.key_length"))
+    return status{errc::io_error, fmt::format("{}: embedding_length {} is not a multiple of head_count {}", path,
+                                              hp.n_embd, hp.n_head)};
+  KVQ_TRY(int_key("llama.attention.key_length", hp.n_embd / std::max(hp.n_head, 1), false, hp.head_dim));
+  int value_length = 0;
+  KVQ_TRY(int_key("llama.attention.value_length", hp.head_dim, false, value_length));
+  if (value_length != hp.head_dim)
+    return status{errc::unsupported,
+                  fmt::format("{}: key_length {} differs from value_length {}", path, hp.head_dim, value_length)};
+  KVQ_TRY(int_key("llama.rope.dimension_count", hp.head_dim, false, hp.n_rot));
+  if (hp.n_head % hp.n_head_kv != 0)
+    return status{errc::io_error, fmt::format("{}: head_count {} is not a multiple of head_count_kv {}", path,
+                                              hp.n_head, hp.n_head_kv)};
+  if (hp.n_rot > hp.head_dim || hp.n_rot % 2 != 0)
+    return status{errc::io_error, fmt::format("{}: rope.dimension_count {} must be even and at most head_dim {}", path,
+                                              hp.n_rot, hp.head_dim)};
+  auto eps = f.get_float_or("llama.attention.layer_norm_rms_epsilon", 1e-5);
+  if (!eps) return eps.error();
+  auto base = f.get_float_or("llama.rope.freq_base", 10000.0);
+  if (!base) return base.error();
+  if (!(*eps >= 0 && *eps < 1))
+    return status{errc::io_error, fmt::format("{}: layer_norm_rms_epsilon {} is out of range", path, *eps)};
+  if (!(*base > 1 && std::isfinite(*base)))
+    return status{errc::io_error, fmt::format("{}: rope.freq_base {} is out of range", path, *base)};
+  hp.rms_eps = float(*eps);
+  hp.rope_base = float(*base);
+  if (f.find("llama.rope.scaling.type")) {
+    auto v = f.get_string("llama.rope.scaling.type");
+    if (!v) return v.error();
+    if (*v != "none")
+      return status{errc::unsupported, fmt::format("{}: llama.rope.scaling.type '{}' is not supported", path, *v)};
+  }
+  if (auto v = f.get_float_or("llama.rope.scaling.factor", 1.0); !v) {
+    return v.error();
+  } else if (*v != 1.0 && *v != 0.0) {
+    return status{errc::unsupported, fmt::format("{}: llama.rope.scaling.factor {} is not supported", path, *v)};
+  }
+
+  // Tensors: check the shape of each before dequantizing it.
+  auto load_tensor = [&](const std::string& name, std::initializer_list<int64_t> shape,
+                         std::vector<float>& out) -> status {
+    const gguf_tensor_info* t = f.find_tensor(name);
+    if (!t) return {errc::not_found, fmt::format("{}: tensor '{}' is missing", path, name)};
+    bool same = t->n_dims == int(shape.size());
+    size_t i = 0;
+    for (int64_t d : shape) same = same && t->ne[i++] == d;
+    if (!same) {
+      std::string want = "[";
+      i = 0;
+      for (int64_t d : shape) want += fmt::format("{}{}", i++ ? ", " : "", d);
+      return {errc::io_error,
+              fmt::format("{}: tensor '{}' has shape {}, expected {}", path, name, t->shape_string(), want + "]")};
+    }
+    out.assign(size_t(t->elements), 0.f);
+    return f.dequantize_into(*t, out);
+  };
+
+  const gguf_tensor_info* emb = f.find_tensor("token_embd.weight");
+  if (!emb) return status{errc::not_found, fmt::format("{}: tensor 'token_embd.weight' is missing", path)};
+  if (emb->n_dims != 2 || emb->ne[1] > max_dim)
+    return status{errc::io_error, fmt::format("{}: tensor 'token_embd.weight' has shape {}, expected [{}, n_vocab]",
+                                              path, emb->shape_string(), hp.n_embd)};
+  hp.n_vocab = int(emb->ne[1]);
+  if (auto v = f.get_int_or("llama.vocab_size", hp.n_vocab); !v.ok() || *v != hp.n_vocab)
+    return status{errc::io_error,
+                  fmt::format("{}: llama.vocab_size disagrees with token_embd.weight's {} rows", path, hp.n_vocab)};
+  const int64_t E = hp.n_embd, Dq = int64_t(hp.n_head) * hp.head_dim, Dkv = int64_t(hp.n_head_kv) * hp.head_dim;
+  KVQ_TRY(load_tensor("token_embd.weight", {E, hp.n_vocab}, m.tok_embd_));
+  KVQ_TRY(load_tensor("output_norm.weight", {E}, m.out_norm_));
+  if (f.find_tensor("output.weight")) {
+    KVQ_TRY(load_tensor("output.weight", {E, hp.n_vocab}, m.output_));
+  } else {
+    m.tied_output_ = true;
+  }
+  // Grown layer by layer: a corrupt block_count fails at its first missing tensor, not after a
+  // huge allocation.
+  for (int l = 0; l < hp.n_layer; ++l) {
+    llama_layer& L = m.layers_.emplace_back();
+    const std::string p = fmt::format("blk.{}.", l);
+    KVQ_TRY(load_tensor(p + "attn_norm.weight", {E}, L.attn_norm));
+    KVQ_TRY(load_tensor(p + "attn_q.weight", {E, Dq}, L.wq));
+    KVQ_TRY(load_tensor(p + "attn_k.weight", {E, Dkv}, L.wk));
+    KVQ_TRY(load_tensor(p + "attn_v.weight", {E, Dkv}, L.wv));
+    KVQ_TRY(load_tensor(p + "attn_output.weight", {Dq, E}, L.wo));
+    KVQ_TRY(load_tensor(p + "ffn_norm.weight", {E}, L.ffn_norm));
+    KVQ_TRY(load_tensor(p + "ffn_gate.weight", {E, hp.n_ff}, L.w_gate));
+    KVQ_TRY(load_tensor(p + "ffn_up.weight", {E, hp.n_ff}, L.w_up));
+    KVQ_TRY(load_tensor(p + "ffn_down.weight", {hp.n_ff, E}, L.w_down));
+  }
+
+  m.inv_freq_.resize(size_t(hp.n_rot / 2));
+  for (int i = 0; i < hp.n_rot / 2; ++i) m.inv_freq_[size_t(i)] = std::pow(double(hp.rope_base), -2.0 * i / hp.n_rot);
+  return m;
+}
+
+kvq::cache_shape llama_model::cache_shape() const {
+  kvq::cache_shape s;
+  s.layers = hp_.n_layer;
+  s.q_heads = hp_.n_head;
+  s.kv_heads = hp_.n_head_kv;
+  s.head_dim = hp_.head_dim;
+  return s;
+}
+
+// ---- shared pieces ------------------------------------------------------------------------------
+
+status llama_model::check_chunk(std::span<const token_id> tokens, std::span<const float> logits,
+                                logits_mode mode) const {
+  if (tokens.empty()) return {errc::invalid_argument, "forward: empty chunk of tokens"};
+  for (size_t i = 0; i < tokens.size(); ++i)
+    if (tokens[i] < 0 || tokens[i] >= hp_.n_vocab)
+      return {errc::invalid_argument,
+              fmt::format("forward: token {} of the chunk is id {}, outside the vocabulary of {}", i, tokens[i],
+                          hp_.n_vocab)};
+  const size_t want = (mode == logits_mode::all ? tokens.size() : 1) * size_t(hp_.n_vocab);
+  if (logits.size() != want)
+    return {errc::invalid_argument,
+            fmt::format("forward: logits hold {} floats, expected {} ({} x n_vocab {})", logits.size(), want,
+                        mode == logits_mode::all ? "tokens" : "1", hp_.n_vocab)};
+  return {};
+}
+
+void llama_model::embed(std::span<const token_id> tokens, std::vector<float>& x) const {
+  const size_t E = size_t(hp_.n_embd);
+  x.resize(tokens.size() * E);
+  for (size_t t = 0; t < tokens.size(); ++t) std::copy_n(tok_embd_.data() + size_t(tokens[t]) * E, E, x.data() + t * E);
+}
+
+void llama_model::rope(float* rows, int64_t T, int heads, int64_t pos0) const {
+  const int hd = hp_.head_dim, half = hp_.n_rot / 2;
+  for (int64_t t = 0; t < T; ++t) {
+    const double pos = double(pos0 + t);
+    for (int i = 0; i < half; ++i) {
+      const double theta = pos * inv_freq_[size_t(i)];
+      const float c = float(std::cos(theta)), s = float(std::sin(theta));
+      for (int h = 0; h < heads; ++h) {
+        float* p = rows + (t * heads + h) * hd + 2 * i;
+        const float x0 = p[0], x1 = p[1];
+        p[0] = x0 * c - x1 * s;
+        p[1] = x0 * s + x1 * c;
+      }
+    }
+  }
+}
+
+void llama_model::attention_inputs(int layer, const std::vector<float>& x, int64_t T, int64_t pos0,
+                                   std::vector<float>& q, std::vector<float>& k, std::vector<float>& v) const {
+  const llama_layer& L = layers_[size_t(layer)];
+  const int64_t E = hp_.n_embd, Dq = int64_t(hp_.n_head) * hp_.head_dim, Dkv = int64_t(hp_.n_head_kv) * hp_.head_dim;
+  std::vector<float> xn(size_t(T * E));
+  rms_norm(x.data(), T, E, L.attn_norm, hp_.rms_eps, xn.data());
+  q.resize(size_t(T * Dq));
+  k.resize(size_t(T * Dkv));
+  v.resize(size_t(T * Dkv));
+  matmul_t(xn.data(), T, E, L.wq, Dq, q.data());
+  matmul_t(xn.data(), T, E, L.wk, Dkv, k.data());
+  matmul_t(xn.data(), T, E, L.wv, Dkv, v.data());
+  rope(q.data(), T, hp_.n_head, pos0);
+  rope(k.data(), T, hp_.n_head_kv, pos0);
+}
+
+void llama_model::attention_output_and_ffn(int layer, std::vector<float>& x, const std::vector<float>& attn,
+                                           int64_t T) const {
+  const llama_layer& L = layers_[size_t(layer)];
+  const int64_t E = hp_.n_embd, Dq = int64_t(hp_.n_head) * hp_.head_dim, F = hp_.n_ff;
+  mut_map X(x.data(), T, E);
+  X.noalias() += const_map(attn.data(), T, Dq) * const_map(L.wo.data(), E, Dq).transpose();
+
+  std::vector<float> xn(size_t(T * E)), g(size_t(T * F)), u(size_t(T * F));
+  rms_norm(x.data(), T, E, L.ffn_norm, hp_.rms_eps, xn.data());
+  matmul_t(xn.data(), T, E, L.w_gate, F, g.data());
+  matmul_t(xn.data(), T, E, L.w_up, F, u.data());
+  for (size_t i = 0; i < g.size(); ++i) g[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+  X.noalias() += const_map(g.data(), T, F) * const_map(L.w_down.data(), E, F).transpose();
+}
+
+void llama_model::output_logits(const std::vector<float>& x, int64_t T, std::span<float> logits,
+                                logits_mode mode) const {
+  const int64_t E = hp_.n_embd, V = hp_.n_vocab;
+  const int64_t first = mode == logits_mode::all ? 0 : T - 1, rows = T - first;
+  std::vector<float> xn(size_t(rows * E));
+  rms_norm(x.data() + first * E, rows, E, out_norm_, hp_.rms_eps, xn.data());
+  matmul_t(xn.data(), rows, E, tied_output_ ? tok_embd_ : output_, V, logits.data());
+}
+
+// ---- forward through the cache ------------------------------------------------------------------
+
+status llama_model::forward(kvq::KVCache& cache, kvq::seq_id seq, std::span<const token_id> tokens,
+                            std::span<float> logits, logits_mode mode) const {
+  KVQ_TRY(check_chunk(tokens, logits, mode));
+  const kvq::cache_shape& cs = cache.config().shape;
+  if (cs.layers != hp_.n_layer || cs.q_heads != hp_.n_head || cs.kv_heads != hp_.n_head_kv ||
+      cs.head_dim != hp_.head_dim)
+    return {errc::invalid_argument,
+            fmt::format(
+                "forward: the cache is shaped layers {} q_heads {} kv_heads {} head_dim {}, the model {} {} {} {}",
+                cs.layers, cs.q_heads, cs.kv_heads, cs.head_dim, hp_.n_layer, hp_.n_head, hp_.n_head_kv, hp_.head_dim)};
+  const int64_t T = int64_t(tokens.size());
+  if (T > cs.window)
+    return {errc::invalid_argument,
+            fmt::format("forward: chunk of {} tokens exceeds the cache window {} (use prefill)", T, cs.window)};
+  const int64_t pos0 = cache.length(seq, 0);
+  if (pos0 < 0) return {errc::not_found, fmt::format("forward: sequence {} is not in the cache", seq)};
+
+  std::vector<float> x, q, k, v, o(size_t(T) * hp_.n_head * hp_.head_dim);
+  embed(tokens, x);
+  for (int l = 0; l < hp_.n_layer; ++l) {
+    attention_inputs(l, x, T, pos0, q, k, v);
+    const kvq::tensor_view kv_k{k.data(), kvq::dtype::f32, T, hp_.n_head_kv, hp_.head_dim, 0};
+    const kvq::tensor_view kv_v{v.data(), kvq::dtype::f32, T, hp_.n_head_kv, hp_.head_dim, 0};
+    KVQ_TRY(cache.append(seq, l, kv_k, kv_v));
+    const kvq::attend_item item{seq, int(T)};
+    const kvq::tensor_view qv{q.data(), kvq::dtype::f32, T, hp_.n_head, hp_.head_dim, 0};
+    const kvq::tensor_mut ov{o.data(), kvq::dtype::f32, T, hp_.n_head, hp_.head_dim, 0};
+    KVQ_TRY(cache.attend(std::span<const kvq::attend_item>(&item, 1), l, qv, ov));
+    attention_output_and_ffn(l, x, o, T);
+  }
+  output_logits(x, T, logits, mode);
+  return {};
+}
+
+status llama_model::prefill(kvq::KVCache& cache, kvq::seq_id seq, std::span<const token_id> tokens,
+                            std::span<float> logits, logits_mode mode) const {
+  KVQ_TRY(check_chunk(tokens, logits, mode));
+  const size_t window = size_t(std::max(cache.config().shape.window, 1));
+  const size_t V = size_t(hp_.n_vocab);
+  std::vector<float> last(V);
+  for (size_t start = 0; start < tokens.size(); start += window) {
+    const size_t n = std::min(window, tokens.size() - start);
+    const auto chunk = tokens.subspan(start, n);
+    if (mode == logits_mode::all)
+      KVQ_TRY(forward(cache, seq, chunk, logits.subspan(start * V, n * V), logits_mode::all));
+    else
+      KVQ_TRY(forward(cache, seq, chunk, last, logits_mode::last));
+  }
+  if (mode == logits_mode::last) std::copy(last.begin(), last.end(), logits.begin());
+  return {};
+}
+
+// ---- reference forward (no cache) ---------------------------------------------------------------
+
+status llama_model::forward_reference(reference_kv& kv, std::span<const token_id> tokens, std::span<float> logits,
+                                      logits_mode mode) const {
+  KVQ_TRY(check_chunk(tokens, logits, mode));
+  if (kv.k.empty()) {
+    kv.k.resize(size_t(hp_.n_layer));
+    kv.v.resize(size_t(hp_.n_layer));
+    kv.length = 0;
+  }
+  if (kv.k.size() != size_t(hp_.n_layer) || kv.v.size() != size_t(hp_.n_layer))
+    return {errc::invalid_argument,
+            fmt::format("forward_reference: reference_kv has {} layers, the model {}", kv.k.size(), hp_.n_layer)};
+  const int64_t T = int64_t(tokens.size()), pos0 = kv.length;
+  const int hd = hp_.head_dim, H = hp_.n_head, Hkv = hp_.n_head_kv, group = H / Hkv;
+  const int64_t Dkv = int64_t(Hkv) * hd;
+  const float scale = 1.f / std::sqrt(float(hd));
+
+  std::vector<float> x, q, k, v, o(size_t(T) * H * hd), scores;
+  embed(tokens, x);
+  for (int l = 0; l < hp_.n_layer; ++l) {
+    attention_inputs(l, x, T, pos0, q, k, v);
+    if (kv.round_to_f16) {
+      for (float& e : k) e = round_f16(e);
+      for (float& e : v) e = round_f16(e);
+    }
+    auto& K = kv.k[size_t(l)];
+    auto& Vs = kv.v[size_t(l)];
+    K.insert(K.end(), k.begin(), k.end());
+    Vs.insert(Vs.end(), v.begin(), v.end());
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t n_ctx = pos0 + t + 1;  // causal: positions 0..pos0+t
+      scores.resize(size_t(n_ctx));
+      for (int h = 0; h < H; ++h) {
+        const float* qh = q.data() + (t * H + h) * hd;
+        const int kvh = h / group;
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int64_t j = 0; j < n_ctx; ++j) {
+          const float* kj = K.data() + j * Dkv + int64_t(kvh) * hd;
+          float dot = 0.f;
+          for (int c = 0; c < hd; ++c) dot += qh[c] * kj[c];
+          scores[size_t(j)] = dot * scale;
+          mx = std::max(mx, scores[size_t(j)]);
+        }
+        float sum = 0.f;
+        for (auto& s : scores) sum += (s = std::exp(s - mx));
+        float* oh = o.data() + (t * H + h) * hd;
+        std::fill_n(oh, hd, 0.f);
+        for (int64_t j = 0; j < n_ctx; ++j) {
+          const float w = scores[size_t(j)] / sum;
+          const float* vj = Vs.data() + j * Dkv + int64_t(kvh) * hd;
+          for (int c = 0; c < hd; ++c) oh[c] += w * vj[c];
+        }
+      }
+    }
+    attention_output_and_ffn(l, x, o, T);
+  }
+  kv.length += T;
+  output_logits(x, T, logits, mode);
+  return {};
+}
+
+// ---- helpers ------------------------------------------------------------------------------------
+
+token_id argmax(std::span<const float> logits) {
+  if (logits.empty()) return -1;
+  return token_id(std::max_element(logits.begin(), logits.end()) - logits.begin());
+}
+
+result<kvq::KVCache> make_cache(const llama_model& model, std::string_view policy_spec, uint64_t budget_bytes,
+                                int page_tokens, int window, int recent) {
+  auto pol = kvq::static_policy::parse(policy_spec);
+  if (!pol) return pol.error();
+  kvq::cache_config cfg;
+  cfg.shape = model.cache_shape();
+  cfg.shape.page_tokens = page_tokens;
+  cfg.shape.window = window;
+  cfg.shape.recent = recent;
+  cfg.budget_bytes = budget_bytes;
+  cfg.where = kvq::backend::cpu;
+  return kvq::KVCache::create(cfg, std::make_shared<kvq::static_policy>(std::move(pol).value()));
+}
+
+}  // namespace kvq::llama
