@@ -58,8 +58,12 @@ class policy {
   /// Called once when a cache adopts the policy: reject shapes the policy cannot serve (a format
   /// that cannot take this head_dim or page size, a table made for another layer count).
   virtual status bind(const cache_shape& shape) = 0;
-  /// Format for a new page.
-  virtual format_id choose(const page_request& req) = 0;
+  /// Format for a new page. The default reads the role's half of `current` for the page's
+  /// (layer, kv head), which is what every table-driven policy wants.
+  virtual format_id choose(const page_request& req) {
+    const format_pair p = current(req.layer, req.kv_head);
+    return req.r == role::k ? p.k : p.v;
+  }
   /// Current decision for (layer, kv_head) of a sequence not yet seen: the format map of the
   /// statistics.
   virtual format_pair current(int layer, int kv_head) const = 0;

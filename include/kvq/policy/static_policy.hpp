@@ -30,10 +30,6 @@ class KVQ_EXPORT static_policy final : public policy {
 
   std::string name() const override;
   status bind(const cache_shape& shape) override;
-  format_id choose(const page_request& req) override {
-    const format_pair p = current(req.layer, req.kv_head);
-    return req.r == role::k ? p.k : p.v;
-  }
   format_pair current(int layer, int kv_head) const override {
     if (auto it = head_.find({layer, kv_head}); it != head_.end()) return it->second;
     if (auto it = layer_.find(layer); it != layer_.end()) return it->second;

@@ -1,0 +1,86 @@
+#pragma once
+/// \file
+/// The calibration artifact: sensitivities and clip ratios measured on calibration text, as a
+/// versioned JSON file that the offline policies and the rolealign formats consume (DESIGN.md
+/// section 6). Loading validates everything and fails with a message naming the file and the
+/// field; nothing half-read is returned.
+///
+/// File format, version 1 (every field required unless marked optional):
+///
+/// ```json
+/// {
+///   "kind": "kvq.calibration",
+///   "version": 1,
+///   "model": { "name": "SmolLM2-135M",            // optional, informational
+///              "layers": 30, "q_heads": 9, "kv_heads": 3, "head_dim": 64 },
+///   "calibration": { "text_hash": "fnv1a64:8c3d9a0e5b7f1a22",  // of the calibration text
+///                    "tokens": 4096 },                          // tokens measured
+///   "formats": ["kivi2/g32", "kivi4/g32", "kivi8/g32"],         // `parse_format` specs
+///   "sensitivity": {
+///     "k_attention_kl":        [[[...per format...] ...per kv head...] ...per layer...],
+///     "v_output_perturbation": [[[...per format...] ...per kv head...] ...per layer...]
+///   },
+///   "clip_ratios": { "k": [[...per kv head...] ...per layer...],    // in (0, 1]
+///                    "v": [[...per kv head...] ...per layer...] }
+/// }
+/// ```
+///
+/// Numbers must be finite (JSON has no NaN; a NaN written by another tool appears as `null` or a
+/// string and is rejected), sensitivities >= 0, clip ratios in (0, 1]. A file of another
+/// `version` is rejected: this build reads exactly `artifact::current_version`.
+
+#include <kvq/config.hpp>
+#include <kvq/policy/sensitivity.hpp>
+#include <kvq/status.hpp>
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+KVQ_NAMESPACE_BEGIN
+namespace calib {
+
+/// The model dimensions an artifact was measured on; loading compares them to the model's.
+struct model_shape {
+  int layers = 0;    ///< transformer layers
+  int q_heads = 0;   ///< query heads per layer
+  int kv_heads = 0;  ///< key/value heads per layer
+  int head_dim = 0;  ///< channels per head
+  friend bool operator==(const model_shape&, const model_shape&) = default;
+};
+
+/// Contents of a calibration artifact.
+struct KVQ_EXPORT artifact {
+  /// The version this build writes and reads.
+  static constexpr int current_version = 1;
+
+  int version = current_version;   ///< format version of the file
+  std::string model_name;          ///< informational, may be empty
+  model_shape shape;               ///< dimensions of the calibrated model
+  std::string text_hash;           ///< hash of the calibration text (see `hash_text`)
+  int64_t calibration_tokens = 0;  ///< tokens the measurement ran over
+  /// K attention KL (`role::k`) and V output perturbation (`role::v`) per (layer, kv head,
+  /// format); its `formats` are the artifact's formats.
+  sensitivity_profile sensitivity;
+  /// rolealign clip ratios, [layers][kv_heads][2] (K then V): the layout of
+  /// `KVCache::set_clip_ratios`.
+  std::vector<float> clip_ratios;
+
+  /// Checks internal consistency (dimensions, numbers, ranges); the message names the field.
+  status validate() const;
+  /// Writes the JSON file (validating first; never writes NaN). Errors name the path.
+  status save(const std::string& path) const;
+  /// Serializes to the JSON text `save` writes.
+  result<std::string> to_json() const;
+  /// Reads and validates a file; `expected` is the model it will be used with, and a different
+  /// shape is an error naming the first differing dimension.
+  static result<artifact> load(const std::string& path, const model_shape& expected);
+  /// Parses JSON text; `source` names it in messages (e.g. the path).
+  static result<artifact> parse(std::string_view json, std::string_view source, const model_shape& expected);
+  /// "fnv1a64:<16 hex digits>" of a text: the calibration-text hash this build writes.
+  static std::string hash_text(std::string_view text);
+};
+
+}  // namespace calib
+KVQ_NAMESPACE_END

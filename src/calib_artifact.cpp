@@ -1,0 +1,311 @@
+// The calibration artifact: JSON writing, and reading with a validation that names the file and
+// the field of every problem. nlohmann-json stays inside this file (kvq's headers do not need it).
+#include <kvq/calib/artifact.hpp>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <charconv>
+#include <cmath>
+#include <fstream>
+#include <limits>
+#include <sstream>
+#include <string>
+
+KVQ_NAMESPACE_BEGIN
+namespace calib {
+
+namespace {
+
+using json = nlohmann::json;
+constexpr const char* artifact_kind = "kvq.calibration";
+
+// Builds errors "artifact '<source>': <field>: <what>".
+struct reader {
+  std::string_view source;
+
+  status fail(std::string_view field, std::string_view what) const {
+    return {errc::invalid_argument, fmt::format("artifact '{}': field '{}' {}", source, field, what)};
+  }
+
+  static std::string type_of(const json& j) { return j.type_name(); }
+
+  // The member `key` of object `j` (at `path`), or an error naming the missing field.
+  result<const json*> member(const json& j, std::string_view path, const char* key) const {
+    const std::string field = path.empty() ? std::string(key) : fmt::format("{}.{}", path, key);
+    if (!j.is_object()) return fail(path, fmt::format("must be an object, is {}", type_of(j)));
+    const auto it = j.find(key);
+    if (it == j.end()) return fail(field, "is missing");
+    return &*it;
+  }
+
+  result<double> number(const json& j, std::string_view field) const {
+    if (j.is_null()) return fail(field, "is null (NaN and Inf are not allowed)");
+    if (!j.is_number()) return fail(field, fmt::format("must be a number, is {} {}", type_of(j), j.dump()));
+    const double x = j.get<double>();
+    if (!std::isfinite(x)) return fail(field, "is not finite");
+    return x;
+  }
+
+  result<int64_t> integer(const json& j, std::string_view field, int64_t min, int64_t max) const {
+    if (!j.is_number_integer()) return fail(field, fmt::format("must be an integer, is {} {}", type_of(j), j.dump()));
+    const int64_t v = j.is_number_unsigned() && j.get<uint64_t>() > uint64_t(std::numeric_limits<int64_t>::max())
+                          ? std::numeric_limits<int64_t>::max()
+                          : j.get<int64_t>();
+    if (v < min || v > max) return fail(field, fmt::format("is {}, must be in [{}, {}]", v, min, max));
+    return v;
+  }
+
+  result<std::string> string(const json& j, std::string_view field) const {
+    if (!j.is_string()) return fail(field, fmt::format("must be a string, is {}", type_of(j)));
+    return j.get<std::string>();
+  }
+
+  // An array of exactly `n` entries; `what` names the expected length in the message.
+  status array_of(const json& j, std::string_view field, size_t n, std::string_view what) const {
+    if (!j.is_array()) return fail(field, fmt::format("must be an array, is {}", type_of(j)));
+    if (j.size() != n) return fail(field, fmt::format("has {} entries, needs {} ({})", j.size(), n, what));
+    return {};
+  }
+};
+
+#define KVQ_ASSIGN(var, expr)           \
+  auto var##_r = (expr);                \
+  if (!var##_r) return var##_r.error(); \
+  auto var = std::move(var##_r).value()
+
+// The double nearest to the shortest decimal that reads back as `x`: clip ratios are floats, and
+// 0.9f written as a double would print as 0.8999999761581421. Locale-independent.
+double float_as_decimal(float x) {
+  const std::string s = fmt::format("{}", x);
+  double d = double(x);
+  std::from_chars(s.data(), s.data() + s.size(), d);
+  return d;
+}
+
+}  // namespace
+
+std::string artifact::hash_text(std::string_view text) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (unsigned char c : text) {
+    h ^= c;
+    h *= 0x100000001b3ull;
+  }
+  return fmt::format("fnv1a64:{:016x}", h);
+}
+
+status artifact::validate() const {
+  const auto bad = [](std::string m) { return status{errc::invalid_argument, "artifact: " + std::move(m)}; };
+  if (version != current_version)
+    return bad(fmt::format("version {}, this build writes version {}", version, current_version));
+  if (shape.layers <= 0 || shape.q_heads <= 0 || shape.kv_heads <= 0 || shape.head_dim <= 0)
+    return bad(fmt::format("model shape {} layers, {} q heads, {} kv heads, head_dim {} must be positive", shape.layers,
+                           shape.q_heads, shape.kv_heads, shape.head_dim));
+  if (shape.q_heads % shape.kv_heads != 0)
+    return bad(fmt::format("q_heads {} is not a multiple of kv_heads {}", shape.q_heads, shape.kv_heads));
+  if (text_hash.empty()) return bad("text_hash is empty");
+  if (calibration_tokens < 0) return bad(fmt::format("calibration_tokens {} is negative", calibration_tokens));
+  if (sensitivity.layers != shape.layers || sensitivity.kv_heads != shape.kv_heads)
+    return bad(fmt::format("sensitivity covers {} layers x {} kv heads, the model has {} x {}", sensitivity.layers,
+                           sensitivity.kv_heads, shape.layers, shape.kv_heads));
+  if (status s = sensitivity.validate(); !s.ok()) return bad(s.message());
+  const size_t nclip = size_t(shape.layers) * size_t(shape.kv_heads) * 2;
+  if (clip_ratios.size() != nclip)
+    return bad(fmt::format("{} clip ratios, the model needs {} (layers x kv heads x 2)", clip_ratios.size(), nclip));
+  for (size_t i = 0; i < nclip; ++i)
+    if (!(clip_ratios[i] > 0.f && clip_ratios[i] <= 1.f))
+      return bad(fmt::format("clip ratio of layer {} head {} {} is {}; must be in (0, 1]",
+                             i / 2 / size_t(shape.kv_heads), (i / 2) % size_t(shape.kv_heads), i % 2 ? "V" : "K",
+                             clip_ratios[i]));
+  return {};
+}
+
+result<std::string> artifact::to_json() const {
+  KVQ_TRY(validate());
+  using ojson = nlohmann::ordered_json;  // keeps the documented field order
+  ojson j;
+  j["kind"] = artifact_kind;
+  j["version"] = version;
+  j["model"] = {{"name", model_name},
+                {"layers", shape.layers},
+                {"q_heads", shape.q_heads},
+                {"kv_heads", shape.kv_heads},
+                {"head_dim", shape.head_dim}};
+  j["calibration"] = {{"text_hash", text_hash}, {"tokens", calibration_tokens}};
+  ojson formats = ojson::array();
+  for (format_id f : sensitivity.formats) formats.push_back(format_name(f));
+  j["formats"] = formats;
+  for (role r : {role::k, role::v}) {
+    ojson layers = ojson::array();
+    for (int l = 0; l < shape.layers; ++l) {
+      ojson heads = ojson::array();
+      for (int h = 0; h < shape.kv_heads; ++h) {
+        ojson vals = ojson::array();
+        for (size_t f = 0; f < sensitivity.formats.size(); ++f) vals.push_back(sensitivity.at(l, h, r, int(f)));
+        heads.push_back(vals);
+      }
+      layers.push_back(heads);
+    }
+    j["sensitivity"][r == role::k ? "k_attention_kl" : "v_output_perturbation"] = layers;
+    ojson clips = ojson::array();
+    for (int l = 0; l < shape.layers; ++l) {
+      ojson heads = ojson::array();
+      for (int h = 0; h < shape.kv_heads; ++h)
+        heads.push_back(float_as_decimal(clip_ratios[(size_t(l) * shape.kv_heads + h) * 2 + (r == role::k ? 0 : 1)]));
+      clips.push_back(heads);
+    }
+    j["clip_ratios"][r == role::k ? "k" : "v"] = clips;
+  }
+  return j.dump(1);
+}
+
+status artifact::save(const std::string& path) const {
+  auto text = to_json();
+  if (!text) return {text.error().code(), fmt::format("saving '{}': {}", path, text.error().message())};
+  std::ofstream f(path, std::ios::binary | std::ios::trunc);
+  if (!f) return {errc::io_error, fmt::format("artifact '{}': cannot open for writing", path)};
+  f << *text << '\n';
+  f.close();
+  if (!f) return {errc::io_error, fmt::format("artifact '{}': write failed", path)};
+  return {};
+}
+
+result<artifact> artifact::load(const std::string& path, const model_shape& expected) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) return status{errc::io_error, fmt::format("artifact '{}': cannot open for reading", path)};
+  std::ostringstream ss;
+  ss << f.rdbuf();
+  if (f.bad()) return status{errc::io_error, fmt::format("artifact '{}': read failed", path)};
+  return parse(ss.str(), path, expected);
+}
+
+result<artifact> artifact::parse(std::string_view text, std::string_view source, const model_shape& expected) {
+  const reader rd{source};
+  json j;
+  try {
+    j = json::parse(text.begin(), text.end());
+  } catch (const json::parse_error& e) {
+    return status{errc::invalid_argument,
+                  fmt::format("artifact '{}': malformed JSON at byte {}: {} (NaN and Inf are not JSON numbers)", source,
+                              e.byte, e.what())};
+  }
+  if (!j.is_object()) return rd.fail("<root>", fmt::format("must be an object, is {}", j.type_name()));
+
+  artifact a;
+  {
+    KVQ_ASSIGN(kind, rd.member(j, "", "kind"));
+    KVQ_ASSIGN(kind_s, rd.string(*kind, "kind"));
+    if (kind_s != artifact_kind) return rd.fail("kind", fmt::format("is '{}', expected '{}'", kind_s, artifact_kind));
+    KVQ_ASSIGN(ver, rd.member(j, "", "version"));
+    KVQ_ASSIGN(v, rd.integer(*ver, "version", std::numeric_limits<int>::min(), std::numeric_limits<int>::max()));
+    if (v != current_version)
+      return rd.fail("version", fmt::format("is {}, this build reads version {}", v, current_version));
+    a.version = int(v);
+  }
+  {
+    KVQ_ASSIGN(model, rd.member(j, "", "model"));
+    if (model->contains("name")) {
+      KVQ_ASSIGN(name, rd.string((*model)["name"], "model.name"));
+      a.model_name = name;
+    }
+    const auto dim = [&](const char* key, int& out) -> status {
+      const std::string field = fmt::format("model.{}", key);
+      KVQ_ASSIGN(m, rd.member(*model, "model", key));
+      KVQ_ASSIGN(v, rd.integer(*m, field, 1, 1 << 20));
+      out = int(v);
+      return {};
+    };
+    KVQ_TRY(dim("layers", a.shape.layers));
+    KVQ_TRY(dim("q_heads", a.shape.q_heads));
+    KVQ_TRY(dim("kv_heads", a.shape.kv_heads));
+    KVQ_TRY(dim("head_dim", a.shape.head_dim));
+    const std::pair<const char*, int> mine[] = {{"layers", a.shape.layers},
+                                                {"q_heads", a.shape.q_heads},
+                                                {"kv_heads", a.shape.kv_heads},
+                                                {"head_dim", a.shape.head_dim}};
+    const int theirs[] = {expected.layers, expected.q_heads, expected.kv_heads, expected.head_dim};
+    for (int i = 0; i < 4; ++i)
+      if (mine[i].second != theirs[i])
+        return rd.fail(fmt::format("model.{}", mine[i].first),
+                       fmt::format("is {}, the model it is loaded for has {} (artifact of another model?)",
+                                   mine[i].second, theirs[i]));
+  }
+  {
+    KVQ_ASSIGN(cal, rd.member(j, "", "calibration"));
+    KVQ_ASSIGN(hash, rd.member(*cal, "calibration", "text_hash"));
+    KVQ_ASSIGN(hash_s, rd.string(*hash, "calibration.text_hash"));
+    if (hash_s.empty()) return rd.fail("calibration.text_hash", "is empty");
+    a.text_hash = hash_s;
+    KVQ_ASSIGN(tok, rd.member(*cal, "calibration", "tokens"));
+    KVQ_ASSIGN(tok_v, rd.integer(*tok, "calibration.tokens", 0, std::numeric_limits<int64_t>::max()));
+    a.calibration_tokens = tok_v;
+  }
+  std::vector<format_id> formats;
+  {
+    KVQ_ASSIGN(fm, rd.member(j, "", "formats"));
+    if (!fm->is_array() || fm->empty()) return rd.fail("formats", "must be a non-empty array of format specs");
+    for (size_t i = 0; i < fm->size(); ++i) {
+      const std::string field = fmt::format("formats[{}]", i);
+      KVQ_ASSIGN(spec, rd.string((*fm)[i], field));
+      auto f = parse_format(spec);
+      if (!f) return rd.fail(field, f.error().message());
+      for (size_t k = 0; k < formats.size(); ++k)
+        if (formats[k] == *f) return rd.fail(field, fmt::format("repeats formats[{}] ({})", k, spec));
+      formats.push_back(*f);
+    }
+  }
+  const int L = a.shape.layers, H = a.shape.kv_heads;
+  auto prof = sensitivity_profile::make(L, H, formats);
+  if (!prof) return rd.fail("formats", prof.error().message());
+  a.sensitivity = std::move(prof).value();
+  {
+    KVQ_ASSIGN(sens, rd.member(j, "", "sensitivity"));
+    for (role r : {role::k, role::v}) {
+      const char* key = r == role::k ? "k_attention_kl" : "v_output_perturbation";
+      const std::string base = fmt::format("sensitivity.{}", key);
+      KVQ_ASSIGN(arr, rd.member(*sens, "sensitivity", key));
+      KVQ_TRY(rd.array_of(*arr, base, size_t(L), "model.layers"));
+      for (int l = 0; l < L; ++l) {
+        const json& heads = (*arr)[size_t(l)];
+        KVQ_TRY(rd.array_of(heads, fmt::format("{}[{}]", base, l), size_t(H), "model.kv_heads"));
+        for (int h = 0; h < H; ++h) {
+          const json& vals = heads[size_t(h)];
+          KVQ_TRY(rd.array_of(vals, fmt::format("{}[{}][{}]", base, l, h), formats.size(), "one per format"));
+          for (size_t f = 0; f < formats.size(); ++f) {
+            const std::string field = fmt::format("{}[{}][{}][{}]", base, l, h, f);
+            KVQ_ASSIGN(x, rd.number(vals[f], field));
+            if (x < 0.0) return rd.fail(field, fmt::format("is {}, must be >= 0", x));
+            a.sensitivity.at(l, h, r, int(f)) = x;
+          }
+        }
+      }
+    }
+  }
+  {
+    KVQ_ASSIGN(clips, rd.member(j, "", "clip_ratios"));
+    a.clip_ratios.assign(size_t(L) * H * 2, 1.f);
+    for (role r : {role::k, role::v}) {
+      const char* key = r == role::k ? "k" : "v";
+      const std::string base = fmt::format("clip_ratios.{}", key);
+      KVQ_ASSIGN(arr, rd.member(*clips, "clip_ratios", key));
+      KVQ_TRY(rd.array_of(*arr, base, size_t(L), "model.layers"));
+      for (int l = 0; l < L; ++l) {
+        const json& heads = (*arr)[size_t(l)];
+        KVQ_TRY(rd.array_of(heads, fmt::format("{}[{}]", base, l), size_t(H), "model.kv_heads"));
+        for (int h = 0; h < H; ++h) {
+          const std::string field = fmt::format("{}[{}][{}]", base, l, h);
+          KVQ_ASSIGN(x, rd.number(heads[size_t(h)], field));
+          if (!(x > 0.0 && x <= 1.0)) return rd.fail(field, fmt::format("is {}, must be in (0, 1]", x));
+          a.clip_ratios[(size_t(l) * H + h) * 2 + (r == role::k ? 0 : 1)] = float(x);
+        }
+      }
+    }
+  }
+  if (status s = a.validate(); !s.ok()) return status{s.code(), fmt::format("artifact '{}': {}", source, s.message())};
+  return a;
+}
+
+#undef KVQ_ASSIGN
+
+}  // namespace calib
+KVQ_NAMESPACE_END

@@ -1,0 +1,217 @@
+// The calibration artifact: exact round trip through a file, the text hash, and rejection of bad
+// files (malformed JSON, missing fields, wrong version, another model's shape, NaN, bad ranges)
+// with messages that name the file and the field.
+#include <kvq/calib/artifact.hpp>
+#include <kvq/policy/autok.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <sstream>
+#include <string>
+
+#include <unistd.h>
+
+using namespace kvq;
+using calib::artifact;
+using calib::model_shape;
+
+namespace {
+
+const model_shape tiny{2, 4, 2, 64};
+
+artifact make_artifact() {
+  artifact a;
+  a.model_name = "tiny-test";
+  a.shape = tiny;
+  a.text_hash = artifact::hash_text("Once upon a time");
+  a.calibration_tokens = 4096;
+  a.sensitivity =
+      sensitivity_profile::make(2, 2,
+                                {parse_format("kivi2/g32").value_or_throw(), parse_format("kivi4/g32").value_or_throw(),
+                                 parse_format("ra8/g64").value_or_throw()})
+          .value_or_throw();
+  std::mt19937_64 rng(5);
+  std::uniform_real_distribution<double> u(0.0, 1.0);
+  for (auto& v : a.sensitivity.values) v = std::pow(10.0, -8.0 * u(rng)) * u(rng);  // 17 digits, wide range
+  a.sensitivity.values[3] = 0.0;
+  a.sensitivity.values[4] = 1e-300;
+  a.clip_ratios = {1.0f, 0.9f, 0.75f, 0.123456789f, 0.5f, 1e-3f, 0.999f, 0.3f};
+  return a;
+}
+
+struct temp_dir {
+  std::filesystem::path path;
+  temp_dir() {
+    path = std::filesystem::temp_directory_path() /
+           ("kvq_artifact_test_" + std::to_string(std::random_device{}()) + "_" + std::to_string(::getpid()));
+    std::filesystem::create_directories(path);
+  }
+  ~temp_dir() { std::filesystem::remove_all(path); }
+  std::string file(const std::string& name) const { return (path / name).string(); }
+};
+
+std::string read_text(const std::string& p) {
+  std::ifstream f(p);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+void write_text(const std::string& p, const std::string& s) {
+  std::ofstream f(p, std::ios::trunc);
+  f << s;
+}
+
+// Replaces the one occurrence of `from` (the test fails if it is not there exactly once).
+std::string edit(std::string s, const std::string& from, const std::string& to) {
+  const size_t at = s.find(from);
+  REQUIRE(at != std::string::npos);
+  REQUIRE(s.find(from, at + 1) == std::string::npos);
+  return s.replace(at, from.size(), to);
+}
+
+}  // namespace
+
+TEST_CASE("artifact round trip through a file is exact", "[artifact]") {
+  temp_dir dir;
+  const artifact a = make_artifact();
+  const std::string path = dir.file("sens.json");
+  REQUIRE(a.save(path).ok());
+  const std::string text = read_text(path);
+  CHECK_THAT(text, Catch::Contains("\"version\": 1"));
+  CHECK_THAT(text, Catch::Contains("\"kind\": \"kvq.calibration\""));
+  CHECK_THAT(text, Catch::Contains("0.9,"));  // floats written as their shortest decimal
+  auto b = artifact::load(path, tiny).value_or_throw();
+  CHECK(b.version == 1);
+  CHECK(b.model_name == a.model_name);
+  CHECK(b.shape == a.shape);
+  CHECK(b.text_hash == a.text_hash);
+  CHECK(b.calibration_tokens == 4096);
+  CHECK(b.sensitivity.formats == a.sensitivity.formats);
+  CHECK(b.sensitivity.values == a.sensitivity.values);  // bit-exact doubles
+  CHECK(b.clip_ratios == a.clip_ratios);                // bit-exact floats
+  // the loaded profile drives a policy like any other
+  auto p = autok_policy::create(b.sensitivity, b.sensitivity.formats[0], {0.5, {}, {}}).value_or_throw();
+  CHECK(p.protected_layers().size() >= 1);
+  // and saving what was loaded gives the same file
+  REQUIRE(b.save(dir.file("again.json")).ok());
+  CHECK(read_text(dir.file("again.json")) == text);
+}
+
+TEST_CASE("artifact text hash is FNV-1a 64", "[artifact]") {
+  CHECK(artifact::hash_text("") == "fnv1a64:cbf29ce484222325");
+  CHECK(artifact::hash_text("a") == "fnv1a64:af63dc4c8601ec8c");
+  CHECK(artifact::hash_text("foobar") == "fnv1a64:85944171f73967e8");
+}
+
+TEST_CASE("artifact load rejects bad files, naming the file and the field", "[artifact]") {
+  temp_dir dir;
+  const artifact a = make_artifact();
+  const std::string good_path = dir.file("good.json");
+  REQUIRE(a.save(good_path).ok());
+  const std::string good = read_text(good_path);
+  const auto load_text = [&](const std::string& text) {
+    const std::string p = dir.file("bad.json");
+    write_text(p, text);
+    auto r = artifact::load(p, tiny);
+    REQUIRE_FALSE(r.ok());
+    CHECK_THAT(r.error().message(), Catch::Contains(p));  // every message names the file
+    return r.error().message();
+  };
+
+  SECTION("missing file") {
+    auto r = artifact::load(dir.file("nope.json"), tiny);
+    CHECK(r.error().code() == errc::io_error);
+    CHECK_THAT(r.error().message(), Catch::Contains("nope.json") && Catch::Contains("cannot open"));
+  }
+  SECTION("malformed JSON") {
+    CHECK_THAT(load_text(good.substr(0, good.size() / 2)), Catch::Contains("malformed JSON at byte"));
+    CHECK_THAT(load_text(""), Catch::Contains("malformed JSON"));
+    CHECK_THAT(load_text("[1, 2]"), Catch::Contains("must be an object"));
+  }
+  SECTION("NaN, as a bare literal, as null, as a string") {
+    const std::string first = "\"k_attention_kl\": [\n   [\n    [\n     ";
+    const size_t at = good.find(first) + first.size();
+    const size_t end = good.find(',', at);
+    const std::string num = good.substr(at, end - at);
+    CAPTURE(num);
+    CHECK_THAT(load_text(good.substr(0, at) + "NaN" + good.substr(end)), Catch::Contains("malformed JSON"));
+    CHECK_THAT(load_text(good.substr(0, at) + "null" + good.substr(end)),
+               Catch::Contains("field 'sensitivity.k_attention_kl[0][0][0]' is null"));
+    CHECK_THAT(load_text(good.substr(0, at) + "\"nan\"" + good.substr(end)),
+               Catch::Contains("'sensitivity.k_attention_kl[0][0][0]' must be a number, is string"));
+  }
+  SECTION("missing fields") {
+    CHECK_THAT(load_text(edit(good, "\"kind\": \"kvq.calibration\",", "")), Catch::Contains("field 'kind' is missing"));
+    CHECK_THAT(load_text(edit(good, "  \"kv_heads\": 2,\n", "")), Catch::Contains("field 'model.kv_heads' is missing"));
+    CHECK_THAT(load_text(edit(good, "\"text_hash\"", "\"texthash\"")),
+               Catch::Contains("field 'calibration.text_hash' is missing"));
+    CHECK_THAT(load_text(edit(good, "\"v_output_perturbation\"", "\"v_perturbation\"")),
+               Catch::Contains("field 'sensitivity.v_output_perturbation' is missing"));
+    CHECK_THAT(load_text(edit(good, "\"clip_ratios\"", "\"clips\"")),
+               Catch::Contains("field 'clip_ratios' is missing"));
+  }
+  SECTION("wrong kind or version") {
+    CHECK_THAT(load_text(edit(good, "\"version\": 1", "\"version\": 2")),
+               Catch::Contains("field 'version' is 2, this build reads version 1"));
+    CHECK_THAT(load_text(edit(good, "\"version\": 1", "\"version\": \"1\"")),
+               Catch::Contains("field 'version' must be an integer"));
+    CHECK_THAT(load_text(edit(good, "kvq.calibration", "kvq.something")), Catch::Contains("is 'kvq.something'"));
+  }
+  SECTION("a model shape other than the expected one") {
+    auto r = artifact::load(good_path, {2, 4, 4, 64});
+    CHECK_THAT(
+        r.error().message(),
+        Catch::Contains(good_path) && Catch::Contains("field 'model.kv_heads' is 2, the model it is loaded for has 4"));
+    CHECK_THAT(artifact::load(good_path, {3, 4, 2, 64}).error().message(), Catch::Contains("'model.layers' is 2"));
+    CHECK_THAT(artifact::load(good_path, {2, 4, 2, 128}).error().message(), Catch::Contains("'model.head_dim' is 64"));
+  }
+  SECTION("arrays of the wrong size, bad formats, numbers out of range") {
+    // drop the last kv head of layer 1's V clip ratios ([l][h][K, V] = ..., l1: K 0.5, 0.999; V 0.001, 0.3)
+    const std::string tail = "   [\n    0.001,\n    0.3\n   ]\n  ]\n }";
+    CHECK_THAT(load_text(edit(good, tail, "   [\n    0.001\n   ]\n  ]\n }")),
+               Catch::Contains("field 'clip_ratios.v[1]' has 1 entries, needs 2 (model.kv_heads)"));
+    CHECK_THAT(load_text(edit(good, "    0.999\n", "    1.5\n")),
+               Catch::Contains("'clip_ratios.k[1][1]' is 1.5, must be in (0, 1]"));
+    CHECK_THAT(load_text(edit(good, "    0.999\n", "    0\n")), Catch::Contains("'clip_ratios.k[1][1]' is 0"));
+    CHECK_THAT(load_text(edit(good, "\"kivi4/g32\"", "\"kivi5/g32\"")),
+               Catch::Contains("field 'formats[1]' bad format 'kivi5/g32'"));
+    CHECK_THAT(load_text(edit(good, "\"kivi4/g32\"", "\"kivi2/g32\"")),
+               Catch::Contains("'formats[1]' repeats formats[0]"));
+    CHECK_THAT(load_text(edit(good, "\"formats\": [", "\"formats\": [\"fp16\",")),
+               Catch::Contains("'sensitivity.k_attention_kl[0][0]' has 3 entries, needs 4 (one per format)"));
+    const std::string first = "\"k_attention_kl\": [\n   [\n    [\n     ";
+    const size_t at = good.find(first) + first.size();
+    CHECK_THAT(load_text(good.substr(0, at) + "-" + good.substr(at)),
+               Catch::Contains("'sensitivity.k_attention_kl[0][0][0]' is -"));
+    CHECK_THAT(load_text(edit(good, "\"layers\": 2", "\"layers\": 0")),
+               Catch::Contains("'model.layers' is 0, must be in"));
+    CHECK_THAT(load_text(edit(good, "\"tokens\": 4096", "\"tokens\": -1")),
+               Catch::Contains("'calibration.tokens' is -1"));
+  }
+}
+
+TEST_CASE("artifact save validates first and never writes NaN", "[artifact]") {
+  temp_dir dir;
+  artifact a = make_artifact();
+  a.sensitivity.values[7] = NAN;
+  const std::string p = dir.file("nan.json");
+  auto s = a.save(p);
+  CHECK_THAT(s.message(), Catch::Contains(p) && Catch::Contains("must be finite"));
+  CHECK_FALSE(std::filesystem::exists(p));
+  a = make_artifact();
+  a.clip_ratios[2] = 0.f;
+  CHECK_THAT(a.save(p).message(), Catch::Contains("clip ratio of layer 0 head 1 K is 0"));
+  a = make_artifact();
+  a.clip_ratios.pop_back();
+  CHECK_THAT(a.save(p).message(), Catch::Contains("7 clip ratios, the model needs 8"));
+  a = make_artifact();
+  a.version = 2;
+  CHECK_THAT(a.save(p).message(), Catch::Contains("version 2"));
+  a = make_artifact();
+  CHECK_THAT(a.save(dir.file("no/such/dir/x.json")).message(), Catch::Contains("cannot open for writing"));
+}
