@@ -101,7 +101,7 @@ class [[nodiscard]] result {
   std::variant<T, status> v_;
 };
 
-/// `return KVQ_FAIL(errc::invalid_argument, "head_dim ", d, " is not a multiple of 32");`
+/// Returns the status of `expr` from the enclosing function if it is not ok.
 #define KVQ_TRY(expr)             \
   do {                            \
     ::kvq::status kvq_s_ = (expr); \

@@ -183,12 +183,12 @@ constexpr double bits_per_element(const format_traits& t, role r, int page_token
 }
 
 /// Short name of a format: "fp16", "fp8", "sym4/g32", "sym8" (whole-head group), "kivi4/g32".
-std::string format_name(format_id id);
+KVQ_EXPORT std::string format_name(format_id id);
 
 /// Checks that a format can store pages of this shape for this role: head_dim a multiple of 32
 /// and of the channel group, page_tokens a multiple of the token group. The message names the
 /// format, the role and the offending number.
-status check_shape(format_id id, role r, int page_tokens, int head_dim);
+KVQ_EXPORT status check_shape(format_id id, role r, int page_tokens, int head_dim);
 
 /// Formats of the two roles of one (layer, kv head).
 struct format_pair {
@@ -201,13 +201,13 @@ struct format_pair {
 /// `kivi4/g32`, `ra2/g64` (or `rolealign2/g64`), and the aliases `int8` = `sym8`,
 /// `int4` = `sym4/g32`, `int2` = `sym2/g32`. Without `/g`, kivi and rolealign take g32 and sym
 /// takes the whole head.
-result<format_id> parse_format(std::string_view spec);
+KVQ_EXPORT result<format_id> parse_format(std::string_view spec);
 
 /// Parses a spec for both roles: either one role format for both (`kivi4/g32`) or
 /// `k=<format>,v=<format>` in either order. Errors name the bad part and list what is valid.
-result<format_pair> parse_format_pair(std::string_view spec);
+KVQ_EXPORT result<format_pair> parse_format_pair(std::string_view spec);
 
 /// `k=kivi4/g32,v=kivi4/g32`, or the single name when both roles agree.
-std::string format_pair_name(format_pair p);
+KVQ_EXPORT std::string format_pair_name(format_pair p);
 
 KVQ_NAMESPACE_END

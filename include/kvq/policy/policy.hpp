@@ -50,7 +50,7 @@ struct query_observation {
 
 /// Decides the format of each new page. Implementations document their thread-safety; the cache
 /// calls a policy from the thread that calls the cache.
-class policy {
+class KVQ_EXPORT policy {
  public:
   virtual ~policy() = default;
   /// Short name with parameters, e.g. "static(kivi4/g32)".
