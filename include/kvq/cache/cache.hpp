@@ -45,7 +45,7 @@ struct cache_config {
   uint64_t budget_bytes = 0;    ///< one budget for pages of every format and the windows
   backend where = backend::cpu;
   float softmax_scale = 0.f;    ///< 0: 1/sqrt(head_dim)
-  int max_sequences = 256;      ///< CUDA: capacity of the device page tables
+  int max_sequences = 256;      ///< live sequences at most (and rows of the CUDA page tables)
   int64_t max_tokens = 1 << 17; ///< CUDA: tokens per sequence the device page tables can index
   void* stream = nullptr;       ///< CUDA: the caller's cudaStream_t (nullptr = legacy default)
   /// CUDA: check appended K/V for NaN/Inf/out-of-range on the device before storing, which costs

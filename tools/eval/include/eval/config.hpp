@@ -1,0 +1,75 @@
+#pragma once
+/// \file
+/// Cache configurations of kvq-eval: the string a user writes for one configuration, the policy
+/// it names, and the cache built from it.
+///
+/// Grammar of a configuration: `<policy>:<params>` or a bare format spec.
+/// - `static:<spec>`: `kvq::static_policy::parse` spec, e.g. `static:k=kivi4/g32,v=kivi2/g32;0=fp16`.
+/// - a bare spec (no known `<policy>:` prefix) is the same as `static:<spec>`: `fp16`, `int8`,
+///   `kivi4/g32`, `ra4/g32`, `fp8`, `k=sym8,v=kivi4/g32;0.1=fp16`.
+///
+/// Policies plug in by name through one table in config.cpp (`policy_registry`): an adaptive
+/// policy (autok, kl_budget, random, echokv) is one entry, a name, a one-line help and a factory
+/// from its parameter string and the cache shape. `make_policy` and the `--help` text read that
+/// table, so nothing else changes when a policy is added.
+
+#include <cstdint>
+#include <functional>
+#include <kvq/cache/cache.hpp>
+#include <kvq/policy/policy.hpp>
+#include <kvq/status.hpp>
+#include <llama/model.hpp>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace kvq::eval {
+
+/// Builds a policy from its parameter string (the part after `<name>:`) for a cache of `shape`.
+/// Errors name the bad parameter.
+using policy_factory =
+    std::function<kvq::result<std::shared_ptr<kvq::policy>>(std::string_view params, const kvq::cache_shape& shape)>;
+
+/// One named policy of the registry.
+struct policy_entry {
+  std::string name;    ///< prefix before ':' in a configuration, e.g. "static"
+  std::string syntax;  ///< e.g. "static:<format spec>"
+  std::string help;    ///< one line for --help
+  policy_factory make;
+};
+
+/// Every policy kvq-eval knows by name, in --help order.
+const std::vector<policy_entry>& policy_registry();
+
+/// The policy a configuration string names (grammar above), for a cache of `shape`. The policy is
+/// not bound yet (`KVCache::create` binds it). Errors (invalid_argument) quote the configuration:
+/// an unknown `<policy>:` prefix lists the known ones; a bad spec gives the parser's message.
+kvq::result<std::shared_ptr<kvq::policy>> make_policy(std::string_view name_and_params, const kvq::cache_shape& shape);
+
+/// Paging and budget of every cache kvq-eval creates.
+struct cache_settings {
+  int page_tokens = 64;       ///< tokens per page
+  int window = 128;           ///< FP16 ring R (also the longest prefill chunk)
+  int recent = 64;            ///< tokens kept unencoded r
+  uint64_t budget_bytes = 0;  ///< 0: enough for `max_tokens` tokens in FP16, plus slack
+  int64_t max_tokens = 0;     ///< the longest sequence a run will hold (sizes the automatic budget)
+};
+
+/// The cache shape `model` needs with the paging of `s`.
+kvq::cache_shape eval_shape(const kvq::llama::llama_model& model, const cache_settings& s);
+
+/// Bytes an FP16 cache takes for `tokens` tokens of `shape` (K and V, no window): the yardstick
+/// of the compression ratios.
+uint64_t fp16_bytes(const kvq::cache_shape& shape, int64_t tokens);
+
+/// A CPU cache for `model` under the policy of configuration `config`. Errors name the
+/// configuration (e.g. "configuration 'kivi4/g32': ... head_dim 8 ...").
+kvq::result<kvq::KVCache> make_eval_cache(const kvq::llama::llama_model& model, std::string_view config,
+                                          const cache_settings& s);
+
+/// True when `config` names the plain FP16 cache (`fp16`, `static:fp16`, `k=fp16,v=fp16`): such a
+/// configuration serves as the reference instead of running a second FP16 cache.
+bool is_fp16_reference(std::string_view config);
+
+}  // namespace kvq::eval

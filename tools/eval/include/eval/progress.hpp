@@ -1,0 +1,51 @@
+#pragma once
+/// \file
+/// A progress bar on stderr for the long phases of kvq-eval:
+///
+///     teacher-forced [##########..........] 6144/12288 tok  21.4 tok/s  ETA 4m47s
+///
+/// On a terminal it redraws one line (at most ten times a second); otherwise (a log file, CI) it
+/// writes a line at every 10 % so logs stay short. Nothing is shown during the first second, so
+/// quick runs stay quiet. `advance` may be called from several threads.
+
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <mutex>
+#include <string>
+
+namespace kvq::eval {
+
+/// "4m47s", "1h02m", "12s".
+std::string format_duration(double seconds);
+
+class progress_bar {
+ public:
+  /// \param phase label printed first
+  /// \param total units (tokens) the phase will process
+  /// \param enabled false: prints nothing at all
+  progress_bar(std::string phase, int64_t total, bool enabled, std::FILE* out = stderr);
+  ~progress_bar();
+  progress_bar(const progress_bar&) = delete;
+  progress_bar& operator=(const progress_bar&) = delete;
+
+  /// Marks `n` more units done; thread-safe.
+  void advance(int64_t n);
+  /// Prints the final state (if anything was shown) and ends the line; called by the destructor.
+  void finish();
+  /// Seconds since construction.
+  double elapsed() const;
+
+ private:
+  void draw(bool final);
+
+  std::string phase_;
+  int64_t total_ = 0, done_ = 0;
+  bool enabled_ = false, tty_ = false, shown_ = false, finished_ = false;
+  int last_decile_ = -1;
+  std::FILE* out_ = nullptr;
+  std::chrono::steady_clock::time_point start_, last_draw_;
+  std::mutex mu_;
+};
+
+}  // namespace kvq::eval

@@ -1,0 +1,156 @@
+#pragma once
+/// \file
+/// The evaluation itself: one model, one text, several cache configurations, the same positions
+/// for all (DESIGN.md section 7).
+///
+/// **Teacher forcing.** The text is tokenized once. Every configuration gets its own cache and
+/// reads the same tokens: the first `prefill` tokens as a prefill (chunks of at most the window R,
+/// so they see earlier chunks as decoding would), then `tokens` decode steps of one token each
+/// (q_len = 1). Step s feeds token `prefill + s` and yields the next-token distribution for
+/// token `prefill + s + 1`. Only decode steps are measured: every measured position saw exactly
+/// what a decoding engine sees (the step's own token in FP16, everything older from pages or the
+/// ring). The configurations run in lockstep, step by step, the FP16-cache reference among them,
+/// so the reference's distribution at each step is at hand without storing [tokens][vocab]
+/// log-probabilities.
+///
+/// **Reference.** The plain FP16 cache (`fp16`); added first when no configuration is fp16.
+///
+/// **Needle.** For each context length, depth and repetition a prompt is built once
+/// (`build_needle_prompt`) and run by every configuration: prefill, then greedy decoding until the
+/// first digit run ends, an end-of-turn token, or `needle_max_new` tokens.
+///
+/// **Speed.** Decode tokens per second of each configuration = teacher-forced steps / the wall time
+/// of its own `forward` calls. With `threads` > 1 configurations run concurrently and share the
+/// memory bandwidth, so compare speeds within one run only (or use --threads 1).
+
+#include <cstdint>
+#include <eval/config.hpp>
+#include <eval/metrics.hpp>
+#include <eval/needle.hpp>
+#include <functional>
+#include <kvq/cache/cache.hpp>
+#include <kvq/status.hpp>
+#include <llama/model.hpp>
+#include <string>
+#include <vector>
+
+namespace kvq::eval {
+
+struct eval_report;
+
+/// Everything a run needs; the defaults are the documented defaults of kvq-eval.
+struct eval_options {
+  std::string model_path;            ///< GGUF file (llama architecture)
+  std::string text_path;             ///< evaluation text (UTF-8)
+  std::string haystack_path;         ///< needle haystack text; empty: the evaluation text
+  std::vector<std::string> configs;  ///< configuration strings (config.hpp grammar)
+  int64_t prefill = 256;             ///< tokens fed as a prefill before the measured decode steps
+  int64_t tokens = 2048;             ///< teacher-forced decode steps (measured positions)
+  std::vector<int64_t> needle_contexts = {512, 1024, 2048};  ///< prompt lengths in tokens; empty: no needle
+  std::vector<double> needle_depths = {0.1, 0.5, 0.9};       ///< needle depths (fraction of the haystack)
+  int needle_reps = 1;                                       ///< repetitions (keys) per (context, depth)
+  int needle_max_new = 12;                                   ///< greedy tokens at most per needle answer
+  std::string prompt_template = "auto";  ///< auto (chatml if the model has a chat template), chatml, plain
+  uint64_t seed = 1234;                  ///< needle keys
+  int threads = 0;                       ///< worker threads; 0 = hardware concurrency
+  cache_settings cache;                  ///< paging and budget (budget 0 = automatic)
+  int64_t kl_bucket = 64;                ///< positions per bucket of the KL-over-position series
+  int64_t map_every = 64;                ///< steps between format-map samples (a snapshot is kept when it changed)
+  bool progress = true;                  ///< progress bars on stderr
+  std::string command_line;              ///< recorded in the report
+  /// Called with the report so far when the teacher-forced phase is done and needle trials are
+  /// still to run (`complete` false, needle results empty), so a long run can save what it has.
+  std::function<void(const eval_report&)> on_checkpoint;
+};
+
+/// What was evaluated on.
+struct model_info {
+  std::string path, name;
+  kvq::llama::llama_hparams hparams;
+  bool has_chat_template = false;  ///< `tokenizer.chat_template` present (an instruct model)
+  prompt_template tmpl = prompt_template::plain;
+};
+
+struct text_info {
+  std::string path;
+  std::string hash;  ///< fnv1a64 of the bytes, "fnv1a64:<16 hex>"
+  int64_t bytes = 0;
+  int64_t tokens_in_file = 0;
+  int64_t first_position = 0;  ///< first measured position (= prefill)
+};
+
+/// One needle trial of one configuration.
+struct needle_result {
+  needle_trial trial;         ///< context, requested depth, repetition, key
+  int64_t prompt_tokens = 0;  ///< actual prompt length
+  double depth = 0;           ///< actual depth (sentence boundary)
+  bool pass = false;
+  std::string output;  ///< what the model wrote after "The pass key is"
+};
+
+/// The per-(layer, kv head) decisions of a policy at one moment.
+struct format_map_snapshot {
+  int64_t step = 0;                   ///< teacher-forced step (0 = right after the prefill)
+  int64_t position = 0;               ///< sequence position of that step
+  std::vector<kvq::format_pair> map;  ///< [layers][kv_heads]
+};
+
+/// Results of one configuration.
+struct config_result {
+  std::string config;          ///< as given
+  std::string policy_name;     ///< the policy's own name, e.g. "static(kivi4/g32)"
+  bool reference = false;      ///< the FP16 cache all others are compared to
+  metric_accumulator quality;  ///< against the reference, over the teacher-forced positions
+  kvq::cache_stats stats;      ///< after the teacher-forced run
+  int64_t tokens_held = 0;     ///< tokens in the cache then (per layer)
+  double decode_seconds = 0;
+  int64_t decode_tokens = 0;
+  double needle_prefill_seconds = 0;
+  int64_t needle_prefill_tokens = 0;
+  std::vector<needle_result> needle;
+  std::vector<format_map_snapshot> format_map_history;  ///< first sample, then each change
+
+  double decode_tokens_per_s() const { return decode_seconds > 0 ? double(decode_tokens) / decode_seconds : 0; }
+  double prefill_tokens_per_s() const {
+    return needle_prefill_seconds > 0 ? double(needle_prefill_tokens) / needle_prefill_seconds : 0;
+  }
+  int needle_passed() const;
+  /// Bytes of pages and windows after the teacher-forced run.
+  uint64_t kv_bytes() const { return stats.page_bytes + stats.window_bytes; }
+};
+
+/// A finished run.
+struct eval_report {
+  eval_options options;
+  model_info model;
+  text_info text;
+  std::string haystack_hash;
+  kvq::cache_shape shape;
+  std::string created_utc;  ///< ISO 8601
+  double wall_seconds = 0;
+  int threads = 1;
+  std::vector<needle_trial> trials;
+  std::vector<config_result> configs;  ///< in the order given; the reference first if it was added
+  /// Index of the reference in `configs`.
+  size_t reference = 0;
+  /// False in a checkpoint (needle trials not run yet), true when the run finished.
+  bool complete = false;
+};
+
+/// Mean bits per element of the formats of a format map (K and V averaged, scales and zeros
+/// included, window not): what pages cost under those decisions.
+double nominal_bits(const std::vector<kvq::format_pair>& map, const kvq::cache_shape& shape);
+
+/// fnv1a64 of `bytes` as "fnv1a64:<16 hex digits>".
+std::string hash_text(std::string_view bytes);
+
+/// Checks `o` before anything is loaded: at least one configuration, no duplicate, positive
+/// token counts, depths in [0, 1], ... Errors name the option.
+kvq::status validate_options(const eval_options& o);
+
+/// Runs the whole evaluation. Errors name the file, the configuration or the option at fault (a
+/// missing model or text, a bad configuration spec, a text shorter than prefill + tokens + 1, a
+/// needle context beyond the model's training context, ...).
+kvq::result<eval_report> run_eval(const eval_options& o);
+
+}  // namespace kvq::eval

@@ -1,0 +1,161 @@
+// kvq-eval: compares KV-cache configurations on one model and one text (DESIGN.md section 7).
+#include <fmt/format.h>
+
+#include <CLI/CLI.hpp>
+#include <eval/config.hpp>
+#include <eval/report.hpp>
+#include <eval/runner.hpp>
+#include <iostream>
+
+namespace {
+
+const std::vector<std::string> default_configs = {"fp16", "int8", "kivi4/g32", "kivi2/g32", "ra4/g32", "fp8"};
+
+std::string quote_arg(std::string_view a) {
+  if (!a.empty() && a.find_first_of(" \t\"'$;&|<>()*?`\\") == std::string_view::npos) return std::string(a);
+  std::string s = "'";
+  for (char c : a) s += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return s + "'";
+}
+
+std::string footer() {
+  std::string s = R"(
+CONFIGURATIONS (--config, repeatable; default: fp16 int8 kivi4/g32 kivi2/g32 ra4/g32 fp8)
+  A configuration is <policy>:<params> or a bare format spec (= static:<spec>). Policies:
+)";
+  for (const auto& e : kvq::eval::policy_registry()) s += fmt::format("    {:<24} {}\n", e.syntax, e.help);
+  s += R"(  Policy parameters are key=value pairs separated by commas; an unknown key is an error.
+  artifact=PATH is a calibration artifact written by kvq-calibrate (tools/calib) for this model.
+  random's like= takes the rest of the string (commas included), so it comes last, e.g.
+  random:seed=2,like=kl_budget:bits=4,artifact=docs/results/calib_smollm2.json
+)";
+  s += R"(  Format specs: fp16, bf16, fp8, int8 (= sym8), int4 (= sym4/g32), int2, sym<b>[/g<G>],
+  kivi<b>/g<G>, ra<b>/g<G> (rolealign; without clip ratios it clips nothing), b in {8,4,2},
+  G in {32,64,128}; K and V apart: k=kivi4/g32,v=kivi2/g32; per layer / head overrides after ';':
+  k=kivi2/g32,v=kivi2/g32;0=fp16;5.1=int8. The FP16 cache (fp16) is the reference; it is
+  added when no configuration is fp16.
+
+WHAT IS MEASURED (every configuration on the same tokens and positions)
+  The text is tokenized; the first --prefill tokens are fed as a prefill (chunks of at most the
+  window), then --tokens decode steps of one token each (q_len = 1), exactly what decoding sees.
+  At each decode step: KL(P_fp16 || P_config) of the next-token distributions (nats), top-1
+  agreement with the FP16 cache, and the log-likelihood of the true next token (perplexity).
+  Bits per element = bytes of pages + FP16 windows over all K/V elements held (scales and zeros
+  included); page bits = pages only; KV bytes and the ratio to an FP16 cache of the same tokens.
+  Decode tok/s = steps / wall time of the configuration's own forward calls (configurations run
+  concurrently on --threads threads: compare speeds within one run, or use --threads 1).
+  Needle: for each --needle-ctx, --needle-depths and --needle-reps, "The pass key is NNNNN.
+  Remember it." is put at that depth of the haystack, the prompt asks "What is the pass key?"
+  (SmolLM2 chat template for models with one), the answer starts "The pass key is" and is
+  decoded greedily; a trial passes when the first digits written are the key.
+
+OUTPUT
+  A table on stdout; --json writes the full record (schema kvq.eval v1: per configuration bits,
+  bytes, KL statistics, KL by position, agreement, perplexity, needle answers, speed, format
+  map and format_map_history); --html writes a self-contained report with SVG charts.
+  Progress bars go to stderr (--no-progress to silence them).
+
+EXAMPLE
+  kvq-eval -m models/SmolLM2-135M-Instruct.Q4_1.gguf -t data/eval/eval_persuasion.txt \
+    --haystack data/eval/haystack_sense_and_sensibility.txt \
+    --json eval.json --html eval.html
+)";
+  return s;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  kvq::eval::eval_options o;
+  std::string json_path, html_path;
+  bool no_progress = false, no_needle = false;
+  double budget_mib = 0;
+
+  CLI::App app{
+      "kvq-eval: compare KV-cache configurations (formats and policies) of kvq on a GGUF model and a text:\n"
+      "bits per element, KV bytes, KL to the FP16 cache, top-1 agreement, perplexity, needle retrieval, "
+      "decode speed and format maps.",
+      "kvq-eval"};
+  app.get_formatter()->column_width(34);
+  app.footer(footer());
+  app.add_option("-m,--model", o.model_path, "GGUF model file (llama architecture)")->required();
+  app.add_option("-t,--text", o.text_path, "evaluation text, UTF-8 (needs prefill + tokens + 1 tokens)")->required();
+  app.add_option("--haystack", o.haystack_path, "needle haystack text (default: the evaluation text)");
+  app.add_option("-c,--config", o.configs, "cache configuration, repeatable (see CONFIGURATIONS)");
+  app.add_option("--prefill", o.prefill, "text tokens fed as a prefill before the measured decode steps")
+      ->capture_default_str();
+  app.add_option("-n,--tokens", o.tokens, "teacher-forced decode steps (measured positions)")->capture_default_str();
+  app.add_option("--needle-ctx", o.needle_contexts, "needle prompt lengths in tokens, comma separated")
+      ->delimiter(',')
+      ->capture_default_str();
+  app.add_option("--needle-depths", o.needle_depths,
+                 "needle depths in [0, 1] (fraction of the haystack), comma separated")
+      ->delimiter(',')
+      ->capture_default_str();
+  app.add_option("--needle-reps", o.needle_reps, "repetitions (different keys) per context and depth")
+      ->capture_default_str();
+  app.add_option("--needle-max-new", o.needle_max_new, "most tokens generated per needle answer")
+      ->capture_default_str();
+  app.add_flag("--no-needle", no_needle, "skip the needle trials");
+  app.add_option("--template", o.prompt_template,
+                 "needle prompt template: auto (chatml if the model has a chat template), chatml, plain")
+      ->capture_default_str();
+  app.add_option("--seed", o.seed, "seed of the needle keys")->capture_default_str();
+  app.add_option("-j,--threads", o.threads, "worker threads (configurations run concurrently); 0 = all cores")
+      ->capture_default_str();
+  app.add_option("--page-tokens", o.cache.page_tokens, "cache page size in tokens")->capture_default_str();
+  app.add_option("--window", o.cache.window, "FP16 recent window R (and the longest prefill chunk)")
+      ->capture_default_str();
+  app.add_option("--recent", o.cache.recent, "tokens kept unencoded r")->capture_default_str();
+  app.add_option("--budget-mib", budget_mib, "cache byte budget in MiB per cache; 0 = enough for the run in FP16")
+      ->capture_default_str();
+  app.add_option("--kl-bucket", o.kl_bucket, "positions per point of the KL-over-position series")
+      ->capture_default_str();
+  app.add_option("--map-every", o.map_every, "decode steps between format-map samples (format_map_history)")
+      ->capture_default_str();
+  app.add_option("--json", json_path, "write the JSON record here");
+  app.add_option("--html", html_path, "write the self-contained HTML report here");
+  app.add_flag("--no-progress", no_progress, "no progress bars on stderr");
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  if (o.configs.empty()) o.configs = default_configs;
+  if (no_needle) o.needle_contexts.clear();
+  o.progress = !no_progress;
+  o.cache.budget_bytes = uint64_t(budget_mib * 1024.0 * 1024.0);
+  for (int i = 0; i < argc; ++i) o.command_line += (i ? " " : "") + quote_arg(argv[i]);
+
+  // Writes the JSON and HTML files; on a checkpoint quietly (the final write reports).
+  auto write_outputs = [&](const kvq::eval::eval_report& r, bool final) -> kvq::status {
+    if (!json_path.empty()) {
+      KVQ_TRY(kvq::eval::write_text_file(json_path, kvq::eval::to_json(r).dump(1)));
+      if (final) fmt::print("JSON: {}\n", json_path);
+    }
+    if (!html_path.empty()) {
+      KVQ_TRY(kvq::eval::write_text_file(html_path, kvq::eval::render_html(r)));
+      if (final) fmt::print("HTML: {}\n", html_path);
+    }
+    return {};
+  };
+  o.on_checkpoint = [&](const kvq::eval::eval_report& r) {
+    if (auto s = write_outputs(r, false); !s.ok())
+      fmt::print(stderr, "kvq-eval: checkpoint: {}\n", s.to_string());
+    else if (!json_path.empty() || !html_path.empty())
+      fmt::print(stderr, "teacher-forced phase done: checkpoint written (\"complete\": false); needle trials next\n");
+  };
+
+  auto report = kvq::eval::run_eval(o);
+  if (!report) {
+    fmt::print(stderr, "kvq-eval: {}\n", report.error().to_string());
+    return 1;
+  }
+  fmt::print("{}", kvq::eval::render_table(*report));
+  if (auto s = write_outputs(*report, true); !s.ok()) {
+    fmt::print(stderr, "kvq-eval: {}\n", s.to_string());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,58 @@
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <eval/report.hpp>
+
+namespace kvq::eval {
+
+std::string render_table(const eval_report& r) {
+  struct column {
+    std::string head;
+    bool left = false;
+  };
+  const std::vector<column> cols = {{"config", true}, {"bits/el"}, {"page bits"}, {"KV MiB"},
+                                    {"vs fp16"},      {"mean KL"}, {"p99 KL"},    {"top-1"},
+                                    {"PPL"},          {"dPPL"},    {"needle"},    {"dec tok/s"}};
+  std::vector<std::vector<std::string>> rows;
+  const double ref_ppl = r.configs.empty() ? 0.0 : r.configs[r.reference].quality.perplexity();
+  for (const auto& c : r.configs) {
+    const auto& q = c.quality;
+    const double fp16 = double(fp16_bytes(r.shape, c.tokens_held));
+    std::string needle = c.needle.empty() ? "-" : fmt::format("{}/{}", c.needle_passed(), c.needle.size());
+    rows.push_back(
+        {c.config + (c.reference ? " (ref)" : ""),
+         fmt::format("{:.2f}", c.stats.total_bits(r.shape.kv_heads, r.shape.head_dim)),
+         fmt::format("{:.2f}", c.stats.page_bits()), fmt::format("{:.2f}", double(c.kv_bytes()) / (1024.0 * 1024.0)),
+         fmt::format("{:.2f}x", c.kv_bytes() ? fp16 / double(c.kv_bytes()) : 0.0), fmt::format("{:.2e}", q.mean_kl()),
+         fmt::format("{:.2e}", q.kl_quantile(0.99)), fmt::format("{:.4f}", q.top1_agreement()),
+         fmt::format("{:.3f}", q.perplexity()), fmt::format("{:+.3f}", q.perplexity() - ref_ppl), needle,
+         fmt::format("{:.1f}", c.decode_tokens_per_s())});
+  }
+  std::vector<size_t> width(cols.size());
+  for (size_t i = 0; i < cols.size(); ++i) {
+    width[i] = cols[i].head.size();
+    for (const auto& row : rows) width[i] = std::max(width[i], row[i].size());
+  }
+  auto line = [&](const std::vector<std::string>& cells) {
+    std::string s;
+    for (size_t i = 0; i < cells.size(); ++i) {
+      s += i ? "  " : "";
+      s += cols[i].left ? fmt::format("{:<{}}", cells[i], width[i]) : fmt::format("{:>{}}", cells[i], width[i]);
+    }
+    return s + "\n";
+  };
+  std::vector<std::string> heads;
+  for (const auto& c : cols) heads.push_back(c.head);
+  std::string out = line(heads);
+  size_t total = 0;
+  for (size_t w : width) total += w;
+  out += std::string(total + 2 * (cols.size() - 1), '-') + "\n";
+  for (const auto& row : rows) out += line(row);
+  out += fmt::format(
+      "{} teacher-forced decode positions {}..{} of {}; KL = mean KL(P_ref || P_config) in nats; bits/el = pages + "
+      "FP16 window over all K/V elements; needle = passed/trials\n",
+      r.options.tokens, r.options.prefill, r.options.prefill + r.options.tokens - 1, r.text.path);
+  return out;
+}
+
+}  // namespace kvq::eval

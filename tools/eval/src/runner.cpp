@@ -1,0 +1,385 @@
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <ctime>
+#include <eval/progress.hpp>
+#include <eval/runner.hpp>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <mutex>
+#include <set>
+#include <thread>
+
+namespace kvq::eval {
+
+namespace {
+
+using clock_type = std::chrono::steady_clock;
+using kvq::llama::token_id;
+
+double seconds_since(clock_type::time_point t0) {
+  return std::chrono::duration<double>(clock_type::now() - t0).count();
+}
+
+kvq::result<std::string> read_file(const std::string& path, std::string_view what) {
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(path, ec))
+    return kvq::status{kvq::errc::io_error, fmt::format("{} '{}' does not exist or is not a file", what, path)};
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return kvq::status{kvq::errc::io_error, fmt::format("{} '{}' cannot be opened", what, path)};
+  std::string s{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+  if (s.empty()) return kvq::status{kvq::errc::invalid_argument, fmt::format("{} '{}' is empty", what, path)};
+  return s;
+}
+
+/// Runs fn(i) for i in [0, n) on up to `threads` threads (the caller's thread included); the
+/// first failing status wins and stops the hand-out of further items.
+template <class F>
+kvq::status parallel_for(int64_t n, int threads, F&& fn) {
+  std::atomic<int64_t> next{0};
+  std::atomic<bool> failed{false};
+  kvq::status first_error;
+  std::mutex mu;
+  auto work = [&] {
+    while (!failed.load()) {
+      const int64_t i = next.fetch_add(1);
+      if (i >= n) return;
+      kvq::status s = fn(i);
+      if (!s.ok()) {
+        std::lock_guard lock(mu);
+        if (!failed.exchange(true)) first_error = std::move(s);
+      }
+    }
+  };
+  const int extra = int(std::min<int64_t>(std::max(threads, 1), n)) - 1;
+  std::vector<std::jthread> pool;
+  for (int t = 0; t < extra; ++t) pool.emplace_back(work);
+  work();
+  pool.clear();  // joins
+  return first_error;
+}
+
+std::string utc_now() {
+  const std::time_t t = std::time(nullptr);
+  std::tm tm{};
+  gmtime_r(&t, &tm);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &tm);
+  return buf;
+}
+
+std::vector<kvq::format_pair> current_map(const kvq::KVCache& cache) {
+  const auto& sh = cache.config().shape;
+  std::vector<kvq::format_pair> m;
+  m.reserve(size_t(sh.layers) * sh.kv_heads);
+  for (int l = 0; l < sh.layers; ++l)
+    for (int h = 0; h < sh.kv_heads; ++h) m.push_back(cache.active_policy().current(l, h));
+  return m;
+}
+
+void sample_map(config_result& r, const kvq::KVCache& cache, int64_t step, int64_t position) {
+  auto m = current_map(cache);
+  if (r.format_map_history.empty() || r.format_map_history.back().map != m)
+    r.format_map_history.push_back({step, position, std::move(m)});
+}
+
+/// Per configuration state of the teacher-forced run.
+struct lane {
+  kvq::KVCache cache;
+  std::vector<float> logits;
+  std::vector<double> logp;
+};
+
+kvq::status teacher_forced(const kvq::llama::llama_model& model, const eval_options& o,
+                           const std::vector<token_id>& text, std::vector<config_result>& results, size_t ref,
+                           int threads) {
+  const size_t V = size_t(model.hparams().n_vocab);
+  cache_settings cs = o.cache;
+  cs.max_tokens = o.prefill + o.tokens;
+  std::vector<lane> lanes;
+  lanes.reserve(results.size());
+  for (auto& r : results) {
+    auto c = make_eval_cache(model, r.config, cs);
+    if (!c) return c.error();
+    lanes.push_back({std::move(c).value(), std::vector<float>(V), std::vector<double>(V)});
+    KVQ_TRY(lanes.back().cache.create_sequence(0));
+    r.policy_name = lanes.back().cache.active_policy().name();
+  }
+  const int64_t n = int64_t(lanes.size());
+
+  progress_bar bar("teacher-forced", (o.prefill + o.tokens) * n, o.progress);
+  if (o.prefill > 0) {
+    const std::span<const token_id> pre(text.data(), size_t(o.prefill));
+    KVQ_TRY(parallel_for(n, threads, [&](int64_t i) -> kvq::status {
+      KVQ_TRY(model.prefill(lanes[size_t(i)].cache, 0, pre, lanes[size_t(i)].logits));
+      bar.advance(o.prefill);
+      return {};
+    }));
+  }
+  for (int64_t s = 0; s < o.tokens; ++s) {
+    const int64_t pos = o.prefill + s;
+    if (o.map_every > 0 && s % o.map_every == 0)
+      for (size_t i = 0; i < lanes.size(); ++i) sample_map(results[i], lanes[i].cache, s, pos);
+    const token_id tok = text[size_t(pos)];
+    KVQ_TRY(parallel_for(n, threads, [&](int64_t i) -> kvq::status {
+      lane& L = lanes[size_t(i)];
+      const auto t0 = clock_type::now();
+      KVQ_TRY(model.forward(L.cache, 0, std::span<const token_id>(&tok, 1), L.logits));
+      results[size_t(i)].decode_seconds += seconds_since(t0);
+      results[size_t(i)].decode_tokens += 1;
+      log_softmax(L.logits, L.logp);
+      bar.advance(1);
+      return {};
+    }));
+    const token_id next = text[size_t(pos) + 1];
+    const auto& ref_logp = lanes[ref].logp;
+    const int64_t ref_top = argmax(ref_logp);
+    for (size_t i = 0; i < lanes.size(); ++i) {
+      const double kl = i == ref ? 0.0 : kl_divergence(ref_logp, lanes[i].logp);
+      results[i].quality.add(kl, argmax(lanes[i].logp) == ref_top, -lanes[i].logp[size_t(next)]);
+    }
+  }
+  bar.finish();
+  for (size_t i = 0; i < lanes.size(); ++i) {
+    sample_map(results[i], lanes[i].cache, o.tokens, o.prefill + o.tokens);
+    results[i].stats = lanes[i].cache.stats();
+    results[i].tokens_held = lanes[i].cache.length(0, 0);
+  }
+  return {};
+}
+
+/// One needle trial for one configuration: prefill the prompt, then greedy decoding.
+kvq::status run_needle(const kvq::llama::llama_model& model, const kvq::llama::tokenizer& tok, const eval_options& o,
+                       const std::string& config, const needle_trial& trial, const needle_prompt& prompt,
+                       needle_result& out, double& prefill_seconds, progress_bar& bar) {
+  cache_settings cs = o.cache;
+  cs.max_tokens = int64_t(prompt.tokens.size()) + o.needle_max_new;
+  auto cache = make_eval_cache(model, config, cs);
+  if (!cache) return cache.error();
+  kvq::KVCache c = std::move(cache).value();
+  KVQ_TRY(c.create_sequence(0));
+  std::vector<float> logits(size_t(model.hparams().n_vocab));
+  const auto t0 = clock_type::now();
+  KVQ_TRY(model.prefill(c, 0, prompt.tokens, logits));
+  prefill_seconds = seconds_since(t0);
+  bar.advance(int64_t(prompt.tokens.size()));
+
+  const auto im_end = tok.find("<|im_end|>");
+  std::string text;
+  int generated = 0;
+  for (; generated < o.needle_max_new; ++generated) {
+    const token_id t = kvq::llama::argmax(logits);
+    if (t == tok.eos() || (im_end && t == *im_end)) break;
+    auto piece = tok.piece(t);
+    if (!piece) return piece.error();
+    text += *piece;
+    // Stop as soon as a run of digits has ended: the answer is decided.
+    const std::string run = first_digit_run(text);
+    if (!run.empty()) {
+      const size_t at = text.find(run) + run.size();
+      if (at < text.size()) break;
+    }
+    if (generated + 1 == o.needle_max_new) break;
+    KVQ_TRY(model.forward(c, 0, std::span<const token_id>(&t, 1), logits));
+  }
+  bar.advance(o.needle_max_new);
+  out.trial = trial;
+  out.prompt_tokens = int64_t(prompt.tokens.size());
+  out.depth = prompt.depth;
+  out.output = text;
+  out.pass = needle_passed(text, trial.key);
+  return {};
+}
+
+}  // namespace
+
+int config_result::needle_passed() const {
+  return int(std::count_if(needle.begin(), needle.end(), [](const needle_result& r) { return r.pass; }));
+}
+
+double nominal_bits(const std::vector<kvq::format_pair>& map, const kvq::cache_shape& shape) {
+  if (map.empty()) return 0;
+  double sum = 0;
+  for (const auto& p : map)
+    sum += kvq::bits_per_element(kvq::traits_of(p.k), kvq::role::k, shape.page_tokens, shape.head_dim) +
+           kvq::bits_per_element(kvq::traits_of(p.v), kvq::role::v, shape.page_tokens, shape.head_dim);
+  return sum / (2.0 * double(map.size()));
+}
+
+std::string hash_text(std::string_view bytes) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (unsigned char c : bytes) {
+    h ^= c;
+    h *= 0x100000001b3ull;
+  }
+  return fmt::format("fnv1a64:{:016x}", h);
+}
+
+kvq::status validate_options(const eval_options& o) {
+  auto bad = [](std::string msg) { return kvq::status{kvq::errc::invalid_argument, std::move(msg)}; };
+  if (o.model_path.empty()) return bad("no model given (--model)");
+  if (o.text_path.empty()) return bad("no evaluation text given (--text)");
+  if (o.configs.empty()) return bad("no cache configuration given (--config)");
+  std::set<std::string> seen;
+  for (const auto& c : o.configs)
+    if (!seen.insert(c).second) return bad(fmt::format("configuration '{}' is given twice", c));
+  if (o.prefill < 0) return bad(fmt::format("--prefill {} is negative", o.prefill));
+  if (o.tokens < 1) return bad(fmt::format("--tokens {} must be at least 1", o.tokens));
+  for (auto c : o.needle_contexts)
+    if (c < 16) return bad(fmt::format("--needle-ctx {} is too small (at least 16 tokens)", c));
+  for (auto d : o.needle_depths)
+    if (!(d >= 0 && d <= 1)) return bad(fmt::format("--needle-depths {} is outside [0, 1]", d));
+  if (!o.needle_contexts.empty() && o.needle_depths.empty()) return bad("--needle-depths is empty");
+  if (o.needle_reps < 1) return bad(fmt::format("--needle-reps {} must be at least 1", o.needle_reps));
+  if (o.needle_max_new < 1) return bad(fmt::format("--needle-max-new {} must be at least 1", o.needle_max_new));
+  if (o.prompt_template != "auto" && o.prompt_template != "chatml" && o.prompt_template != "plain")
+    return bad(fmt::format("--template '{}' is not auto, chatml or plain", o.prompt_template));
+  if (o.threads < 0) return bad(fmt::format("--threads {} is negative", o.threads));
+  if (o.kl_bucket < 1) return bad(fmt::format("--kl-bucket {} must be at least 1", o.kl_bucket));
+  return {};
+}
+
+kvq::result<eval_report> run_eval(const eval_options& o) {
+  KVQ_TRY(validate_options(o));
+  const auto t_start = clock_type::now();
+  eval_report rep;
+  rep.options = o;
+  rep.created_utc = utc_now();
+  rep.threads = o.threads > 0 ? o.threads : int(std::max(1u, std::thread::hardware_concurrency()));
+
+  // ---- model and tokenizer
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(o.model_path, ec))
+    return kvq::status{kvq::errc::io_error, fmt::format("model '{}' does not exist or is not a file", o.model_path)};
+  auto file = kvq::llama::gguf_file::open(o.model_path);
+  if (!file) return file.error();
+  auto model_r = kvq::llama::llama_model::load(*file);
+  if (!model_r) return model_r.error();
+  auto tok_r = kvq::llama::tokenizer::from_gguf(*file);
+  if (!tok_r) return tok_r.error();
+  const kvq::llama::llama_model& model = *model_r;
+  const kvq::llama::tokenizer& tok = *tok_r;
+  rep.model.path = o.model_path;
+  rep.model.name = model.name();
+  rep.model.hparams = model.hparams();
+  rep.model.has_chat_template = file->find("tokenizer.chat_template") != nullptr;
+  const bool has_chatml_tokens = tok.find("<|im_start|>").has_value() && tok.find("<|im_end|>").has_value();
+  if (o.prompt_template == "chatml" && !has_chatml_tokens)
+    return kvq::status{
+        kvq::errc::invalid_argument,
+        fmt::format("--template chatml: the vocabulary of '{}' has no <|im_start|>/<|im_end|> tokens", o.model_path)};
+  rep.model.tmpl =
+      o.prompt_template == "chatml" ? prompt_template::chatml
+      : o.prompt_template == "plain"
+          ? prompt_template::plain
+          : (rep.model.has_chat_template && has_chatml_tokens ? prompt_template::chatml : prompt_template::plain);
+  rep.shape = eval_shape(model, o.cache);
+
+  // ---- every configuration must make a cache before any work starts
+  size_t ref = 0;
+  bool have_ref = false;
+  for (size_t i = 0; i < o.configs.size() && !have_ref; ++i)
+    if (is_fp16_reference(o.configs[i])) have_ref = true, ref = i;
+  std::vector<std::string> configs;
+  if (!have_ref) configs.push_back("fp16");  // ref = 0
+  configs.insert(configs.end(), o.configs.begin(), o.configs.end());
+  for (const auto& c : configs) {
+    cache_settings cs = o.cache;
+    cs.max_tokens = o.cache.page_tokens;
+    auto cache = make_eval_cache(model, c, cs);
+    if (!cache) return cache.error();
+  }
+  rep.reference = ref;
+  for (size_t i = 0; i < configs.size(); ++i) {
+    config_result r;
+    r.config = configs[i];
+    r.reference = i == ref;
+    rep.configs.push_back(std::move(r));
+  }
+
+  // ---- text
+  auto text = read_file(o.text_path, "evaluation text");
+  if (!text) return text.error();
+  rep.text.path = o.text_path;
+  rep.text.hash = hash_text(*text);
+  rep.text.bytes = int64_t(text->size());
+  const std::vector<token_id> tokens = tok.encode(*text, tok.add_bos(), false);
+  rep.text.tokens_in_file = int64_t(tokens.size());
+  rep.text.first_position = o.prefill;
+  if (int64_t(tokens.size()) < o.prefill + o.tokens + 1)
+    return kvq::status{kvq::errc::invalid_argument,
+                       fmt::format("evaluation text '{}' has {} tokens; --prefill {} + --tokens {} needs {}",
+                                   o.text_path, tokens.size(), o.prefill, o.tokens, o.prefill + o.tokens + 1)};
+
+  // ---- needle prompts (built once, shared by every configuration)
+  std::vector<needle_prompt> prompts;
+  if (!o.needle_contexts.empty()) {
+    const std::string hay_path = o.haystack_path.empty() ? o.text_path : o.haystack_path;
+    auto hay = read_file(hay_path, "needle haystack");
+    if (!hay) return hay.error();
+    rep.haystack_hash = hash_text(*hay);
+    uint64_t index = 0;
+    for (int64_t ctx : o.needle_contexts) {
+      if (ctx > model.hparams().n_ctx_train)
+        return kvq::status{kvq::errc::invalid_argument,
+                           fmt::format("--needle-ctx {} exceeds the training context {} of '{}'", ctx,
+                                       model.hparams().n_ctx_train, o.model_path)};
+      for (double depth : o.needle_depths)
+        for (int r = 0; r < o.needle_reps; ++r, ++index) {
+          needle_trial t{ctx, depth, r, make_key(o.seed * 1000003ull + index)};
+          auto p = build_needle_prompt(tok, *hay, t, rep.model.tmpl);
+          if (!p) return kvq::status{p.error().code(), fmt::format("haystack '{}': {}", hay_path, p.error().message())};
+          rep.trials.push_back(t);
+          prompts.push_back(std::move(p).value());
+        }
+    }
+  }
+
+  // ---- teacher forcing, all configurations in lockstep
+  KVQ_TRY(teacher_forced(model, o, tokens, rep.configs, ref, rep.threads));
+  if (o.on_checkpoint && !rep.trials.empty()) {
+    rep.wall_seconds = seconds_since(t_start);
+    o.on_checkpoint(rep);  // teacher-forced results are safe before the (long) needle phase
+  }
+
+  // ---- needle trials: every (configuration, trial) pair is an independent job, longest first
+  if (!rep.trials.empty()) {
+    struct job {
+      size_t config, trial;
+    };
+    std::vector<job> jobs;
+    int64_t total = 0;
+    for (size_t c = 0; c < rep.configs.size(); ++c) {
+      rep.configs[c].needle.resize(rep.trials.size());
+      for (size_t t = 0; t < rep.trials.size(); ++t) {
+        jobs.push_back({c, t});
+        total += int64_t(prompts[t].tokens.size()) + o.needle_max_new;
+      }
+    }
+    std::stable_sort(jobs.begin(), jobs.end(), [&](const job& a, const job& b) {
+      return prompts[a.trial].tokens.size() > prompts[b.trial].tokens.size();
+    });
+    std::vector<double> prefill_s(jobs.size());
+    progress_bar bar("needle", total, o.progress);
+    KVQ_TRY(parallel_for(int64_t(jobs.size()), rep.threads, [&](int64_t j) -> kvq::status {
+      const job& jb = jobs[size_t(j)];
+      return run_needle(model, tok, o, rep.configs[jb.config].config, rep.trials[jb.trial], prompts[jb.trial],
+                        rep.configs[jb.config].needle[jb.trial], prefill_s[size_t(j)], bar);
+    }));
+    bar.finish();
+    for (size_t j = 0; j < jobs.size(); ++j) {
+      auto& r = rep.configs[jobs[j].config];
+      r.needle_prefill_seconds += prefill_s[j];
+      r.needle_prefill_tokens += int64_t(prompts[jobs[j].trial].tokens.size());
+    }
+  }
+  rep.wall_seconds = seconds_since(t_start);
+  rep.complete = true;
+  return rep;
+}
+
+}  // namespace kvq::eval

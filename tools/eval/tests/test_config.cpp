@@ -1,0 +1,272 @@
+// Configuration strings, policies by name, cache creation and option / input errors.
+#include <catch2/catch.hpp>
+#include <eval/config.hpp>
+#include <eval/runner.hpp>
+
+#include "test_util.hpp"
+
+using namespace kvq::eval;
+using Catch::Contains;
+
+namespace {
+kvq::cache_shape smol_shape() {
+  kvq::cache_shape s;
+  s.layers = 30;
+  s.q_heads = 9;
+  s.kv_heads = 3;
+  s.head_dim = 64;
+  return s;
+}
+}  // namespace
+
+TEST_CASE("make_policy: bare specs and static:<spec> give static policies", "[config]") {
+  const auto shape = smol_shape();
+  for (auto [cfg, name] :
+       {std::pair{"kivi4/g32", "static(kivi4/g32)"}, std::pair{"static:kivi4/g32", "static(kivi4/g32)"},
+        std::pair{"int8", "static(sym8)"}, std::pair{"fp8", "static(fp8)"},
+        std::pair{"static:k=kivi4/g32,v=kivi2/g32;0=fp16", "static(k=kivi4/g32,v=kivi2/g32;0=fp16)"}}) {
+    CAPTURE(cfg);
+    auto p = make_policy(cfg, shape);
+    REQUIRE(p.ok());
+    CHECK((*p)->name() == name);
+  }
+}
+
+TEST_CASE("make_policy: errors quote the configuration", "[config]") {
+  const auto shape = smol_shape();
+  auto unknown = make_policy("autokk:phi=0.5", shape);
+  REQUIRE_FALSE(unknown.ok());
+  CHECK(unknown.error().code() == kvq::errc::invalid_argument);
+  CHECK_THAT(unknown.error().message(),
+             Contains("autokk:phi=0.5") && Contains("unknown policy 'autokk'") && Contains("static"));
+  auto bad = make_policy("kivi3/g32", shape);
+  REQUIRE_FALSE(bad.ok());
+  CHECK_THAT(bad.error().message(), Contains("configuration 'kivi3/g32'"));
+  auto bad_static = make_policy("static:k=kivi4/g32,v=nope", shape);
+  REQUIRE_FALSE(bad_static.ok());
+  CHECK_THAT(bad_static.error().message(), Contains("static:k=kivi4/g32,v=nope") && Contains("nope"));
+  CHECK_FALSE(make_policy("", shape).ok());
+  CHECK_FALSE(policy_registry().empty());
+  CHECK(policy_registry().front().name == "static");
+}
+
+TEST_CASE("is_fp16_reference", "[config]") {
+  CHECK(is_fp16_reference("fp16"));
+  CHECK(is_fp16_reference("static:fp16"));
+  CHECK(is_fp16_reference("k=fp16,v=fp16"));
+  CHECK_FALSE(is_fp16_reference("bf16"));
+  CHECK_FALSE(is_fp16_reference("fp16;0=int8"));
+  CHECK_FALSE(is_fp16_reference("kivi4/g32"));
+  CHECK_FALSE(is_fp16_reference("garbage"));
+}
+
+TEST_CASE("fp16_bytes counts K and V in two bytes", "[config]") {
+  CHECK(fp16_bytes(smol_shape(), 1) == 30u * 3 * 64 * 2 * 2);
+  CHECK(fp16_bytes(smol_shape(), 2048) == 2048ull * 30 * 3 * 64 * 4);
+}
+
+TEST_CASE("make_eval_cache: a format the model cannot take names the configuration", "[config]") {
+  auto model = kvq::llama::llama_model::load(test::stories_path());
+  REQUIRE(model.ok());
+  cache_settings s;
+  s.max_tokens = 256;
+  auto ok = make_eval_cache(*model, "bf16", s);
+  REQUIRE(ok.ok());
+  CHECK(ok->config().shape.head_dim == 8);
+  CHECK(ok->config().budget_bytes > fp16_bytes(ok->config().shape, 256));
+  auto bad = make_eval_cache(*model, "kivi4/g32", s);  // head_dim 8 is no multiple of 32
+  REQUIRE_FALSE(bad.ok());
+  CHECK_THAT(bad.error().message(), Contains("configuration 'kivi4/g32'"));
+}
+
+TEST_CASE("validate_options and run_eval: errors name the option, file or configuration", "[config]") {
+  eval_options o;
+  o.model_path = test::stories_path();
+  o.text_path = test::own_data("tiny_story.txt");
+  o.configs = {"fp16"};
+  o.needle_contexts.clear();
+  o.prefill = 8;
+  o.tokens = 8;
+  o.progress = false;
+  REQUIRE(validate_options(o).ok());
+
+  SECTION("duplicate configuration") {
+    o.configs = {"bf16", "bf16"};
+    CHECK_THAT(validate_options(o).message(), Contains("'bf16' is given twice"));
+  }
+  SECTION("bad depth") {
+    o.needle_contexts = {128};
+    o.needle_depths = {1.5};
+    CHECK_THAT(validate_options(o).message(), Contains("--needle-depths 1.5"));
+  }
+  SECTION("no configuration") {
+    o.configs.clear();
+    CHECK_THAT(validate_options(o).message(), Contains("--config"));
+  }
+  SECTION("missing model") {
+    o.model_path = "/nonexistent/model.gguf";
+    auto r = run_eval(o);
+    REQUIRE_FALSE(r.ok());
+    CHECK(r.error().code() == kvq::errc::io_error);
+    CHECK_THAT(r.error().message(), Contains("/nonexistent/model.gguf"));
+  }
+  SECTION("bad configuration spec") {
+    o.configs = {"fp16", "kivi3/g32"};
+    auto r = run_eval(o);
+    REQUIRE_FALSE(r.ok());
+    CHECK_THAT(r.error().message(), Contains("kivi3/g32"));
+  }
+  SECTION("text too short") {
+    o.tokens = 100000;
+    auto r = run_eval(o);
+    REQUIRE_FALSE(r.ok());
+    CHECK_THAT(r.error().message(), Contains("tiny_story.txt") && Contains("--tokens 100000"));
+  }
+  SECTION("needle context beyond the model's training context") {
+    o.needle_contexts = {4096};
+    auto r = run_eval(o);
+    REQUIRE_FALSE(r.ok());
+    CHECK_THAT(r.error().message(), Contains("--needle-ctx 4096") && Contains("512"));
+  }
+  SECTION("a run in process: the reference is added when no fp16 is given") {
+    o.configs = {"bf16"};
+    auto r = run_eval(o);
+    REQUIRE(r.ok());
+    REQUIRE(r->configs.size() == 2);
+    CHECK(r->configs[0].config == "fp16");
+    CHECK(r->configs[0].reference);
+    CHECK(r->reference == 0);
+    CHECK(r->configs[1].quality.positions() == 8);
+    CHECK(r->configs[1].policy_name == "static(bf16)");
+  }
+}
+
+// ---- policies by name (kl_budget, autok, random, echokv) ------------------------------------------
+
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <kvq/calib/artifact.hpp>
+#include <kvq/policy/random_policy.hpp>
+#include <kvq/policy/sensitivity.hpp>
+
+namespace {
+
+// A calibration artifact for smol_shape(): kivi8/4/2 damages that grow with the layer index
+// (layer 29 is the most sensitive), written to a temporary file.
+struct temp_artifact {
+  std::string path;
+  explicit temp_artifact(const kvq::cache_shape& s) {
+    kvq::calib::artifact a;
+    a.shape = {s.layers, s.q_heads, s.kv_heads, s.head_dim};
+    a.text_hash = kvq::calib::artifact::hash_text("calibration");
+    a.calibration_tokens = 512;
+    a.sensitivity = kvq::sensitivity_profile::make(s.layers, s.kv_heads,
+                                                   {kvq::parse_format("kivi8/g32").value_or_throw(),
+                                                    kvq::parse_format("kivi4/g32").value_or_throw(),
+                                                    kvq::parse_format("kivi2/g32").value_or_throw()})
+                        .value_or_throw();
+    for (int l = 0; l < s.layers; ++l)
+      for (int h = 0; h < s.kv_heads; ++h)
+        for (kvq::role r : {kvq::role::k, kvq::role::v})
+          for (int f = 0; f < 3; ++f) a.sensitivity.at(l, h, r, f) = (1.0 + l + 0.1 * h) * std::pow(16.0, f) * 1e-6;
+    a.clip_ratios.assign(size_t(s.layers) * s.kv_heads * 2, 1.f);
+    path = (std::filesystem::temp_directory_path() / ("kvq_eval_artifact_" + std::to_string(::getpid()) + ".json"))
+               .string();
+    kvq::check(a.save(path));
+  }
+  ~temp_artifact() { std::filesystem::remove(path); }
+};
+
+std::shared_ptr<kvq::policy> bound(std::string_view cfg, const kvq::cache_shape& shape) {
+  auto p = make_policy(cfg, shape);
+  INFO(cfg << ": " << (p.ok() ? std::string("ok") : p.error().to_string()));
+  REQUIRE(p.ok());
+  REQUIRE((*p)->bind(shape).ok());
+  return *p;
+}
+
+double map_bits(const kvq::policy& p, const kvq::cache_shape& s) {
+  return kvq::format_map::of(p, s.layers, s.kv_heads).average_bits(s.page_tokens, s.head_dim);
+}
+
+}  // namespace
+
+TEST_CASE("make_policy: kl_budget, autok, random and echokv by name", "[config]") {
+  const auto shape = smol_shape();
+  const temp_artifact art(shape);
+  const std::string A = ",artifact=" + art.path;
+
+  SECTION("kl_budget reaches the bits target") {
+    for (double bits : {4.0, 5.0, 6.0}) {
+      CAPTURE(bits);
+      const auto p = bound(fmt::format("kl_budget:bits={}", bits) + A, shape);
+      CHECK_THAT(p->name(), Contains("kl_budget"));
+      CHECK(map_bits(*p, shape) <= bits);
+      CHECK(map_bits(*p, shape) > bits - 0.1);
+    }
+    CHECK(bound("kl_budget:kl=1e9" + A, shape) != nullptr);
+  }
+  SECTION("autok protects the most sensitive layers") {
+    const auto p = bound("autok:phi=0.1,high=kivi8/g32,low=kivi2/g32" + A, shape);
+    CHECK(p->current(29, 0) == kvq::format_pair{kvq::parse_format("kivi8/g32").value_or_throw(),
+                                                kvq::parse_format("kivi8/g32").value_or_throw()});
+    CHECK(p->current(0, 0) == kvq::format_pair{kvq::parse_format("kivi2/g32").value_or_throw(),
+                                               kvq::parse_format("kivi2/g32").value_or_throw()});
+  }
+  SECTION("random keeps the bytes of the configuration it copies and moves its formats") {
+    const std::string like = "kl_budget:bits=4" + A;  // a mix of kivi4 and kivi2
+    const auto base = bound(like, shape);
+    const auto r1 = bound("random:seed=1,like=" + like, shape), r2 = bound("random:seed=2,like=" + like, shape);
+    const auto m0 = kvq::format_map::of(*base, shape.layers, shape.kv_heads);
+    const auto m1 = kvq::format_map::of(*r1, shape.layers, shape.kv_heads);
+    const auto m2 = kvq::format_map::of(*r2, shape.layers, shape.kv_heads);
+    CHECK(m1.page_bytes(64, 64) == m0.page_bytes(64, 64));
+    CHECK(m2.page_bytes(64, 64) == m0.page_bytes(64, 64));
+    CHECK_FALSE(m1 == m0);
+    CHECK_FALSE(m1 == m2);
+    CHECK(bound("random:seed=1,like=" + like, shape)->name() == r1->name());
+    // random of a random, and of a static configuration
+    CHECK(bound("random:seed=3,like=random:seed=1,like=" + like, shape) != nullptr);
+    CHECK(bound("random:like=k=kivi4/g32,v=kivi2/g32;0=fp16", shape) != nullptr);
+  }
+  SECTION("echokv parameters") {
+    CHECK(bound("echokv:seed=7", shape)->name() ==
+          "echokv(kivi2/g32|kivi4/g32|kivi8/g32,rate=0.015625,seed=7,per_layer,k=3,h=0.1)");
+    CHECK_THAT(bound("echokv:seed=7,hysteresis=1", shape)->name(), Contains("k=1,h=0)"));
+    CHECK_THAT(bound("echokv:seed=1,hysteresis=5,margin=0.2,rate=0.25,per_head", shape)->name(),
+               Contains("rate=0.25,seed=1,per_head,k=5,h=0.2"));
+    CHECK_THAT(bound("echokv:seed=1,tiers=kivi4/g32|kivi8/g32", shape)->name(), Contains("(kivi4/g32|kivi8/g32,"));
+    const auto t = bound("echokv:seed=1,target_bits=5", shape);
+    CHECK_THAT(t->name(), Contains("target_bits=5"));
+    CHECK(t->wants_queries());
+  }
+  SECTION("errors name the configuration and the parameter") {
+    const auto err = [&](const std::string& cfg) {
+      auto p = make_policy(cfg, shape);
+      REQUIRE_FALSE(p.ok());
+      CHECK_THAT(p.error().message(), Contains("configuration '" + cfg + "'"));
+      return p.error().message();
+    };
+    CHECK_THAT(err("kl_budget:bits=4"), Contains("'artifact=' is required"));
+    CHECK_THAT(err("kl_budget:bits=4,kl=1" + A), Contains("exactly one of"));
+    CHECK_THAT(err("kl_budget:bits=four" + A), Contains("'bits=four' is not a number"));
+    CHECK_THAT(err("kl_budget:bits=4,budget=2" + A), Contains("unknown parameter 'budget'"));
+    CHECK_THAT(err("kl_budget:bits=4,artifact=/nonexistent/a.json"), Contains("/nonexistent/a.json"));
+    CHECK_THAT(err("autok:phi=0.5,high=kivi8/g32" + A), Contains("'low=' is required"));
+    CHECK_THAT(err("autok:phi=0.5,high=kivi8/g32,low=kivi3" + A), Contains("low=kivi3"));
+    CHECK_THAT(err("autok:phi=0.5,high=kivi8/g32,low=sym4/g32" + A), Contains("not a candidate"));
+    CHECK_THAT(err("random:seed=1"), Contains("'like=' is required"));
+    CHECK_THAT(err("random:seed=x,like=fp16"), Contains("'seed=x'"));
+    CHECK_THAT(err("random:seed=1,like=nope:x"), Contains("unknown policy 'nope'"));
+    CHECK_THAT(err("echokv:hysteresis=0"), Contains("hysteresis=0 must be in [1, 1000]"));
+    CHECK_THAT(err("echokv:tiers=kivi4/g32|kivi9"), Contains("kivi9"));
+    CHECK_THAT(err("echokv:seed=1,,rate=1"), Contains("two commas"));
+    // another model's artifact
+    kvq::cache_shape other = shape;
+    other.layers = 12;
+    auto p = make_policy("kl_budget:bits=4" + A, other);
+    REQUIRE_FALSE(p.ok());
+    CHECK_THAT(p.error().message(), Contains("layers"));
+  }
+}

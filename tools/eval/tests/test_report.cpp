@@ -1,0 +1,241 @@
+// JSON schema fields, the terminal table and the self-contained HTML, on a hand-made report.
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <eval/report.hpp>
+
+using namespace kvq::eval;
+using Catch::Contains;
+
+namespace {
+
+kvq::format_id fmt_id(const char* s) { return kvq::parse_format(s).value(); }
+
+/// A report as a two-configuration run on a 4-layer, 2-head model would give, with one policy
+/// that changed its map during the run.
+eval_report make_report() {
+  eval_report r;
+  r.options.model_path = "m.gguf";
+  r.options.text_path = "text.txt";
+  r.options.prefill = 16;
+  r.options.tokens = 6;
+  r.options.kl_bucket = 4;
+  r.options.needle_contexts = {512};
+  r.options.needle_depths = {0.5};
+  r.options.command_line = "kvq-eval -m m.gguf";
+  r.model.path = "m.gguf";
+  r.model.name = "test-model";
+  r.model.hparams.n_layer = 4;
+  r.model.hparams.n_head = 4;
+  r.model.hparams.n_head_kv = 2;
+  r.model.hparams.head_dim = 64;
+  r.model.hparams.n_vocab = 100;
+  r.model.hparams.n_ctx_train = 2048;
+  r.model.tmpl = prompt_template::chatml;
+  r.text.path = "text.txt";
+  r.text.hash = "fnv1a64:0000000000000000";
+  r.shape = {4, 4, 2, 64, 64, 128, 64};
+  r.created_utc = "2025-01-01T00:00:00Z";
+  r.trials = {{512, 0.5, 0, "48213"}};
+  const kvq::format_pair fp16{}, k4{fmt_id("kivi4/g32"), fmt_id("kivi4/g32")},
+      k2{fmt_id("kivi2/g32"), fmt_id("kivi2/g32")};
+  for (int i = 0; i < 2; ++i) {
+    config_result c;
+    c.config = i == 0 ? "fp16" : "k=kivi4/g32,v=kivi2/g32";
+    c.policy_name = i == 0 ? "static(fp16)" : "static(k=kivi4/g32,v=kivi2/g32)";
+    c.reference = i == 0;
+    for (int s = 0; s < 6; ++s) c.quality.add(i == 0 ? 0.0 : 0.01 * (s + 1), i == 0 || s != 2, std::log(3.0));
+    c.tokens_held = 22;
+    c.stats.page_bytes = i == 0 ? 4096 : 1200;
+    c.stats.window_bytes = 1000;
+    c.stats.tokens = 22 * 4;
+    c.stats.encoded_elements = 16 * 4 * 2 * 64 * 2;
+    c.stats.bytes_by_format[i == 0 ? 0 : fmt_id("kivi4/g32")] = c.stats.page_bytes;
+    c.decode_seconds = 0.5;
+    c.decode_tokens = 6;
+    needle_result n;
+    n.trial = r.trials[0];
+    n.prompt_tokens = 500;
+    n.depth = 0.48;
+    n.pass = i == 0;
+    n.output = i == 0 ? " 48213." : " <b>oops</b>";
+    c.needle = {n};
+    std::vector<kvq::format_pair> m0(8, i == 0 ? fp16 : k4), m1 = m0;
+    if (i == 1) m1[3] = k2;
+    c.format_map_history.push_back({0, 16, m0});
+    if (i == 1) c.format_map_history.push_back({4, 20, m1});
+    r.configs.push_back(std::move(c));
+  }
+  r.reference = 0;
+  return r;
+}
+
+}  // namespace
+
+TEST_CASE("JSON record has every schema field", "[report]") {
+  const auto r = make_report();
+  const auto j = to_json(r);
+  CHECK(j.at("kind") == "kvq.eval");
+  CHECK(j.at("version") == 1);
+  for (const char* p : {"/complete",
+                        "/created_utc",
+                        "/command",
+                        "/wall_seconds",
+                        "/threads",
+                        "/model/path",
+                        "/model/name",
+                        "/model/layers",
+                        "/model/q_heads",
+                        "/model/kv_heads",
+                        "/model/head_dim",
+                        "/model/n_vocab",
+                        "/model/n_ctx_train",
+                        "/model/chat_template",
+                        "/model/prompt_template",
+                        "/cache/backend",
+                        "/cache/page_tokens",
+                        "/cache/window",
+                        "/cache/recent",
+                        "/cache/budget_bytes",
+                        "/text/path",
+                        "/text/hash",
+                        "/text/bytes",
+                        "/text/tokens_in_file",
+                        "/text/prefill",
+                        "/text/teacher_forced",
+                        "/text/first_position",
+                        "/text/positions",
+                        "/needle/haystack_path",
+                        "/needle/haystack_hash",
+                        "/needle/contexts",
+                        "/needle/depths",
+                        "/needle/repetitions",
+                        "/needle/max_new_tokens",
+                        "/needle/seed",
+                        "/needle/sentence",
+                        "/needle/trials/0/key",
+                        "/reference"}) {
+    CAPTURE(p);
+    CHECK(j.contains(nlohmann::json::json_pointer(p)));
+  }
+  REQUIRE(j.at("configs").size() == 2);
+  for (const auto& c : j.at("configs")) {
+    for (const char* p : {"/name",
+                          "/policy",
+                          "/reference",
+                          "/bits/page_bits",
+                          "/bits/total_bits",
+                          "/bits/nominal_bits",
+                          "/kv_bytes/pages",
+                          "/kv_bytes/window",
+                          "/kv_bytes/total",
+                          "/kv_bytes/fp16_equivalent",
+                          "/kv_bytes/compression",
+                          "/kv_bytes/tokens",
+                          "/bytes_by_format",
+                          "/quality/positions",
+                          "/quality/mean_kl",
+                          "/quality/median_kl",
+                          "/quality/p99_kl",
+                          "/quality/max_kl",
+                          "/quality/top1_agreement",
+                          "/quality/perplexity",
+                          "/quality/perplexity_delta",
+                          "/quality/mean_nll",
+                          "/kl_by_position/bucket",
+                          "/kl_by_position/first_position",
+                          "/kl_by_position/mean_kl",
+                          "/speed/decode_tokens_per_s",
+                          "/speed/decode_seconds",
+                          "/speed/decode_tokens",
+                          "/speed/prefill_tokens_per_s",
+                          "/needle/passed",
+                          "/needle/trials",
+                          "/needle/results/0/pass",
+                          "/needle/results/0/output",
+                          "/needle/results/0/prompt_tokens",
+                          "/needle/results/0/actual_depth",
+                          "/format_map/layers",
+                          "/format_map/kv_heads",
+                          "/format_map/k",
+                          "/format_map/v",
+                          "/format_map_history/0/step",
+                          "/format_map_history/0/position",
+                          "/format_map_history/0/k",
+                          "/format_map_history/0/v"}) {
+      CAPTURE(c.at("name"), p);
+      CHECK(c.contains(nlohmann::json::json_pointer(p)));
+    }
+  }
+  const auto& q = j.at("configs").at(1);
+  CHECK(q.at("quality").at("mean_kl").get<double>() == Approx(0.035));
+  CHECK(q.at("quality").at("top1_agreement").get<double>() == Approx(5.0 / 6));
+  CHECK(q.at("quality").at("perplexity").get<double>() == Approx(3.0));
+  CHECK(q.at("quality").at("perplexity_delta").get<double>() == Approx(0.0).margin(1e-12));
+  CHECK(q.at("kl_by_position").at("mean_kl").size() == 2);  // buckets of 4 over 6 positions
+  CHECK(q.at("bits").at("nominal_bits").get<double>() > 2.0);
+  CHECK(q.at("kv_bytes").at("total") == 2200);
+  CHECK(q.at("bytes_by_format").at("kivi4/g32") == 1200);
+  CHECK(q.at("format_map").at("k").size() == 4);           // layers
+  CHECK(q.at("format_map").at("k")[0].size() == 2);        // kv heads
+  CHECK(q.at("format_map").at("k")[1][1] == "kivi2/g32");  // the final map (entry 3 = layer 1 head 1)
+  CHECK(q.at("format_map_history").size() == 2);
+  CHECK(q.at("format_map_history")[0].at("k")[1][1] == "kivi4/g32");
+  CHECK(j.at("configs")[0].at("format_map_history").size() == 1);
+  CHECK(j.at("reference") == "fp16");
+  CHECK(j.at("needle").at("sentence") == "The pass key is {key}. Remember it.");
+}
+
+TEST_CASE("a checkpoint says it is one", "[report]") {
+  auto r = make_report();
+  r.complete = false;
+  CHECK(to_json(r).at("complete") == false);
+  CHECK_THAT(render_html(r), Contains("Checkpoint"));
+  r.complete = true;
+  CHECK(to_json(r).at("complete") == true);
+  CHECK(render_html(r).find("Checkpoint") == std::string::npos);
+}
+
+TEST_CASE("JSON never holds NaN", "[report]") {
+  auto r = make_report();
+  r.configs[1].quality.add(NAN, false, 1.0);
+  const std::string s = to_json(r).dump();
+  CHECK(s.find("NaN") == std::string::npos);
+  CHECK(s.find("nan") == std::string::npos);
+  CHECK(nlohmann::json::parse(s).at("configs")[1].at("quality").at("mean_kl").is_null());
+}
+
+TEST_CASE("terminal table lists every configuration", "[report]") {
+  const std::string t = render_table(make_report());
+  CHECK_THAT(t, Contains("fp16 (ref)"));
+  CHECK_THAT(t, Contains("k=kivi4/g32,v=kivi2/g32"));
+  CHECK_THAT(t, Contains("mean KL"));
+  CHECK_THAT(t, Contains("1/1"));
+  CHECK_THAT(t, Contains("0/1"));
+}
+
+TEST_CASE("HTML report is self-contained and has the charts", "[report]") {
+  const std::string h = render_html(make_report());
+  CHECK_THAT(h, Contains("<!DOCTYPE html>"));
+  CHECK_THAT(h, Contains("<svg"));
+  // no external reference of any kind
+  for (const char* bad : {"http://", "https://", "<script", "<link", " src=", "href=", "@import", "url("}) {
+    CAPTURE(bad);
+    CHECK(h.find(bad) == std::string::npos);
+  }
+  // every chart is there
+  for (const char* part : {"bits per element against mean KL", "mean KL over position", "perplexity change vs FP16",
+                           "top-1 disagreement", "needle pass matrix", "format map of fp16",
+                           "format map of k=kivi4/g32,v=kivi2/g32", "format map over decode steps of k=kivi4/g32"}) {
+    CAPTURE(part);
+    CHECK_THAT(h, Contains(part));
+  }
+  // untrusted strings (model output) are escaped
+  CHECK_THAT(h, Contains("&lt;b&gt;oops&lt;/b&gt;"));
+  CHECK(h.find("<b>oops") == std::string::npos);
+  // balanced svg elements
+  size_t open = 0, close = 0;
+  for (size_t p = 0; (p = h.find("<svg", p)) != std::string::npos; ++p) ++open;
+  for (size_t p = 0; (p = h.find("</svg>", p)) != std::string::npos; ++p) ++close;
+  CHECK(open == close);
+  CHECK(open >= 6);
+}
