@@ -280,7 +280,7 @@ void llama_model::output_logits(const std::vector<float>& x, int64_t T, std::spa
 // ---- forward through the cache ------------------------------------------------------------------
 
 status llama_model::forward(kvq::KVCache& cache, kvq::seq_id seq, std::span<const token_id> tokens,
-                            std::span<float> logits, logits_mode mode) const {
+                            std::span<float> logits, logits_mode mode, const layer_observer& observer) const {
   KVQ_TRY(check_chunk(tokens, logits, mode));
   const kvq::cache_shape& cs = cache.config().shape;
   if (cs.layers != hp_.n_layer || cs.q_heads != hp_.n_head || cs.kv_heads != hp_.n_head_kv ||
@@ -300,6 +300,7 @@ status llama_model::forward(kvq::KVCache& cache, kvq::seq_id seq, std::span<cons
   embed(tokens, x);
   for (int l = 0; l < hp_.n_layer; ++l) {
     attention_inputs(l, x, T, pos0, q, k, v);
+    if (observer) observer(l, pos0, q, k, v);
     const kvq::tensor_view kv_k{k.data(), kvq::dtype::f32, T, hp_.n_head_kv, hp_.head_dim, 0};
     const kvq::tensor_view kv_v{v.data(), kvq::dtype::f32, T, hp_.n_head_kv, hp_.head_dim, 0};
     KVQ_TRY(cache.append(seq, l, kv_k, kv_v));
@@ -314,7 +315,7 @@ status llama_model::forward(kvq::KVCache& cache, kvq::seq_id seq, std::span<cons
 }
 
 status llama_model::prefill(kvq::KVCache& cache, kvq::seq_id seq, std::span<const token_id> tokens,
-                            std::span<float> logits, logits_mode mode) const {
+                            std::span<float> logits, logits_mode mode, const layer_observer& observer) const {
   KVQ_TRY(check_chunk(tokens, logits, mode));
   const size_t window = size_t(std::max(cache.config().shape.window, 1));
   const size_t V = size_t(hp_.n_vocab);
@@ -323,9 +324,9 @@ status llama_model::prefill(kvq::KVCache& cache, kvq::seq_id seq, std::span<cons
     const size_t n = std::min(window, tokens.size() - start);
     const auto chunk = tokens.subspan(start, n);
     if (mode == logits_mode::all)
-      KVQ_TRY(forward(cache, seq, chunk, logits.subspan(start * V, n * V), logits_mode::all));
+      KVQ_TRY(forward(cache, seq, chunk, logits.subspan(start * V, n * V), logits_mode::all, observer));
     else
-      KVQ_TRY(forward(cache, seq, chunk, last, logits_mode::last));
+      KVQ_TRY(forward(cache, seq, chunk, last, logits_mode::last, observer));
   }
   if (mode == logits_mode::last) std::copy(last.begin(), last.end(), logits.begin());
   return {};
@@ -334,7 +335,7 @@ status llama_model::prefill(kvq::KVCache& cache, kvq::seq_id seq, std::span<cons
 // ---- reference forward (no cache) ---------------------------------------------------------------
 
 status llama_model::forward_reference(reference_kv& kv, std::span<const token_id> tokens, std::span<float> logits,
-                                      logits_mode mode) const {
+                                      logits_mode mode, const layer_observer& observer) const {
   KVQ_TRY(check_chunk(tokens, logits, mode));
   if (kv.k.empty()) {
     kv.k.resize(size_t(hp_.n_layer));
@@ -353,6 +354,7 @@ status llama_model::forward_reference(reference_kv& kv, std::span<const token_id
   embed(tokens, x);
   for (int l = 0; l < hp_.n_layer; ++l) {
     attention_inputs(l, x, T, pos0, q, k, v);
+    if (observer) observer(l, pos0, q, k, v);
     if (kv.round_to_f16) {
       for (float& e : k) e = round_f16(e);
       for (float& e : v) e = round_f16(e);

@@ -233,6 +233,45 @@ TEST_CASE("forward through the FP16 cache equals the no-cache forward", "[model]
   CHECK(d32 < 5e-2);  // measured 0.019 for seed 99: fp16 storage of K and V
 }
 
+TEST_CASE("layer_observer sees every layer's q, k, v after RoPE", "[model]") {
+  const llama_model& m = stories();
+  const auto& hp = m.hparams();
+  std::vector<token_id> prompt(150);
+  for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = token_id((i * 37 + 5) % 512);
+  // prefill through the cache (chunks 128 + 22) and the reference (one chunk): the observer's K
+  // is what the cache stores (up to its fp16 rounding) and what the reference keeps.
+  std::vector<std::vector<float>> ks(size_t(hp.n_layer));
+  std::vector<int64_t> calls(size_t(hp.n_layer), 0);
+  const layer_observer obs = [&](int l, int64_t pos0, std::span<const float> q, std::span<const float> k,
+                                 std::span<const float> v) {
+    const size_t T = k.size() / size_t(hp.n_head_kv * hp.head_dim);
+    CHECK(q.size() == T * size_t(hp.n_head * hp.head_dim));
+    CHECK(v.size() == k.size());
+    CHECK(pos0 == int64_t(ks[size_t(l)].size()) / (hp.n_head_kv * hp.head_dim));
+    ks[size_t(l)].insert(ks[size_t(l)].end(), k.begin(), k.end());
+    ++calls[size_t(l)];
+  };
+  auto cache = fp16_cache(m);
+  REQUIRE(cache.create_sequence(1).ok());
+  std::vector<float> logits(size_t(hp.n_vocab));
+  REQUIRE(m.prefill(cache, 1, prompt, logits, logits_mode::last, obs).ok());
+  for (int l = 0; l < hp.n_layer; ++l) {
+    CHECK(calls[size_t(l)] == 2);
+    std::vector<float> stored(ks[size_t(l)].size());
+    REQUIRE(cache.read(1, l, kvq::role::k, stored).ok());
+    for (size_t i = 0; i < stored.size(); ++i)
+      REQUIRE(std::fabs(stored[i] - ks[size_t(l)][i]) <= 1e-3f * (1 + std::fabs(stored[i])));
+  }
+  reference_kv ref;
+  std::vector<std::vector<float>> ks_cache = ks;
+  for (auto& k : ks) k.clear();
+  REQUIRE(m.forward_reference(ref, prompt, logits, logits_mode::last, obs).ok());
+  for (int l = 0; l < hp.n_layer; ++l) {
+    CHECK(ks[size_t(l)] == ref.k[size_t(l)]);
+    CHECK(calls[size_t(l)] == 3);
+  }
+}
+
 TEST_CASE("forward errors name the problem", "[model]") {
   const llama_model& m = stories();
   auto cache = fp16_cache(m);

@@ -20,6 +20,7 @@
 /// configuration is compared to.
 
 #include <cstdint>
+#include <functional>
 #include <kvq/cache/cache.hpp>
 #include <kvq/status.hpp>
 #include <llama/gguf.hpp>
@@ -67,6 +68,15 @@ struct reference_kv {
   bool round_to_f16 = false;
 };
 
+/// Optional hook of the forward calls: called once per layer with the chunk's attention inputs,
+/// after RoPE and before attention. `q` is [T][n_head][head_dim], `k` and `v` are
+/// [T][n_head_kv][head_dim], float as computed (before the cache or the reference rounds K and V
+/// to fp16); `pos0` is the position of the chunk's first token. Valid only during the call. What
+/// calibration (`kvq-calibrate`, tools/calib) feeds to `kvq::calib::calibrator`; an empty
+/// function is never called.
+using layer_observer = std::function<void(int layer, int64_t pos0, std::span<const float> q, std::span<const float> k,
+                                          std::span<const float> v)>;
+
 /// Which logits a forward call writes.
 enum class logits_mode : uint8_t {
   last,  ///< [n_vocab]: the chunk's last token only
@@ -98,21 +108,22 @@ class llama_model {
   /// `cache` and attending through it. Positions start at `cache.length(seq, 0)`.
   /// \param tokens [T] token ids, 1 <= T <= the cache's window
   /// \param logits [n_vocab] (mode last) or [T][n_vocab] (mode all) output
+  /// \param observer called per layer with the chunk's q, k, v (see `layer_observer`)
   /// Errors: invalid_argument (bad chunk, token id or logits size), not_found (unknown sequence),
   /// or the cache's status (budget, non-finite K/V). After a failed call the sequence's layers may
   /// hold different lengths: release it.
   status forward(kvq::KVCache& cache, kvq::seq_id seq, std::span<const token_id> tokens, std::span<float> logits,
-                 logits_mode mode = logits_mode::last) const;
+                 logits_mode mode = logits_mode::last, const layer_observer& observer = {}) const;
 
   /// `forward` over any number of tokens, in chunks of at most the cache's window. Logits as in
   /// `forward`, over all of `tokens` for mode all.
   status prefill(kvq::KVCache& cache, kvq::seq_id seq, std::span<const token_id> tokens, std::span<float> logits,
-                 logits_mode mode = logits_mode::last) const;
+                 logits_mode mode = logits_mode::last, const layer_observer& observer = {}) const;
 
   /// The same computation with attention recomputed from scratch in plain float over `kv` (no
   /// cache, no chunk limit). Positions start at `kv.length`.
   status forward_reference(reference_kv& kv, std::span<const token_id> tokens, std::span<float> logits,
-                           logits_mode mode = logits_mode::last) const;
+                           logits_mode mode = logits_mode::last, const layer_observer& observer = {}) const;
 
   /// Raw weights (for tests and analysis).
   const std::vector<float>& token_embd() const { return tok_embd_; }

@@ -1,0 +1,139 @@
+#pragma once
+/// \file
+/// The calibrator: measures, from the queries, keys and values of real text, how much each
+/// candidate format damages each (layer, kv head), and picks the `rolealign` clip ratios
+/// (DESIGN.md section 6). Engine-agnostic: it sees only tensors, so any engine (or the model
+/// runner of tools/llama, through `kvq-calibrate`) feeds it.
+///
+/// **What one `observe` measures.** A *chunk* is T consecutive tokens of one sequence starting at
+/// position 0 of what the calibrator sees: queries attend causally to the chunk's own keys (query
+/// t sees keys 0..t). For every kv head h, candidate format f and (for rolealign) clip ratio c:
+///
+/// - K̂ = K encoded and decoded by the codec exactly as the cache stores it: K rounded to fp16
+///   (the FP16 window's precision), cut into pages of `page_tokens` tokens starting at token 0
+///   (so kivi/rolealign token groups are aligned as in the cache), every unit of the page through
+///   `codec::encode_unit` and back through `codec::decode_element`. Tokens after the last whole
+///   page stay fp16, as a partial page does in the cache (it has not been encoded yet).
+/// - K attention KL = mean over the query rows (token t, query head of h's GQA group) of
+///   KL( softmax(s·q·K/√d) ‖ softmax(s·q·K̂/√d) ) over keys 0..t, in nats, where K is the fp16
+///   reference (so `fp16` scores exactly 0). Computed as log(Σ_j P_j e^{u_j}) with u = δ − E_P[δ],
+///   δ_j = s·q·(K̂_j − K_j)/√d, in double from e^u − 1 − u, which keeps the small KLs of 8-bit
+///   formats (~1e-6) free of cancellation.
+/// - V output perturbation = Σ_rows ‖P(V̂ − V)‖² / Σ_rows ‖P V‖², with P the reference attention
+///   (fp16 K) of each query row and V̂ the V pages' codec round trip: a relative squared error of
+///   the attention output, summed over every query row of every chunk before the ratio.
+///
+/// Both accumulate over all `observe` calls of a layer. `result` reports the means.
+///
+/// **Clip ratios.** For each (layer, kv head, role) the ratio is the one of `clip_grid` that
+/// minimizes the mean over `clip_formats` of damage(f, ratio) / damage(f, 1), K damage for K and
+/// V damage for V (a format whose damage at ratio 1 is 0 is left out; if all are, the ratio is
+/// 1); ties go to the larger ratio (less clipping). rolealign candidates among `formats` are
+/// reported at the chosen ratio of their (layer, head, role). NOTE: the codec narrows a range
+/// about its midpoint, so a ratio r moves *both* ends inward by (1-r)/2 of the range: it helps
+/// Gaussian-like groups at 2 bits and a group with one huge outlier (a slight clip moves the
+/// lowest level from the group minimum into the bulk), and a heavy clip of such a group lifts
+/// the lowest level above the whole bulk (tests/test_calibrate.cpp shows each case).
+///
+/// Thread-safety: `observe` calls for *different layers* may run concurrently (each layer has its
+/// own accumulators and each call its own scratch); calls for one layer must not overlap, and
+/// `result` must not overlap any `observe`.
+
+#include <cstdint>
+#include <kvq/calib/artifact.hpp>
+#include <kvq/config.hpp>
+#include <kvq/format/format.hpp>
+#include <kvq/policy/policy.hpp>
+#include <kvq/policy/sensitivity.hpp>
+#include <kvq/status.hpp>
+#include <kvq/tensor.hpp>
+#include <string>
+#include <string_view>
+#include <vector>
+
+KVQ_NAMESPACE_BEGIN
+namespace calib {
+
+/// The default candidates: kivi8/4/2 (g32), sym8/4 (g32), fp8.
+KVQ_EXPORT std::vector<format_id> default_candidates();
+
+/// What to measure.
+struct calibrator_options {
+  /// Candidate formats (the profile's and the artifact's format list), in this order.
+  std::vector<format_id> formats = default_candidates();
+  /// Clip ratios tried for rolealign, each in (0, 1].
+  std::vector<float> clip_grid = {1.0f, 0.95f, 0.9f, 0.85f, 0.8f, 0.7f};
+  /// rolealign formats whose damage chooses the clip ratio (see the file comment). Empty: the
+  /// rolealign candidates of `formats`; if there are none either, every ratio is 1.
+  std::vector<format_id> clip_formats = {format_id(find_format(family::rolealign, 4, 32)),
+                                         format_id(find_format(family::rolealign, 2, 32))};
+  float softmax_scale = 0.f;  ///< s·q·k; 0: 1/sqrt(head_dim), as the cache's default
+  std::string model_name;     ///< recorded in the artifact (informational)
+};
+
+/// Accumulates sensitivities over calibration chunks; see the file comment.
+class KVQ_EXPORT calibrator {
+ public:
+  /// Validates the shape (layers, heads, head_dim, page_tokens positive, q_heads a multiple of
+  /// kv_heads) and the options (every format and clip format able to store pages of this shape,
+  /// no duplicates, clip formats of the rolealign family, ratios in (0, 1]). Errors name the
+  /// field.
+  static kvq::result<calibrator> create(const cache_shape& shape, calibrator_options opt = {});
+
+  /// Measures one causal chunk of one layer.
+  /// \param q [T][q_heads][head_dim] queries, after RoPE, f32/f16/bf16
+  /// \param k [T][kv_heads][head_dim] keys, after RoPE, within fp16 range
+  /// \param v [T][kv_heads][head_dim] values, within fp16 range
+  /// Errors (nothing is accumulated then): layer out of range, heads, head_dim or token counts
+  /// that differ from the shape or each other, T = 0, a null pointer (invalid_argument); NaN or
+  /// Inf, naming tensor, token, head and channel (non_finite); K or V beyond fp16 range.
+  status observe(int layer, const tensor_view& q, const tensor_view& k, const tensor_view& v);
+
+  /// The measured profile (K attention KL and V perturbation per candidate). When `out` is given,
+  /// also fills a complete artifact: shape, model name, `artifact::hash_text(calibration_text)`,
+  /// tokens, profile and clip ratios. Errors: a layer that was never observed.
+  kvq::result<sensitivity_profile> result(artifact* out = nullptr, std::string_view calibration_text = {}) const;
+
+  /// Chosen clip ratios, [layers][kv_heads][2] (K then V): the layout of
+  /// `KVCache::set_clip_ratios`. 1 where a layer has not been observed.
+  std::vector<float> clip_ratios() const;
+
+  /// Mean damage of (layer, kv head, role) for format `f` at clip ratio `clip` (1 for every family
+  /// but rolealign): K attention KL or V perturbation. Errors name a combination that was not
+  /// measured (a format outside the candidates and clip formats, a ratio outside the grid) or a
+  /// layer never observed.
+  kvq::result<double> damage(int layer, int kv_head, role r, format_id f, float clip = 1.f) const;
+
+  /// Tokens observed in `layer` (sum of the chunks' T).
+  int64_t tokens(int layer) const { return layer >= 0 && layer < shape_.layers ? tokens_[size_t(layer)] : 0; }
+  /// The shape the calibrator measures.
+  const cache_shape& shape() const { return shape_; }
+  /// The options in use.
+  const calibrator_options& options() const { return opt_; }
+
+ private:
+  // One codec configuration measured: a format at a clip ratio. rolealign at ratio 1 is stored as
+  // the kivi format of the same bits and group (the codec writes the same bytes).
+  struct variant {
+    format_id f;
+    float clip;
+  };
+  calibrator() = default;
+  int variant_of(format_id f, float clip) const;
+  float choose_clip(int layer, int kv_head, role r) const;
+  double mean_damage(int layer, int kv_head, role r, int variant) const;
+
+  cache_shape shape_{};
+  calibrator_options opt_;
+  float scale_ = 0.f;
+  std::vector<variant> variants_;
+  std::vector<format_id> objective_formats_;  // rolealign formats that choose the clip ratio
+  std::vector<int64_t> tokens_;               // [layers]
+  std::vector<double> rows_;                  // [layers][kv_heads] query rows measured
+  std::vector<double> k_kl_;                  // [layers][kv_heads][variants] summed KL
+  std::vector<double> v_err_;                 // [layers][kv_heads][variants] Σ‖P(V̂−V)‖²
+  std::vector<double> v_ref_;                 // [layers][kv_heads] Σ‖PV‖²
+};
+
+}  // namespace calib
+KVQ_NAMESPACE_END

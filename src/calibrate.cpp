@@ -1,0 +1,421 @@
+// The calibrator: per (layer, kv head, format) K attention KL and V output perturbation over causal
+// chunks, and the rolealign clip ratios they choose. See kvq/calib/calibrate.hpp for the
+// definitions; this file is the arithmetic.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <kvq/calib/calibrate.hpp>
+#include <kvq/codec/codec.hpp>
+#include <kvq/format/numeric.hpp>
+#include <limits>
+
+KVQ_NAMESPACE_BEGIN
+namespace calib {
+
+namespace {
+
+// Key block of the score kernel and channel block of the output kernel (floats). Buffers are
+// padded to multiples of these with zeros, so the kernels never branch on a remainder.
+constexpr int key_block = 16;
+constexpr int chan_block = 32;
+
+int round_up(int x, int m) { return (x + m - 1) / m * m; }
+
+float load(const tensor_view& t, int64_t token, int head, int c) {
+  const int64_t i = token * t.stride() + int64_t(head) * t.head_dim + c;
+  switch (t.type) {
+    case dtype::f32:
+      return static_cast<const float*>(t.data)[i];
+    case dtype::f16:
+      return half_to_float(static_cast<const uint16_t*>(t.data)[i]);
+    case dtype::bf16:
+      return bf16_to_float(static_cast<const uint16_t*>(t.data)[i]);
+  }
+  return 0.f;
+}
+
+// s[r][j] = Σ_c q[r][c]·kt[c][j] for every row r of token t (rows t*group .. t*group+group-1) and
+// key j <= t, rounded up to whole key blocks (the extra entries are never read).
+// q: [T*group][dp], kt: [dp][tp] (K transposed, zero-padded), s: [T*group][tp].
+// NOTE: a key block of 16 floats accumulated over the channels stays in registers and the block
+// of kt it reads (dp x 16 floats, 4 KiB for d = 64) stays in L1 across all rows, which makes this
+// loop compute-bound; the plain row-times-column form was 3x slower (SmolLM2 chunk, 2-core VM).
+void causal_scores(const float* q, const float* kt, int T, int group, int dp, int tp, float* s) {
+  for (int j0 = 0; j0 < T; j0 += key_block) {
+    const float* ktb = kt + j0;
+    for (int t = j0; t < T; ++t)
+      for (int g = 0; g < group; ++g) {
+        const int r = t * group + g;
+        const float* qr = q + size_t(r) * size_t(dp);
+        float acc[key_block] = {};
+        for (int c = 0; c < dp; ++c) {
+          const float a = qr[c];
+          const float* kc = ktb + size_t(c) * size_t(tp);
+          for (int jj = 0; jj < key_block; ++jj) acc[jj] += a * kc[jj];
+        }
+        std::memcpy(s + size_t(r) * size_t(tp) + j0, acc, sizeof acc);
+      }
+  }
+}
+
+// o[r][c] = Σ_{j<=t} p[r][j]·x[j][c]. p: [T*group][tp], x: [tp][dp], o: [T*group][dp].
+void causal_mix(const float* p, const float* x, int T, int group, int dp, int tp, float* o) {
+  for (int t = 0; t < T; ++t)
+    for (int g = 0; g < group; ++g) {
+      const int r = t * group + g;
+      const float* pr = p + size_t(r) * size_t(tp);
+      float* orow = o + size_t(r) * size_t(dp);
+      for (int c0 = 0; c0 < dp; c0 += chan_block) {
+        float acc[chan_block] = {};
+        for (int j = 0; j <= t; ++j) {
+          const float a = pr[j];
+          const float* xj = x + size_t(j) * size_t(dp) + c0;
+          for (int cc = 0; cc < chan_block; ++cc) acc[cc] += a * xj[cc];
+        }
+        std::memcpy(orow + c0, acc, sizeof acc);
+      }
+    }
+}
+
+// e^u − 1 − u without cancellation: Taylor series to u^9 for |u| <= 1/2 (relative error < 1e-8),
+// the direct form beyond.
+double exp_excess(double u) {
+  if (std::abs(u) > 0.5) return std::exp(u) - 1.0 - u;
+  double p = 1.0 / 362880.0;
+  for (double inv : {1.0 / 40320, 1.0 / 5040, 1.0 / 720, 1.0 / 120, 1.0 / 24, 1.0 / 6, 1.0 / 2}) p = p * u + inv;
+  return p * u * u;
+}
+
+// Codec round trip of one head's [T][d] fp16 rows (whole pages only; the tail stays as it is):
+// writes x̂ − x into err ([T][ld], zero for the tail).
+void round_trip_error(format_id f, float clip, role r, int page_tokens, int d, int T, const uint16_t* x16,
+                      const float* x, int ld, std::vector<uint8_t>& page, float* err) {
+  for (int t = 0; t < T; ++t) std::fill_n(err + size_t(t) * size_t(ld), ld, 0.f);
+  if (f == fp16_format) return;
+  const codec::page_geom g = codec::make_geom(f, r, page_tokens, d);
+  page.assign(g.lay.total(), 0);
+  for (int p0 = 0; p0 + page_tokens <= T; p0 += page_tokens) {
+    const uint16_t* src = x16 + size_t(p0) * size_t(d);
+    for (int u = 0, n = g.unit_count(); u < n; ++u) codec::encode_unit(g, src, d, u, page.data(), clip);
+    for (int t = 0; t < page_tokens; ++t)
+      for (int c = 0; c < d; ++c) {
+        const size_t i = size_t(p0 + t) * size_t(d) + size_t(c);
+        err[size_t(p0 + t) * size_t(ld) + size_t(c)] = codec::decode_element(g, page.data(), t, c) - x[i];
+      }
+  }
+}
+
+}  // namespace
+
+std::vector<format_id> default_candidates() {
+  return {format_id(find_format(family::kivi, 8, 32)), format_id(find_format(family::kivi, 4, 32)),
+          format_id(find_format(family::kivi, 2, 32)), format_id(find_format(family::sym, 8, 32)),
+          format_id(find_format(family::sym, 4, 32)),  format_id(find_format(family::fp8_e4m3, 8, 1))};
+}
+
+kvq::result<calibrator> calibrator::create(const cache_shape& shape, calibrator_options opt) {
+  const auto bad = [](std::string m) { return status{errc::invalid_argument, "calibrator: " + std::move(m)}; };
+  if (shape.layers <= 0 || shape.q_heads <= 0 || shape.kv_heads <= 0 || shape.head_dim <= 0 || shape.page_tokens <= 0)
+    return bad(fmt::format("layers {}, q_heads {}, kv_heads {}, head_dim {} and page_tokens {} must be positive",
+                           shape.layers, shape.q_heads, shape.kv_heads, shape.head_dim, shape.page_tokens));
+  if (shape.q_heads % shape.kv_heads != 0)
+    return bad(fmt::format("q_heads {} is not a multiple of kv_heads {}", shape.q_heads, shape.kv_heads));
+  if (opt.formats.empty()) return bad("no candidate formats");
+  for (size_t i = 0; i < opt.formats.size(); ++i) {
+    if (opt.formats[i] >= format_count) return bad(fmt::format("candidate {} is outside the format table", i));
+    for (size_t j = 0; j < i; ++j)
+      if (opt.formats[j] == opt.formats[i])
+        return bad(fmt::format("format {} is listed twice", format_name(opt.formats[i])));
+  }
+  if (opt.clip_grid.empty()) return bad("the clip grid is empty");
+  for (float c : opt.clip_grid)
+    if (!(c > 0.f && c <= 1.f)) return bad(fmt::format("clip ratio {} is outside (0, 1]", c));
+  for (format_id f : opt.clip_formats)
+    if (f >= format_count || traits_of(f).fam != family::rolealign)
+      return bad(fmt::format("clip format {} is not a rolealign format",
+                             f < format_count ? format_name(f) : std::to_string(int(f))));
+
+  calibrator c;
+  c.shape_ = shape;
+  c.opt_ = std::move(opt);
+  c.scale_ = c.opt_.softmax_scale > 0.f ? c.opt_.softmax_scale : 1.f / std::sqrt(float(shape.head_dim));
+
+  std::vector<format_id> grid_formats;  // rolealign formats measured at every ratio
+  c.objective_formats_ = c.opt_.clip_formats;
+  for (format_id f : c.opt_.formats)
+    if (traits_of(f).fam == family::rolealign) {
+      grid_formats.push_back(f);
+      if (c.opt_.clip_formats.empty()) c.objective_formats_.push_back(f);
+    }
+  for (format_id f : c.opt_.clip_formats)
+    if (std::find(grid_formats.begin(), grid_formats.end(), f) == grid_formats.end()) grid_formats.push_back(f);
+  for (format_id f : c.opt_.formats)
+    for (role r : {role::k, role::v})
+      if (status s = check_shape(f, r, shape.page_tokens, shape.head_dim); !s.ok()) return bad(s.message());
+  for (format_id f : grid_formats)
+    for (role r : {role::k, role::v})
+      if (status s = check_shape(f, r, shape.page_tokens, shape.head_dim); !s.ok()) return bad(s.message());
+
+  const auto add = [&](format_id f, float clip) {
+    if (traits_of(f).fam == family::rolealign && clip == 1.f) {
+      const format_traits t = traits_of(f);
+      f = format_id(find_format(family::kivi, t.bits, t.group));
+    }
+    if (traits_of(f).fam != family::rolealign) clip = 1.f;
+    for (const variant& v : c.variants_)
+      if (v.f == f && v.clip == clip) return;
+    c.variants_.push_back({f, clip});
+  };
+  for (format_id f : c.opt_.formats) add(f, 1.f);
+  for (format_id f : grid_formats) {
+    add(f, 1.f);  // the normalization of the clip objective
+    for (float r : c.opt_.clip_grid) add(f, r);
+  }
+
+  const size_t units = size_t(shape.layers) * size_t(shape.kv_heads);
+  c.tokens_.assign(size_t(shape.layers), 0);
+  c.rows_.assign(units, 0.0);
+  c.k_kl_.assign(units * c.variants_.size(), 0.0);
+  c.v_err_.assign(units * c.variants_.size(), 0.0);
+  c.v_ref_.assign(units, 0.0);
+  return c;
+}
+
+int calibrator::variant_of(format_id f, float clip) const {
+  if (f >= format_count) return -1;
+  const format_traits t = traits_of(f);
+  if (t.fam == family::rolealign && clip == 1.f) f = format_id(find_format(family::kivi, t.bits, t.group));
+  if (traits_of(f).fam != family::rolealign) {
+    if (clip != 1.f) return -1;
+  }
+  for (size_t i = 0; i < variants_.size(); ++i)
+    if (variants_[i].f == f && variants_[i].clip == clip) return int(i);
+  return -1;
+}
+
+status calibrator::observe(int layer, const tensor_view& q, const tensor_view& k, const tensor_view& v) {
+  const auto bad = [&](std::string m) {
+    return status{errc::invalid_argument, fmt::format("calibrator: layer {}: {}", layer, m)};
+  };
+  if (layer < 0 || layer >= shape_.layers) return bad(fmt::format("outside the model's {} layers", shape_.layers));
+  const int d = shape_.head_dim, Hq = shape_.q_heads, Hkv = shape_.kv_heads, group = Hq / Hkv;
+  const struct {
+    const char* name;
+    const tensor_view* t;
+    int heads;
+  } inputs[] = {{"q", &q, Hq}, {"k", &k, Hkv}, {"v", &v, Hkv}};
+  for (const auto& in : inputs) {
+    if (in.t->data == nullptr) return bad(fmt::format("{} is a null pointer", in.name));
+    if (in.t->heads != in.heads || in.t->head_dim != d)
+      return bad(fmt::format("{} is [{}][{}][{}], the shape needs [T][{}][{}]", in.name, in.t->tokens, in.t->heads,
+                             in.t->head_dim, in.heads, d));
+    if (in.t->token_stride != 0 && in.t->token_stride < int64_t(in.heads) * d)
+      return bad(fmt::format("{} has token stride {} < heads x head_dim {}", in.name, in.t->token_stride,
+                             int64_t(in.heads) * d));
+  }
+  if (q.tokens <= 0) return bad("empty chunk (T = 0)");
+  if (k.tokens != q.tokens || v.tokens != q.tokens)
+    return bad(fmt::format("token counts differ: q {}, k {}, v {}", q.tokens, k.tokens, v.tokens));
+  if (q.tokens > std::numeric_limits<int>::max() / std::max(Hq, 1))
+    return bad(fmt::format("chunk of {} tokens is too long", q.tokens));
+  const int T = int(q.tokens);
+  for (const auto& in : inputs)
+    for (int t = 0; t < T; ++t)
+      for (int h = 0; h < in.heads; ++h)
+        for (int c = 0; c < d; ++c) {
+          const float x = load(*in.t, t, h, c);
+          if (!std::isfinite(x))
+            return {errc::non_finite, fmt::format("calibrator: layer {}: {} is {} at token {} head {} channel {}",
+                                                  layer, in.name, x, t, h, c)};
+          if (in.t != &q && std::abs(x) > fp16_max)
+            return bad(fmt::format("{} is {} at token {} head {} channel {}, beyond fp16 range", in.name, x, t, h, c));
+        }
+
+  const int dp = round_up(d, chan_block), tp = round_up(T, key_block), rows = T * group;
+  const size_t nv = variants_.size();
+  std::vector<uint16_t> x16(size_t(T) * size_t(d));
+  std::vector<float> xf(size_t(T) * size_t(d)), err(size_t(tp) * size_t(dp)), errt(size_t(dp) * size_t(tp));
+  std::vector<float> qh(size_t(rows) * size_t(dp)), s(size_t(rows) * size_t(tp)), ds(size_t(rows) * size_t(tp));
+  std::vector<float> o(size_t(rows) * size_t(dp));
+  std::vector<double> pz(static_cast<size_t>(rows));  // 1 / Σ_j P_j of each row
+  std::vector<uint8_t> page;
+  // Loads head h of k or v as fp16 bits and their float values, [T][d].
+  const auto load_head = [&](const tensor_view& src, int h) {
+    for (int t = 0; t < T; ++t)
+      for (int c = 0; c < d; ++c) {
+        const uint16_t b = float_to_half(load(src, t, h, c));
+        x16[size_t(t) * size_t(d) + size_t(c)] = b;
+        xf[size_t(t) * size_t(d) + size_t(c)] = half_to_float(b);
+      }
+  };
+  const auto transpose = [&](const float* a /* [tp][dp] */, float* at /* [dp][tp] */) {
+    for (int t = 0; t < tp; ++t)
+      for (int c = 0; c < dp; ++c) at[size_t(c) * size_t(tp) + size_t(t)] = a[size_t(t) * size_t(dp) + size_t(c)];
+  };
+
+  for (int h = 0; h < Hkv; ++h) {
+    const size_t unit = size_t(layer) * size_t(Hkv) + size_t(h);
+    // Queries of the group, pre-multiplied by the softmax scale: [T*group][dp].
+    std::fill(qh.begin(), qh.end(), 0.f);
+    for (int t = 0; t < T; ++t)
+      for (int g = 0; g < group; ++g)
+        for (int c = 0; c < d; ++c)
+          qh[size_t(t * group + g) * size_t(dp) + size_t(c)] = load(q, t, h * group + g, c) * scale_;
+
+    // Reference attention P over the fp16 keys, stored in place of the scores: [rows][tp].
+    load_head(k, h);
+    std::fill(err.begin(), err.end(), 0.f);
+    for (int t = 0; t < T; ++t) std::copy_n(&xf[size_t(t) * size_t(d)], d, &err[size_t(t) * size_t(dp)]);
+    transpose(err.data(), errt.data());
+    causal_scores(qh.data(), errt.data(), T, group, dp, tp, s.data());
+    for (int r = 0; r < rows; ++r) {
+      float* sr = &s[size_t(r) * size_t(tp)];
+      const int n = r / group + 1;
+      const float mx = *std::max_element(sr, sr + n);
+      double z = 0.0;
+      for (int j = 0; j < n; ++j) z += (sr[j] = std::exp(sr[j] - mx));
+      for (int j = n; j < tp; ++j) sr[j] = 0.f;
+      pz[size_t(r)] = 1.0 / z;
+    }
+
+    // K: per variant, δ = scaled q·(K̂ − K) and the KL of each row.
+    for (size_t vi = 0; vi < nv; ++vi) {
+      round_trip_error(variants_[vi].f, variants_[vi].clip, role::k, shape_.page_tokens, d, T, x16.data(), xf.data(),
+                       dp, page, err.data());
+      transpose(err.data(), errt.data());
+      causal_scores(qh.data(), errt.data(), T, group, dp, tp, ds.data());
+      double kl = 0.0;
+      for (int r = 0; r < rows; ++r) {
+        const float* pr = &s[size_t(r) * size_t(tp)];
+        const float* dr = &ds[size_t(r) * size_t(tp)];
+        const int n = r / group + 1;
+        double m = 0.0;
+        for (int j = 0; j < n; ++j) m += double(pr[j]) * dr[j];
+        m *= pz[size_t(r)];
+        double e = 0.0;
+        for (int j = 0; j < n; ++j) e += double(pr[j]) * exp_excess(double(dr[j]) - m);
+        kl += std::log1p(e * pz[size_t(r)]);
+      }
+      k_kl_[unit * nv + vi] += kl;
+    }
+
+    // V: reference output P·V, then per variant P·(V̂ − V).
+    load_head(v, h);
+    std::fill(err.begin(), err.end(), 0.f);
+    for (int t = 0; t < T; ++t) std::copy_n(&xf[size_t(t) * size_t(d)], d, &err[size_t(t) * size_t(dp)]);
+    causal_mix(s.data(), err.data(), T, group, dp, tp, o.data());
+    double ref = 0.0;
+    for (int r = 0; r < rows; ++r) {
+      double n2 = 0.0;
+      for (int c = 0; c < d; ++c)
+        n2 += double(o[size_t(r) * size_t(dp) + size_t(c)]) * o[size_t(r) * size_t(dp) + size_t(c)];
+      ref += n2 * pz[size_t(r)] * pz[size_t(r)];
+    }
+    v_ref_[unit] += ref;
+    for (size_t vi = 0; vi < nv; ++vi) {
+      round_trip_error(variants_[vi].f, variants_[vi].clip, role::v, shape_.page_tokens, d, T, x16.data(), xf.data(),
+                       dp, page, err.data());
+      causal_mix(s.data(), err.data(), T, group, dp, tp, o.data());
+      double e2 = 0.0;
+      for (int r = 0; r < rows; ++r) {
+        double n2 = 0.0;
+        for (int c = 0; c < d; ++c)
+          n2 += double(o[size_t(r) * size_t(dp) + size_t(c)]) * o[size_t(r) * size_t(dp) + size_t(c)];
+        e2 += n2 * pz[size_t(r)] * pz[size_t(r)];
+      }
+      v_err_[unit * nv + vi] += e2;
+    }
+    rows_[unit] += double(rows);
+  }
+  tokens_[size_t(layer)] += T;
+  return {};
+}
+
+double calibrator::mean_damage(int layer, int kv_head, role r, int vi) const {
+  const size_t unit = size_t(layer) * size_t(shape_.kv_heads) + size_t(kv_head), nv = variants_.size();
+  if (r == role::k) return rows_[unit] > 0 ? k_kl_[unit * nv + size_t(vi)] / rows_[unit] : 0.0;
+  return v_ref_[unit] > 0 ? v_err_[unit * nv + size_t(vi)] / v_ref_[unit] : 0.0;
+}
+
+float calibrator::choose_clip(int layer, int kv_head, role r) const {
+  if (tokens_[size_t(layer)] == 0) return 1.f;
+  float best_ratio = 1.f;
+  double best = std::numeric_limits<double>::infinity();
+  for (float ratio : opt_.clip_grid) {
+    double sum = 0.0;
+    int n = 0;
+    for (format_id f : objective_formats_) {
+      const double base = mean_damage(layer, kv_head, r, variant_of(f, 1.f));
+      if (!(base > 0.0)) continue;
+      sum += mean_damage(layer, kv_head, r, variant_of(f, ratio)) / base;
+      ++n;
+    }
+    if (n == 0) return 1.f;
+    const double obj = sum / n;
+    if (obj < best || (obj == best && ratio > best_ratio)) {
+      best = obj;
+      best_ratio = ratio;
+    }
+  }
+  return best_ratio;
+}
+
+std::vector<float> calibrator::clip_ratios() const {
+  std::vector<float> out;
+  out.reserve(size_t(shape_.layers) * size_t(shape_.kv_heads) * 2);
+  for (int l = 0; l < shape_.layers; ++l)
+    for (int h = 0; h < shape_.kv_heads; ++h)
+      for (role r : {role::k, role::v}) out.push_back(choose_clip(l, h, r));
+  return out;
+}
+
+kvq::result<double> calibrator::damage(int layer, int kv_head, role r, format_id f, float clip) const {
+  if (layer < 0 || layer >= shape_.layers || kv_head < 0 || kv_head >= shape_.kv_heads)
+    return status{errc::invalid_argument,
+                  fmt::format("calibrator: layer {} head {} is outside the shape", layer, kv_head)};
+  if (tokens_[size_t(layer)] == 0)
+    return status{errc::not_found, fmt::format("calibrator: layer {} was never observed", layer)};
+  const int vi = variant_of(f, clip);
+  if (vi < 0)
+    return status{errc::not_found, fmt::format("calibrator: {} at clip ratio {} was not measured",
+                                               f < format_count ? format_name(f) : std::to_string(int(f)), clip)};
+  return mean_damage(layer, kv_head, r, vi);
+}
+
+kvq::result<sensitivity_profile> calibrator::result(artifact* out, std::string_view calibration_text) const {
+  for (int l = 0; l < shape_.layers; ++l)
+    if (tokens_[size_t(l)] == 0)
+      return status{errc::not_found, fmt::format("calibrator: layer {} was never observed", l)};
+  auto made = sensitivity_profile::make(shape_.layers, shape_.kv_heads, opt_.formats);
+  if (!made) return made.error();
+  sensitivity_profile p = std::move(made).value();
+  const std::vector<float> clips = clip_ratios();
+  for (int l = 0; l < shape_.layers; ++l)
+    for (int h = 0; h < shape_.kv_heads; ++h)
+      for (role r : {role::k, role::v}) {
+        const float clip = clips[(size_t(l) * size_t(shape_.kv_heads) + size_t(h)) * 2 + (r == role::k ? 0 : 1)];
+        for (size_t fi = 0; fi < opt_.formats.size(); ++fi) {
+          const format_id f = opt_.formats[fi];
+          const int vi = variant_of(f, traits_of(f).fam == family::rolealign ? clip : 1.f);
+          p.at(l, h, r, int(fi)) = std::max(0.0, mean_damage(l, h, r, vi));
+        }
+      }
+  if (status s = p.validate(); !s.ok()) return status{s.code(), "calibrator: " + s.message()};
+  if (out != nullptr) {
+    artifact a;
+    a.model_name = opt_.model_name;
+    a.shape = {shape_.layers, shape_.q_heads, shape_.kv_heads, shape_.head_dim};
+    a.text_hash = artifact::hash_text(calibration_text);
+    a.calibration_tokens = *std::min_element(tokens_.begin(), tokens_.end());
+    a.sensitivity = p;
+    a.clip_ratios = clips;
+    if (status s = a.validate(); !s.ok()) return status{s.code(), "calibrator: " + s.message()};
+    *out = std::move(a);
+  }
+  return p;
+}
+
+}  // namespace calib
+KVQ_NAMESPACE_END

@@ -1,0 +1,437 @@
+// The calibrator on hand-made inputs whose answer is known: K and V exactly representable at 4
+// bits give zero damage for kivi4; fp16 gives zero; damage grows as bits fall; the KL and the V
+// perturbation equal a brute-force double-precision evaluation of their definitions (through
+// the codec); clip ratios < 1 win on Gaussian groups at 2 bits and lose on a one-sided outlier;
+// the artifact it fills round-trips; bad inputs give errors naming the problem.
+#include <unistd.h>
+
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <filesystem>
+#include <kvq/calib/calibrate.hpp>
+#include <kvq/codec/codec.hpp>
+#include <kvq/format/numeric.hpp>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+using namespace kvq;
+using calib::calibrator;
+using calib::calibrator_options;
+
+namespace {
+
+format_id fmt_of(const char* spec) { return parse_format(spec).value_or_throw(); }
+
+cache_shape make_shape(int layers, int q_heads, int kv_heads, int head_dim, int page_tokens = 64) {
+  cache_shape s;
+  s.layers = layers;
+  s.q_heads = q_heads;
+  s.kv_heads = kv_heads;
+  s.head_dim = head_dim;
+  s.page_tokens = page_tokens;
+  return s;
+}
+
+// [T][heads][d] float tensor with its view.
+struct tensor3 {
+  int T, heads, d;
+  std::vector<float> x;
+  tensor3(int T_, int heads_, int d_) : T(T_), heads(heads_), d(d_), x(size_t(T_) * heads_ * d_) {}
+  float& at(int t, int h, int c) { return x[(size_t(t) * heads + h) * d + c]; }
+  float at(int t, int h, int c) const { return x[(size_t(t) * heads + h) * d + c]; }
+  tensor_view view() const { return {x.data(), dtype::f32, T, heads, d, 0}; }
+};
+
+tensor3 gaussian(int T, int heads, int d, uint64_t seed, float sigma = 1.f) {
+  tensor3 a(T, heads, d);
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> n(0.f, sigma);
+  for (float& e : a.x) e = n(rng);
+  return a;
+}
+
+// Brute force, in double, of the file comment's definitions for one head: the mean KL over the
+// query rows and the V perturbation ratio, with K̂ / V̂ from the codec (whole pages only).
+struct brute {
+  double kl, v;
+};
+std::vector<double> round_trip(const tensor3& x, int h, format_id f, role r, int P, float clip) {
+  const int T = x.T, d = x.d;
+  std::vector<uint16_t> x16(size_t(T) * d);
+  std::vector<double> out(size_t(T) * d);
+  for (int t = 0; t < T; ++t)
+    for (int c = 0; c < d; ++c) {
+      x16[size_t(t) * d + c] = float_to_half(x.at(t, h, c));
+      out[size_t(t) * d + c] = half_to_float(x16[size_t(t) * d + c]);
+    }
+  if (f == fp16_format) return out;
+  const codec::page_geom g = codec::make_geom(f, r, P, d);
+  std::vector<uint8_t> page(g.lay.total());
+  for (int p0 = 0; p0 + P <= T; p0 += P) {
+    for (int u = 0; u < g.unit_count(); ++u)
+      codec::encode_unit(g, x16.data() + size_t(p0) * d, d, u, page.data(), clip);
+    for (int t = 0; t < P; ++t)
+      for (int c = 0; c < d; ++c) out[size_t(p0 + t) * d + c] = codec::decode_element(g, page.data(), t, c);
+  }
+  return out;
+}
+brute brute_force(const tensor3& q, const tensor3& k, const tensor3& v, int h, format_id f, int P, float clip = 1.f) {
+  const int T = q.T, d = q.d, group = q.heads / k.heads;
+  const auto K = round_trip(k, h, fp16_format, role::k, P, 1.f), Kq = round_trip(k, h, f, role::k, P, clip);
+  const auto V = round_trip(v, h, fp16_format, role::v, P, 1.f), Vq = round_trip(v, h, f, role::v, P, clip);
+  double kl = 0, num = 0, den = 0;
+  for (int t = 0; t < T; ++t)
+    for (int g = 0; g < group; ++g) {
+      std::vector<double> a(size_t(t) + 1), b(size_t(t) + 1);
+      for (int j = 0; j <= t; ++j) {
+        double sa = 0, sb = 0;
+        for (int c = 0; c < d; ++c) {
+          // the calibrator rounds the scaled query to float; do the same
+          const double qc = double(q.at(t, h * group + g, c) * float(1.0 / std::sqrt(double(d))));
+          sa += qc * K[size_t(j) * d + c];
+          sb += qc * Kq[size_t(j) * d + c];
+        }
+        a[size_t(j)] = sa;
+        b[size_t(j)] = sb;
+      }
+      const double ma = *std::max_element(a.begin(), a.end()), mb = *std::max_element(b.begin(), b.end());
+      double za = 0, zb = 0;
+      for (int j = 0; j <= t; ++j) {
+        za += std::exp(a[size_t(j)] - ma);
+        zb += std::exp(b[size_t(j)] - mb);
+      }
+      double row = 0;
+      std::vector<double> o(size_t(d), 0.0), e(size_t(d), 0.0);
+      for (int j = 0; j <= t; ++j) {
+        const double lp = a[size_t(j)] - ma - std::log(za), lq = b[size_t(j)] - mb - std::log(zb), p = std::exp(lp);
+        row += p * (lp - lq);
+        for (int c = 0; c < d; ++c) {
+          o[size_t(c)] += p * V[size_t(j) * d + c];
+          e[size_t(c)] += p * (Vq[size_t(j) * d + c] - V[size_t(j) * d + c]);
+        }
+      }
+      kl += row;
+      for (int c = 0; c < d; ++c) {
+        num += e[size_t(c)] * e[size_t(c)];
+        den += o[size_t(c)] * o[size_t(c)];
+      }
+    }
+  return {kl / (double(T) * group), num / den};
+}
+
+}  // namespace
+
+TEST_CASE("calibrator: K and V exactly representable at 4 bits cost kivi4 nothing", "[calibrate]") {
+  const int T = GENERATE(64, 128, 150), d = 64;
+  CAPTURE(T);
+  // x = -1 + q/8 with q = (t + c + h) mod 16: every 32-token group of a channel and every
+  // 32-channel group of a token holds codes 0 and 15, so the range is exactly 15/8 and every
+  // value is on the 4-bit grid (scale 1/8 and zero -1 are exact in fp16).
+  tensor3 k(T, 2, d), v(T, 2, d);
+  for (int t = 0; t < T; ++t)
+    for (int h = 0; h < 2; ++h)
+      for (int c = 0; c < d; ++c) {
+        k.at(t, h, c) = -1.f + float((t + c + h) % 16) / 8.f;
+        v.at(t, h, c) = -1.f + float((t + 3 * c + h) % 16) / 8.f;
+      }
+  const tensor3 q = gaussian(T, 4, d, 11, 2.f);
+  calibrator_options opt;
+  opt.formats = {fp16_format, fmt_of("kivi8/g32"), fmt_of("kivi4/g32"), fmt_of("kivi2/g32"), fmt_of("ra4/g32")};
+  auto c = calibrator::create(make_shape(1, 4, 2, d), opt).value_or_throw();
+  REQUIRE(c.observe(0, q.view(), k.view(), v.view()).ok());
+  for (int h = 0; h < 2; ++h)
+    for (role r : {role::k, role::v}) {
+      CAPTURE(h, role_name(r));
+      CHECK(c.damage(0, h, r, fp16_format).value_or_throw() == 0.0);
+      CHECK(c.damage(0, h, r, fmt_of("kivi4/g32")).value_or_throw() == 0.0);
+      CHECK(c.damage(0, h, r, fmt_of("kivi2/g32")).value_or_throw() > 0.0);
+      // clip 1 is kivi4 exactly, so the clip ratio chosen for ra4 (grid includes 1) is 1 or no worse
+      CHECK(c.damage(0, h, r, fmt_of("ra4/g32"), 1.f).value_or_throw() == 0.0);
+    }
+  const auto clips = c.clip_ratios();
+  REQUIRE(clips.size() == 4);
+  const auto prof = c.result().value_or_throw();
+  for (int h = 0; h < 2; ++h) {
+    CHECK(prof.at(0, h, role::k, 2) == 0.0);
+    CHECK(prof.at(0, h, role::v, 2) == 0.0);
+  }
+}
+
+TEST_CASE("calibrator: damage grows as bits fall", "[calibrate]") {
+  const int d = 64, T = 192;
+  const tensor3 q = gaussian(T, 6, d, 21, 1.5f), k = gaussian(T, 2, d, 22, 1.f), v = gaussian(T, 2, d, 23, 1.f);
+  auto c = calibrator::create(make_shape(2, 6, 2, d)).value_or_throw();  // default candidates
+  REQUIRE(c.observe(1, q.view(), k.view(), v.view()).ok());
+  REQUIRE(c.observe(0, q.view(), k.view(), v.view()).ok());
+  for (int h = 0; h < 2; ++h)
+    for (role r : {role::k, role::v}) {
+      CAPTURE(h, role_name(r));
+      const double k8 = c.damage(0, h, r, fmt_of("kivi8/g32")).value_or_throw();
+      const double k4 = c.damage(0, h, r, fmt_of("kivi4/g32")).value_or_throw();
+      const double k2 = c.damage(0, h, r, fmt_of("kivi2/g32")).value_or_throw();
+      const double s8 = c.damage(0, h, r, fmt_of("sym8/g32")).value_or_throw();
+      const double s4 = c.damage(0, h, r, fmt_of("sym4/g32")).value_or_throw();
+      const double f8 = c.damage(0, h, r, fmt_of("fp8")).value_or_throw();
+      CHECK(0.0 < k8);
+      CHECK(k8 < k4);
+      CHECK(k4 < k2);
+      CHECK(0.0 < s8);
+      CHECK(s8 < s4);
+      // fp8 (3 mantissa bits) lies between the 8-bit and the 2-bit integer formats
+      CHECK(k8 < f8);
+      CHECK(f8 < k2);
+      // KL ~ error^2: each 2-4 bit step costs far more than a factor 4
+      CHECK(k2 / k4 > 8.0);
+      CHECK(k4 / k8 > 50.0);
+      // the same data in layer 1 gives the same numbers
+      CHECK(c.damage(1, h, r, fmt_of("kivi4/g32")).value_or_throw() == k4);
+    }
+}
+
+TEST_CASE("calibrator: KL and V perturbation equal a brute-force evaluation", "[calibrate]") {
+  const int d = 64;
+  const int T = GENERATE(1, 3, 63, 64, 65, 129, 200);
+  const int P = GENERATE(32, 64);
+  CAPTURE(T, P);
+  const tensor3 q = gaussian(T, 4, d, 100 + T, 2.f), k = gaussian(T, 2, d, 200 + T), v = gaussian(T, 2, d, 300 + T);
+  calibrator_options opt;
+  opt.formats = {fmt_of("kivi8/g32"), fmt_of("kivi4/g32"), fmt_of("kivi2/g32"),
+                 fmt_of("sym4/g32"),  fmt_of("fp8"),       fmt_of("ra2/g32")};
+  opt.clip_grid = {1.f, 0.8f};
+  auto c = calibrator::create(make_shape(1, 4, 2, d, P), opt).value_or_throw();
+  REQUIRE(c.observe(0, q.view(), k.view(), v.view()).ok());
+  for (int h = 0; h < 2; ++h)
+    for (format_id f : opt.formats)
+      for (float clip : {1.f, 0.8f}) {
+        if (clip != 1.f && traits_of(f).fam != family::rolealign) continue;
+        CAPTURE(h, format_name(f), clip);
+        const brute b = brute_force(q, k, v, h, f, P, clip);
+        const double kl = c.damage(0, h, role::k, f, clip).value_or_throw();
+        const double vp = c.damage(0, h, role::v, f, clip).value_or_throw();
+        if (T < P) {
+          CHECK(kl == 0.0);  // no whole page: nothing is quantized
+          CHECK(vp == 0.0);
+          continue;
+        }
+        CHECK(kl == Approx(b.kl).epsilon(1e-4));
+        CHECK(vp == Approx(b.v).epsilon(1e-4));
+      }
+}
+
+TEST_CASE("calibrator: f16 and strided inputs measure the same as packed f32", "[calibrate]") {
+  const int d = 64, T = 128, Hq = 3, Hkv = 1;
+  const tensor3 q = gaussian(T, Hq, d, 5), k = gaussian(T, Hkv, d, 6), v = gaussian(T, Hkv, d, 7);
+  // the same values rounded to f16 (k and v are rounded by the calibrator anyway; q is not)
+  std::vector<uint16_t> k16(k.x.size()), v16(v.x.size());
+  for (size_t i = 0; i < k.x.size(); ++i) {
+    k16[i] = float_to_half(k.x[i]);
+    v16[i] = float_to_half(v.x[i]);
+  }
+  // q inside a wider row (a fused QKV buffer): stride 5*d
+  std::vector<float> fused(size_t(T) * 5 * d, std::numeric_limits<float>::quiet_NaN());
+  for (int t = 0; t < T; ++t)
+    for (int h = 0; h < Hq; ++h)
+      for (int c = 0; c < d; ++c) fused[size_t(t) * 5 * d + size_t(h) * d + c] = q.at(t, h, c);
+  auto a = calibrator::create(make_shape(1, Hq, Hkv, d)).value_or_throw();
+  auto b = calibrator::create(make_shape(1, Hq, Hkv, d)).value_or_throw();
+  REQUIRE(a.observe(0, q.view(), k.view(), v.view()).ok());
+  REQUIRE(b.observe(0, {fused.data(), dtype::f32, T, Hq, d, 5 * d}, {k16.data(), dtype::f16, T, Hkv, d, 0},
+                    {v16.data(), dtype::f16, T, Hkv, d, 0})
+              .ok());
+  const auto pa = a.result().value_or_throw(), pb = b.result().value_or_throw();
+  CHECK(pa.values == pb.values);
+  CHECK(a.clip_ratios() == b.clip_ratios());
+}
+
+TEST_CASE("calibrator: accumulates over chunks", "[calibrate]") {
+  const int d = 64, T = 128;
+  const tensor3 q = gaussian(T, 2, d, 31), k = gaussian(T, 1, d, 32), v = gaussian(T, 1, d, 33);
+  const tensor3 q2 = gaussian(T, 2, d, 41), k2 = gaussian(T, 1, d, 42, 3.f), v2 = gaussian(T, 1, d, 43, 0.5f);
+  auto one = calibrator::create(make_shape(1, 2, 1, d)).value_or_throw();
+  auto two = calibrator::create(make_shape(1, 2, 1, d)).value_or_throw();
+  auto other = calibrator::create(make_shape(1, 2, 1, d)).value_or_throw();
+  REQUIRE(one.observe(0, q.view(), k.view(), v.view()).ok());
+  REQUIRE(two.observe(0, q.view(), k.view(), v.view()).ok());
+  REQUIRE(two.observe(0, q.view(), k.view(), v.view()).ok());
+  REQUIRE(other.observe(0, q2.view(), k2.view(), v2.view()).ok());
+  CHECK(two.tokens(0) == 2 * T);
+  const format_id k4 = fmt_of("kivi4/g32");
+  // the same chunk twice: the same mean
+  CHECK(two.damage(0, 0, role::k, k4).value_or_throw() == Approx(one.damage(0, 0, role::k, k4).value_or_throw()));
+  CHECK(two.damage(0, 0, role::v, k4).value_or_throw() == Approx(one.damage(0, 0, role::v, k4).value_or_throw()));
+  // two different chunks (same T): the K KL is the mean of the two means
+  REQUIRE(one.observe(0, q2.view(), k2.view(), v2.view()).ok());
+  const double a = two.damage(0, 0, role::k, k4).value_or_throw(), b = other.damage(0, 0, role::k, k4).value_or_throw();
+  CHECK(one.damage(0, 0, role::k, k4).value_or_throw() == Approx((a + b) / 2).epsilon(1e-12));
+}
+
+TEST_CASE("calibrator: clip ratios", "[calibrate]") {
+  const int d = 64, T = 256;
+  calibrator_options opt;
+  opt.formats = {fmt_of("kivi2/g32"), fmt_of("ra2/g32")};
+  opt.clip_formats = {fmt_of("ra2/g32")};
+
+  SECTION("Gaussian groups at 2 bits: a ratio < 1 wins for K and V") {
+    const tensor3 q = gaussian(T, 2, d, 51, 2.f), k = gaussian(T, 1, d, 52), v = gaussian(T, 1, d, 53);
+    auto c = calibrator::create(make_shape(1, 2, 1, d), opt).value_or_throw();
+    REQUIRE(c.observe(0, q.view(), k.view(), v.view()).ok());
+    const auto clips = c.clip_ratios();
+    REQUIRE(clips.size() == 2);
+    for (role r : {role::k, role::v}) {
+      CAPTURE(role_name(r));
+      const float chosen = clips[r == role::k ? 0 : 1];
+      CHECK(chosen < 1.f);
+      const double at1 = c.damage(0, 0, r, fmt_of("ra2/g32"), 1.f).value_or_throw();
+      const double atc = c.damage(0, 0, r, fmt_of("ra2/g32"), chosen).value_or_throw();
+      CHECK(atc < at1);
+      for (float g : opt.clip_grid) CHECK(atc <= c.damage(0, 0, r, fmt_of("ra2/g32"), g).value_or_throw());
+      // the profile reports ra2 at the chosen ratio, kivi2 at none
+      const auto prof = c.result().value_or_throw();
+      CHECK(prof.at(0, 0, r, 1) == atc);
+      CHECK(prof.at(0, 0, r, 0) == at1);
+    }
+  }
+
+  SECTION("one huge outlier per group: a slight clip wins, a heavy one loses") {
+    // The bulk ~N(0, 0.3²), one value of +40 in every 32-token group of every channel (K) and
+    // every 32-channel group of every token (V). At 2 bits the levels of [-1, 40] are 13.7 apart,
+    // so the whole bulk decodes to the group minimum (about -0.8). Ratio 0.95 narrows the range
+    // by 1 at each end: the lowest level moves to about 0, the middle of the bulk, and the
+    // outlier loses 1 of 40: less damage. Ratio 0.7 lifts the lowest level to about 5, above the
+    // whole bulk: far more damage. (Clipping about the midpoint trades the outlier's error
+    // against where the bulk's level lands.)
+    tensor3 k = gaussian(T, 1, d, 61, 0.3f), v = gaussian(T, 1, d, 62, 0.3f);
+    for (int t = 0; t < T; ++t)
+      for (int c = 0; c < d; ++c) {
+        if (t % 32 == c % 32) k.at(t, 0, c) = 40.f;
+        if (c % 32 == t % 32) v.at(t, 0, c) = 40.f;
+      }
+    const tensor3 q = gaussian(T, 2, d, 63, 1.f);
+    auto c = calibrator::create(make_shape(1, 2, 1, d), opt).value_or_throw();
+    REQUIRE(c.observe(0, q.view(), k.view(), v.view()).ok());
+    const auto clips = c.clip_ratios();
+    for (role r : {role::k, role::v}) {
+      CAPTURE(role_name(r));
+      const float chosen = clips[r == role::k ? 0 : 1];
+      CHECK(chosen == 0.95f);
+      const double at1 = c.damage(0, 0, r, fmt_of("ra2/g32"), 1.f).value_or_throw();
+      CHECK(c.damage(0, 0, r, fmt_of("ra2/g32"), chosen).value_or_throw() < at1);
+      CHECK(c.damage(0, 0, r, fmt_of("ra2/g32"), 0.7f).value_or_throw() > at1);
+    }
+  }
+
+  SECTION("no damage at ratio 1: the ratio stays 1") {
+    tensor3 k(T, 1, d), v(T, 1, d);  // all zero: every format is exact
+    const tensor3 q = gaussian(T, 2, d, 71);
+    auto c = calibrator::create(make_shape(1, 2, 1, d), opt).value_or_throw();
+    REQUIRE(c.observe(0, q.view(), k.view(), v.view()).ok());
+    CHECK(c.clip_ratios() == std::vector<float>{1.f, 1.f});
+  }
+}
+
+TEST_CASE("calibrator: fills a valid artifact that round-trips", "[calibrate]") {
+  const int d = 64, T = 64, L = 3;
+  calibrator_options opt;
+  opt.model_name = "tiny";
+  auto c = calibrator::create(make_shape(L, 4, 2, d), opt).value_or_throw();
+  const std::string text = "It was a truth universally acknowledged.";
+  {
+    calib::artifact a;
+    const auto r = c.result(&a, text);
+    REQUIRE_FALSE(r.ok());
+    CHECK(r.error().message().find("layer 0 was never observed") != std::string::npos);
+  }
+  for (int l = 0; l < L; ++l) {
+    const tensor3 q = gaussian(T, 4, d, 80 + l), k = gaussian(T, 2, d, 90 + l, 1.f + l), v = gaussian(T, 2, d, 95 + l);
+    REQUIRE(c.observe(l, q.view(), k.view(), v.view()).ok());
+  }
+  calib::artifact a;
+  const auto prof = c.result(&a, text).value_or_throw();
+  CHECK(a.validate().ok());
+  CHECK(a.text_hash == calib::artifact::hash_text(text));
+  CHECK(a.calibration_tokens == T);
+  CHECK(a.model_name == "tiny");
+  CHECK(a.shape == calib::model_shape{L, 4, 2, d});
+  CHECK(a.sensitivity.values == prof.values);
+  CHECK(a.sensitivity.formats == calib::default_candidates());
+  CHECK(a.clip_ratios == c.clip_ratios());
+  const auto path =
+      (std::filesystem::temp_directory_path() / ("kvq_calib_test_" + std::to_string(::getpid()) + ".json")).string();
+  REQUIRE(a.save(path).ok());
+  const auto back = calib::artifact::load(path, a.shape).value_or_throw();
+  std::filesystem::remove(path);
+  CHECK(back.sensitivity.values == a.sensitivity.values);
+  CHECK(back.clip_ratios == a.clip_ratios);
+  // larger K spread (layer 2) -> larger K KL at the same q
+  CHECK(prof.at(2, 0, role::k, 1) > prof.at(0, 0, role::k, 1));
+}
+
+TEST_CASE("calibrator: errors name the problem", "[calibrate]") {
+  const int d = 64;
+  SECTION("create") {
+    auto e = calibrator::create(make_shape(0, 4, 2, d));
+    REQUIRE_FALSE(e.ok());
+    CHECK(e.error().message().find("must be positive") != std::string::npos);
+    e = calibrator::create(make_shape(1, 3, 2, d));
+    REQUIRE_FALSE(e.ok());
+    CHECK(e.error().message().find("not a multiple") != std::string::npos);
+    calibrator_options o;
+    o.formats = {fmt_of("kivi4/g32"), fmt_of("kivi4/g32")};
+    e = calibrator::create(make_shape(1, 4, 2, d), o);
+    REQUIRE_FALSE(e.ok());
+    CHECK(e.error().message().find("kivi4/g32 is listed twice") != std::string::npos);
+    o = {};
+    o.clip_grid = {1.f, 0.f};
+    e = calibrator::create(make_shape(1, 4, 2, d), o);
+    REQUIRE_FALSE(e.ok());
+    CHECK(e.error().message().find("clip ratio 0 is outside") != std::string::npos);
+    o = {};
+    o.clip_formats = {fmt_of("kivi2/g32")};
+    e = calibrator::create(make_shape(1, 4, 2, d), o);
+    REQUIRE_FALSE(e.ok());
+    CHECK(e.error().message().find("not a rolealign format") != std::string::npos);
+    o = {};
+    o.formats = {fmt_of("kivi4/g64")};
+    e = calibrator::create(make_shape(1, 4, 2, d, 32), o);  // token group 64 > page of 32
+    REQUIRE_FALSE(e.ok());
+    CHECK(e.error().message().find("kivi4/g64") != std::string::npos);
+  }
+  SECTION("observe") {
+    auto c = calibrator::create(make_shape(2, 4, 2, d)).value_or_throw();
+    const int T = 64;
+    tensor3 q = gaussian(T, 4, d, 1), k = gaussian(T, 2, d, 2), v = gaussian(T, 2, d, 3);
+    auto s = c.observe(2, q.view(), k.view(), v.view());
+    CHECK(s.code() == errc::invalid_argument);
+    CHECK(s.message().find("outside the model's 2 layers") != std::string::npos);
+    const tensor3 wrong = gaussian(T, 3, d, 4);
+    s = c.observe(0, q.view(), wrong.view(), v.view());
+    CHECK(s.message().find("k is [64][3][64], the shape needs [T][2][64]") != std::string::npos);
+    const tensor3 shorter = gaussian(T - 1, 2, d, 5);
+    s = c.observe(0, q.view(), k.view(), shorter.view());
+    CHECK(s.message().find("token counts differ: q 64, k 64, v 63") != std::string::npos);
+    k.at(5, 1, 7) = std::numeric_limits<float>::quiet_NaN();
+    s = c.observe(0, q.view(), k.view(), v.view());
+    CHECK(s.code() == errc::non_finite);
+    CHECK(s.message().find("k is nan at token 5 head 1 channel 7") != std::string::npos);
+    k.at(5, 1, 7) = 1.f;
+    v.at(9, 0, 3) = 1e6f;
+    s = c.observe(0, q.view(), k.view(), v.view());
+    CHECK(s.message().find("v is 1000000 at token 9 head 0 channel 3, beyond fp16 range") != std::string::npos);
+    v.at(9, 0, 3) = 0.f;
+    q.at(0, 3, 0) = std::numeric_limits<float>::infinity();
+    s = c.observe(0, q.view(), k.view(), v.view());
+    CHECK(s.code() == errc::non_finite);
+    CHECK(s.message().find("q is inf at token 0 head 3 channel 0") != std::string::npos);
+    // nothing was accumulated by the failed calls
+    CHECK(c.tokens(0) == 0);
+    CHECK(c.damage(0, 0, role::k, fmt_of("kivi4/g32")).error().code() == errc::not_found);
+    q.at(0, 3, 0) = 0.f;
+    REQUIRE(c.observe(0, q.view(), k.view(), v.view()).ok());
+    const auto miss = c.damage(0, 0, role::k, fmt_of("ra4/g32"), 0.5f);
+    CHECK(miss.error().code() == errc::not_found);
+    CHECK(miss.error().message().find("ra4/g32 at clip ratio 0.5 was not measured") != std::string::npos);
+    CHECK(c.damage(0, 0, role::k, fmt_of("kivi4/g64")).error().code() == errc::not_found);
+  }
+}

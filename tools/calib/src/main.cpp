@@ -1,0 +1,270 @@
+// kvq-calibrate: runs a model over calibration text and writes the calibration artifact (DESIGN.md
+// section 6): per (layer, kv head, format) K attention KL and V output perturbation, and rolealign
+// clip ratios, measured by kvq::calib::calibrator on the model's own q, k, v.
+#include <fmt/format.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <eval/progress.hpp>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <kvq/calib/artifact.hpp>
+#include <kvq/calib/calibrate.hpp>
+#include <kvq/format/format.hpp>
+#include <llama/gguf.hpp>
+#include <llama/model.hpp>
+#include <llama/tokenizer.hpp>
+#include <sstream>
+#include <thread>
+
+namespace {
+
+using kvq::llama::token_id;
+
+const char* footer = R"(
+WHAT IT DOES
+  The text is tokenized and cut into segments of --segment tokens (BOS first when the model
+  adds one), --tokens in all. Each segment is a fresh sequence run through the model with an
+  FP16 kvq cache, in chunks of at most --window tokens; the q, k, v of every layer (after RoPE)
+  are collected over the whole segment and given to kvq::calib::calibrator as one causal chunk.
+  Per (layer, kv head, candidate format) it measures
+    K attention KL  = mean over query rows of KL(softmax(q.K/sqrt d) || softmax(q.K^/sqrt d))
+    V perturbation  = sum ||P(V^ - V)||^2 / sum ||P V||^2
+  with K^ and V^ the codec's round trip of the segment in pages of --page-tokens tokens (token
+  groups aligned as in the cache), and picks per (layer, kv head, role) the rolealign clip ratio
+  of --clip-grid that minimizes the damage of --clip-formats relative to no clipping.
+  See include/kvq/calib/calibrate.hpp for the exact definitions.
+
+OUTPUT
+  The artifact JSON (kvq.calibration v1, include/kvq/calib/artifact.hpp), reloaded and
+  validated after writing; a per-layer summary on stdout; progress on stderr.
+
+COST
+  The calibrator's work per segment grows with segment^2 x (candidates + rolealign variants);
+  --threads spreads the layers of a segment over threads.
+
+EXAMPLE
+  kvq-calibrate -m models/SmolLM2-135M-Instruct.Q4_1.gguf -t data/eval/calib_emma.txt \
+    --tokens 2048 --segment 512 -o docs/results/calib_smollm2.json
+)";
+
+kvq::result<std::string> read_file(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) return kvq::status{kvq::errc::io_error, fmt::format("cannot open text '{}'", path)};
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+kvq::result<std::vector<kvq::format_id>> parse_formats(const std::vector<std::string>& specs, const char* option) {
+  std::vector<kvq::format_id> out;
+  for (const auto& s : specs) {
+    auto f = kvq::parse_format(s);
+    if (!f) return kvq::status{f.error().code(), fmt::format("{} '{}': {}", option, s, f.error().message())};
+    out.push_back(*f);
+  }
+  return out;
+}
+
+int fail(const kvq::status& s) {
+  std::cerr << "kvq-calibrate: " << s.to_string() << "\n";
+  return 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{
+      "kvq-calibrate: measure per-(layer, kv head, format) sensitivities and rolealign clip ratios on "
+      "calibration text; write the calibration artifact"};
+  app.footer(footer);
+  std::string model_path, text_path, out_path, model_name;
+  int64_t max_tokens = 2048;
+  int segment = 512, page_tokens = 64, window = 128, threads = 1;
+  std::vector<std::string> formats, clip_formats = {"ra4/g32", "ra2/g32"};
+  std::vector<float> clip_grid = {1.0f, 0.95f, 0.9f, 0.85f, 0.8f, 0.7f};
+  bool no_progress = false;
+  app.add_option("-m,--model", model_path, "GGUF model (llama architecture)")->required()->check(CLI::ExistingFile);
+  app.add_option("-t,--text", text_path, "calibration text (UTF-8)")->required()->check(CLI::ExistingFile);
+  app.add_option("-o,--out", out_path, "artifact JSON to write")->required();
+  app.add_option("--tokens", max_tokens, "tokens to calibrate on (0: the whole text)")->capture_default_str();
+  app.add_option("--segment", segment, "tokens per segment: one sequence, one causal chunk for the calibrator")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1 << 16));
+  app.add_option("--page-tokens", page_tokens, "page size the formats are measured at")->capture_default_str();
+  app.add_option("--window", window, "FP16 window R of the runner's cache (longest forward chunk)")
+      ->capture_default_str();
+  app.add_option("--formats", formats,
+                 "candidate formats (default: kivi8/g32 kivi4/g32 kivi2/g32 sym8/g32 sym4/g32 fp8)");
+  app.add_option("--clip-grid", clip_grid, "rolealign clip ratios to try, in (0, 1]")->capture_default_str();
+  app.add_option("--clip-formats", clip_formats, "rolealign formats whose damage picks the clip ratio")
+      ->capture_default_str();
+  app.add_option("--model-name", model_name, "name recorded in the artifact (default: the GGUF's general.name)");
+  app.add_option("--threads", threads, "threads for the calibrator (layers in parallel)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 256));
+  app.add_flag("--no-progress", no_progress, "no progress bar on stderr");
+  CLI11_PARSE(app, argc, argv);
+
+  // ---- model, tokenizer, text
+  auto file = kvq::llama::gguf_file::open(model_path);
+  if (!file) return fail(file.error());
+  auto model_r = kvq::llama::llama_model::load(*file);
+  if (!model_r) return fail(model_r.error());
+  auto tok_r = kvq::llama::tokenizer::from_gguf(*file);
+  if (!tok_r) return fail(tok_r.error());
+  const auto& model = *model_r;
+  const auto& tok = *tok_r;
+  const auto& hp = model.hparams();
+  auto text = read_file(text_path);
+  if (!text) return fail(text.error());
+  const std::vector<token_id> all = tok.encode(*text, false, false);
+  const bool bos = tok.add_bos() && tok.bos() >= 0;
+  const int per_segment = segment - (bos ? 1 : 0);
+  if (per_segment < 1) return fail({kvq::errc::invalid_argument, "--segment must leave room for one text token"});
+  const int64_t want = max_tokens > 0 ? max_tokens : int64_t(all.size()) + int64_t(all.size() / per_segment + 1);
+  std::vector<std::vector<token_id>> segments;
+  int64_t total = 0;
+  for (size_t at = 0; at < all.size() && total < want;) {
+    const int64_t room = std::min<int64_t>(segment, want - total);
+    if (room <= (bos ? 1 : 0)) break;
+    std::vector<token_id> s;
+    if (bos) s.push_back(tok.bos());
+    const size_t n = std::min(all.size() - at, size_t(room - (bos ? 1 : 0)));
+    s.insert(s.end(), all.begin() + int64_t(at), all.begin() + int64_t(at + n));
+    at += n;
+    total += int64_t(s.size());
+    segments.push_back(std::move(s));
+  }
+  if (max_tokens > 0 && total < max_tokens)
+    return fail({kvq::errc::invalid_argument,
+                 fmt::format("text '{}' gives {} tokens in segments of {}; --tokens {} asks for more", text_path, total,
+                             segment, max_tokens)});
+
+  // ---- calibrator
+  kvq::cache_shape shape = model.cache_shape();
+  shape.page_tokens = page_tokens;
+  shape.window = window;
+  shape.recent = std::min(shape.recent, window / 2);
+  kvq::calib::calibrator_options opt;
+  if (!formats.empty()) {
+    auto f = parse_formats(formats, "--formats");
+    if (!f) return fail(f.error());
+    opt.formats = *f;
+  }
+  {
+    auto f = parse_formats(clip_formats, "--clip-formats");
+    if (!f) return fail(f.error());
+    opt.clip_formats = *f;
+  }
+  opt.clip_grid = clip_grid;
+  opt.model_name = model_name.empty() ? model.name() : model_name;
+  auto cal_r = kvq::calib::calibrator::create(shape, opt);
+  if (!cal_r) return fail(cal_r.error());
+  auto& cal = cal_r.value();
+
+  // ---- the runner's cache (FP16, one segment at a time)
+  const uint64_t per_token = uint64_t(hp.n_layer) * uint64_t(hp.n_head_kv) * uint64_t(hp.head_dim) * 2u * 2u;
+  const uint64_t budget = 2 * per_token * uint64_t(segment + 2 * page_tokens + window) + (16u << 20);
+  auto cache_r = kvq::llama::make_cache(model, "fp16", budget, page_tokens, window, shape.recent);
+  if (!cache_r) return fail(cache_r.error());
+  auto& cache = cache_r.value();
+
+  std::cerr << fmt::format(
+      "kvq-calibrate: {} ({} layers, {} q heads, {} kv heads, head_dim {}), {} tokens of '{}' "
+      "in {} segment(s) of up to {}, {} candidate formats, clip grid of {}, {} thread(s)\n",
+      opt.model_name, hp.n_layer, hp.n_head, hp.n_head_kv, hp.head_dim, total, text_path, segments.size(), segment,
+      opt.formats.size(), opt.clip_grid.size(), threads);
+
+  const int L = hp.n_layer;
+  const int64_t dq = int64_t(hp.n_head) * hp.head_dim, dkv = int64_t(hp.n_head_kv) * hp.head_dim;
+  std::vector<std::vector<float>> qs(static_cast<size_t>(L)), ks(static_cast<size_t>(L)), vs(static_cast<size_t>(L));
+  std::vector<float> logits(size_t(hp.n_vocab));
+  double t_model = 0, t_calib = 0;
+  kvq::eval::progress_bar bar("calibration", total, !no_progress);
+  for (size_t si = 0; si < segments.size(); ++si) {
+    const auto& seg = segments[si];
+    const int64_t T = int64_t(seg.size());
+    for (int l = 0; l < L; ++l) {
+      qs[size_t(l)].assign(size_t(T * dq), 0.f);
+      ks[size_t(l)].assign(size_t(T * dkv), 0.f);
+      vs[size_t(l)].assign(size_t(T * dkv), 0.f);
+    }
+    const kvq::llama::layer_observer collect = [&](int l, int64_t pos0, std::span<const float> q,
+                                                   std::span<const float> k, std::span<const float> v) {
+      std::copy(q.begin(), q.end(), qs[size_t(l)].begin() + pos0 * dq);
+      std::copy(k.begin(), k.end(), ks[size_t(l)].begin() + pos0 * dkv);
+      std::copy(v.begin(), v.end(), vs[size_t(l)].begin() + pos0 * dkv);
+    };
+    const auto t0 = std::chrono::steady_clock::now();
+    if (auto s = cache.create_sequence(kvq::seq_id(si)); !s.ok()) return fail(s);
+    if (auto s = model.prefill(cache, kvq::seq_id(si), seg, logits, kvq::llama::logits_mode::last, collect); !s.ok())
+      return fail(s);
+    if (auto s = cache.release_sequence(kvq::seq_id(si)); !s.ok()) return fail(s);
+    const auto t1 = std::chrono::steady_clock::now();
+    // Layers are independent for the calibrator: spread them over the threads.
+    std::vector<kvq::status> st(static_cast<size_t>(L));
+    std::atomic<int> next{0};
+    const auto work = [&] {
+      for (int l; (l = next.fetch_add(1)) < L;)
+        st[size_t(l)] = cal.observe(l, {qs[size_t(l)].data(), kvq::dtype::f32, T, hp.n_head, hp.head_dim, 0},
+                                    {ks[size_t(l)].data(), kvq::dtype::f32, T, hp.n_head_kv, hp.head_dim, 0},
+                                    {vs[size_t(l)].data(), kvq::dtype::f32, T, hp.n_head_kv, hp.head_dim, 0});
+    };
+    std::vector<std::thread> pool;
+    for (int i = 1; i < threads; ++i) pool.emplace_back(work);
+    work();
+    for (auto& th : pool) th.join();
+    for (const auto& s : st)
+      if (!s.ok()) return fail(s);
+    const auto t2 = std::chrono::steady_clock::now();
+    t_model += std::chrono::duration<double>(t1 - t0).count();
+    t_calib += std::chrono::duration<double>(t2 - t1).count();
+    bar.advance(T);
+  }
+  bar.finish();
+
+  // ---- artifact
+  kvq::calib::artifact art;
+  auto prof = cal.result(&art, *text);
+  if (!prof) return fail(prof.error());
+  // The hash is of the whole file; record the tokens actually measured.
+  art.calibration_tokens = total;
+  if (const auto dir = std::filesystem::path(out_path).parent_path(); !dir.empty()) {
+    std::error_code ec;
+    std::filesystem::create_directories(dir, ec);
+  }
+  if (auto s = art.save(out_path); !s.ok()) return fail(s);
+  auto back = kvq::calib::artifact::load(out_path, art.shape);
+  if (!back) return fail(back.error());
+
+  // ---- summary: per layer, K KL and V perturbation (mean over kv heads) of each candidate
+  std::cout << "mean over kv heads of K attention KL (nats) and V output perturbation, per layer:\n";
+  std::cout << fmt::format("{:>5}", "layer");
+  for (auto f : opt.formats) std::cout << fmt::format(" {:>12}", "K " + kvq::format_name(f));
+  for (auto f : opt.formats) std::cout << fmt::format(" {:>12}", "V " + kvq::format_name(f));
+  std::cout << "  clip K / V per head\n";
+  const auto clips = cal.clip_ratios();
+  for (int l = 0; l < L; ++l) {
+    std::cout << fmt::format("{:>5}", l);
+    for (kvq::role r : {kvq::role::k, kvq::role::v})
+      for (size_t fi = 0; fi < opt.formats.size(); ++fi) {
+        double sum = 0;
+        for (int h = 0; h < hp.n_head_kv; ++h) sum += prof->at(l, h, r, int(fi));
+        std::cout << fmt::format(" {:>12.3e}", sum / hp.n_head_kv);
+      }
+    std::cout << " ";
+    for (int h = 0; h < hp.n_head_kv; ++h)
+      std::cout << fmt::format(" {}/{}", clips[(size_t(l) * hp.n_head_kv + h) * 2],
+                               clips[(size_t(l) * hp.n_head_kv + h) * 2 + 1]);
+    std::cout << "\n";
+  }
+  std::cout << fmt::format(
+      "wrote {}: {} tokens in {} segment(s) of up to {}; model {:.1f} s, calibrator {:.1f} s ({} thread(s)); "
+      "reloaded and validated\n",
+      out_path, total, segments.size(), segment, t_model, t_calib, threads);
+  return 0;
+}
