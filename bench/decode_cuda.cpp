@@ -11,6 +11,8 @@
 #include <benchmark/benchmark.h>
 #include <cuda_runtime.h>
 
+#include "cuda_check.hpp"
+
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -20,14 +22,6 @@
 
 namespace {
 
-#define CUDA_CHECK(x)                                                                    \
-  do {                                                                                   \
-    cudaError_t e_ = (x);                                                                \
-    if (e_ != cudaSuccess) {                                                             \
-      std::fprintf(stderr, "%s failed: %s\n", #x, cudaGetErrorString(e_));              \
-      std::exit(1);                                                                      \
-    }                                                                                    \
-  } while (0)
 
 constexpr int Hq = 32, H = 8, D = 128;
 

@@ -2,7 +2,8 @@
 # Runs on the GPU machine over the files scripts/gpu-stage put in .gpu/: GPU tests, compute-
 # sanitizer (memcheck + racecheck on reduced sizes), the decode benchmark and the FP16 peer, in
 # one session so that ratios compare like with like. Logs go to $OUT.
-#   bash bench/run_gpu.sh [tests] [sanitize] [bench] [peer]     (default: all four)
+#   bash bench/run_gpu.sh [tests] [sanitize] [bench] [peer] [canary]  (default: the first four)
+# canary: EchoKV's device-canary overhead on a Llama-8B-like decode step (canary.log, canary.json).
 set -uo pipefail
 OUT=${OUT:-/tmp/kvq-out}
 mkdir -p "$OUT"
@@ -28,6 +29,9 @@ for s in $steps; do
         --benchmark_counters_tabular=true 2>&1 | tee "$OUT/bench.log" | grep -E "decode/" | awk '{print $1, $2, $NF}' | head -80 ;;
     peer)
       python3 .gpu/peer_decode.py 2>&1 | tee "$OUT/peer.csv" ;;
+    canary)
+      ./.gpu/kvq_bench_canary_cuda --json "$OUT/canary.json" 2>&1 | tee "$OUT/canary.log" | grep -vE "filled|round"
+      rc=$((rc | ${PIPESTATUS[0]})) ;;
   esac
 done
 exit $rc

@@ -1,5 +1,6 @@
 // The CUDA backend of KVCache: the arena, page tables and windows in device memory; the host keeps
 // the bookkeeping (page_store) and launches the kernels of kernels.cu on the caller's stream.
+#include <kvq/cuda/canary.hpp>
 #include <kvq/cuda/paged_attention.hpp>
 #include <kvq/detail/backend.hpp>
 
@@ -7,6 +8,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <deque>
 #include <vector>
 
 KVQ_NAMESPACE_BEGIN
@@ -46,18 +48,35 @@ class cuda_backend final : public cache_backend {
   cuda_backend(const cache_config& cfg, std::shared_ptr<policy> pol) : cache_backend(cfg, std::move(pol)) {}
 
   ~cuda_backend() override {
+    for (canary_slot& c : canary_slots_) {
+      if (c.done) {
+        cudaEventSynchronize(c.done);  // a kernel in flight may still write the results
+        cudaEventDestroy(c.done);
+      }
+      if (c.host) cudaFreeHost(c.host);
+    }
     if (flag_host_) cudaFreeHost(flag_host_);
   }
 
   status init() {
     const auto& sh = cfg_.shape;
-    if (pol_->wants_queries())
-      return {errc::unsupported, fmt::format("policy {} observes queries; the CUDA backend does not feed observations yet",
-                                             pol_->name())};
+    if (pol_->wants_queries()) {
+      const canary_spec* spec = pol_->device_canary();
+      if (!spec)
+        return {errc::unsupported,
+                fmt::format("policy {} observes queries on the host and has no device canary; the CUDA backend feeds "
+                            "no host observations",
+                            pol_->name())};
+      canary_ = *spec;
+      cuda::canary_args a = canary_args(nullptr, {});
+      if (status s = cuda::canary_can_implement(a); !s.ok())
+        return {s.code(), fmt::format("policy {}: {}", pol_->name(), s.message())};
+    }
     int dev = 0;
     KVQ_TRY(cuda_ok(cudaGetDevice(&dev), "cudaGetDevice"));
     KVQ_TRY(cuda_ok(cudaDeviceGetAttribute(&sms_, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute"));
     max_pages_ = int((cfg_.max_tokens + sh.page_tokens - 1) / sh.page_tokens);
+    wide_layer_.assign(size_t(sh.layers), 0);
     KVQ_TRY(arena_.allocate(store_.arena().capacity(), "cache arena"));
     const size_t rows = size_t(cfg_.max_sequences) * sh.layers * max_pages_;
     KVQ_TRY(blocks_.allocate(rows, "device page table"));
@@ -117,7 +136,10 @@ class cuda_backend final : public cache_backend {
       for (int i = 0; i < pages; ++i) {
         const size_t first = size_t(page + i) * per_page;
         blocks[size_t(i)] = uint32_t(plan.entries[first].offset / 256);
-        for (int j = 0; j < per_page; ++j) fmts[size_t(i) * per_page + j] = plan.entries[first + j].fmt;
+        for (int j = 0; j < per_page; ++j) {
+          fmts[size_t(i) * per_page + j] = plan.entries[first + j].fmt;
+          if (traits_of(plan.entries[first + j].fmt).bits > 8) wide_layer_[size_t(layer)] = 1;
+        }
       }
       cuda::append_args a;
       a.kv = view_;
@@ -173,10 +195,21 @@ class cuda_backend final : public cache_backend {
     a.o_stride = o.stride();
     a.scale = softmax_scale();
     a.num_sms = sms_;
+    a.max_page_bits = wide_layer_[size_t(layer)] ? 16 : 8;
     const size_t need = cuda::attend_workspace_bytes(a);
     if (need > workspace_.count)  // grows to the largest batch shape seen, then never again
       KVQ_TRY(workspace_.allocate(need, "attention workspace"));
-    return cuda::attend_run(a, workspace_.ptr, workspace_.count, cfg_.stream);
+    KVQ_TRY(cuda::attend_run(a, workspace_.ptr, workspace_.count, cfg_.stream));
+    return canaries(items, layer, q);
+  }
+
+  void poll_policy() override { note(drain(false)); }
+
+  status sync_policy() override {
+    note(drain(true));
+    status s = canary_error_;
+    canary_error_ = {};
+    return s;
   }
 
   status read(const sequence_state& s, int layer, role r, std::span<float> out) const override {
@@ -221,6 +254,154 @@ class cuda_backend final : public cache_backend {
   int* flag_host_ = nullptr;
   cuda::paged_view view_;
   std::vector<cuda::decode_item> items_;
+  std::vector<uint8_t> wide_layer_;  // [layers] 1 once a page of the layer holds a 16-bit format
+
+  // ---- device canary -----------------------------------------------------------------------
+  // One launch per attend call with due canaries writes [items][kv_heads][tiers] sums into a
+  // slot of mapped pinned memory and records the slot's event; `pending_` keeps the launches in
+  // step order, and `drain` ingests them in that order once their events complete.
+  struct canary_slot {
+    double* host = nullptr;  // mapped pinned [max_sequences][kv_heads][tiers]
+    double* dev = nullptr;   // its device alias
+    cudaEvent_t done = nullptr;
+  };
+  struct canary_entry {
+    seq_id seq;
+    int64_t context;
+    int rows;  // query rows that see a key
+  };
+  struct canary_launch {
+    size_t slot;
+    int layer;
+    std::vector<canary_entry> entries;
+  };
+
+  cuda::canary_args canary_args(const tensor_view* q, std::span<const cuda::canary_item> items) const {
+    const auto& sh = cfg_.shape;
+    cuda::canary_args a;
+    a.q_heads = sh.q_heads;
+    a.kv_heads = sh.kv_heads;
+    a.head_dim = sh.head_dim;
+    a.window = sh.window;
+    a.ring_head_stride = int64_t(2) * sh.window * sh.head_dim;  // store layout: [kv_heads][K, V][window][d]
+    a.tiers = canary_.tiers;
+    a.align = canary_.align;
+    a.scale = canary_.softmax_scale;
+    a.items = items;
+    if (q) {
+      a.q = q->data;
+      a.q_type = q->type;
+      a.q_stride = q->stride();
+    }
+    return a;
+  }
+
+  // Runs the canary of the items whose step is due (the policy's host RNG, as on the CPU).
+  status canaries(std::span<const attend_item> items, int layer, const tensor_view& q) {
+    if (!pol_->wants_queries()) return {};
+    const auto& sh = cfg_.shape;
+    canary_items_.clear();
+    canary_launch launch{0, layer, {}};
+    int32_t row = 0;
+    for (const auto& it : items) {
+      const sequence_state& s = *store_.find(it.seq);
+      const int64_t n = s.layers[size_t(layer)].n;
+      const int32_t q_row = row;
+      row += it.q_len;
+      pol_->note_observation();
+      if (!pol_->canary_due(it.seq, n)) continue;
+      const canary_keys keys(canary_.align, std::max<int64_t>(0, n - sh.window), n);
+      if (keys.count() < canary_.align) {
+        pol_->note_skipped();
+        continue;
+      }
+      const auto* ring = reinterpret_cast<const uint16_t*>(arena_.ptr + store_.window_offset(s, layer, 0, role::k));
+      canary_items_.push_back({ring, q_row, it.q_len, int32_t(n), int32_t(keys.first), int32_t(keys.count())});
+      launch.entries.push_back({it.seq, n, keys.rows_seeing(it.q_len, n)});
+    }
+    if (canary_items_.empty()) return {};
+    KVQ_TRY(take_slot(launch.slot));
+    const canary_slot& c = canary_slots_[launch.slot];
+    cuda::canary_args a = canary_args(&q, canary_items_);
+    a.out = c.dev;
+    if (status s = cuda::canary_run(a, cfg_.stream); !s.ok()) {
+      free_slots_.push_back(launch.slot);
+      return s;
+    }
+    if (status s = cuda_ok(cudaEventRecord(c.done, stream()), "cudaEventRecord"); !s.ok()) {
+      free_slots_.push_back(launch.slot);
+      return s;
+    }
+    pending_.push_back(std::move(launch));
+    return {};
+  }
+
+  status take_slot(size_t& slot) {
+    if (!free_slots_.empty()) {
+      slot = free_slots_.back();
+      free_slots_.pop_back();
+      return {};
+    }
+    // Grows to the number of launches in flight (how far the host runs ahead), then never again.
+    canary_slot c;
+    const size_t bytes = size_t(cfg_.max_sequences) * cfg_.shape.kv_heads * canary_.tiers.size() * sizeof(double);
+    KVQ_TRY(cuda_ok(cudaHostAlloc(reinterpret_cast<void**>(&c.host), bytes, cudaHostAllocMapped), "cudaHostAlloc"));
+    canary_slots_.push_back(c);  // owned from here on: the destructor frees it
+    canary_slot& owned = canary_slots_.back();
+    KVQ_TRY(cuda_ok(cudaHostGetDevicePointer(reinterpret_cast<void**>(&owned.dev), owned.host, 0),
+                    "cudaHostGetDevicePointer"));
+    KVQ_TRY(cuda_ok(cudaEventCreateWithFlags(&owned.done, cudaEventDisableTiming), "cudaEventCreate"));
+    slot = canary_slots_.size() - 1;
+    return {};
+  }
+
+  // Ingests the finished launches in step order; with `wait`, all of them.
+  status drain(bool wait) {
+    const auto& sh = cfg_.shape;
+    const size_t T = canary_.tiers.size();
+    const int H = sh.kv_heads, group = sh.q_heads / sh.kv_heads;
+    status first;
+    while (!pending_.empty()) {
+      canary_launch& l = pending_.front();
+      const canary_slot& c = canary_slots_[l.slot];
+      const cudaError_t e = wait ? cudaEventSynchronize(c.done) : cudaEventQuery(c.done);
+      if (e == cudaErrorNotReady) break;
+      if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        if (first.ok()) first = cuda_ok(e, "canary event");
+      } else {
+        for (size_t i = 0; i < l.entries.size(); ++i) {
+          const canary_entry& en = l.entries[i];
+          const double* sums = c.host + i * size_t(H) * T;
+          canary_measurement m{en.seq, l.layer, en.context, {}};
+          if (canary_.per_head) {
+            m.delta.resize(size_t(H) * T);
+            for (size_t k = 0; k < m.delta.size(); ++k) m.delta[k] = sums[k] / (double(en.rows) * group);
+          } else {
+            m.delta.assign(T, 0.0);
+            for (int h = 0; h < H; ++h)
+              for (size_t t = 0; t < T; ++t) m.delta[t] += sums[size_t(h) * T + t];
+            for (double& x : m.delta) x /= double(en.rows) * sh.q_heads;
+          }
+          if (status s = pol_->ingest(m); !s.ok() && first.ok()) first = s;
+        }
+      }
+      free_slots_.push_back(l.slot);
+      pending_.pop_front();
+    }
+    return first;
+  }
+
+  void note(status s) {
+    if (!s.ok() && canary_error_.ok()) canary_error_ = std::move(s);
+  }
+
+  canary_spec canary_;
+  std::vector<cuda::canary_item> canary_items_;
+  std::deque<canary_slot> canary_slots_;  // deque: slots never move (the destructor walks them)
+  std::vector<size_t> free_slots_;
+  std::deque<canary_launch> pending_;
+  status canary_error_;
 };
 
 }  // namespace

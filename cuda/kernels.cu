@@ -1,26 +1,25 @@
 // CUDA kernels of kvq: quantize-on-append (through the shared codec, so bytes equal the CPU's)
 // and fused mixed-format paged decode/extend attention on tensor cores.
 //
-// Attention design (DESIGN.md section 5):
-// - Grid: (split, kv head x 16-row query tile, sequence). A thread block serves every query head
-//   of one GQA group (rows = group x q_len, 16 per MMA tile) with one read of K and V, over a
-//   contiguous range of 64-token tiles of the sequence (flash-decoding split); a second kernel
-//   merges the splits by log-sum-exp.
-// - Per tile the 4 warps dequantize the page's K and V into shared memory as fp16 (one
-//   warp-uniform branch per page format, 16-byte loads, codes turned into halves by
-//   byte-permute / magic-number bit tricks, no per-element int->float conversions). KIVI keys keep
-//   their raw codes: the per-channel scale is folded into the query (q' = q * s per token group)
-//   and the zero point into one dot product per row (q . z), so key dequantization is one
-//   subtraction per two elements.
-// - Each warp owns 16 tokens of the tile: S = Q K^T and O += P V with mma.sync m16n8k16
-//   (fp16 operands, fp32 accumulation), online softmax in fp32 registers.
+// Attention design (DESIGN.md section 5): two kernels and a log-sum-exp merge of their splits.
+// - Decode (GQA group x q_len <= 8): `decode_kernel`, warp-independent 16-token slabs with the
+//   MMA operands swapped (see its section below). It serves the decode step.
+// - Tile (more query rows: speculative decoding with big groups, extend/chunked prefill):
+//   `attend_kernel`. Grid (split, kv head x 16-row query tile, sequence); per 64-token tile the 4
+//   warps dequantize the page's K and V into shared memory as fp16 (one warp-uniform branch per
+//   page format, 16-byte loads, codes turned into halves by byte-permute / magic-number bit
+//   tricks). KIVI keys keep their raw codes: the per-channel scale is folded into the query
+//   (q' = q * s per token group) and the zero point into one dot product per row (q . z). Each
+//   warp owns 16 tokens of the tile: S = Q K^T and O += P V with mma.sync m16n8k16 (fp16
+//   operands, fp32 accumulation), online softmax in fp32 registers.
 #include <kvq/codec/codec.hpp>
 #include <kvq/cuda/paged_attention.hpp>
 
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
-#include <sstream>
+
+#include "common.cuh"
 
 #include <algorithm>
 #include <cmath>
@@ -34,19 +33,9 @@ constexpr int threads = 128;
 constexpr int max_items = 256;
 constexpr int max_kv_heads = 32;
 
-// NOTE: fmt's compile-time format checks do not survive nvcc's host pass; messages here are
-// built with a stream.
-template <class... A>
-std::string msg(const A&... a) {
-  std::ostringstream os;
-  (os << ... << a);
-  return os.str();
-}
-
-status cuda_status(cudaError_t e, const char* what) {
-  if (e == cudaSuccess) return {};
-  return {errc::cuda_error, msg(what, ": ", cudaGetErrorName(e), " (", cudaGetErrorString(e), ")")};
-}
+using detail::cuda_status;
+using detail::msg;
+using detail::load_any;
 
 __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
 // Group sizes, head_dim and page_tokens are powers of two: divisions become shifts (a runtime
@@ -58,12 +47,7 @@ __device__ __forceinline__ int log2i(int x) { return 31 - __clz(x); }
 // ---------------------------------------------------------------------------------------------
 
 struct attend_params {
-  const uint8_t* arena;
-  const uint32_t* blocks;
-  const uint8_t* fmts;
-  int layers, kv_heads, page_tokens, window, max_pages;
-  uint32_t k_bytes[format_count];
-  uint32_t v_bytes[format_count];
+  paged_view kv;
   int layer, q_heads, group, mtiles;
   const void* q;
   int64_t q_stride;
@@ -78,14 +62,6 @@ struct attend_params {
   int n_items;
   decode_item items[max_items];
 };
-
-__device__ __forceinline__ float load_any(const void* base, dtype t, int64_t i) {
-  switch (t) {
-    case dtype::f32: return static_cast<const float*>(base)[i];
-    case dtype::f16: return __half2float(static_cast<const __half*>(base)[i]);
-    default: return __bfloat162float(static_cast<const __nv_bfloat16*>(base)[i]);
-  }
-}
 
 __device__ __forceinline__ void store_any(void* base, dtype t, int64_t i, float x) {
   switch (t) {
@@ -264,7 +240,7 @@ __device__ __forceinline__ void role_ranges(format_id fid, role r, int P, int ro
 // The FP16 ring of (layer, kv head) of a sequence: K, then V `window * D` halves later.
 template <int D>
 __device__ __forceinline__ const uint8_t* ring_base(const attend_params& p, const decode_item& item, int h) {
-  return p.arena + size_t(item.window_unit) * 256 + ((size_t(p.layer) * p.kv_heads + h) * 2) * size_t(p.window) * D * 2;
+  return p.kv.arena + size_t(item.window_unit) * 256 + ((size_t(p.layer) * p.kv.kv_heads + h) * 2) * size_t(p.kv.window) * D * 2;
 }
 
 // Per-tile page lookups of one thread block, loaded once at kernel start (one memory latency for
@@ -281,12 +257,12 @@ __device__ __forceinline__ void load_tile_table(const attend_params& p, const de
                                                 tile_table& tt) {
   const int page_tiles = ceil_div(item.from_pages, tile_tokens);
   for (int t = t0 + int(threadIdx.x); t < min(t1, page_tiles); t += threads) {
-    const int page = (t * tile_tokens) >> log2i(p.page_tokens);
-    const size_t table_row = (size_t(item.slot) * p.layers + p.layer) * p.max_pages + page;
-    const uint8_t* fm = p.fmts + table_row * p.kv_heads * 2;
+    const int page = (t * tile_tokens) >> log2i(p.kv.page_tokens);
+    const size_t table_row = (size_t(item.slot) * p.kv.layers + p.layer) * p.kv.max_pages + page;
+    const uint8_t* fm = p.kv.fmts + table_row * p.kv.kv_heads * 2;
     uint32_t off = 0;
-    for (int hh = 0; hh < h; ++hh) off += p.k_bytes[fm[2 * hh]] + p.v_bytes[fm[2 * hh + 1]];
-    tt.page16[t - t0] = uint32_t((size_t(p.blocks[table_row]) * 256 + off) / 16);
+    for (int hh = 0; hh < h; ++hh) off += p.kv.k_page_bytes[fm[2 * hh]] + p.kv.v_page_bytes[fm[2 * hh + 1]];
+    tt.page16[t - t0] = uint32_t((size_t(p.kv.blocks[table_row]) * 256 + off) / 16);
     tt.fk[t - t0] = fm[2 * h];
     tt.fv[t - t0] = fm[2 * h + 1];
   }
@@ -301,13 +277,13 @@ __device__ __forceinline__ tile_src describe_tile(const attend_params& p, const 
     s.ring = false;
     s.tok0 = t * tile_tokens;
     s.valid = min(tile_tokens, item.from_pages - s.tok0);
-    s.row0 = s.tok0 & (p.page_tokens - 1);
+    s.row0 = s.tok0 & (p.kv.page_tokens - 1);
     s.fk = tt.fk[t - t0];
     s.fv = tt.fv[t - t0];
-    s.page[0] = p.arena + size_t(tt.page16[t - t0]) * 16;
-    s.page[1] = s.page[0] + p.k_bytes[s.fk];
-    role_ranges<D>(s.fk, role::k, p.page_tokens, s.row0, tile_tokens, s.size[0], s.from[0]);
-    role_ranges<D>(s.fv, role::v, p.page_tokens, s.row0, tile_tokens, s.size[1], s.from[1]);
+    s.page[0] = p.kv.arena + size_t(tt.page16[t - t0]) * 16;
+    s.page[1] = s.page[0] + p.kv.k_page_bytes[s.fk];
+    role_ranges<D>(s.fk, role::k, p.kv.page_tokens, s.row0, tile_tokens, s.size[0], s.from[0]);
+    role_ranges<D>(s.fv, role::v, p.kv.page_tokens, s.row0, tile_tokens, s.size[1], s.from[1]);
   } else {
     s.ring = true;
     s.tok0 = item.from_pages + (t - page_tiles) * tile_tokens;
@@ -315,7 +291,7 @@ __device__ __forceinline__ tile_src describe_tile(const attend_params& p, const 
     s.row0 = 0;
     s.fk = s.fv = fp16_format;
     s.page[0] = ring_base<D>(p, item, h);
-    s.page[1] = s.page[0] + size_t(p.window) * D * 2;
+    s.page[1] = s.page[0] + size_t(p.kv.window) * D * 2;
     for (int r = 0; r < 2; ++r) {
       s.size[r][0] = tile_tokens * D * 2;
       s.size[r][1] = s.size[r][2] = 0;
@@ -468,7 +444,7 @@ __global__ void __launch_bounds__(threads, 2) attend_kernel(const __grid_constan
         sm.slot[issued % pipeline_tiles] = s;
         sm.slot_at[issued % pipeline_tiles] = head % ring_bytes;
       }
-      issue_tile<D>(s, raw_base + head % ring_bytes, p.window, lane);
+      issue_tile<D>(s, raw_base + head % ring_bytes, p.kv.window, lane);
       head += need;
       end[issued % pipeline_tiles] = head;
       ++issued;
@@ -640,7 +616,7 @@ __global__ void __launch_bounds__(threads, 2) attend_kernel(const __grid_constan
       wml[(warp * 16 + r_lo + hr * 8) * 2 + 1] = row_sum[hr];
     }
   __syncthreads();
-  const size_t part = ((size_t(blockIdx.z) * p.kv_heads + h) * p.mtiles + mt) * p.max_splits + split;
+  const size_t part = ((size_t(blockIdx.z) * p.kv.kv_heads + h) * p.mtiles + mt) * p.max_splits + split;
   for (int idx = tid; idx < 16 * D; idx += threads) {
     const int r = idx / D, c = idx % D;
     float m = -INFINITY;
@@ -664,121 +640,144 @@ __global__ void __launch_bounds__(threads, 2) attend_kernel(const __grid_constan
 // decode kernel (group x q_len <= 8): every warp is an independent flash-decoding split
 // ---------------------------------------------------------------------------------------------
 // The tile kernel above pays CTA-wide barriers and shared-memory round trips on every 64-token
-// tile; with 8 warps per SM that left the SMs issue-bound at a fraction of the bandwidth
-// (docs/results/decode_h200.md). For decode the query side is tiny (at most 8 columns: GQA heads
-// x q_len), so this kernel swaps the MMA operands (S^T = K Q^T with tokens as M, queries as N) and
-// lets each warp stream its own 16-token slabs through a private cp.async ring, with no barrier
-// in the main loop:
-// - lane (g, t) owns the K channels [(D/4) t, (D/4)(t+1)) of rows g and g+8 and turns their codes
-//   straight into MMA A fragments (a per-lane channel permutation, applied to Q as well);
-// - lane g owns the V channels [(D/8) g, (D/8)(g+1)) of tokens 2t, 2t+1, 2t+8, 2t+9, so the
-//   A fragments of O^T = V^T P^T come from pairing two tokens' halves with one byte-permute;
+// tile. For decode the query side is tiny (at most 8 columns: GQA heads x q_len), so this kernel
+// swaps the MMA operands (S^T = K Q^T with tokens as M, queries as N) and lets each warp stream
+// its own 16-token slabs with no barrier in the main loop (docs/decisions.md, "Decode kernel"):
+// - lane (g, t) owns the K channels [(D/4) t, (D/4)(t+1)) of rows g and g+8 and loads their codes
+//   from global memory straight into registers, one slab ahead, then into MMA A fragments (a
+//   per-lane channel permutation, applied to Q as well);
+// - V (up to 8 bits) and the KIVI key scales of the next slab are copied by cp.async into a
+//   two-slot per-warp staging area while this slab is computed; lane g reads the V channels
+//   [(D/8) g, (D/8)(g+1)) of tokens 2t, 2t+1, 2t+8, 2t+9, so the A fragments of O^T = V^T P^T come
+//   from pairing two tokens' halves with one byte-permute;
 // - P^T comes from the S^T accumulators by movmatrix (register transpose);
 // - per-token scales (fp8 K) scale S rows, per-token V scales (fp8) scale P, KIVI key scales
-//   fold into the query (q' = q s per token group) and their zeros into one dot product.
+//   fold into the query (q' = q s per token group) and their zeros (centered) into one score
+//   offset per column, itself an MMA of the zero row with q;
+// - two instantiations: Cap = 8 (no 16-bit page in the layer: 168 registers, 3 blocks per SM)
+//   and Cap = 16 (registers for 16-bit slabs: 2 blocks per SM). 16-bit slabs in the narrow one
+//   (the FP16 ring, a stray fp16 page) are read where used, in channel halves.
 constexpr int slab = 16;
 constexpr int dec_warps = 4;
 constexpr int max_cta_slabs = 1024;
-constexpr int slab_queue = 8;  // slabs in flight per warp at most (cp.async groups)
 
-template <int D>
-constexpr uint32_t warp_ring_bytes = D == 128 ? 24 * 1024 : 12 * 1024;
-
-struct slab_src {
-  int tok0, valid, row0;
-  bool ring;
-  format_id fk, fv;
-  uint32_t at;       // offset of the slab's bytes in the warp's ring
-  uint32_t size[2][3];
-  uint32_t from[2][3];
-  const uint8_t* page[2];
-};
-
+// The pages of one thread block's slabs, looked up once: the K block's offset in 16-byte units,
+// the V block's offset from it, and both formats' traits (no per-slab table decoding).
 struct page_table_cache {
   int first_page;
   uint32_t page16[max_cta_slabs * slab / 64 + 2];
-  format_id fk[max_cta_slabs * slab / 64 + 2];
-  format_id fv[max_cta_slabs * slab / 64 + 2];
+  uint32_t v_offset[max_cta_slabs * slab / 64 + 2];
+  format_traits fk[max_cta_slabs * slab / 64 + 2];
+  format_traits fv[max_cta_slabs * slab / 64 + 2];
 };
 
+// One warp's staging slot for a slab: 16 V code rows of up to 8 bits, the rows' V parameters (at
+// most two halves per 32-channel group per row, or one float per row), then the KIVI key scales
+// and zeros of the slab's token group (D halves each).
 template <int D>
+constexpr uint32_t slot_kpar = 16 * D + 2 * 16 * (D / 32) * 2;
+template <int D>
+constexpr uint32_t slot_bytes = slot_kpar<D> + 2 * D * 2;
+
+template <int D, int Cap>
 struct decode_smem {
-  uint8_t ring[dec_warps][warp_ring_bytes<D>];
-  slab_src slot[dec_warps][slab_queue];
   page_table_cache pages;
+  uint32_t qh[dec_warps][D / 8][32];  // each lane's fp16 query pairs (for KIVI re-scaling)
+  union {
+    __align__(16) uint8_t vslot[dec_warps][2][slot_bytes<D>];  // staging, two slabs per warp
+    struct {
+      float wo[dec_warps][8][D];   // per-warp partial outputs, [warp][column][channel] (after the loop)
+      float wml[dec_warps][8][2];  // per-warp running max and sum of each column
+    } m;
+  };
+};
+
+// One 16-token slab: the K and V page-head blocks it lies in (or the two FP16 rings).
+struct slab_ref {
+  const uint8_t* k;
+  const uint8_t* v;
+  int tok0, valid, row0;
+  format_traits fk, fv;
+  bool ring;
 };
 
 template <int D>
-__device__ __forceinline__ slab_src describe_slab(const attend_params& p, const decode_item& item, int h, int j,
-                                                  const page_table_cache& pc) {
-  slab_src s{};
-  const int page_slabs = ceil_div(item.from_pages, slab);
+__device__ __forceinline__ slab_ref locate_slab(const attend_params& p, const decode_item& item, int h, int j,
+                                                int page_slabs, const page_table_cache& pc) {
+  slab_ref s;
   if (j < page_slabs) {
     s.ring = false;
     s.tok0 = j * slab;
     s.valid = min(slab, item.from_pages - s.tok0);
-    s.row0 = s.tok0 & (p.page_tokens - 1);
-    const int e = (s.tok0 >> log2i(p.page_tokens)) - pc.first_page;
+    s.row0 = s.tok0 & (p.kv.page_tokens - 1);
+    const int e = (s.tok0 >> log2i(p.kv.page_tokens)) - pc.first_page;
     s.fk = pc.fk[e];
     s.fv = pc.fv[e];
-    s.page[0] = p.arena + size_t(pc.page16[e]) * 16;
-    s.page[1] = s.page[0] + p.k_bytes[s.fk];
-    role_ranges<D>(s.fk, role::k, p.page_tokens, s.row0, slab, s.size[0], s.from[0]);
-    role_ranges<D>(s.fv, role::v, p.page_tokens, s.row0, slab, s.size[1], s.from[1]);
+    s.k = p.kv.arena + size_t(pc.page16[e]) * 16;
+    s.v = s.k + pc.v_offset[e];
   } else {
     s.ring = true;
     s.tok0 = item.from_pages + (j - page_slabs) * slab;
     s.valid = min(slab, item.n - s.tok0);
     s.row0 = 0;
-    s.fk = s.fv = fp16_format;
-    s.page[0] = ring_base<D>(p, item, h);
-    s.page[1] = s.page[0] + size_t(p.window) * D * 2;
-    for (int r = 0; r < 2; ++r) {
-      s.size[r][0] = slab * D * 2;
-      s.size[r][1] = s.size[r][2] = 0;
-    }
+    s.fk = s.fv = traits_of(fp16_format);
+    s.k = ring_base<D>(p, item, h);
+    s.v = s.k + size_t(p.kv.window) * D * 2;
   }
   return s;
 }
 
-__device__ __forceinline__ uint32_t slab_bytes(const slab_src& s) {
-  return s.size[0][0] + s.size[0][1] + s.size[0][2] + s.size[1][0] + s.size[1][1] + s.size[1][2];
+// Row r of a slab in one role: page row row0 + r, or the ring slot of token tok0 + r. Rows at or
+// beyond `valid` are in bounds (a slab never leaves its page; ring slots wrap) but hold stale
+// bytes: scores of such rows are selected away and their V zeroed.
+template <int D>
+__device__ __forceinline__ const uint8_t* slab_row(const slab_ref& s, const uint8_t* base, int r, uint32_t row_bytes,
+                                                   int window) {
+  return s.ring ? base + size_t((s.tok0 + r) % window) * (D * 2) : base + uint32_t(s.row0 + r) * row_bytes;
 }
 
-template <int D>
-__device__ __forceinline__ void issue_slab(const slab_src& s, uint32_t dst, int window, int lane) {
-  if (s.ring) {
-    constexpr int cpr = D * 2 / 16;
-    for (int c = lane; c < 2 * slab * cpr; c += 32) {
-      const int r = c / (slab * cpr), rem = c % (slab * cpr), row = rem / cpr, ch = rem % cpr;
-      if (row < s.valid) cp_async16(dst + uint32_t(c) * 16, s.page[r] + size_t((s.tok0 + row) % window) * D * 2 + ch * 16);
+// Loads of global memory through the read-only path, or of any memory (Global = false: the
+// staged V slabs in shared memory).
+template <bool Global, class T>
+__device__ __forceinline__ T ld(const T* p) {
+  if constexpr (Global) return __ldg(p);
+  else return *p;
+}
+
+// Reads `Bytes` bytes (4-byte multiples 16-byte aligned as they come, or 2).
+template <int Bytes, bool Global = true>
+__device__ __forceinline__ void ldg_words(const uint8_t* src, uint32_t* w) {
+  if constexpr (Bytes % 16 == 0) {
+#pragma unroll
+    for (int i = 0; i < Bytes / 16; ++i) {
+      const uint4 v = ld<Global>(reinterpret_cast<const uint4*>(src) + i);
+      w[4 * i] = v.x, w[4 * i + 1] = v.y, w[4 * i + 2] = v.z, w[4 * i + 3] = v.w;
     }
+  } else if constexpr (Bytes == 8) {
+    const uint2 v = ld<Global>(reinterpret_cast<const uint2*>(src));
+    w[0] = v.x, w[1] = v.y;
+  } else if constexpr (Bytes == 4) {
+    w[0] = ld<Global>(reinterpret_cast<const unsigned int*>(src));
   } else {
-    uint32_t at = dst;
-#pragma unroll
-    for (int r = 0; r < 2; ++r)
-#pragma unroll
-      for (int k = 0; k < 3; ++k) {
-        const uint8_t* src = s.page[r] + s.from[r][k];
-        for (uint32_t c = lane; c < s.size[r][k] / 16; c += 32) cp_async16(at + c * 16, src + c * 16);
-        at += s.size[r][k];
-      }
+    w[0] = ld<Global>(reinterpret_cast<const unsigned short*>(src));
   }
-  cp_commit();
 }
 
 // Codes of `Pairs` channel pairs (in channel order) -> half2 words holding 1024 + code (integer
 // families) or the values (fp16; bf16 and fp8 converted).
 template <int Bits, int Pairs>
-__device__ __forceinline__ void to_pairs(const uint32_t* w, format_traits f, uint32_t (&out)[Pairs]) {
+__device__ __forceinline__ void to_pairs(const uint32_t* w, family fam, uint32_t (&out)[Pairs]) {
   if constexpr (Bits == 16) {
+    if (fam == family::fp16) {
 #pragma unroll
-    for (int i = 0; i < Pairs; ++i)
-      out[i] = f.fam == family::fp16
-                   ? w[i]
-                   : h2_bits(__floats2half2_rn(__uint_as_float(w[i] << 16), __uint_as_float(w[i] & 0xffff0000u)));
+      for (int i = 0; i < Pairs; ++i) out[i] = w[i];
+    } else {  // bf16 (a warp-uniform branch: a per-element select would convert fp16 pages too)
+#pragma unroll
+      for (int i = 0; i < Pairs; ++i)
+        out[i] = h2_bits(__floats2half2_rn(__uint_as_float(w[i] << 16), __uint_as_float(w[i] & 0xffff0000u)));
+    }
   } else if constexpr (Bits == 8) {
-    if (f.fam == family::fp8_e4m3) {
+    if (fam == family::fp8_e4m3) {
 #pragma unroll
       for (int i = 0; i < Pairs; ++i) {
         const __half2_raw hr = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t((w[i / 2] >> (16 * (i % 2))) & 0xffffu), __NV_E4M3);
@@ -790,10 +789,10 @@ __device__ __forceinline__ void to_pairs(const uint32_t* w, format_traits f, uin
     }
   } else if constexpr (Bits == 4) {
 #pragma unroll
-    for (int i = 0; i < Pairs / 4; ++i) {
+    for (int i = 0; i < (Pairs + 3) / 4; ++i) {
       const uint32_t ev = w[i] & 0x0F0F0F0Fu, od = (w[i] >> 4) & 0x0F0F0F0Fu;
 #pragma unroll
-      for (int k = 0; k < 4; ++k)
+      for (int k = 0; k < 4 && 4 * i + k < Pairs; ++k)
         out[4 * i + k] = (__byte_perm(ev, od, k | (k << 4) | ((4 + k) << 8) | ((4 + k) << 12)) & 0x00FF00FFu) | 0x64006400u;
     }
   } else {
@@ -809,43 +808,66 @@ __device__ __forceinline__ void to_pairs(const uint32_t* w, format_traits f, uin
   }
 }
 
-// Reads `Bytes` bytes of shared memory (a multiple of 4, 16-byte or smaller-aligned as it comes).
-template <int Bytes>
-__device__ __forceinline__ void lds_words(const uint8_t* src, uint32_t* w) {
-  if constexpr (Bytes % 16 == 0) {
-#pragma unroll
-    for (int i = 0; i < Bytes / 16; ++i) {
-      const uint4 v = reinterpret_cast<const uint4*>(src)[i];
-      w[4 * i] = v.x, w[4 * i + 1] = v.y, w[4 * i + 2] = v.z, w[4 * i + 3] = v.w;
-    }
-  } else if constexpr (Bytes == 8) {
-    const uint2 v = *reinterpret_cast<const uint2*>(src);
-    w[0] = v.x, w[1] = v.y;
-  } else if constexpr (Bytes == 4) {
-    w[0] = *reinterpret_cast<const uint32_t*>(src);
-  } else {
-    w[0] = *reinterpret_cast<const uint16_t*>(src);
+// Raw K words of one slab for lane (g, t): rows g and g + 8, the lane's D/4 channels, plus the
+// per-row parameter (sym: the half scale of the lane's channel group; fp8: the float token scale).
+// Sized for formats of up to `Cap` bits; wider slabs are read where they are used.
+template <int D, int Cap>
+struct k_raw {
+  uint32_t w[2][D * Cap / 128];
+  uint32_t ps[2];
+};
+// Raw V words of one slab for lane (g, t): rows 2t, 2t+1, 2t+8, 2t+9, the lane's D/8 channels,
+// and their scales and zeros (sym, kivi) or the float token scales of rows g, g + 8 (fp8).
+template <int D, int Cap>
+struct v_raw {
+  uint32_t w[4][(D * Cap + 255) / 256];
+  uint32_t s[4], z[4];
+};
+
+template <int D, int Bits, int Cap>
+__device__ __forceinline__ void load_k_rows(const slab_ref& s, int g, int t, int window, uint32_t (&w)[2][D * Cap / 128]) {
+  constexpr int lane_bytes = (D / 4) * Bits / 8;
+  constexpr uint32_t row_bytes = D * Bits / 8;
+  ldg_words<lane_bytes>(slab_row<D>(s, s.k, g, row_bytes, window) + t * lane_bytes, w[0]);
+  ldg_words<lane_bytes>(slab_row<D>(s, s.k, g + 8, row_bytes, window) + t * lane_bytes, w[1]);
+}
+
+template <int D, int Cap>
+__device__ __forceinline__ void load_k(const slab_ref& s, format_traits f, int P, int window, int g, int t, k_raw<D, Cap>& kr) {
+  switch (f.bits) {
+    case 16:
+      if constexpr (Cap >= 16) load_k_rows<D, 16, Cap>(s, g, t, window, kr.w);
+      break;
+    case 8: load_k_rows<D, 8, Cap>(s, g, t, window, kr.w); break;
+    case 4: load_k_rows<D, 4, Cap>(s, g, t, window, kr.w); break;
+    default: load_k_rows<D, 2, Cap>(s, g, t, window, kr.w); break;
+  }
+  if (s.ring) return;
+  const uint32_t code_bytes = uint32_t(P) * ((D * f.bits) >> 3);
+  if (f.fam == family::sym) {
+    const int lg = log2i(f.group == 0 ? D : f.group), ng = D >> lg, grp = (t * (D / 4)) >> lg;
+    const uint16_t* sc = reinterpret_cast<const uint16_t*>(s.k + code_bytes);
+    kr.ps[0] = __ldg(sc + (s.row0 + g) * ng + grp);
+    kr.ps[1] = __ldg(sc + (s.row0 + g + 8) * ng + grp);
+  } else if (f.fam == family::fp8_e4m3) {
+    const uint32_t* sc = reinterpret_cast<const uint32_t*>(s.k + code_bytes);
+    kr.ps[0] = __ldg(sc + s.row0 + g);
+    kr.ps[1] = __ldg(sc + s.row0 + g + 8);
   }
 }
 
-// K rows g and g+8 of a slab -> this lane's A fragments, pairs in channel order over the lane's
-// D/4 channels. KIVI keys: centered codes. sym: values (scale of the lane's channel group).
-template <int D, int Bits>
-__device__ __forceinline__ void k_fragments(const uint8_t* raw, const uint8_t* par1, format_traits f, int g, int t,
-                                            uint32_t (&kg)[D / 8], uint32_t (&kg8)[D / 8]) {
-  constexpr int lane_bytes = (D / 4) * Bits / 8, row_bytes = D * Bits / 8;
-  uint32_t w[lane_bytes / 4];
-  lds_words<lane_bytes>(raw + g * row_bytes + t * lane_bytes, w);
-  to_pairs<Bits, D / 8>(w, f, kg);
-  lds_words<lane_bytes>(raw + (g + 8) * row_bytes + t * lane_bytes, w);
-  to_pairs<Bits, D / 8>(w, f, kg8);
+// Raw K words -> this lane's A fragments (pairs in channel order). KIVI keys: centered codes (their
+// scales are folded into q); sym: values; fp8: values (the token scale multiplies the scores).
+template <int D, int Bits, int Cap>
+__device__ __forceinline__ void k_frags(const uint32_t (&w)[2][D * Cap / 128], family fam, const uint32_t (&ps)[2],
+                                        uint32_t (&kg)[D / 8], uint32_t (&kg8)[D / 8]) {
+  to_pairs<Bits, D / 8>(w[0], fam, kg);
+  to_pairs<Bits, D / 8>(w[1], fam, kg8);
   if constexpr (Bits != 16) {
-    if (f.fam == family::fp8_e4m3) return;  // its per-token scale multiplies the scores
+    if (fam == family::fp8_e4m3) return;
     const __half2 bias = __float2half2_rn(1024.f + float(1 << (Bits - 1)));
-    if (f.fam == family::sym) {
-      const int g_sz = f.group == 0 ? D : f.group, ng = D >> log2i(g_sz), grp = (t * (D / 4)) >> log2i(g_sz);
-      const __half2 s0 = __half2half2(reinterpret_cast<const __half*>(par1)[g * ng + grp]);
-      const __half2 s8 = __half2half2(reinterpret_cast<const __half*>(par1)[(g + 8) * ng + grp]);
+    if (fam == family::sym) {
+      const __half2 s0 = __half2half2(__ushort_as_half(uint16_t(ps[0]))), s8 = __half2half2(__ushort_as_half(uint16_t(ps[1])));
 #pragma unroll
       for (int i = 0; i < D / 8; ++i) {
         kg[i] = h2_bits(__hmul2(__hsub2(bits_h2(kg[i]), bias), s0));
@@ -861,29 +883,152 @@ __device__ __forceinline__ void k_fragments(const uint8_t* raw, const uint8_t* p
   }
 }
 
-// V of tokens a and b (rows of the slab) over this lane's D/8 channels -> dequantized half2 pairs
-// (channel order) of each token.
+template <int D, int Bits, int Cap, bool Global>
+__device__ __forceinline__ void load_v_rows(const slab_ref& s, int g, int t, int window, uint32_t (&w)[4][(D * Cap + 255) / 256]) {
+  constexpr int lane_bytes = (D / 8) * Bits / 8;
+  constexpr uint32_t row_bytes = D * Bits / 8;
+  const int rows[4] = {2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9};
+#pragma unroll
+  for (int r = 0; r < 4; ++r)
+    ldg_words<lane_bytes, Global>(slab_row<D>(s, s.v, rows[r], row_bytes, window) + g * lane_bytes, w[r]);
+}
+
+// V of a slab for lane (g, t), from its page (Global) or from its staged copy in shared memory,
+// which has the shape of a 16-row page (P = 16, row0 = 0).
+template <int D, int Cap, bool Global>
+__device__ __forceinline__ void load_v(const slab_ref& s, format_traits f, int P, int window, int g, int t, v_raw<D, Cap>& vr) {
+  switch (f.bits) {
+    case 16:
+      if constexpr (Cap >= 16) load_v_rows<D, 16, Cap, Global>(s, g, t, window, vr.w);
+      break;
+    case 8: load_v_rows<D, 8, Cap, Global>(s, g, t, window, vr.w); break;
+    case 4: load_v_rows<D, 4, Cap, Global>(s, g, t, window, vr.w); break;
+    default: load_v_rows<D, 2, Cap, Global>(s, g, t, window, vr.w); break;
+  }
+  if (s.ring) return;
+  const uint32_t code_bytes = uint32_t(P) * ((D * f.bits) >> 3);
+  if (f.fam == family::fp8_e4m3) {
+    const uint32_t* sc = reinterpret_cast<const uint32_t*>(s.v + code_bytes);
+    vr.s[0] = ld<Global>(sc + s.row0 + g);
+    vr.s[1] = ld<Global>(sc + s.row0 + g + 8);
+  } else if (f.is_integer()) {
+    const int lg = log2i(f.group == 0 ? D : f.group), ng = D >> lg, grp = (g * (D / 8)) >> lg;
+    const uint16_t* sc = reinterpret_cast<const uint16_t*>(s.v + code_bytes);
+    const uint16_t* zr = sc + P * ng;
+    const int rows[4] = {2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9};
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int gi = (s.row0 + rows[r]) * ng + grp;
+      vr.s[r] = ld<Global>(sc + gi);
+      if (f.has_zero()) vr.z[r] = ld<Global>(zr + gi);
+    }
+  }
+}
+
+// Copies what a page slab needs from memory besides its K codes into a staging slot, with
+// cp.async, so that the copy is in flight while the previous slab is computed: V (code rows and
+// their parameter rows, laid out as a 16-row page) when V has at most 8 bits, and the KIVI key
+// scales and zeros of the slab's token group.
+template <int D>
+__device__ __forceinline__ void stage_slab(const slab_ref& s, int P, int lane, uint32_t slot) {
+  if (s.fk.has_zero()) {
+    const int lg = log2i(s.fk.group);
+    const uint8_t* sc = s.k + uint32_t(P) * ((D * s.fk.bits) >> 3) + uint32_t(s.row0 >> lg) * D * 2;
+    if (lane < D / 8) cp_async16(slot + slot_kpar<D> + lane * 16, sc + lane * 16);
+    else if (lane >= 16 && lane - 16 < D / 8)
+      cp_async16(slot + slot_kpar<D> + D * 2 + (lane - 16) * 16, sc + uint32_t(P >> lg) * D * 2 + (lane - 16) * 16);
+  }
+  const format_traits f = s.fv;
+  if (f.bits > 8) return;
+  const uint32_t row_bytes = (D * f.bits) >> 3, code_bytes = uint32_t(P) * row_bytes;
+  const uint8_t* src = s.v + uint32_t(s.row0) * row_bytes;
+  for (uint32_t c = lane; c < row_bytes; c += 32) cp_async16(slot + c * 16, src + c * 16);  // 16 rows: row_bytes chunks
+  const uint32_t dst = slot + 16 * row_bytes;
+  if (f.fam == family::fp8_e4m3) {
+    if (lane < 4) cp_async16(dst + lane * 16, s.v + code_bytes + uint32_t(s.row0) * 4 + lane * 16);
+  } else if (f.is_integer()) {
+    const uint32_t ng = uint32_t(D >> log2i(f.group == 0 ? D : f.group)), chunks = 2 * ng;  // 16 rows x ng halves
+    const uint8_t* sc = s.v + code_bytes + uint32_t(s.row0) * ng * 2;
+    if (lane < int(chunks)) cp_async16(dst + lane * 16, sc + lane * 16);
+    if (f.has_zero() && lane >= 16 && lane - 16 < int(chunks))
+      cp_async16(dst + 32 * ng + (lane - 16) * 16, sc + uint32_t(P) * ng * 2 + (lane - 16) * 16);
+  }
+}
+
+// Raw V words of one row -> dequantized half2 pairs of the lane's D/8 channels (fp8: unscaled, the
+// token scale multiplies P).
 template <int D, int Bits>
-__device__ __forceinline__ void v_pairs(const uint8_t* raw, const uint8_t* par1, const uint8_t* par2, format_traits f,
-                                        int row, int g, uint32_t (&out)[D / 16]) {
-  constexpr int lane_bytes = (D / 8) * Bits / 8, row_bytes = D * Bits / 8;
-  uint32_t w[lane_bytes >= 4 ? lane_bytes / 4 : 1];
-  lds_words<lane_bytes>(raw + row * row_bytes + g * lane_bytes, w);
-  to_pairs<Bits, D / 16>(w, f, out);
+__device__ __forceinline__ void v_pairs(const uint32_t* w, family fam, uint32_t s, uint32_t z, uint32_t (&out)[D / 16]) {
+  to_pairs<Bits, D / 16>(w, fam, out);
   if constexpr (Bits != 16) {
-    if (f.fam == family::fp8_e4m3) return;  // its per-token scale multiplies P
-    const int g_sz = f.group == 0 ? D : f.group, ng = D >> log2i(g_sz), gi = row * ng + ((g * (D / 8)) >> log2i(g_sz));
-    const __half2 s = __half2half2(reinterpret_cast<const __half*>(par1)[gi]);
-    if (f.fam == family::sym) {
+    if (fam == family::fp8_e4m3) return;
+    const __half2 s2 = __half2half2(__ushort_as_half(uint16_t(s)));
+    if (fam == family::sym) {
       const __half2 bias = __float2half2_rn(1024.f + float(1 << (Bits - 1)));
 #pragma unroll
-      for (int i = 0; i < D / 16; ++i) out[i] = h2_bits(__hmul2(__hsub2(bits_h2(out[i]), bias), s));
+      for (int i = 0; i < D / 16; ++i) out[i] = h2_bits(__hmul2(__hsub2(bits_h2(out[i]), bias), s2));
     } else {
       const __half2 bias = __float2half2_rn(1024.f);
-      const __half2 z = __half2half2(reinterpret_cast<const __half*>(par2)[gi]);
+      const __half2 z2 = __half2half2(__ushort_as_half(uint16_t(z)));
 #pragma unroll
-      for (int i = 0; i < D / 16; ++i) out[i] = h2_bits(__hfma2(__hsub2(bits_h2(out[i]), bias), s, z));
+      for (int i = 0; i < D / 16; ++i) out[i] = h2_bits(__hfma2(__hsub2(bits_h2(out[i]), bias), s2, z2));
     }
+  }
+}
+
+template <int D, int Bits, int Cap>
+__device__ __forceinline__ void v_all(const v_raw<D, Cap>& vr, family fam, uint32_t (&va)[D / 16], uint32_t (&vb)[D / 16],
+                                      uint32_t (&vc)[D / 16], uint32_t (&vd)[D / 16]) {
+  v_pairs<D, Bits>(vr.w[0], fam, vr.s[0], vr.z[0], va);
+  v_pairs<D, Bits>(vr.w[1], fam, vr.s[1], vr.z[1], vb);
+  v_pairs<D, Bits>(vr.w[2], fam, vr.s[2], vr.z[2], vc);
+  v_pairs<D, Bits>(vr.w[3], fam, vr.s[3], vr.z[3], vd);
+}
+
+// The narrow decode kernel's path for 16-bit slabs (fp16/bf16 pages, the FP16 ring): read where
+// used, in two halves of the lane's channels so that at most 16 raw words per row are live.
+template <int D>
+__device__ __forceinline__ void scores_wide(const slab_ref& s, family fam, int g, int t, int window,
+                                            const uint32_t (&qb)[D / 8], float (&sc)[4]) {
+  constexpr uint32_t row_bytes = D * 2;
+  const uint8_t* r0 = slab_row<D>(s, s.k, g, row_bytes, window) + t * (D / 2);
+  const uint8_t* r8 = slab_row<D>(s, s.k, g + 8, row_bytes, window) + t * (D / 2);
+#pragma unroll
+  for (int hs = 0; hs < 2; ++hs) {
+    uint32_t w0[D / 16], w8[D / 16], a0[D / 16], a8[D / 16];
+    ldg_words<D / 4>(r0 + hs * (D / 4), w0);
+    ldg_words<D / 4>(r8 + hs * (D / 4), w8);
+    to_pairs<16, D / 16>(w0, fam, a0);
+    to_pairs<16, D / 16>(w8, fam, a8);
+#pragma unroll
+    for (int ks = 0; ks < D / 32; ++ks)
+      mma16816(sc, a0[2 * ks], a8[2 * ks], a0[2 * ks + 1], a8[2 * ks + 1], qb[hs * (D / 16) + 2 * ks],
+               qb[hs * (D / 16) + 2 * ks + 1]);
+  }
+}
+
+template <int D>
+__device__ __forceinline__ void values_wide(const slab_ref& s, family fam, int g, int t, int window, uint32_t pb0,
+                                            uint32_t pb1, float (&acc)[D / 16][4]) {
+  constexpr uint32_t row_bytes = D * 2;
+  const int rows[4] = {2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9};
+#pragma unroll
+  for (int hs = 0; hs < 2; ++hs) {
+    uint32_t v[4][D / 32];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      uint32_t w[D / 32];
+      ldg_words<D / 8>(slab_row<D>(s, s.v, rows[r], row_bytes, window) + g * (D / 4) + hs * (D / 8), w);
+      to_pairs<16, D / 32>(w, fam, v[r]);
+      if (rows[r] >= s.valid) {
+#pragma unroll
+        for (int i = 0; i < D / 32; ++i) v[r][i] = 0u;
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < D / 32; ++i)
+      mma16816(acc[hs * (D / 32) + i], __byte_perm(v[0][i], v[1][i], 0x5410), __byte_perm(v[0][i], v[1][i], 0x7632),
+               __byte_perm(v[2][i], v[3][i], 0x5410), __byte_perm(v[2][i], v[3][i], 0x7632), pb0, pb1);
   }
 }
 
@@ -893,33 +1038,36 @@ __device__ __forceinline__ uint32_t movmatrix_t(uint32_t x) {
   return y;
 }
 
-template <int D>
-__global__ void __launch_bounds__(dec_warps * 32, 2) decode_kernel(const __grid_constant__ attend_params p) {
-  extern __shared__ __align__(16) uint8_t smem_raw[];
-  decode_smem<D>& sm = *reinterpret_cast<decode_smem<D>*>(smem_raw);
+// Cap: the widest format (bits) whose slabs are prefetched into registers; wider slabs (16-bit
+// pages and the ring when Cap = 8) are read where they are used.
+template <int D, int Cap>
+__global__ void __launch_bounds__(dec_warps * 32, Cap == 16 ? 2 : 3) decode_kernel(const __grid_constant__ attend_params p) {
+  __shared__ decode_smem<D, Cap> sm;
   const int h = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const decode_item item = p.items[blockIdx.z];
   const int cols_used = p.group * item.q_len;  // <= 8
-  const int S = ceil_div(item.from_pages, slab) + ceil_div(item.n - item.from_pages, slab);
+  const int page_slabs = ceil_div(item.from_pages, slab);
+  const int S = page_slabs + ceil_div(item.n - item.from_pages, slab);
   const int c0 = blockIdx.x * p.tiles_per_split, c1 = min(S, c0 + p.tiles_per_split);
   if (c0 >= S) return;
+  const int P = p.kv.page_tokens;
 
   // page lookups of the block's slabs, once
   {
-    const int page_slabs = ceil_div(item.from_pages, slab);
-    const int lg = log2i(p.page_tokens);
+    const int lg = log2i(P);
     const int first = (c0 * slab) >> lg;
     const int last_slab = min(c1, page_slabs) - 1;
     const int npages = last_slab >= c0 ? ((last_slab * slab) >> lg) - first + 1 : 0;
     if (threadIdx.x == 0) sm.pages.first_page = first;
     for (int e = threadIdx.x; e < npages; e += dec_warps * 32) {
-      const size_t row = (size_t(item.slot) * p.layers + p.layer) * p.max_pages + first + e;
-      const uint8_t* fm = p.fmts + row * p.kv_heads * 2;
+      const size_t row = (size_t(item.slot) * p.kv.layers + p.layer) * p.kv.max_pages + first + e;
+      const uint8_t* fm = p.kv.fmts + row * p.kv.kv_heads * 2;
       uint32_t off = 0;
-      for (int hh = 0; hh < h; ++hh) off += p.k_bytes[fm[2 * hh]] + p.v_bytes[fm[2 * hh + 1]];
-      sm.pages.page16[e] = uint32_t((size_t(p.blocks[row]) * 256 + off) / 16);
-      sm.pages.fk[e] = fm[2 * h];
-      sm.pages.fv[e] = fm[2 * h + 1];
+      for (int hh = 0; hh < h; ++hh) off += p.kv.k_page_bytes[fm[2 * hh]] + p.kv.v_page_bytes[fm[2 * hh + 1]];
+      sm.pages.page16[e] = uint32_t((size_t(p.kv.blocks[row]) * 256 + off) / 16);
+      sm.pages.v_offset[e] = p.kv.k_page_bytes[fm[2 * h]];
+      sm.pages.fk[e] = traits_of(fm[2 * h]);
+      sm.pages.fv[e] = traits_of(fm[2 * h + 1]);
     }
     __syncthreads();
   }
@@ -929,21 +1077,21 @@ __global__ void __launch_bounds__(dec_warps * 32, 2) decode_kernel(const __grid_
   const int s0 = c0 + warp * per_warp, s1 = min(c1, s0 + per_warp);
 
   // query columns: col n -> query i = n / group, head h*group + n % group; lane holds column g
-  float q[D / 4];
+  // (B fragments: pairs of the lane's channels [(D/4) t, (D/4)(t+1)), as fp16)
+  uint32_t qb[D / 8];
+  uint32_t(&qh)[D / 8][32] = sm.qh[warp];  // [pair][lane]: conflict-free
   {
     const bool live = g < cols_used;
-    const int i = g / p.group, qh = h * p.group + g % p.group;
-    const int64_t base = int64_t(item.q_row + i) * p.q_stride + int64_t(qh) * D + t * (D / 4);
+    const int i = g / p.group, qh_i = h * p.group + g % p.group;
+    const int64_t base = int64_t(item.q_row + i) * p.q_stride + int64_t(qh_i) * D + t * (D / 4);
 #pragma unroll
-    for (int c = 0; c < D / 4; ++c) q[c] = live ? load_any(p.q, p.q_type, base + c) : 0.f;
+    for (int c = 0; c < D / 8; ++c) {
+      qb[c] = h2_bits(__floats2half2_rn(live ? load_any(p.q, p.q_type, base + 2 * c) : 0.f,
+                                        live ? load_any(p.q, p.q_type, base + 2 * c + 1) : 0.f));
+      qh[c][lane] = qb[c];
+    }
   }
-  uint32_t qb[D / 8];  // B fragments: pairs of the lane's channels
-  auto plain_query = [&] {
-#pragma unroll
-    for (int i = 0; i < D / 8; ++i) qb[i] = h2_bits(__floats2half2_rn(q[2 * i], q[2 * i + 1]));
-  };
-  plain_query();
-  const uint8_t* q_scales_of = nullptr;  // the KIVI group whose scales qb holds (nullptr: plain)
+  const uint8_t* q_scales_of = nullptr;  // the KIVI token group whose scales qb holds (nullptr: plain)
   float cz_col[2] = {0.f, 0.f};
   const int q_first = item.n - item.q_len;
   const int last_visible[2] = {q_first + (2 * t) / p.group, q_first + (2 * t + 1) / p.group};
@@ -953,91 +1101,109 @@ __global__ void __launch_bounds__(dec_warps * 32, 2) decode_kernel(const __grid_
 #pragma unroll
   for (int i = 0; i < D / 16; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
 
-  // private copy pipeline
-  constexpr uint32_t ring_bytes = warp_ring_bytes<D>;
-  const uint32_t ring_base = smem_addr(sm.ring[warp]);
-  int issued = s0;
-  uint32_t head = 0, tail = 0, ends[slab_queue];
-  auto pump = [&](int consumed_upto) {
-    while (issued < s1 && issued - consumed_upto < slab_queue) {
-      slab_src s = describe_slab<D>(p, item, h, issued, sm.pages);
-      const uint32_t need = slab_bytes(s), off = head % ring_bytes;
-      const uint32_t pad = off + need > ring_bytes ? ring_bytes - off : 0;
-      if (head + pad + need - tail > ring_bytes) break;
-      head += pad;
-      s.at = head % ring_bytes;
-      if (lane == 0) sm.slot[warp][issued % slab_queue] = s;
-      issue_slab<D>(s, ring_base + s.at, p.window, lane);
-      head += need;
-      ends[issued % slab_queue] = head;
-      ++issued;
-    }
-  };
-  pump(s0);
-  __syncwarp();
-
+  slab_ref cur{};
+  k_raw<D, Cap> kc;
+  const uint32_t slots = smem_addr(sm.vslot[warp][0]);
+  // V of page slabs of up to 8 bits goes through the staging slots; 16-bit V is read where it is
+  // used (staging it measured slower: 8 copies per lane and 4-way bank conflicts on the reads)
+  auto staged = [&](const slab_ref& s) { return !s.ring && s.fv.bits <= 8; };
+  if (s0 < s1) {
+    cur = locate_slab<D>(p, item, h, s0, page_slabs, sm.pages);
+    load_k<D, Cap>(cur, cur.fk, P, p.kv.window, g, t, kc);
+    if (!cur.ring) stage_slab<D>(cur, P, lane, slots + (s0 & 1) * slot_bytes<D>);
+  }
+  cp_commit();
   for (int j = s0; j < s1; ++j) {
-    cp_wait_dyn(issued - j - 1);
-    __syncwarp();
-    const slab_src s = sm.slot[warp][j % slab_queue];
-    const uint8_t* raw = sm.ring[warp] + s.at;
-    const uint8_t* kp1 = raw + s.size[0][0];
-    const uint8_t* kp2 = kp1 + s.size[0][1];
-    const uint8_t* vraw = kp2 + s.size[0][2];
-    const uint8_t* vp1 = vraw + s.size[1][0];
-    const uint8_t* vp2 = vp1 + s.size[1][1];
-    const format_traits fk = traits_of(s.fk), fv = traits_of(s.fv);
-
-    // ---- K fragments; the query for this slab's format ----
-    uint32_t kg[D / 8], kg8[D / 8];
-    switch (fk.bits) {
-      case 16: k_fragments<D, 16>(raw, kp1, fk, g, t, kg, kg8); break;
-      case 8: k_fragments<D, 8>(raw, kp1, fk, g, t, kg, kg8); break;
-      case 4: k_fragments<D, 4>(raw, kp1, fk, g, t, kg, kg8); break;
-      default: k_fragments<D, 2>(raw, kp1, fk, g, t, kg, kg8); break;
+    const format_traits fk = cur.fk, fv = cur.fv;
+    // this slab's V, then the next slab's K: in flight while this slab's scores are computed
+    k_raw<D, Cap> kn = kc;
+    if (j + 1 < s1) {
+      const slab_ref nxt = locate_slab<D>(p, item, h, j + 1, page_slabs, sm.pages);
+      load_k<D, Cap>(nxt, nxt.fk, P, p.kv.window, g, t, kn);
+      if (!nxt.ring) stage_slab<D>(nxt, P, lane, slots + ((j + 1) & 1) * slot_bytes<D>);
     }
-    const bool k_codes = !s.ring && fk.k_along_tokens();
-    const uint8_t* group_key = k_codes ? s.page[0] + s.from[0][1] : nullptr;
+    cp_commit();  // one group per slab (possibly empty): wait_group 1 leaves only the next in flight
+    cp_wait<1>();
+    __syncwarp();
+    const uint8_t* slot = sm.vslot[warp][j & 1];
+
+    // ---- the query for this slab's K format: KIVI folds the token group's channel scales into q
+    // and the zeros (centered: z + s 2^(b-1)) into one score offset per column, computed by MMA ----
+    const bool k_codes = !cur.ring && fk.k_along_tokens();
+    const int lgk = k_codes ? log2i(fk.group) : 0;
+    const uint8_t* group_key =
+        k_codes ? cur.k + uint32_t(P) * ((D * fk.bits) >> 3) + uint32_t(cur.row0 >> lgk) * D * 2 : nullptr;
     if (group_key != q_scales_of) {
       if (!k_codes) {
-        plain_query();
+#pragma unroll
+        for (int i = 0; i < D / 8; ++i) qb[i] = qh[i][lane];
         cz_col[0] = cz_col[1] = 0.f;
       } else {
-        const __half* sc = reinterpret_cast<const __half*>(kp1) + t * (D / 4);
-        const __half* zr = reinterpret_cast<const __half*>(kp2) + t * (D / 4);
-        const float mid = float(1 << (fk.bits - 1));
-        float cz = 0.f;
+        uint32_t sw[D / 8], zw[D / 8];  // staged with the slab
+        ldg_words<D / 2, false>(slot + slot_kpar<D> + t * (D / 4) * 2, sw);
+        ldg_words<D / 2, false>(slot + slot_kpar<D> + D * 2 + t * (D / 4) * 2, zw);
+        const __half2 mid = __float2half2_rn(float(1 << (fk.bits - 1)));
+        float cz[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-        for (int i = 0; i < D / 8; ++i) {
-          const float2 s2 = __half22float2(*reinterpret_cast<const __half2*>(sc + 2 * i));
-          const float2 z2 = __half22float2(*reinterpret_cast<const __half2*>(zr + 2 * i));
-          qb[i] = h2_bits(__floats2half2_rn(q[2 * i] * s2.x, q[2 * i + 1] * s2.y));
-          cz += q[2 * i] * fmaf(s2.x, mid, z2.x) + q[2 * i + 1] * fmaf(s2.y, mid, z2.y);
+        for (int ks = 0; ks < D / 16; ++ks) {
+          const uint32_t z0 = h2_bits(__hfma2(bits_h2(sw[2 * ks]), mid, bits_h2(zw[2 * ks])));
+          const uint32_t z1 = h2_bits(__hfma2(bits_h2(sw[2 * ks + 1]), mid, bits_h2(zw[2 * ks + 1])));
+          const uint32_t q0 = qh[2 * ks][lane], q1 = qh[2 * ks + 1][lane];
+          mma16816(cz, z0, z0, z1, z1, q0, q1);
+          qb[2 * ks] = h2_bits(__hmul2(bits_h2(q0), bits_h2(sw[2 * ks])));
+          qb[2 * ks + 1] = h2_bits(__hmul2(bits_h2(q1), bits_h2(sw[2 * ks + 1])));
         }
-        cz += __shfl_xor_sync(0xffffffffu, cz, 1);
-        cz += __shfl_xor_sync(0xffffffffu, cz, 2);  // all lanes of group g: q_g . z'
-        cz_col[0] = __shfl_sync(0xffffffffu, cz, (2 * t) * 4);
-        cz_col[1] = __shfl_sync(0xffffffffu, cz, (2 * t + 1) * 4);
+        cz_col[0] = cz[0], cz_col[1] = cz[1];
       }
       q_scales_of = group_key;
     }
 
-    // ---- S^T = K Q^T: rows tokens g / g+8, columns 2t, 2t+1 ----
+    // ---- S^T = K Q^T: rows tokens g / g+8, columns 2t, 2t+1 (two accumulators: half the chain) ----
     float sc[4] = {0.f, 0.f, 0.f, 0.f};
+    {
+      uint32_t kg[D / 8], kg8[D / 8];
+      switch (fk.bits) {
+        case 16:
+          if constexpr (Cap >= 16) k_frags<D, 16, Cap>(kc.w, fk.fam, kc.ps, kg, kg8);
+          break;
+        case 8: k_frags<D, 8, Cap>(kc.w, fk.fam, kc.ps, kg, kg8); break;
+        case 4: k_frags<D, 4, Cap>(kc.w, fk.fam, kc.ps, kg, kg8); break;
+        default: k_frags<D, 2, Cap>(kc.w, fk.fam, kc.ps, kg, kg8); break;
+      }
+      float sd[4] = {0.f, 0.f, 0.f, 0.f};
+      if (Cap < 16 && fk.bits == 16) {
+        scores_wide<D>(cur, fk.fam, g, t, p.kv.window, qb, sd);
+      } else {
 #pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks)
-      mma16816(sc, kg[2 * ks], kg8[2 * ks], kg[2 * ks + 1], kg8[2 * ks + 1], qb[2 * ks], qb[2 * ks + 1]);
+      for (int ks = 0; ks < D / 16; ks += 2) {
+        mma16816(sc, kg[2 * ks], kg8[2 * ks], kg[2 * ks + 1], kg8[2 * ks + 1], qb[2 * ks], qb[2 * ks + 1]);
+        mma16816(sd, kg[2 * ks + 2], kg8[2 * ks + 2], kg[2 * ks + 3], kg8[2 * ks + 3], qb[2 * ks + 2], qb[2 * ks + 3]);
+      }
+      }
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sc[e] += sd[e];
+    }
+    v_raw<D, Cap> vr;
+    const bool v_staged = staged(cur);
+    if (v_staged) {
+      slab_ref sv = cur;
+      sv.v = slot;
+      sv.row0 = 0;
+      load_v<D, Cap, false>(sv, fv, 16, p.kv.window, g, t, vr);
+    } else if (Cap >= 16) {
+      load_v<D, Cap, true>(cur, fv, P, p.kv.window, g, t, vr);  // 16-bit pages and the ring (wide kernel)
+    }
     float rs[2] = {1.f, 1.f};  // fp8 keys: per-token scales of rows g, g+8
-    if (!s.ring && fk.fam == family::fp8_e4m3) {
-      rs[0] = g < s.valid ? reinterpret_cast<const float*>(kp1)[g] : 0.f;
-      rs[1] = g + 8 < s.valid ? reinterpret_cast<const float*>(kp1)[g + 8] : 0.f;
+    if (!cur.ring && fk.fam == family::fp8_e4m3) {
+      rs[0] = g < cur.valid ? __uint_as_float(kc.ps[0]) : 0.f;
+      rs[1] = g + 8 < cur.valid ? __uint_as_float(kc.ps[1]) : 0.f;
     }
     float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int row = g + (e / 2) * 8, jt = s.tok0 + row;
+      const int row = g + (e / 2) * 8, jt = cur.tok0 + row;
       const float x = (sc[e] * rs[e / 2] + cz_col[e % 2]) * p.scale_log2;
-      const bool ok = row < s.valid && jt <= last_visible[e % 2];
+      const bool ok = row < cur.valid && jt <= last_visible[e % 2];
       sc[e] = ok ? x : -INFINITY;
       tile_max[e % 2] = fmaxf(tile_max[e % 2], sc[e]);
     }
@@ -1065,38 +1231,31 @@ __global__ void __launch_bounds__(dec_warps * 32, 2) decode_kernel(const __grid_
         acc[i][3] *= alpha[1];
       }
     }
-    if (!s.ring && fv.fam == family::fp8_e4m3) {  // per-token V scales fold into P
+    if (!cur.ring && fv.fam == family::fp8_e4m3) {  // per-token V scales fold into P
       // rows at or beyond `valid` hold stale bytes: their scale must not turn P = 0 into NaN
-      const float v0 = g < s.valid ? reinterpret_cast<const float*>(vp1)[g] : 0.f;
-      const float v8 = g + 8 < s.valid ? reinterpret_cast<const float*>(vp1)[g + 8] : 0.f;
+      const float v0 = g < cur.valid ? __uint_as_float(vr.s[0]) : 0.f;
+      const float v8 = g + 8 < cur.valid ? __uint_as_float(vr.s[1]) : 0.f;
       pv[0] *= v0, pv[1] *= v0, pv[2] *= v8, pv[3] *= v8;
     }
     const uint32_t pb0 = movmatrix_t(h2_bits(__floats2half2_rn(pv[0], pv[1])));
     const uint32_t pb1 = movmatrix_t(h2_bits(__floats2half2_rn(pv[2], pv[3])));
 
     // ---- O^T += V^T P^T: A fragments pair tokens (2t, 2t+1) and (2t+8, 2t+9) per channel ----
+    if (Cap < 16 && fv.bits == 16) {
+      values_wide<D>(cur, fv.fam, g, t, p.kv.window, pb0, pb1, acc);
+    } else {
     uint32_t va[D / 16], vb[D / 16], vc[D / 16], vd[D / 16];
     switch (fv.bits) {
       case 16:
-        v_pairs<D, 16>(vraw, vp1, vp2, fv, 2 * t, g, va), v_pairs<D, 16>(vraw, vp1, vp2, fv, 2 * t + 1, g, vb);
-        v_pairs<D, 16>(vraw, vp1, vp2, fv, 2 * t + 8, g, vc), v_pairs<D, 16>(vraw, vp1, vp2, fv, 2 * t + 9, g, vd);
+        if constexpr (Cap >= 16) v_all<D, 16, Cap>(vr, fv.fam, va, vb, vc, vd);
         break;
-      case 8:
-        v_pairs<D, 8>(vraw, vp1, vp2, fv, 2 * t, g, va), v_pairs<D, 8>(vraw, vp1, vp2, fv, 2 * t + 1, g, vb);
-        v_pairs<D, 8>(vraw, vp1, vp2, fv, 2 * t + 8, g, vc), v_pairs<D, 8>(vraw, vp1, vp2, fv, 2 * t + 9, g, vd);
-        break;
-      case 4:
-        v_pairs<D, 4>(vraw, vp1, vp2, fv, 2 * t, g, va), v_pairs<D, 4>(vraw, vp1, vp2, fv, 2 * t + 1, g, vb);
-        v_pairs<D, 4>(vraw, vp1, vp2, fv, 2 * t + 8, g, vc), v_pairs<D, 4>(vraw, vp1, vp2, fv, 2 * t + 9, g, vd);
-        break;
-      default:
-        v_pairs<D, 2>(vraw, vp1, vp2, fv, 2 * t, g, va), v_pairs<D, 2>(vraw, vp1, vp2, fv, 2 * t + 1, g, vb);
-        v_pairs<D, 2>(vraw, vp1, vp2, fv, 2 * t + 8, g, vc), v_pairs<D, 2>(vraw, vp1, vp2, fv, 2 * t + 9, g, vd);
-        break;
+      case 8: v_all<D, 8, Cap>(vr, fv.fam, va, vb, vc, vd); break;
+      case 4: v_all<D, 4, Cap>(vr, fv.fam, va, vb, vc, vd); break;
+      default: v_all<D, 2, Cap>(vr, fv.fam, va, vb, vc, vd); break;
     }
     // rows of the slab at or beyond `valid` hold stale bytes: zero them (P is 0 there, but 0 x NaN is not)
-    if (s.valid < slab) {
-      const uint32_t za = 2 * t < s.valid, zb = 2 * t + 1 < s.valid, zc = 2 * t + 8 < s.valid, zd = 2 * t + 9 < s.valid;
+    if (cur.valid < slab) {
+      const bool za = 2 * t < cur.valid, zb = 2 * t + 1 < cur.valid, zc = 2 * t + 8 < cur.valid, zd = 2 * t + 9 < cur.valid;
 #pragma unroll
       for (int i = 0; i < D / 16; ++i) {
         va[i] = za ? va[i] : 0u, vb[i] = zb ? vb[i] : 0u, vc[i] = zc ? vc[i] : 0u, vd[i] = zd ? vd[i] : 0u;
@@ -1106,13 +1265,15 @@ __global__ void __launch_bounds__(dec_warps * 32, 2) decode_kernel(const __grid_
     for (int mtile = 0; mtile < D / 16; ++mtile)
       mma16816(acc[mtile], __byte_perm(va[mtile], vb[mtile], 0x5410), __byte_perm(va[mtile], vb[mtile], 0x7632),
                __byte_perm(vc[mtile], vd[mtile], 0x5410), __byte_perm(vc[mtile], vd[mtile], 0x7632), pb0, pb1);
+    }
 
-    __syncwarp();  // every lane is done with this slab's bytes
-    tail = ends[j % slab_queue];
-    pump(j + 1);
+    __syncwarp();  // every lane is done with this slab's staging slot
+    // the next slab's description again (cheaper than keeping it live across the slab)
+    if (j + 1 < s1) cur = locate_slab<D>(p, item, h, j + 1, page_slabs, sm.pages);
+    kc = kn;
   }
 
-  // ---- merge the warps (over the ring memory), write the block's partial ----
+  // ---- merge the warps, write the block's partial ----
   float l_tot[2] = {l_col[0], l_col[1]};
 #pragma unroll
   for (int c = 0; c < 2; ++c) {
@@ -1120,36 +1281,34 @@ __global__ void __launch_bounds__(dec_warps * 32, 2) decode_kernel(const __grid_
     l_tot[c] += __shfl_xor_sync(0xffffffffu, l_tot[c], 8);
     l_tot[c] += __shfl_xor_sync(0xffffffffu, l_tot[c], 16);
   }
-  __syncthreads();
-  float* wo = reinterpret_cast<float*>(sm.ring);  // [warps][8 cols][D]
-  float* wml = wo + dec_warps * 8 * D;           // [warps][8][2]
-  static_assert(sizeof(float) * (dec_warps * 8 * D + dec_warps * 16) <= sizeof(sm.ring), "merge area fits");
   const bool has_work = s0 < s1;
+  cp_wait<0>();
+  __syncthreads();  // the merge area overlays the staging slots of every warp
 #pragma unroll
   for (int i = 0; i < D / 16; ++i) {
     const int ch = (D / 8) * g + 2 * i;
-    wo[(warp * 8 + 2 * t) * D + ch] = has_work ? acc[i][0] : 0.f;
-    wo[(warp * 8 + 2 * t + 1) * D + ch] = has_work ? acc[i][1] : 0.f;
-    wo[(warp * 8 + 2 * t) * D + ch + 1] = has_work ? acc[i][2] : 0.f;
-    wo[(warp * 8 + 2 * t + 1) * D + ch + 1] = has_work ? acc[i][3] : 0.f;
+    sm.m.wo[warp][2 * t][ch] = has_work ? acc[i][0] : 0.f;
+    sm.m.wo[warp][2 * t + 1][ch] = has_work ? acc[i][1] : 0.f;
+    sm.m.wo[warp][2 * t][ch + 1] = has_work ? acc[i][2] : 0.f;
+    sm.m.wo[warp][2 * t + 1][ch + 1] = has_work ? acc[i][3] : 0.f;
   }
   if (g == 0)
     for (int c = 0; c < 2; ++c) {
-      wml[(warp * 8 + 2 * t + c) * 2] = has_work ? m_col[c] : -INFINITY;
-      wml[(warp * 8 + 2 * t + c) * 2 + 1] = has_work ? l_tot[c] : 0.f;
+      sm.m.wml[warp][2 * t + c][0] = has_work ? m_col[c] : -INFINITY;
+      sm.m.wml[warp][2 * t + c][1] = has_work ? l_tot[c] : 0.f;
     }
   __syncthreads();
-  const size_t part = (size_t(blockIdx.z) * p.kv_heads + h) * p.max_splits + blockIdx.x;
+  const size_t part = (size_t(blockIdx.z) * p.kv.kv_heads + h) * p.max_splits + blockIdx.x;
   for (int idx = threadIdx.x; idx < 8 * D; idx += dec_warps * 32) {
     const int r = idx / D, c = idx % D;
     float m = -INFINITY;
-    for (int w = 0; w < dec_warps; ++w) m = fmaxf(m, wml[(w * 8 + r) * 2]);
+    for (int w = 0; w < dec_warps; ++w) m = fmaxf(m, sm.m.wml[w][r][0]);
     float o = 0.f, l = 0.f;
     for (int w = 0; w < dec_warps; ++w) {
-      const float mw = wml[(w * 8 + r) * 2];
+      const float mw = sm.m.wml[w][r][0];
       const float f = mw == -INFINITY ? 0.f : exp2f(mw - m);
-      o += f * wo[(w * 8 + r) * D + c];
-      l += f * wml[(w * 8 + r) * 2 + 1];
+      o += f * sm.m.wo[w][r][c];
+      l += f * sm.m.wml[w][r][1];
     }
     p.ws_o[part * 16 * D + r * D + c] = o;
     if (c == 0) {
@@ -1167,7 +1326,7 @@ __global__ void __launch_bounds__(threads) merge_kernel(const __grid_constant__ 
   if (mt * 16 >= rows_used) return;
   const int T = ceil_div(item.from_pages, p.unit_tokens) + ceil_div(item.n - item.from_pages, p.unit_tokens);
   const int splits = ceil_div(T, p.tiles_per_split);
-  const size_t part0 = ((size_t(blockIdx.x) * p.kv_heads + h) * p.mtiles + mt) * p.max_splits;
+  const size_t part0 = ((size_t(blockIdx.x) * p.kv.kv_heads + h) * p.mtiles + mt) * p.max_splits;
   for (int idx = threadIdx.x; idx < 16 * D; idx += threads) {
     const int r = idx / D, c = idx % D, mm = mt * 16 + r;
     if (mm >= rows_used) continue;
@@ -1188,6 +1347,7 @@ __global__ void __launch_bounds__(threads) merge_kernel(const __grid_constant__ 
 // Splits and tiles for a batch: enough thread blocks to fill the chip about four times over.
 struct launch_plan {
   bool decode;  // group x q_len <= 8: the warp-split decode kernel
+  bool wide;    // decode: some page may hold a 16-bit format (registers for 16-bit prefetch)
   int unit, mtiles, tiles_per_split, max_splits, max_tiles;
 };
 
@@ -1206,12 +1366,27 @@ launch_plan plan_for(const attend_args& a) {
     total += units;
   }
   if (lp.decode) {
-    // two waves of 8 independent warps per SM; at least 4 slabs per warp to amortize the query
-    const int64_t warps = int64_t(a.num_sms) * 8 * 2;
-    const int per_warp = int(std::clamp<int64_t>((total * a.kv.kv_heads + warps - 1) / warps, 4, max_cta_slabs / dec_warps));
+    // Whole waves: the blocks resident at once are num_sms x (2 wide, 3 narrow: the launch
+    // bounds). A split count s costs waves(s) x (slabs per block(s) + a block's fixed cost, about
+    // 8 slabs: page lookups, query, warp merge, its share of the split merge) for the longest
+    // item; a partial last wave is paid in full (ncu showed 2.1 waves costing up to a third of the
+    // time), so take the s of least cost, the fewest splits on a tie. At least 4 slabs per warp,
+    // at most max_cta_slabs per block (the page table cache).
+    lp.wide = a.max_page_bits > 8;
+    const int64_t wave = int64_t(a.num_sms) * (lp.wide ? 2 : 3);
+    const int64_t base = int64_t(std::max<size_t>(1, a.items.size())) * a.kv.kv_heads;
+    const int s_min = ceil_div(lp.max_tiles, max_cta_slabs);
+    const int s_max = std::max(s_min, ceil_div(lp.max_tiles, 4 * dec_warps));
+    int64_t best_cost = INT64_MAX;
+    int best = s_min;
+    for (int sp = s_min; sp <= s_max; ++sp) {
+      const int64_t cost = ((base * sp + wave - 1) / wave) * (ceil_div(lp.max_tiles, sp) + 8);
+      if (cost < best_cost) best_cost = cost, best = sp;
+    }
     lp.mtiles = 1;
-    lp.tiles_per_split = per_warp * dec_warps;
+    lp.tiles_per_split = ceil_div(ceil_div(lp.max_tiles, best), dec_warps) * dec_warps;
     lp.max_splits = ceil_div(lp.max_tiles, lp.tiles_per_split);
+    (void)total;
     return lp;
   }
   lp.mtiles = ceil_div(group * max_q, 16);
@@ -1228,10 +1403,11 @@ template <int D>
 status launch_attend(const attend_params& p, const launch_plan& lp, int kv_heads, int items, cudaStream_t st) {
   const dim3 mgrid(unsigned(items), unsigned(kv_heads * lp.mtiles));
   if (lp.decode) {
-    const int smem = int(sizeof(decode_smem<D>));
-    KVQ_TRY(cuda_status(cudaFuncSetAttribute(decode_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
-                        "cudaFuncSetAttribute"));
-    decode_kernel<D><<<dim3(unsigned(lp.max_splits), unsigned(kv_heads), unsigned(items)), dec_warps * 32, smem, st>>>(p);
+    const dim3 grid(unsigned(lp.max_splits), unsigned(kv_heads), unsigned(items));
+    if (lp.wide)
+      decode_kernel<D, 16><<<grid, dec_warps * 32, 0, st>>>(p);
+    else
+      decode_kernel<D, 8><<<grid, dec_warps * 32, 0, st>>>(p);
   } else {
     const int smem = int(sizeof(attend_smem<D>));
     KVQ_TRY(cuda_status(cudaFuncSetAttribute(attend_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
@@ -1280,15 +1456,7 @@ status attend_run(const attend_args& a, void* workspace, size_t workspace_bytes,
     if (workspace_bytes < need)
       return {errc::invalid_argument, msg("attend: workspace of ", workspace_bytes, " bytes, need ", need)};
     attend_params p{};
-    p.arena = a.kv.arena;
-    p.blocks = a.kv.blocks;
-    p.fmts = a.kv.fmts;
-    p.layers = a.kv.layers;
-    p.kv_heads = a.kv.kv_heads;
-    p.page_tokens = a.kv.page_tokens;
-    p.window = a.kv.window;
-    p.max_pages = a.kv.max_pages;
-    for (size_t f = 0; f < format_count; ++f) p.k_bytes[f] = a.kv.k_page_bytes[f], p.v_bytes[f] = a.kv.v_page_bytes[f];
+    p.kv = a.kv;
     p.layer = a.layer;
     p.q_heads = a.q_heads;
     p.group = a.q_heads / a.kv.kv_heads;
@@ -1323,12 +1491,10 @@ status attend_run(const attend_args& a, void* workspace, size_t workspace_bytes,
 namespace {
 
 struct append_params {
-  uint8_t* arena;
+  paged_view kv;
+  uint8_t* arena;  // writable aliases of kv's
   uint32_t* blocks;
   uint8_t* fmts;
-  int layers, kv_heads, head_dim, page_tokens, window, max_pages;
-  uint32_t k_bytes[format_count];
-  uint32_t v_bytes[format_count];
   int slot, layer;
   int32_t n, e, m;
   uint32_t window_unit;
@@ -1342,7 +1508,7 @@ struct append_params {
 };
 
 __device__ __forceinline__ uint16_t src_half(const append_params& p, int r, int64_t token, int h, int c) {
-  const int64_t i = token * p.src_stride[r] + int64_t(h) * p.head_dim + c;
+  const int64_t i = token * p.src_stride[r] + int64_t(h) * p.kv.head_dim + c;
   switch (p.src_type[r]) {
     case dtype::f32: return float_to_half(static_cast<const float*>(p.src[r])[i]);
     case dtype::f16: return static_cast<const uint16_t*>(p.src[r])[i];
@@ -1352,7 +1518,7 @@ __device__ __forceinline__ uint16_t src_half(const append_params& p, int r, int6
 
 __device__ __forceinline__ uint16_t* ring_of(const append_params& p, int h, int r) {
   return reinterpret_cast<uint16_t*>(p.arena + size_t(p.window_unit) * 256) +
-         ((size_t(p.layer) * p.kv_heads + h) * 2 + r) * size_t(p.window) * p.head_dim;
+         ((size_t(p.layer) * p.kv.kv_heads + h) * 2 + r) * size_t(p.kv.window) * p.kv.head_dim;
 }
 
 // One block per (new page, kv head, role): stage the page's fp16 rows (old tokens from the ring,
@@ -1360,17 +1526,17 @@ __device__ __forceinline__ uint16_t* ring_of(const append_params& p, int h, int 
 __global__ void __launch_bounds__(threads) encode_kernel(const __grid_constant__ append_params p) {
   extern __shared__ __align__(16) uint8_t smem_raw[];
   uint16_t* src = reinterpret_cast<uint16_t*>(smem_raw);
-  const int pg = blockIdx.x, h = blockIdx.y, r = blockIdx.z, d = p.head_dim, P = p.page_tokens;
+  const int pg = blockIdx.x, h = blockIdx.y, r = blockIdx.z, d = p.kv.head_dim, P = p.kv.page_tokens;
   const uint16_t* ring = ring_of(p, h, r);
   const int first_tok = p.e + pg * P;
   for (int idx = threadIdx.x; idx < P * d; idx += threads) {
     const int row = idx / d, c = idx % d, j = first_tok + row;
-    src[idx] = j < p.n ? ring[size_t(j % p.window) * d + c] : src_half(p, r, j - p.n, h, c);
+    src[idx] = j < p.n ? ring[size_t(j % p.kv.window) * d + c] : src_half(p, r, j - p.n, h, c);
   }
   const uint8_t* fm = p.page_fmts[pg];
   uint32_t off = 0;
-  for (int hh = 0; hh < h; ++hh) off += p.k_bytes[fm[2 * hh]] + p.v_bytes[fm[2 * hh + 1]];
-  if (r == 1) off += p.k_bytes[fm[2 * h]];
+  for (int hh = 0; hh < h; ++hh) off += p.kv.k_page_bytes[fm[2 * hh]] + p.kv.v_page_bytes[fm[2 * hh + 1]];
+  if (r == 1) off += p.kv.k_page_bytes[fm[2 * h]];
   const format_id f = fm[2 * h + r];
   const codec::page_geom g = codec::make_geom(f, r == 0 ? role::k : role::v, P, d);
   uint8_t* page = p.arena + size_t(p.page_blocks[pg]) * 256 + off;
@@ -1379,23 +1545,23 @@ __global__ void __launch_bounds__(threads) encode_kernel(const __grid_constant__
   const float clip = p.clip[2 * h + r];
   for (int u = threadIdx.x; u < g.unit_count(); u += threads) codec::encode_unit(g, src, d, u, page, clip);
   if (h == 0 && r == 0) {
-    const size_t row = (size_t(p.slot) * p.layers + p.layer) * p.max_pages + p.first_page + pg;
+    const size_t row = (size_t(p.slot) * p.kv.layers + p.layer) * p.kv.max_pages + p.first_page + pg;
     if (threadIdx.x == 0) p.blocks[row] = p.page_blocks[pg];
-    for (int i = threadIdx.x; i < p.kv_heads * 2; i += threads) p.fmts[row * p.kv_heads * 2 + i] = fm[i];
+    for (int i = threadIdx.x; i < p.kv.kv_heads * 2; i += threads) p.fmts[row * p.kv.kv_heads * 2 + i] = fm[i];
   }
 }
 
 // The ring keeps the last `window` tokens: write the new ones that remain among them.
 __global__ void ring_kernel(const __grid_constant__ append_params p) {
-  const int32_t first = max(p.n, p.n + p.m - p.window);
-  const int d = p.head_dim;
-  const int64_t total = int64_t(p.n + p.m - first) * p.kv_heads * 2 * d;
+  const int32_t first = max(p.n, p.n + p.m - p.kv.window);
+  const int d = p.kv.head_dim;
+  const int64_t total = int64_t(p.n + p.m - first) * p.kv.kv_heads * 2 * d;
   for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < total; idx += int64_t(gridDim.x) * blockDim.x) {
     const int c = int(idx % d);
     const int r = int((idx / d) % 2);
-    const int h = int((idx / (2 * d)) % p.kv_heads);
-    const int32_t j = first + int32_t(idx / (int64_t(2) * d * p.kv_heads));
-    ring_of(p, h, r)[size_t(j % p.window) * d + c] = src_half(p, r, j - p.n, h, c);
+    const int h = int((idx / (2 * d)) % p.kv.kv_heads);
+    const int32_t j = first + int32_t(idx / (int64_t(2) * d * p.kv.kv_heads));
+    ring_of(p, h, r)[size_t(j % p.kv.window) * d + c] = src_half(p, r, j - p.n, h, c);
   }
 }
 
@@ -1421,13 +1587,7 @@ status append_run(const append_args& a, void* stream) {
   p.arena = a.arena;
   p.blocks = a.blocks;
   p.fmts = a.fmts;
-  p.layers = kv.layers;
-  p.kv_heads = kv.kv_heads;
-  p.head_dim = kv.head_dim;
-  p.page_tokens = kv.page_tokens;
-  p.window = kv.window;
-  p.max_pages = kv.max_pages;
-  for (size_t f = 0; f < format_count; ++f) p.k_bytes[f] = kv.k_page_bytes[f], p.v_bytes[f] = kv.v_page_bytes[f];
+  p.kv = kv;
   p.slot = a.slot;
   p.layer = a.layer;
   p.n = a.n;

@@ -98,6 +98,7 @@ status KVCache::append(seq_id id, int layer, const tensor_view& k, const tensor_
   if (impl_->cfg_.where == backend::cuda && n + k.tokens > impl_->cfg_.max_tokens)
     return {errc::out_of_budget, fmt::format("append: sequence {} layer {} would hold {} tokens, above max_tokens {}", id,
                                              layer, n + k.tokens, impl_->cfg_.max_tokens)};
+  impl_->poll_policy();  // decisions of finished canaries reach the pages planned now
   auto plan = impl_->store_.plan_append(*s, layer, k.tokens, *impl_->pol_);
   if (!plan) return plan.error();
   if (status st = impl_->write(*s, layer, k, v, *plan); !st.ok()) {
@@ -136,6 +137,7 @@ status KVCache::attend(std::span<const attend_item> items, int layer, const tens
   };
   KVQ_TRY(check_q("Q", q.data, q.tokens, q.heads, q.head_dim, q.stride()));
   KVQ_TRY(check_q("O", o.data, o.tokens, o.heads, o.head_dim, o.stride()));
+  impl_->poll_policy();
   return impl_->attend(items, layer, q, o);
 }
 
@@ -162,6 +164,8 @@ status KVCache::set_clip_ratios(std::span<const float> ratios) {
   impl_->clip_.assign(ratios.begin(), ratios.end());
   return {};
 }
+
+status KVCache::sync_policy() { return impl_->sync_policy(); }
 
 cache_stats KVCache::stats() const {
   const auto& st = impl_->store_;

@@ -117,6 +117,8 @@ status echokv_policy::bind(const cache_shape& shape) {
     tier_bits_[t] = 0.5 * (bits_per_element(traits_of(p.k), role::k, shape.page_tokens, shape.head_dim) +
                            bits_per_element(traits_of(p.v), role::v, shape.page_tokens, shape.head_dim));
   }
+  spec_ = {o.tiers, align_, o.softmax_scale > 0.f ? o.softmax_scale : 1.0f / std::sqrt(float(shape.head_dim)),
+           o.granularity == echokv_granularity::per_head};
   tiers_.assign(U, uint8_t(o.initial_tier < 0 ? int(T) - 1 : o.initial_tier));
   ema_.assign(U * T, std::numeric_limits<double>::quiet_NaN());
   streak_.assign(U * T, 0);
@@ -167,13 +169,14 @@ result<canary_measurement> echokv_policy::measure(const query_observation& o) co
                                                       o.window_first, o.context, R)};
   // Whole groups aligned to token positions that are multiples of the largest token group.
   const int64_t G = align_;
-  const int64_t a = (o.window_first + G - 1) / G * G, b = o.context / G * G;
+  const canary_keys keys(G, o.window_first, o.context);
+  const int64_t a = keys.first, b = keys.end;
   if (b - a < G)
     return status{errc::not_found, fmt::format("echokv: window [{}, {}) holds no whole group of {} tokens",
                                                o.window_first, o.context, G)};
   const int n = int(b - a);
   const size_t T = opt_.tiers.size();
-  const float scale = opt_.softmax_scale > 0.f ? opt_.softmax_scale : 1.0f / std::sqrt(float(d));
+  const float scale = spec_.softmax_scale;
   const size_t head_elems = size_t(n) * d;
 
   // K_ref per kv head: fp16 bits [H][n][d] (the codec's source layout) and as float; then the

@@ -449,3 +449,40 @@ TEST_CASE("echokv in a KVCache: tier changes never rewrite stored pages", "[echo
   CHECK(std::equal(k0.begin(), k0.begin() + long(early), k1.begin()));
   CHECK(std::equal(v0.begin(), v0.begin() + long(early), v1.begin()));
 }
+
+TEST_CASE("echokv device canary: spec, due steps, counters as observe keeps them", "[echokv]") {
+  auto o = every_step();
+  o.granularity = echokv_granularity::per_head;
+  echokv_policy p(o);
+  CHECK(p.device_canary() == nullptr);  // not bound
+  CHECK(!p.canary_due(0, 100));
+  REQUIRE(p.bind(shape2).ok());
+  const canary_spec* s = p.device_canary();
+  REQUIRE(s != nullptr);
+  CHECK(s->tiers == o.tiers);
+  CHECK(s->align == 32);
+  CHECK(s->per_head);
+  CHECK(s->softmax_scale == Approx(1.0 / 8.0));
+  CHECK(p.canary_due(0, 100));
+  p.note_observation();
+  p.note_skipped();
+  CHECK(p.counters().observations == 1);
+  CHECK(p.counters().skipped == 1);
+  p.freeze();
+  CHECK(!p.canary_due(0, 100));  // frozen: no canary, nothing counted
+  p.note_observation();
+  CHECK(p.counters().observations == 1);
+  p.unfreeze();
+  policy& base = p;  // the backend's view: ingest through the interface
+  check(base.ingest({0, 1, 100, std::vector<double>(2 * 3, 0.0)}));
+  CHECK(p.counters().canary_evaluations == 1);
+
+  // the window cut: whole groups at multiples of align inside [window_first, context)
+  const canary_keys k(32, 22, 150);
+  CHECK(k.first == 32);
+  CHECK(k.end == 128);
+  CHECK(k.rows_seeing(1, 150) == 1);
+  CHECK(k.rows_seeing(40, 40 + 32) == 40);
+  CHECK(canary_keys(32, 0, 20).count() < 32);
+  CHECK(canary_keys(32, 10, 70).rows_seeing(40, 70) == 38);  // keys [32, 64): rows 0, 1 end at 30, 31
+}

@@ -127,6 +127,17 @@ class KVQ_EXPORT KVCache {
   /// encoded afterwards.
   status set_clip_ratios(std::span<const float> ratios);
 
+  /// Waits for the policy's canaries still in flight and feeds their measurements to the policy.
+  /// CPU backend: nothing to do (the canary runs inside `attend`). CUDA backend: a policy with a
+  /// device canary (`policy::device_canary`, e.g. EchoKV) is measured by a kernel launched on the
+  /// stream after the step's attention; completed measurements are ingested without blocking at
+  /// the start of later `append`/`attend` calls, so a decision reaches `choose` one or more steps
+  /// after its canary (pages planned in between keep the previous tier), and this call
+  /// synchronizes the stream's canaries and ingests the rest. A live canary makes the launch
+  /// sequence data-dependent (a canary kernel on some steps only): freeze the policy before
+  /// capturing a step in a CUDA graph. Returns the first canary failure since the last call.
+  status sync_policy();
+
   cache_stats stats() const;
   const cache_config& config() const;
   policy& active_policy() const;

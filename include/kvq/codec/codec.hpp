@@ -107,6 +107,26 @@ KVQ_HOST_DEVICE page_geom make_geom(format_id id, role r, int page_tokens, int h
   return g;
 }
 
+/// KIVI / rolealign range of one group: scale and zero (fp16 bits) for values in [lo, hi] at
+/// `bits` bits; rolealign with clip < 1 shrinks the range about its middle first.
+KVQ_HOST_DEVICE void kivi_range(float lo, float hi, int bits, bool ra, float clip, uint16_t& s16, uint16_t& z16) {
+  if (ra && clip != 1.0f) {
+    const float mid = mul_rn(0.5f, add_rn(hi, lo));
+    const float half = mul_rn(mul_rn(0.5f, sub_rn(hi, lo)), clip);
+    lo = sub_rn(mid, half);
+    hi = add_rn(mid, half);
+  }
+  s16 = float_to_half(div_rn(sub_rn(hi, lo), float((1 << bits) - 1)));
+  z16 = float_to_half(lo);
+}
+
+/// KIVI / rolealign code of x for scale s and zero z (the decoded fp16 values of `kivi_range`).
+KVQ_HOST_DEVICE uint32_t kivi_code(float x, float s, float z, int bits) {
+  if (!(s > 0.f)) return 0u;
+  const float q = round_even(div_rn(sub_rn(x, z), s));
+  return uint32_t(fmin_(fmax_(q, 0.f), float((1 << bits) - 1)));
+}
+
 /// Encodes unit `u` of a page.
 /// \param src  [page_tokens][src_stride] fp16 bits; row t is token t of the page
 /// \param page the page's bytes (layout in format.hpp)
@@ -157,22 +177,8 @@ KVQ_HOST_DEVICE void encode_unit(const page_geom& g, const uint16_t* src, int sr
     case family::kivi:
     case family::rolealign: {
       const bool ra = g.fmt.fam == family::rolealign;
-      const float levels = float((1 << bits) - 1);
-      auto quant_range = [&](float lo, float hi, uint16_t& s16, uint16_t& z16) {
-        if (ra && clip != 1.0f) {
-          const float mid = mul_rn(0.5f, add_rn(hi, lo));
-          const float half = mul_rn(mul_rn(0.5f, sub_rn(hi, lo)), clip);
-          lo = sub_rn(mid, half);
-          hi = add_rn(mid, half);
-        }
-        s16 = float_to_half(div_rn(sub_rn(hi, lo), levels));
-        z16 = float_to_half(lo);
-      };
-      auto quant = [&](float x, float s, float z) -> uint32_t {
-        if (!(s > 0.f)) return 0u;
-        const float q = round_even(div_rn(sub_rn(x, z), s));
-        return uint32_t(fmin_(fmax_(q, 0.f), levels));
-      };
+      auto quant_range = [&](float lo, float hi, uint16_t& s16, uint16_t& z16) { kivi_range(lo, hi, bits, ra, clip, s16, z16); };
+      auto quant = [&](float x, float s, float z) { return kivi_code(x, s, z, bits); };
       if (g.k_columns()) {
         // unit = (token group, 8-channel block): per channel, the range over G tokens
         const int G = g.fmt.group, nb = d / 8, tg = u / nb, c0 = (u % nb) * 8;

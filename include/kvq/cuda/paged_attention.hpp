@@ -70,6 +70,10 @@ struct attend_args {
   int64_t o_stride = 0;
   float scale = 0.f;                   ///< 0: 1/sqrt(head_dim)
   int num_sms = 132;                   ///< used to size the split across thread blocks
+  /// Widest code width (bits) of any page of the layer, if the caller knows it: 16 (the default)
+  /// is always correct; 8 or less lets decode run a kernel that keeps fewer registers per warp
+  /// and more warps per SM. A 16-bit page under a smaller hint is still read correctly, slower.
+  int max_page_bits = 16;
 };
 
 /// Checks that the arguments are supported; the message names what is not.

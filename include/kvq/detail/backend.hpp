@@ -33,6 +33,12 @@ class cache_backend {
   virtual status read(const sequence_state& s, int layer, role r, std::span<float> out) const = 0;
   /// Called after a sequence is created or released (device tables).
   virtual void on_sequence_change(const sequence_state&, bool /*created*/) {}
+  /// Start of a validated append or attend: hand the policy the canary measurements that are
+  /// complete, without waiting (the CUDA backend's device canary).
+  virtual void poll_policy() {}
+  /// Waits for every canary in flight and hands its measurement to the policy; returns the first
+  /// failure since the last call (a launch, an event or a malformed measurement).
+  virtual status sync_policy() { return {}; }
 
   cache_config cfg_;
   std::shared_ptr<policy> pol_;

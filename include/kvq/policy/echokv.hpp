@@ -35,6 +35,11 @@
 /// **Forward-only.** The policy only answers `choose` for new pages; stored pages keep the
 /// format they were written in (temporal striping).
 ///
+/// **Device canary.** `device_canary` describes the same measurement for a backend that runs it
+/// itself (the CUDA backend: a kernel over the device ring, results ingested a step or more
+/// later, in step order); `canary_due`, `note_observation`, `note_skipped` and `ingest` keep the
+/// counters and state exactly as `observe` does on the host.
+///
 /// Thread-safety: none. `observe`, `ingest` and the setters mutate state; call them from the
 /// thread that drives the cache. One instance serves one cache.
 
@@ -135,14 +140,6 @@ struct echokv_history_entry {
   std::vector<uint8_t> tiers;  ///< [units] tier indices after the step
 };
 
-/// One canary evaluation of one layer: δ per (unit of the layer, tier).
-struct canary_measurement {
-  seq_id seq = 0;             ///< sequence of the step
-  int layer = 0;              ///< layer measured
-  int64_t context = 0;        ///< context length of the step (sets τ(L))
-  std::vector<double> delta;  ///< [units of the layer: 1 or kv_heads][tiers] KL in nats, >= 0
-};
-
 /// State of the budget controller.
 struct echokv_control {
   bool active = false;       ///< a target is set
@@ -176,6 +173,19 @@ class KVQ_EXPORT echokv_policy final : public policy {
   bool wants_queries() const override { return true; }
   /// Runs the canary on the chosen steps: `measure`, then `ingest`. Does nothing while frozen.
   void observe(const query_observation& obs) override;
+  /// The measurement of `measure` for a backend to run (tiers, alignment, scale, granularity);
+  /// nullptr before `bind`.
+  const canary_spec* device_canary() const override { return bound_ ? &spec_ : nullptr; }
+  /// `is_canary`, and false while frozen or unbound.
+  bool canary_due(seq_id seq, int64_t context) const override { return bound_ && !frozen_ && is_canary(seq, context); }
+  /// Counts an observation (as `observe` does), unless frozen or unbound.
+  void note_observation() override {
+    if (bound_ && !frozen_) ++counters_.observations;
+  }
+  /// Counts a skipped canary (as `observe` does when `measure` finds no whole group).
+  void note_skipped() override {
+    if (bound_ && !frozen_) ++counters_.skipped;
+  }
 
   /// True if the step of `seq` at `context` is a canary (the documented counter-based RNG).
   bool is_canary(seq_id seq, int64_t context) const;
@@ -185,7 +195,7 @@ class KVQ_EXPORT echokv_policy final : public policy {
   /// Feeds one measurement (from `measure`, or from another rank or a test): EMA update,
   /// decisions, controller and history. A new (seq, context) starts a new canary step. Does
   /// nothing while frozen. Errors name a bad layer, a wrong δ count or a non-finite δ.
-  status ingest(const canary_measurement& m);
+  status ingest(const canary_measurement& m) override;
 
   /// Stops every move, measurement and controller update until `unfreeze`.
   void freeze() { frozen_ = true; }
@@ -252,6 +262,7 @@ class KVQ_EXPORT echokv_policy final : public policy {
   bool bound_ = false;
   bool frozen_ = false;
   int align_ = 1;                  // token alignment of the canary window (largest K token group)
+  canary_spec spec_;               // what `device_canary` hands a backend
   std::vector<double> tier_bits_;  // [tiers]
   std::vector<uint8_t> tiers_;     // [units]
   std::vector<double> ema_;        // [units][tiers]
