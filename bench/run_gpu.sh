@@ -26,7 +26,7 @@ for s in $steps; do
         > "$OUT/racecheck.log" 2>&1; r=$?; tail -3 "$OUT/racecheck.log"; rc=$((rc | r)) ;;
     bench)
       ./.gpu/kvq_bench_decode_cuda --benchmark_out="$OUT/bench.json" --benchmark_out_format=json \
-        --benchmark_counters_tabular=true 2>&1 | tee "$OUT/bench.log" | grep -E "decode/" | awk '{print $1, $2, $NF}' | head -80 ;;
+        --benchmark_counters_tabular=true 2>&1 | tee "$OUT/bench.log" | grep -E "decode/|append_step/" | awk '{print $1, $2, $NF}' | head -80 ;;
     peer)
       python3 .gpu/peer_decode.py 2>&1 | tee "$OUT/peer.csv" ;;
     canary)

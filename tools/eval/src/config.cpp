@@ -97,9 +97,13 @@ struct params {
   if (!var##_r) return var##_r.error(); \
   auto var = std::move(var##_r).value()
 
+kvq::result<kvq::calib::artifact> load_artifact_file(const std::string& path, const kvq::cache_shape& shape) {
+  return kvq::calib::artifact::load(path, {shape.layers, shape.q_heads, shape.kv_heads, shape.head_dim});
+}
+
 kvq::result<kvq::calib::artifact> load_artifact(params& p, const kvq::cache_shape& shape) {
   KVQ_EVAL_ASSIGN(path, p.required("artifact"));
-  return kvq::calib::artifact::load(path, {shape.layers, shape.q_heads, shape.kv_heads, shape.head_dim});
+  return load_artifact_file(path, shape);
 }
 
 kvq::result<std::shared_ptr<kvq::policy>> make_kl_budget(std::string_view text, const kvq::cache_shape& shape) {
@@ -219,6 +223,12 @@ kvq::result<std::shared_ptr<kvq::policy>> make_echokv(std::string_view text, con
     kvq::format_pair current(int l, int h) const override { return inner.current(l, h); }
     bool wants_queries() const override { return true; }
     void observe(const kvq::query_observation& o) override { inner.observe(o); }
+    // the device canary (CUDA backend) goes through these; forward them all
+    const kvq::canary_spec* device_canary() const override { return inner.device_canary(); }
+    bool canary_due(kvq::seq_id seq, int64_t context) const override { return inner.canary_due(seq, context); }
+    void note_observation() override { inner.note_observation(); }
+    void note_skipped() override { inner.note_skipped(); }
+    status ingest(const kvq::canary_measurement& m) override { return inner.ingest(m); }
   };
   return std::shared_ptr<kvq::policy>(std::make_shared<targeted>(opt, target_bits));
 }
@@ -285,12 +295,23 @@ kvq::result<std::shared_ptr<kvq::policy>> make_policy(std::string_view name_and_
   return p;
 }
 
-kvq::cache_shape eval_shape(const kvq::llama::llama_model& model, const cache_settings& s) {
-  kvq::cache_shape shape = model.cache_shape();
+kvq::result<std::vector<float>> load_clip_ratios(const std::string& path, const kvq::cache_shape& shape) {
+  auto a = load_artifact_file(path, shape);
+  if (!a) return a.error();
+  return std::move(a).value().clip_ratios;
+}
+
+namespace {
+kvq::cache_shape with_paging(kvq::cache_shape shape, const cache_settings& s) {
   shape.page_tokens = s.page_tokens;
   shape.window = s.window;
   shape.recent = s.recent;
   return shape;
+}
+}  // namespace
+
+kvq::cache_shape eval_shape(const kvq::llama::llama_model& model, const cache_settings& s) {
+  return with_paging(model.cache_shape(), s);
 }
 
 uint64_t fp16_bytes(const kvq::cache_shape& shape, int64_t tokens) {
@@ -299,7 +320,12 @@ uint64_t fp16_bytes(const kvq::cache_shape& shape, int64_t tokens) {
 
 kvq::result<kvq::KVCache> make_eval_cache(const kvq::llama::llama_model& model, std::string_view config,
                                           const cache_settings& s) {
-  const kvq::cache_shape shape = eval_shape(model, s);
+  return make_eval_cache(model.cache_shape(), config, s);
+}
+
+kvq::result<kvq::KVCache> make_eval_cache(const kvq::cache_shape& model_shape, std::string_view config,
+                                          const cache_settings& s) {
+  const kvq::cache_shape shape = with_paging(model_shape, s);
   auto pol = make_policy(config, shape);
   if (!pol) return pol.error();
   kvq::cache_config cfg;
@@ -316,6 +342,9 @@ kvq::result<kvq::KVCache> make_eval_cache(const kvq::llama::llama_model& model, 
   auto cache = kvq::KVCache::create(cfg, std::move(pol).value());
   if (!cache)
     return kvq::status{cache.error().code(), fmt::format("configuration '{}': {}", config, cache.error().message())};
+  if (!s.clip_ratios.empty())
+    if (kvq::status st = cache.value().set_clip_ratios(s.clip_ratios); !st.ok())
+      return kvq::status{st.code(), fmt::format("configuration '{}': {}", config, st.message())};
   return cache;
 }
 

@@ -30,7 +30,8 @@ CONFIGURATIONS (--config, repeatable; default: fp16 int8 kivi4/g32 kivi2/g32 ra4
   random:seed=2,like=kl_budget:bits=4,artifact=docs/results/calib_smollm2.json
 )";
   s += R"(  Format specs: fp16, bf16, fp8, int8 (= sym8), int4 (= sym4/g32), int2, sym<b>[/g<G>],
-  kivi<b>/g<G>, ra<b>/g<G> (rolealign; without clip ratios it clips nothing), b in {8,4,2},
+  kivi<b>/g<G>, ra<b>/g<G> (rolealign: clips by the ratios of --clip-ratios; without them it
+  clips nothing and equals kivi<b>/g<G>), b in {8,4,2},
   G in {32,64,128}; K and V apart: k=kivi4/g32,v=kivi2/g32; per layer / head overrides after ';':
   k=kivi2/g32,v=kivi2/g32;0=fp16;5.1=int8. The FP16 cache (fp16) is the reference; it is
   added when no configuration is fp16.
@@ -109,6 +110,9 @@ int main(int argc, char** argv) {
   app.add_option("--recent", o.cache.recent, "tokens kept unencoded r")->capture_default_str();
   app.add_option("--budget-mib", budget_mib, "cache byte budget in MiB per cache; 0 = enough for the run in FP16")
       ->capture_default_str();
+  app.add_option("--clip-ratios", o.clip_ratios_path,
+                 "calibration artifact (kvq-calibrate, same model) whose rolealign clip ratios every cache gets; "
+                 "without it ra<b> clips nothing (= kivi<b>)");
   app.add_option("--kl-bucket", o.kl_bucket, "positions per point of the KL-over-position series")
       ->capture_default_str();
   app.add_option("--map-every", o.map_every, "decode steps between format-map samples (format_map_history)")

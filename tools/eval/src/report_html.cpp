@@ -408,6 +408,8 @@ th{background:#f6f6f6} td:first-child,th:first-child,td:nth-child(2),th:nth-chil
       esc(r.text.path), esc(r.text.hash), o.prefill, o.tokens, o.prefill, o.prefill + o.tokens - 1,
       esc(r.configs.empty() ? std::string() : r.configs[r.reference].config), r.shape.page_tokens, r.shape.window,
       r.shape.recent);
+  if (!o.clip_ratios_path.empty())
+    h += fmt::format("<p>rolealign clip ratios from <code>{}</code>.</p>", esc(o.clip_ratios_path));
   if (!o.command_line.empty()) h += fmt::format("<p>Command: <code>{}</code></p>", esc(o.command_line));
   if (!r.complete)
     h += "<p><b>Checkpoint: the needle trials of this run had not finished when this was written.</b></p>";

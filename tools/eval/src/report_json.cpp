@@ -1,5 +1,6 @@
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <eval/report.hpp>
 #include <filesystem>
@@ -55,7 +56,10 @@ json to_json(const eval_report& r) {
                 {"page_tokens", r.shape.page_tokens},
                 {"window", r.shape.window},
                 {"recent", r.shape.recent},
-                {"budget_bytes", o.cache.budget_bytes}};
+                {"budget_bytes", o.cache.budget_bytes},
+                {"clip_ratios_artifact", o.clip_ratios_path},
+                {"clip_ratios_below_1", std::count_if(o.cache.clip_ratios.begin(), o.cache.clip_ratios.end(),
+                                                      [](float c) { return c < 1.f; })}};
   j["text"] = {{"path", r.text.path},
                {"hash", r.text.hash},
                {"bytes", r.text.bytes},

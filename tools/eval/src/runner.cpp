@@ -243,8 +243,9 @@ kvq::status validate_options(const eval_options& o) {
   return {};
 }
 
-kvq::result<eval_report> run_eval(const eval_options& o) {
-  KVQ_TRY(validate_options(o));
+kvq::result<eval_report> run_eval(const eval_options& given) {
+  KVQ_TRY(validate_options(given));
+  eval_options o = given;  // gets the clip ratios of o.clip_ratios_path
   const auto t_start = clock_type::now();
   eval_report rep;
   rep.options = o;
@@ -278,6 +279,12 @@ kvq::result<eval_report> run_eval(const eval_options& o) {
           ? prompt_template::plain
           : (rep.model.has_chat_template && has_chatml_tokens ? prompt_template::chatml : prompt_template::plain);
   rep.shape = eval_shape(model, o.cache);
+  if (!o.clip_ratios_path.empty()) {
+    auto clips = load_clip_ratios(o.clip_ratios_path, rep.shape);
+    if (!clips) return kvq::status{clips.error().code(), fmt::format("--clip-ratios: {}", clips.error().message())};
+    o.cache.clip_ratios = std::move(clips).value();
+    rep.options.cache.clip_ratios = o.cache.clip_ratios;
+  }
 
   // ---- every configuration must make a cache before any work starts
   size_t ref = 0;

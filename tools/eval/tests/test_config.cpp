@@ -79,7 +79,9 @@ TEST_CASE("make_eval_cache: a format the model cannot take names the configurati
   CHECK_THAT(bad.error().message(), Contains("configuration 'kivi4/g32'"));
 }
 
-TEST_CASE("validate_options and run_eval: errors name the option, file or configuration", "[config]") {
+namespace {
+// A run of fp16 over 8 + 8 tokens of the tiny story on stories260K, without needle or progress.
+eval_options tiny_options() {
   eval_options o;
   o.model_path = test::stories_path();
   o.text_path = test::own_data("tiny_story.txt");
@@ -88,6 +90,12 @@ TEST_CASE("validate_options and run_eval: errors name the option, file or config
   o.prefill = 8;
   o.tokens = 8;
   o.progress = false;
+  return o;
+}
+}  // namespace
+
+TEST_CASE("validate_options and run_eval: errors name the option, file or configuration", "[config]") {
+  eval_options o = tiny_options();
   REQUIRE(validate_options(o).ok());
 
   SECTION("duplicate configuration") {
@@ -156,7 +164,8 @@ namespace {
 // (layer 29 is the most sensitive), written to a temporary file.
 struct temp_artifact {
   std::string path;
-  explicit temp_artifact(const kvq::cache_shape& s) {
+  /// `clip`: every rolealign clip ratio of the artifact.
+  explicit temp_artifact(const kvq::cache_shape& s, float clip = 1.f) {
     kvq::calib::artifact a;
     a.shape = {s.layers, s.q_heads, s.kv_heads, s.head_dim};
     a.text_hash = kvq::calib::artifact::hash_text("calibration");
@@ -170,8 +179,9 @@ struct temp_artifact {
       for (int h = 0; h < s.kv_heads; ++h)
         for (kvq::role r : {kvq::role::k, kvq::role::v})
           for (int f = 0; f < 3; ++f) a.sensitivity.at(l, h, r, f) = (1.0 + l + 0.1 * h) * std::pow(16.0, f) * 1e-6;
-    a.clip_ratios.assign(size_t(s.layers) * s.kv_heads * 2, 1.f);
-    path = (std::filesystem::temp_directory_path() / ("kvq_eval_artifact_" + std::to_string(::getpid()) + ".json"))
+    a.clip_ratios.assign(size_t(s.layers) * s.kv_heads * 2, clip);
+    path = (std::filesystem::temp_directory_path() /
+            fmt::format("kvq_eval_artifact_{}_{}.json", ::getpid(), clip))
                .string();
     kvq::check(a.save(path));
   }
@@ -269,4 +279,113 @@ TEST_CASE("make_policy: kl_budget, autok, random and echokv by name", "[config]"
     REQUIRE_FALSE(p.ok());
     CHECK_THAT(p.error().message(), Contains("layers"));
   }
+}
+
+// ---- rolealign clip ratios (--clip-ratios) ---------------------------------------------------------
+
+#include <eval/report.hpp>
+#include <random>
+
+namespace {
+
+// K then V of layer 0 as the cache reads them back after 320 tokens of fixed Gaussian data (pages
+// hold tokens 0..255, the FP16 ring the rest): what a configuration stores.
+std::vector<float> stored_layer0(std::string_view cfg, const cache_settings& settings) {
+  const auto shape = smol_shape();
+  cache_settings s = settings;
+  s.max_tokens = 320;
+  auto c = make_eval_cache(shape, cfg, s);
+  INFO(cfg << ": " << (c.ok() ? std::string("ok") : c.error().to_string()));
+  REQUIRE(c.ok());
+  kvq::KVCache cache = std::move(c).value();
+  kvq::check(cache.create_sequence(0));
+  const size_t n = size_t(320) * shape.kv_heads * shape.head_dim;
+  std::mt19937 rng(42);
+  std::normal_distribution<float> g(0.f, 1.f);
+  std::vector<float> k(n), v(n);
+  for (size_t i = 0; i < n; ++i) k[i] = g(rng) + (i % 64 == 3 ? 6.f : 0.f), v[i] = g(rng);
+  kvq::check(cache.append(0, 0, {k.data(), kvq::dtype::f32, 320, shape.kv_heads, shape.head_dim},
+                          {v.data(), kvq::dtype::f32, 320, shape.kv_heads, shape.head_dim}));
+  std::vector<float> out(2 * n);
+  kvq::check(cache.read(0, 0, kvq::role::k, std::span<float>(out.data(), n)));
+  kvq::check(cache.read(0, 0, kvq::role::v, std::span<float>(out.data() + n, n)));
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("clip ratios: rolealign stores what kivi stores at ratio 1 and differs with ratios < 1", "[config]") {
+  const auto shape = smol_shape();
+  const temp_artifact ones(shape, 1.f), clipped(shape, 0.8f);
+  auto r1 = load_clip_ratios(ones.path, shape);
+  auto r08 = load_clip_ratios(clipped.path, shape);
+  REQUIRE(r1.ok());
+  REQUIRE(r08.ok());
+  REQUIRE(r1->size() == size_t(shape.layers) * shape.kv_heads * 2);
+  CHECK(*r08 == std::vector<float>(r1->size(), 0.8f));
+
+  cache_settings none, at1, at08;
+  at1.clip_ratios = *r1;
+  at08.clip_ratios = *r08;
+  for (const char* b : {"4", "2"}) {
+    const std::string ra = fmt::format("ra{}/g32", b), kivi = fmt::format("kivi{}/g32", b);
+    CAPTURE(ra);
+    const auto kivi_stored = stored_layer0(kivi, none);
+    CHECK(stored_layer0(ra, none) == kivi_stored);  // no ratios: nothing clipped
+    CHECK(stored_layer0(ra, at1) == kivi_stored);   // every ratio 1: nothing clipped
+    CHECK(stored_layer0(kivi, at08) == kivi_stored);  // other families ignore the ratios
+    const auto ra_clipped = stored_layer0(ra, at08);
+    REQUIRE(ra_clipped.size() == kivi_stored.size());
+    // pages (tokens 0..255) differ; the FP16 ring (tokens 256..319) is the same
+    const size_t n = kivi_stored.size() / 2, page_part = size_t(256) * shape.kv_heads * shape.head_dim;
+    for (size_t part : {size_t(0), n}) {
+      size_t differ = 0;
+      for (size_t i = 0; i < page_part; ++i) differ += ra_clipped[part + i] != kivi_stored[part + i];
+      CHECK(differ > page_part / 4);
+      CHECK(std::equal(ra_clipped.begin() + long(part + page_part), ra_clipped.begin() + long(part + n),
+                       kivi_stored.begin() + long(part + page_part)));
+    }
+  }
+
+  // The SmolLM2 artifact of docs/results clips some heads of layer 0 (K head 1, V head 0 at 0.95).
+  if (std::filesystem::exists(KVQ_EVAL_CALIB_ARTIFACT)) {
+    auto smol = load_clip_ratios(KVQ_EVAL_CALIB_ARTIFACT, shape);
+    REQUIRE(smol.ok());
+    cache_settings s;
+    s.clip_ratios = *smol;
+    CHECK(stored_layer0("ra4/g32", s) != stored_layer0("kivi4/g32", none));
+  }
+}
+
+TEST_CASE("clip ratios: a missing, malformed or other model's artifact names the file and the field", "[config]") {
+  const auto shape = smol_shape();
+  auto missing = load_clip_ratios("/nonexistent/clips.json", shape);
+  REQUIRE_FALSE(missing.ok());
+  CHECK(missing.error().code() == kvq::errc::io_error);
+  CHECK_THAT(missing.error().message(), Contains("/nonexistent/clips.json"));
+
+  const temp_artifact art(shape, 0.9f);
+  kvq::cache_shape other = shape;
+  other.layers = 12;
+  auto wrong = load_clip_ratios(art.path, other);
+  REQUIRE_FALSE(wrong.ok());
+  CHECK_THAT(wrong.error().message(), Contains(art.path) && Contains("model.layers"));
+
+  std::string text = test::read_text(art.path);
+  const size_t at = text.find("\"clip_ratios\"");
+  REQUIRE(at != std::string::npos);
+  text.replace(at, 13, "\"clips\"");
+  const std::string bad_path = art.path + ".bad.json";
+  REQUIRE(write_text_file(bad_path, text).ok());
+  auto malformed = load_clip_ratios(bad_path, shape);
+  std::filesystem::remove(bad_path);
+  REQUIRE_FALSE(malformed.ok());
+  CHECK_THAT(malformed.error().message(), Contains(bad_path) && Contains("'clip_ratios' is missing"));
+
+  // kvq-eval --clip-ratios: stories260K is not the artifact's model
+  eval_options o = tiny_options();
+  o.clip_ratios_path = art.path;
+  auto r = run_eval(o);
+  REQUIRE_FALSE(r.ok());
+  CHECK_THAT(r.error().message(), Contains("--clip-ratios") && Contains(art.path) && Contains("model.layers"));
 }

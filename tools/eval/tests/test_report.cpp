@@ -96,6 +96,8 @@ TEST_CASE("JSON record has every schema field", "[report]") {
                         "/cache/window",
                         "/cache/recent",
                         "/cache/budget_bytes",
+                        "/cache/clip_ratios_artifact",
+                        "/cache/clip_ratios_below_1",
                         "/text/path",
                         "/text/hash",
                         "/text/bytes",
@@ -193,6 +195,22 @@ TEST_CASE("a checkpoint says it is one", "[report]") {
   r.complete = true;
   CHECK(to_json(r).at("complete") == true);
   CHECK(render_html(r).find("Checkpoint") == std::string::npos);
+}
+
+TEST_CASE("the clip ratios' artifact is recorded", "[report]") {
+  auto r = make_report();
+  auto j = to_json(r);
+  CHECK(j.at("cache").at("clip_ratios_artifact") == "");
+  CHECK(j.at("cache").at("clip_ratios_below_1") == 0);
+  CHECK(render_table(r).find("clip ratios") == std::string::npos);
+  r.options.clip_ratios_path = "calib.json";
+  r.options.cache.clip_ratios.assign(4 * 2 * 2, 1.f);
+  r.options.cache.clip_ratios[1] = r.options.cache.clip_ratios[6] = 0.95f;
+  j = to_json(r);
+  CHECK(j.at("cache").at("clip_ratios_artifact") == "calib.json");
+  CHECK(j.at("cache").at("clip_ratios_below_1") == 2);
+  CHECK_THAT(render_table(r), Contains("rolealign clip ratios from calib.json"));
+  CHECK_THAT(render_html(r), Contains("rolealign clip ratios from <code>calib.json</code>"));
 }
 
 TEST_CASE("JSON never holds NaN", "[report]") {

@@ -54,6 +54,10 @@ struct cache_settings {
   int recent = 64;            ///< tokens kept unencoded r
   uint64_t budget_bytes = 0;  ///< 0: enough for `max_tokens` tokens in FP16, plus slack
   int64_t max_tokens = 0;     ///< the longest sequence a run will hold (sizes the automatic budget)
+  /// rolealign clip ratios set on every cache (`KVCache::set_clip_ratios` layout, [layers][kv_heads][2],
+  /// K then V); other families ignore them. Empty: ratio 1, no clipping (`ra<b>` stores what
+  /// `kivi<b>` stores).
+  std::vector<float> clip_ratios;
 };
 
 /// The cache shape `model` needs with the paging of `s`.
@@ -63,9 +67,19 @@ kvq::cache_shape eval_shape(const kvq::llama::llama_model& model, const cache_se
 /// of the compression ratios.
 uint64_t fp16_bytes(const kvq::cache_shape& shape, int64_t tokens);
 
+/// The rolealign clip ratios of the calibration artifact at `path` (written by kvq-calibrate),
+/// loaded and validated by `kvq::calib::artifact::load` for a model of `shape`: a missing or
+/// malformed file, or one measured on another model shape, is an error naming the file and the
+/// field.
+kvq::result<std::vector<float>> load_clip_ratios(const std::string& path, const kvq::cache_shape& shape);
+
 /// A CPU cache for `model` under the policy of configuration `config`. Errors name the
-/// configuration (e.g. "configuration 'kivi4/g32': ... head_dim 8 ...").
+/// configuration (e.g. "configuration 'kivi4/g32': ... head_dim 8 ..."). The cache gets
+/// `s.clip_ratios` when there are any.
 kvq::result<kvq::KVCache> make_eval_cache(const kvq::llama::llama_model& model, std::string_view config,
+                                          const cache_settings& s);
+/// The same for a model of `model_shape` (its paging fields are ignored: `s` gives them).
+kvq::result<kvq::KVCache> make_eval_cache(const kvq::cache_shape& model_shape, std::string_view config,
                                           const cache_settings& s);
 
 /// True when `config` names the plain FP16 cache (`fp16`, `static:fp16`, `k=fp16,v=fp16`): such a

@@ -54,6 +54,9 @@ struct eval_options {
   uint64_t seed = 1234;                  ///< needle keys
   int threads = 0;                       ///< worker threads; 0 = hardware concurrency
   cache_settings cache;                  ///< paging and budget (budget 0 = automatic)
+  /// Calibration artifact (kvq-calibrate) whose rolealign clip ratios every cache gets
+  /// (--clip-ratios); loaded by `run_eval` into `cache.clip_ratios`. Empty: no clipping.
+  std::string clip_ratios_path;
   int64_t kl_bucket = 64;                ///< positions per bucket of the KL-over-position series
   int64_t map_every = 64;                ///< steps between format-map samples (a snapshot is kept when it changed)
   bool progress = true;                  ///< progress bars on stderr
