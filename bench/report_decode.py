@@ -4,6 +4,9 @@ markdown table of docs/results: kvq time, cuDNN BF16 time, their ratio, achieved
 fraction of the copy-bandwidth floor.
 
 usage: report_decode.py bench.json peer.csv > table.md
+
+A second table lists the append-step benchmarks (one token appended to each of 64 sequences,
+against the same batch's attention, both timed in the same process).
 """
 import csv
 import json
@@ -29,3 +32,13 @@ for b in bench["benchmarks"]:
     ratio = f"{us / cudnn:.2f}" if cudnn else "n/a"
     print(f"| {fmt} | {b['bits']:.2f} | {B} | {L} | {us:.1f} | {cudnn if cudnn else 'n/a'} | {ratio} | "
           f"{flash if flash else 'n/a'} | {b['TBps']:.2f} | {b['floor_frac']:.3f} |")
+
+steps = [b for b in bench["benchmarks"] if b["name"].startswith("append_step/")]
+if steps:
+    print()
+    print("| format | B | context | append µs (B calls) | attention µs | append / attention |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for b in steps:
+        m = re.match(r"append_step/(.+)/B(\d+)/L(\d+)/", b["name"])
+        print(f"| {m.group(1)} | {m.group(2)} | {m.group(3)} | {b['append_us']:.1f} | {b['attend_us']:.1f} | "
+              f"{b['append_frac']:.3f} |")
