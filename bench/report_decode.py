@@ -5,8 +5,9 @@ fraction of the copy-bandwidth floor.
 
 usage: report_decode.py bench.json peer.csv > table.md
 
-A second table lists the append-step benchmarks (one token appended to each of 64 sequences,
-against the same batch's attention, both timed in the same process).
+A second table lists the append-step benchmarks (one token appended to each of 64 sequences by one
+append_batch call and by 64 append calls, against the same batch's attention, all timed in the
+same process).
 """
 import csv
 import json
@@ -36,9 +37,9 @@ for b in bench["benchmarks"]:
 steps = [b for b in bench["benchmarks"] if b["name"].startswith("append_step/")]
 if steps:
     print()
-    print("| format | B | context | append µs (B calls) | attention µs | append / attention |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| format | B | context | append_batch µs | attention µs | append_batch / attention | B append calls µs | B calls / attention |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for b in steps:
         m = re.match(r"append_step/(.+)/B(\d+)/L(\d+)/", b["name"])
         print(f"| {m.group(1)} | {m.group(2)} | {m.group(3)} | {b['append_us']:.1f} | {b['attend_us']:.1f} | "
-              f"{b['append_frac']:.3f} |")
+              f"{b['append_frac']:.3f} | {b.get('append_each_us', float('nan')):.1f} | {b.get('append_each_frac', float('nan')):.3f} |")

@@ -107,61 +107,120 @@ class cuda_backend final : public cache_backend {
 
   cudaStream_t stream() const { return static_cast<cudaStream_t>(cfg_.stream); }
 
+  // With check_values: rejects NaN/Inf/out-of-range values of the whole call before anything is
+  // stored (one synchronization).
+  status check(const tensor_view& k, const tensor_view& v, const std::string& what) {
+    if (!cfg_.check_values) return {};
+    KVQ_TRY(cuda::check_values(k, v, flag_.ptr, cfg_.stream));
+    KVQ_TRY(cuda_ok(cudaMemcpyAsync(flag_host_, flag_.ptr, sizeof(int), cudaMemcpyDeviceToHost, stream()), "cudaMemcpyAsync"));
+    KVQ_TRY(cuda_ok(cudaStreamSynchronize(stream()), "cudaStreamSynchronize"));
+    if (*flag_host_)
+      return {errc::non_finite,
+              fmt::format("{} holds NaN, Inf or a value outside the fp16 range; nothing was stored", what)};
+    return {};
+  }
+
   status write(sequence_state& s, int layer, const tensor_view& k, const tensor_view& v, const append_plan& plan) override {
-    const auto& sh = cfg_.shape;
-    if (cfg_.check_values) {
-      KVQ_TRY(cuda::check_values(k, v, flag_.ptr, cfg_.stream));
-      KVQ_TRY(cuda_ok(cudaMemcpyAsync(flag_host_, flag_.ptr, sizeof(int), cudaMemcpyDeviceToHost, stream()), "cudaMemcpyAsync"));
-      KVQ_TRY(cuda_ok(cudaStreamSynchronize(stream()), "cudaStreamSynchronize"));
-      if (*flag_host_)
-        return {errc::non_finite, fmt::format("append: K or V of sequence {} layer {} holds NaN, Inf or a value outside the "
-                                              "fp16 range; nothing was stored",
-                                              s.id, layer)};
+    KVQ_TRY(check(k, v, fmt::format("append: K or V of sequence {} layer {}", s.id, layer)));
+    return write_pieces(s, layer, k, v, plan);
+  }
+
+  status write_batch(std::span<const batch_entry> entries, int layer, const tensor_view& k, const tensor_view& v) override {
+    KVQ_TRY(check(k, v, fmt::format("append_batch: K or V of the batch (layer {})", layer)));
+    // One launch pair for as many sequences as fit (max_append_items, max_append_pages); a
+    // sequence with more new pages than that (a long prefill) goes through the piecewise path.
+    const int per_page = cfg_.shape.kv_heads * 2;
+    batch_items_.clear();
+    batch_blocks_.clear();
+    batch_fmts_.clear();
+    int64_t first_row = 0, rows = 0;
+    auto flush = [&]() -> status {
+      if (batch_items_.empty()) return {};
+      cuda::append_args a = append_args(layer);
+      a.items = batch_items_;
+      a.k = rows_of(k, first_row, rows);
+      a.v = rows_of(v, first_row, rows);
+      a.page_blocks = batch_blocks_.data();
+      a.page_fmts = batch_fmts_.data();
+      KVQ_TRY(cuda::append_run(a, cfg_.stream));
+      batch_items_.clear();
+      batch_blocks_.clear();
+      batch_fmts_.clear();
+      first_row += rows;
+      rows = 0;
+      return {};
+    };
+    for (const batch_entry& b : entries) {
+      const layer_state& ls = b.s->layers[size_t(layer)];
+      const int pages = int(b.plan->entries.size() / size_t(per_page));
+      if (pages > cuda::max_append_pages) {
+        KVQ_TRY(flush());
+        KVQ_TRY(write_pieces(*b.s, layer, rows_of(k, b.row, b.tokens), rows_of(v, b.row, b.tokens), *b.plan));
+        first_row = b.row + b.tokens;
+        continue;
+      }
+      if (batch_items_.size() == size_t(cuda::max_append_items) ||
+          int(batch_blocks_.size()) + pages > cuda::max_append_pages)
+        KVQ_TRY(flush());
+      batch_items_.push_back({b.s->slot, int32_t(ls.n), int32_t(ls.e), int32_t(b.tokens), uint32_t(b.s->window_offset / 256),
+                              int(b.plan->first_page), pages});
+      add_pages(layer, *b.plan, 0, pages, batch_blocks_, batch_fmts_);
+      rows += b.tokens;
     }
+    return flush();
+  }
+
+  // The fields of an append call shared by every sequence of the layer.
+  cuda::append_args append_args(int layer) const {
+    cuda::append_args a;
+    a.kv = view_;
+    a.arena = arena_.ptr;
+    a.blocks = blocks_.ptr;
+    a.fmts = fmts_.ptr;
+    a.layer = layer;
+    a.clip = clip_.data() + size_t(layer) * cfg_.shape.kv_heads * 2;
+    return a;
+  }
+
+  // Appends pages [first, first + count) of a plan to the block and format lists of a call (and
+  // notes a 16-bit page for the decode kernel's choice).
+  void add_pages(int layer, const append_plan& plan, int first, int count, std::vector<uint32_t>& blocks,
+                 std::vector<uint8_t>& fmts) {
+    const int per_page = cfg_.shape.kv_heads * 2;
+    for (int i = first; i < first + count; ++i) {
+      const size_t at = size_t(i) * per_page;
+      blocks.push_back(uint32_t(plan.entries[at].offset / 256));
+      for (int j = 0; j < per_page; ++j) {
+        fmts.push_back(plan.entries[at + size_t(j)].fmt);
+        if (traits_of(plan.entries[at + size_t(j)].fmt).bits > 8) wide_layer_[size_t(layer)] = 1;
+      }
+    }
+  }
+
+  // One sequence's append, in pieces of at most max_append_pages new pages each.
+  status write_pieces(sequence_state& s, int layer, const tensor_view& k, const tensor_view& v, const append_plan& plan) {
+    const auto& sh = cfg_.shape;
     const layer_state& ls = s.layers[size_t(layer)];
-    // Feed the append in pieces of at most max_append_pages new pages each.
     int64_t n = ls.n, e = ls.e, done = 0;
     int page = 0;
-    const int per_page = sh.kv_heads * 2;
     std::vector<uint32_t> blocks;
     std::vector<uint8_t> fmts;
-    const float* clip = clip_.data() + size_t(layer) * sh.kv_heads * 2;
     while (done < k.tokens) {
       int64_t piece = k.tokens - done;
       const int64_t cap = int64_t(cuda::max_append_pages) * sh.page_tokens;
       if (store_.pages_after(n, e, piece) > cuda::max_append_pages) piece = std::max<int64_t>(1, e + cap + sh.recent - n);
       const int pages = int(store_.pages_after(n, e, piece));
-      blocks.resize(size_t(pages));
-      fmts.resize(size_t(pages) * per_page);
-      for (int i = 0; i < pages; ++i) {
-        const size_t first = size_t(page + i) * per_page;
-        blocks[size_t(i)] = uint32_t(plan.entries[first].offset / 256);
-        for (int j = 0; j < per_page; ++j) {
-          fmts[size_t(i) * per_page + j] = plan.entries[first + j].fmt;
-          if (traits_of(plan.entries[first + j].fmt).bits > 8) wide_layer_[size_t(layer)] = 1;
-        }
-      }
-      cuda::append_args a;
-      a.kv = view_;
-      a.arena = arena_.ptr;
-      a.blocks = blocks_.ptr;
-      a.fmts = fmts_.ptr;
-      a.slot = s.slot;
-      a.layer = layer;
-      a.n = int32_t(n);
-      a.e = int32_t(e);
-      a.m = int32_t(piece);
-      a.window_unit = uint32_t(s.window_offset / 256);
-      a.k = k;
-      a.v = v;
-      a.k.data = static_cast<const uint8_t*>(k.data) + done * k.stride() * dtype_size(k.type);
-      a.v.data = static_cast<const uint8_t*>(v.data) + done * v.stride() * dtype_size(v.type);
-      a.k.tokens = a.v.tokens = piece;
-      a.first_page = int(plan.first_page) + page;
-      a.pages = pages;
+      blocks.clear();
+      fmts.clear();
+      add_pages(layer, plan, page, pages, blocks, fmts);
+      const cuda::append_seq item{s.slot, int32_t(n), int32_t(e), int32_t(piece), uint32_t(s.window_offset / 256),
+                                  int(plan.first_page) + page, pages};
+      cuda::append_args a = append_args(layer);
+      a.items = {&item, 1};
+      a.k = rows_of(k, done, piece);
+      a.v = rows_of(v, done, piece);
       a.page_blocks = blocks.data();
       a.page_fmts = fmts.data();
-      a.clip = clip;
       KVQ_TRY(cuda::append_run(a, cfg_.stream));
       n += piece;
       e += int64_t(pages) * sh.page_tokens;
@@ -255,6 +314,9 @@ class cuda_backend final : public cache_backend {
   cuda::paged_view view_;
   std::vector<cuda::decode_item> items_;
   std::vector<uint8_t> wide_layer_;  // [layers] 1 once a page of the layer holds a 16-bit format
+  std::vector<cuda::append_seq> batch_items_;  // reused by write_batch
+  std::vector<uint32_t> batch_blocks_;
+  std::vector<uint8_t> batch_fmts_;
 
   // ---- device canary -----------------------------------------------------------------------
   // One launch per attend call with due canaries writes [items][kv_heads][tiers] sums into a

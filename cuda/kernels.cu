@@ -1495,20 +1495,28 @@ struct append_params {
   uint8_t* arena;  // writable aliases of kv's
   uint32_t* blocks;
   uint8_t* fmts;
-  int slot, layer;
-  int32_t n, e, m;
-  uint32_t window_unit;
+  int layer;
   const void* src[2];
   dtype src_type[2];
   int64_t src_stride[2];
-  int first_page, pages;
+  int n_items, pages;
+  struct item {
+    int slot;
+    int32_t n, e, m;
+    uint32_t window_unit;
+    int32_t src_row;  // the item's first row in src
+    int first_page;   // page index of its first new page
+    int page0;        // its first new page in page_blocks / page_fmts
+  } items[max_append_items];
   uint32_t page_blocks[max_append_pages];
+  uint8_t page_item[max_append_pages];
   uint8_t page_fmts[max_append_pages][max_kv_heads * 2];
   float clip[max_kv_heads * 2];
 };
+static_assert(max_append_items <= 256, "page_item is one byte");
 
-__device__ __forceinline__ uint16_t src_half(const append_params& p, int r, int64_t token, int h, int c) {
-  const int64_t i = token * p.src_stride[r] + int64_t(h) * p.kv.head_dim + c;
+__device__ __forceinline__ uint16_t src_half(const append_params& p, int r, int64_t row, int h, int c) {
+  const int64_t i = row * p.src_stride[r] + int64_t(h) * p.kv.head_dim + c;
   switch (p.src_type[r]) {
     case dtype::f32: return float_to_half(static_cast<const float*>(p.src[r])[i]);
     case dtype::f16: return static_cast<const uint16_t*>(p.src[r])[i];
@@ -1516,22 +1524,24 @@ __device__ __forceinline__ uint16_t src_half(const append_params& p, int r, int6
   }
 }
 
-__device__ __forceinline__ uint16_t* ring_of(const append_params& p, int h, int r) {
-  return reinterpret_cast<uint16_t*>(p.arena + size_t(p.window_unit) * 256) +
+__device__ __forceinline__ uint16_t* ring_of(const append_params& p, const append_params::item& it, int h, int r) {
+  return reinterpret_cast<uint16_t*>(p.arena + size_t(it.window_unit) * 256) +
          ((size_t(p.layer) * p.kv.kv_heads + h) * 2 + r) * size_t(p.kv.window) * p.kv.head_dim;
 }
 
-// One block per (new page, kv head, role): stage the page's fp16 rows (old tokens from the ring,
-// new ones from the input) in shared memory, then encode every unit with the shared codec.
+// One block per (new page of any item, kv head, role): stage the page's fp16 rows (old tokens
+// from the item's ring, new ones from the input) in shared memory, then encode every unit with
+// the shared codec.
 __global__ void __launch_bounds__(threads) encode_kernel(const __grid_constant__ append_params p) {
   extern __shared__ __align__(16) uint8_t smem_raw[];
   uint16_t* src = reinterpret_cast<uint16_t*>(smem_raw);
   const int pg = blockIdx.x, h = blockIdx.y, r = blockIdx.z, d = p.kv.head_dim, P = p.kv.page_tokens;
-  const uint16_t* ring = ring_of(p, h, r);
-  const int first_tok = p.e + pg * P;
+  const append_params::item& it = p.items[p.page_item[pg]];
+  const uint16_t* ring = ring_of(p, it, h, r);
+  const int first_tok = it.e + (pg - it.page0) * P;
   for (int idx = threadIdx.x; idx < P * d; idx += threads) {
     const int row = idx / d, c = idx % d, j = first_tok + row;
-    src[idx] = j < p.n ? ring[size_t(j % p.kv.window) * d + c] : src_half(p, r, j - p.n, h, c);
+    src[idx] = j < it.n ? ring[size_t(j % p.kv.window) * d + c] : src_half(p, r, it.src_row + (j - it.n), h, c);
   }
   const uint8_t* fm = p.page_fmts[pg];
   uint32_t off = 0;
@@ -1545,23 +1555,25 @@ __global__ void __launch_bounds__(threads) encode_kernel(const __grid_constant__
   const float clip = p.clip[2 * h + r];
   for (int u = threadIdx.x; u < g.unit_count(); u += threads) codec::encode_unit(g, src, d, u, page, clip);
   if (h == 0 && r == 0) {
-    const size_t row = (size_t(p.slot) * p.kv.layers + p.layer) * p.kv.max_pages + p.first_page + pg;
+    const size_t row = (size_t(it.slot) * p.kv.layers + p.layer) * p.kv.max_pages + it.first_page + (pg - it.page0);
     if (threadIdx.x == 0) p.blocks[row] = p.page_blocks[pg];
     for (int i = threadIdx.x; i < p.kv.kv_heads * 2; i += threads) p.fmts[row * p.kv.kv_heads * 2 + i] = fm[i];
   }
 }
 
-// The ring keeps the last `window` tokens: write the new ones that remain among them.
+// The ring keeps the last `window` tokens: write each item's new tokens that remain among them
+// (grid y: the item).
 __global__ void ring_kernel(const __grid_constant__ append_params p) {
-  const int32_t first = max(p.n, p.n + p.m - p.kv.window);
+  const append_params::item& it = p.items[blockIdx.y];
+  const int32_t first = max(it.n, it.n + it.m - p.kv.window);
   const int d = p.kv.head_dim;
-  const int64_t total = int64_t(p.n + p.m - first) * p.kv.kv_heads * 2 * d;
+  const int64_t total = int64_t(it.n + it.m - first) * p.kv.kv_heads * 2 * d;
   for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < total; idx += int64_t(gridDim.x) * blockDim.x) {
     const int c = int(idx % d);
     const int r = int((idx / d) % 2);
     const int h = int((idx / (2 * d)) % p.kv.kv_heads);
     const int32_t j = first + int32_t(idx / (int64_t(2) * d * p.kv.kv_heads));
-    ring_of(p, h, r)[size_t(j % p.kv.window) * d + c] = src_half(p, r, j - p.n, h, c);
+    ring_of(p, it, h, r)[size_t(j % p.kv.window) * d + c] = src_half(p, r, it.src_row + (j - it.n), h, c);
   }
 }
 
@@ -1580,42 +1592,52 @@ __global__ void check_kernel(const void* k, const void* v, dtype kt, dtype vt, i
 status append_run(const append_args& a, void* stream) {
   const auto& kv = a.kv;
   if (kv.kv_heads > max_kv_heads) return {errc::unsupported, msg("append: kv_heads ", kv.kv_heads, " above ", max_kv_heads)};
-  if (a.pages > max_append_pages)
-    return {errc::invalid_argument, msg("append: ", a.pages, " new pages in one call, at most ", max_append_pages)};
+  if (a.items.size() > size_t(max_append_items))
+    return {errc::invalid_argument, msg("append: ", a.items.size(), " sequences in one call, at most ", max_append_items)};
+  int pages = 0, rows = 0, max_m = 0;
+  for (const append_seq& it : a.items) pages += it.pages, rows += it.m, max_m = std::max(max_m, int(it.m));
+  if (pages > max_append_pages)
+    return {errc::invalid_argument, msg("append: ", pages, " new pages in one call, at most ", max_append_pages)};
+  if (rows != a.k.tokens || rows != a.v.tokens)
+    return {errc::invalid_argument, msg("append: the items append ", rows, " tokens, K has ", a.k.tokens, " and V ", a.v.tokens)};
+  if (a.items.empty()) return {};
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   append_params p{};
   p.arena = a.arena;
   p.blocks = a.blocks;
   p.fmts = a.fmts;
   p.kv = kv;
-  p.slot = a.slot;
   p.layer = a.layer;
-  p.n = a.n;
-  p.e = a.e;
-  p.m = a.m;
-  p.window_unit = a.window_unit;
   p.src[0] = a.k.data;
   p.src[1] = a.v.data;
   p.src_type[0] = a.k.type;
   p.src_type[1] = a.v.type;
   p.src_stride[0] = a.k.stride();
   p.src_stride[1] = a.v.stride();
-  p.first_page = a.first_page;
-  p.pages = a.pages;
-  for (int i = 0; i < a.pages; ++i) {
+  p.n_items = int(a.items.size());
+  p.pages = pages;
+  int row = 0, page = 0;
+  for (size_t i = 0; i < a.items.size(); ++i) {
+    const append_seq& it = a.items[i];
+    p.items[i] = {it.slot, it.n, it.e, it.m, it.window_unit, row, it.first_page, page};
+    for (int k = 0; k < it.pages; ++k) p.page_item[page + k] = uint8_t(i);
+    row += it.m;
+    page += it.pages;
+  }
+  for (int i = 0; i < pages; ++i) {
     p.page_blocks[i] = a.page_blocks[i];
     for (int j = 0; j < kv.kv_heads * 2; ++j) p.page_fmts[i][j] = a.page_fmts[i * kv.kv_heads * 2 + j];
   }
   for (int j = 0; j < kv.kv_heads * 2; ++j) p.clip[j] = a.clip ? a.clip[j] : 1.0f;
-  if (a.pages > 0) {
+  if (pages > 0) {  // before the ring kernel: pages read ring slots that the new tokens overwrite
     const int smem = kv.page_tokens * kv.head_dim * 2;
     KVQ_TRY(cuda_status(cudaFuncSetAttribute(encode_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
                         "cudaFuncSetAttribute"));
-    encode_kernel<<<dim3(unsigned(a.pages), unsigned(kv.kv_heads), 2), threads, smem, st>>>(p);
+    encode_kernel<<<dim3(unsigned(pages), unsigned(kv.kv_heads), 2), threads, smem, st>>>(p);
   }
-  const int64_t ring_elems = int64_t(std::min(a.m, kv.window)) * kv.kv_heads * 2 * kv.head_dim;
+  const int64_t ring_elems = int64_t(std::min(max_m, kv.window)) * kv.kv_heads * 2 * kv.head_dim;
   const int blocks = int(std::min<int64_t>(1024, (ring_elems + 255) / 256));
-  ring_kernel<<<std::max(1, blocks), 256, 0, st>>>(p);
+  ring_kernel<<<dim3(unsigned(std::max(1, blocks)), unsigned(a.items.size())), 256, 0, st>>>(p);
   return cuda_status(cudaGetLastError(), "append launch");
 }
 

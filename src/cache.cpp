@@ -4,6 +4,8 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+
 #include <cmath>
 
 KVQ_NAMESPACE_BEGIN
@@ -34,15 +36,35 @@ status validate_config(const cache_config& c) {
   return {};
 }
 
-status check_kv_view(const tensor_view& t, const char* which, const cache_shape& s) {
-  if (!t.data && t.tokens > 0) return {errc::invalid_argument, fmt::format("append: {} data is null", which)};
-  if (t.tokens <= 0) return {errc::invalid_argument, fmt::format("append: {} has {} tokens; need at least 1", which, t.tokens)};
+status check_kv_view(const tensor_view& t, const char* call, const char* which, const cache_shape& s) {
+  if (!t.data && t.tokens > 0) return {errc::invalid_argument, fmt::format("{}: {} data is null", call, which)};
+  if (t.tokens <= 0)
+    return {errc::invalid_argument, fmt::format("{}: {} has {} tokens; need at least 1", call, which, t.tokens)};
   if (t.heads != s.kv_heads || t.head_dim != s.head_dim)
-    return {errc::invalid_argument, fmt::format("append: {} is [{}][{}][{}], the cache expects [tokens][{}][{}]", which,
+    return {errc::invalid_argument, fmt::format("{}: {} is [{}][{}][{}], the cache expects [tokens][{}][{}]", call, which,
                                                 t.tokens, t.heads, t.head_dim, s.kv_heads, s.head_dim)};
   if (t.stride() < int64_t(s.kv_heads) * s.head_dim)
-    return {errc::invalid_argument, fmt::format("append: {} token_stride {} is smaller than kv_heads*head_dim {}", which,
+    return {errc::invalid_argument, fmt::format("{}: {} token_stride {} is smaller than kv_heads*head_dim {}", call, which,
                                                 t.stride(), s.kv_heads * s.head_dim)};
+  return {};
+}
+
+// The checks `append` and `append_batch` share: the layer, both views, equal token counts.
+status check_append(const char* call, int layer, const tensor_view& k, const tensor_view& v, const cache_shape& s) {
+  if (layer < 0 || layer >= s.layers)
+    return {errc::invalid_argument, fmt::format("{}: layer {} out of range [0, {})", call, layer, s.layers)};
+  KVQ_TRY(check_kv_view(k, call, "K", s));
+  KVQ_TRY(check_kv_view(v, call, "V", s));
+  if (k.tokens != v.tokens)
+    return {errc::invalid_argument, fmt::format("{}: K has {} tokens but V has {}", call, k.tokens, v.tokens)};
+  return {};
+}
+
+// CUDA page tables hold max_tokens per sequence.
+status check_capacity(const cache_config& cfg, const char* call, seq_id id, int layer, int64_t n, int64_t tokens) {
+  if (cfg.where == backend::cuda && n + tokens > cfg.max_tokens)
+    return {errc::out_of_budget, fmt::format("{}: sequence {} layer {} would hold {} tokens, above max_tokens {}", call, id,
+                                             layer, n + tokens, cfg.max_tokens)};
   return {};
 }
 }  // namespace
@@ -85,19 +107,10 @@ int64_t KVCache::length(seq_id id, int layer) const {
 }
 
 status KVCache::append(seq_id id, int layer, const tensor_view& k, const tensor_view& v) {
-  const auto& sh = impl_->cfg_.shape;
   sequence_state* s = impl_->store_.find(id);
   if (!s) return {errc::not_found, fmt::format("append: unknown sequence {}", id)};
-  if (layer < 0 || layer >= sh.layers)
-    return {errc::invalid_argument, fmt::format("append: layer {} out of range [0, {})", layer, sh.layers)};
-  KVQ_TRY(check_kv_view(k, "K", sh));
-  KVQ_TRY(check_kv_view(v, "V", sh));
-  if (k.tokens != v.tokens)
-    return {errc::invalid_argument, fmt::format("append: K has {} tokens but V has {}", k.tokens, v.tokens)};
-  const int64_t n = s->layers[size_t(layer)].n;
-  if (impl_->cfg_.where == backend::cuda && n + k.tokens > impl_->cfg_.max_tokens)
-    return {errc::out_of_budget, fmt::format("append: sequence {} layer {} would hold {} tokens, above max_tokens {}", id,
-                                             layer, n + k.tokens, impl_->cfg_.max_tokens)};
+  KVQ_TRY(check_append("append", layer, k, v, impl_->cfg_.shape));
+  KVQ_TRY(check_capacity(impl_->cfg_, "append", id, layer, s->layers[size_t(layer)].n, k.tokens));
   impl_->poll_policy();  // decisions of finished canaries reach the pages planned now
   auto plan = impl_->store_.plan_append(*s, layer, k.tokens, *impl_->pol_);
   if (!plan) return plan.error();
@@ -106,6 +119,57 @@ status KVCache::append(seq_id id, int layer, const tensor_view& k, const tensor_
     return st;
   }
   impl_->store_.commit_append(*s, layer, k.tokens, std::move(plan).value());
+  return {};
+}
+
+status KVCache::append_batch(std::span<const append_item> items, int layer, const tensor_view& k,
+                             const tensor_view& v) {
+  if (items.empty()) return {errc::invalid_argument, "append_batch: empty batch"};
+  KVQ_TRY(check_append("append_batch", layer, k, v, impl_->cfg_.shape));
+  std::vector<detail::cache_backend::batch_entry> entries;
+  entries.reserve(items.size());
+  std::vector<seq_id> ids;
+  ids.reserve(items.size());
+  int64_t rows = 0;
+  for (const auto& it : items) {
+    sequence_state* s = impl_->store_.find(it.seq);
+    if (!s) return {errc::not_found, fmt::format("append_batch: unknown sequence {}", it.seq)};
+    if (it.tokens < 1)
+      return {errc::invalid_argument,
+              fmt::format("append_batch: sequence {} appends {} tokens; need at least 1", it.seq, it.tokens)};
+    KVQ_TRY(check_capacity(impl_->cfg_, "append_batch", it.seq, layer, s->layers[size_t(layer)].n, it.tokens));
+    entries.push_back({s, nullptr, rows, it.tokens});
+    ids.push_back(it.seq);
+    rows += it.tokens;
+  }
+  std::sort(ids.begin(), ids.end());
+  if (auto d = std::adjacent_find(ids.begin(), ids.end()); d != ids.end())
+    return {errc::invalid_argument, fmt::format("append_batch: sequence {} appears more than once", *d)};
+  if (rows != k.tokens)
+    return {errc::invalid_argument,
+            fmt::format("append_batch: the items append {} tokens but K and V have {} rows", rows, k.tokens)};
+  impl_->poll_policy();  // decisions of finished canaries reach the pages planned now
+  // Plan every sequence's pages; on any failure give back what was planned: nothing is stored.
+  std::vector<append_plan> plans;
+  plans.reserve(entries.size());
+  auto abandon_all = [&] {
+    for (auto& pl : plans) impl_->store_.abandon(std::move(pl));
+  };
+  for (const auto& e : entries) {
+    auto plan = impl_->store_.plan_append(*e.s, layer, e.tokens, *impl_->pol_);
+    if (!plan) {
+      abandon_all();
+      return plan.error();
+    }
+    plans.push_back(std::move(plan).value());
+  }
+  for (size_t i = 0; i < entries.size(); ++i) entries[i].plan = &plans[i];
+  if (status st = impl_->write_batch(entries, layer, k, v); !st.ok()) {
+    abandon_all();
+    return st;
+  }
+  for (size_t i = 0; i < entries.size(); ++i)
+    impl_->store_.commit_append(*entries[i].s, layer, entries[i].tokens, std::move(plans[i]));
   return {};
 }
 

@@ -40,22 +40,43 @@ class cpu_backend final : public cache_backend {
     return reinterpret_cast<uint16_t*>(bytes_.get() + store_.window_offset(s, layer, h, r));
   }
 
-  status write(sequence_state& s, int layer, const tensor_view& k, const tensor_view& v, const append_plan& plan) override {
-    const auto& sh = cfg_.shape;
-    const int d = sh.head_dim, H = sh.kv_heads, R = sh.window, P = sh.page_tokens;
-    // Validate every value before anything is stored.
+  // Every value finite and within the fp16 range; `first_row` numbers the rows in the message
+  // (a batch's row of the sequence's first token).
+  status validate(const sequence_state& s, int layer, const tensor_view& k, const tensor_view& v, const char* call,
+                  int64_t first_row) const {
+    const int d = cfg_.shape.head_dim, H = cfg_.shape.kv_heads;
     for (const tensor_view* t : {&k, &v}) {
       for (int64_t i = 0; i < t->tokens; ++i)
         for (int e = 0; e < H * d; ++e) {
           const float x = load(t->data, t->type, i * t->stride() + e);
           if (!std::isfinite(x) || std::fabs(x) > fp16_max)
             return {std::isfinite(x) ? errc::invalid_argument : errc::non_finite,
-                    fmt::format("append: {}[token {}][head {}][channel {}] = {} of sequence {} layer {} is {}; nothing was "
+                    fmt::format("{}: {}[token {}][head {}][channel {}] = {} of sequence {} layer {} is {}; nothing was "
                                 "stored",
-                                t == &k ? "K" : "V", i, e / d, e % d, x, s.id, layer,
+                                call, t == &k ? "K" : "V", first_row + i, e / d, e % d, x, s.id, layer,
                                 std::isfinite(x) ? "outside the fp16 range" : "not finite")};
         }
     }
+    return {};
+  }
+
+  status write(sequence_state& s, int layer, const tensor_view& k, const tensor_view& v, const append_plan& plan) override {
+    KVQ_TRY(validate(s, layer, k, v, "append", 0));
+    store(s, layer, k, v, plan);
+    return {};
+  }
+
+  status write_batch(std::span<const batch_entry> entries, int layer, const tensor_view& k, const tensor_view& v) override {
+    for (const batch_entry& b : entries)  // validate everything before anything is stored
+      KVQ_TRY(validate(*b.s, layer, rows_of(k, b.row, b.tokens), rows_of(v, b.row, b.tokens), "append_batch", b.row));
+    for (const batch_entry& b : entries) store(*b.s, layer, rows_of(k, b.row, b.tokens), rows_of(v, b.row, b.tokens), *b.plan);
+    return {};
+  }
+
+  // Stores validated tokens: the ring, then every page the plan completes.
+  void store(sequence_state& s, int layer, const tensor_view& k, const tensor_view& v, const append_plan& plan) {
+    const auto& sh = cfg_.shape;
+    const int d = sh.head_dim, H = sh.kv_heads, R = sh.window, P = sh.page_tokens;
     layer_state& ls = s.layers[size_t(layer)];
     int64_t n = ls.n, e = ls.e;
     int page = 0;
@@ -81,7 +102,6 @@ class cpu_backend final : public cache_backend {
         ++page;
       }
     }
-    return {};
   }
 
   void gather(const sequence_state& s, int layer, role r, int q_len, float* out) const {

@@ -319,6 +319,90 @@ TEST_CASE("bad input is a clear error and leaves the cache unchanged", "[cache][
   REQUIRE(c.length(1, 0) == 160);
 }
 
+TEST_CASE("a batched append stores what per-sequence appends store", "[cache][batch]") {
+  const std::string spec = GENERATE("kivi4/g32", "k=sym8,v=fp8;1=kivi2/g64");
+  auto [a, pa] = make(spec);
+  auto [b, pb] = make(spec);
+  std::mt19937 rng(21);
+  const int H = 2, d = 64;
+  const std::vector<seq_id> seqs = {3, 9, 4, 7};
+  for (seq_id s : seqs) check(a.create_sequence(s)), check(b.create_sequence(s));
+  // steps of unequal token counts per sequence, crossing page and window edges (a prefill of 300,
+  // single tokens, a chunk of 70), on both layers
+  const std::vector<std::vector<int64_t>> steps = {{300, 1, 64, 129}, {1, 1, 1, 1}, {70, 2, 1, 33}, {1, 200, 1, 1}};
+  for (int layer : {0, 1})
+    for (const auto& counts : steps) {
+      std::vector<append_item> items;
+      int64_t rows = 0;
+      for (size_t i = 0; i < seqs.size(); ++i) items.push_back({seqs[i], counts[i]}), rows += counts[i];
+      auto k = randn(rng, size_t(rows) * H * d), v = randn(rng, size_t(rows) * H * d);
+      check(a.append_batch(items, layer, view(k, rows, H, d), view(v, rows, H, d)));
+      int64_t row = 0;
+      for (const auto& it : items) {
+        check(b.append(it.seq, layer, {k.data() + size_t(row) * H * d, dtype::f32, it.tokens, H, d},
+                       {v.data() + size_t(row) * H * d, dtype::f32, it.tokens, H, d}));
+        row += it.tokens;
+      }
+    }
+  for (seq_id s : seqs)
+    for (int layer : {0, 1})
+      for (role r : {role::k, role::v}) {
+        REQUIRE(a.length(s, layer) == b.length(s, layer));
+        std::vector<float> ra(size_t(a.length(s, layer)) * H * d), rb(ra.size());
+        check(a.read(s, layer, r, ra));
+        check(b.read(s, layer, r, rb));
+        REQUIRE(ra == rb);
+      }
+  REQUIRE(a.stats().page_bytes == b.stats().page_bytes);
+  REQUIRE(a.stats().used_bytes == b.stats().used_bytes);
+}
+
+TEST_CASE("a batched append that fails stores nothing for any sequence", "[cache][batch][errors]") {
+  shape_args a;
+  a.budget = 400 * 1024;  // two sequences' windows (256 KiB), their pages, and ~120 KiB free
+  auto [c, pol] = make("kivi4/g32", a);
+  std::mt19937 rng(22);
+  const int H = 2, d = 64;
+  auto k = randn(rng, 3000 * H * d), v = randn(rng, 3000 * H * d);
+  for (seq_id s : {1, 2}) {
+    check(c.create_sequence(s));
+    check(c.append(s, 0, view(k, 150, H, d), view(v, 150, H, d)));
+  }
+  const snapshot b1 = snap(c, 1), b2 = snap(c, 2);
+  auto expect = [&](status s, errc code, const char* text) {
+    CAPTURE(s.to_string());
+    REQUIRE_FALSE(s.ok());
+    REQUIRE(s.code() == code);
+    REQUIRE_THAT(s.message(), Catch::Contains(text));
+    REQUIRE(snap(c, 1) == b1);
+    REQUIRE(snap(c, 2) == b2);
+  };
+  const append_item both[] = {{1, 100}, {2, 100}};
+  // a bad value in the second sequence's rows: the first sequence is not written either
+  auto kn = k;
+  kn[size_t(170) * H * d + 3] = std::numeric_limits<float>::quiet_NaN();
+  expect(c.append_batch(both, 0, view(kn, 200, H, d), view(v, 200, H, d)), errc::non_finite,
+         "K[token 170][head 0][channel 3]");
+  expect(c.append_batch(both, 0, view(k, 199, H, d), view(v, 199, H, d)), errc::invalid_argument,
+         "the items append 200 tokens but K and V have 199 rows");
+  const append_item twice[] = {{1, 1}, {2, 1}, {1, 1}};
+  expect(c.append_batch(twice, 0, view(k, 3, H, d), view(v, 3, H, d)), errc::invalid_argument,
+         "sequence 1 appears more than once");
+  const append_item unknown[] = {{1, 1}, {5, 1}};
+  expect(c.append_batch(unknown, 0, view(k, 2, H, d), view(v, 2, H, d)), errc::not_found, "unknown sequence 5");
+  const append_item zero[] = {{1, 0}, {2, 1}};
+  expect(c.append_batch(zero, 0, view(k, 1, H, d), view(v, 1, H, d)), errc::invalid_argument, "appends 0 tokens");
+  expect(c.append_batch({}, 0, view(k, 1, H, d), view(v, 1, H, d)), errc::invalid_argument, "empty batch");
+  expect(c.append_batch(both, 2, view(k, 200, H, d), view(v, 200, H, d)), errc::invalid_argument, "layer 2 out of range");
+  // the budget holds the first sequence's new pages but not the second's: neither is planned
+  const append_item big[] = {{1, 600}, {2, 1500}};
+  expect(c.append_batch(big, 0, view(k, 2100, H, d), view(v, 2100, H, d)), errc::out_of_budget, "");
+  // and the cache still works afterwards
+  check(c.append_batch(both, 0, view(k, 200, H, d), view(v, 200, H, d)));
+  REQUIRE(c.length(1, 0) == 250);
+  REQUIRE(c.length(2, 0) == 250);
+}
+
 TEST_CASE("configuration and policy errors name the problem", "[cache][errors]") {
   cache_config cfg;
   cfg.shape = {2, 8, 3, 64, 64, 128, 32};

@@ -232,3 +232,56 @@ TEST_CASE("gpu: bad values are rejected before anything is stored", "[gpu][error
   REQUIRE(c.gpu.stats().used_bytes == before.used_bytes);
   require_same_store(c, 0, 0);
 }
+
+TEST_CASE("gpu: a batched append stores what per-sequence CPU appends store", "[gpu][append][batch]") {
+  const std::string spec = GENERATE("kivi4/g32", "k=fp8,v=sym8;1=fp16");
+  CAPTURE(spec);
+  auto c = make(spec, 2, 8, 2, 128);
+  std::vector<float> clip(2 * 2 * 2, 0.9f);
+  check(c.cpu.set_clip_ratios(clip));
+  check(c.gpu.set_clip_ratios(clip));
+  std::mt19937 rng(31);
+  const int nseq = 13, H = 2, d = 128;
+  for (int s = 0; s < nseq; ++s) check(c.cpu.create_sequence(s)), check(c.gpu.create_sequence(s));
+  // a prefill of unequal lengths (one sequence with more new pages than one launch takes), then
+  // decode steps of one token each, several of them completing pages in the same call
+  std::vector<std::vector<int64_t>> steps = {{1, 30, 64, 95, 96, 97, 128, 129, 200, 300, 2500, 7, 1}};
+  for (int t = 0; t < (small() ? 70 : 140); ++t) steps.push_back(std::vector<int64_t>(nseq, 1));
+  for (int layer : {0, 1})
+    for (const auto& counts : steps) {
+      std::vector<append_item> items;
+      int64_t rows = 0;
+      for (int s = 0; s < nseq; ++s) items.push_back({s, counts[size_t(s)]}), rows += counts[size_t(s)];
+      const auto k = randn_h(rng, size_t(rows) * H * d), v = randn_h(rng, size_t(rows) * H * d);
+      int64_t row = 0;
+      for (const auto& it : items) {
+        check(c.cpu.append(it.seq, layer, {k.data() + size_t(row) * H * d, dtype::f16, it.tokens, H, d},
+                           {v.data() + size_t(row) * H * d, dtype::f16, it.tokens, H, d}));
+        row += it.tokens;
+      }
+      dev_mem dk(k.size() * 2), dv(v.size() * 2);
+      upload(dk, k);
+      upload(dv, v);
+      check(c.gpu.append_batch(items, layer, {dk.p, dtype::f16, rows, H, d}, {dv.p, dtype::f16, rows, H, d}));
+      REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+    }
+  for (int s = 0; s < nseq; ++s)
+    for (int layer : {0, 1}) require_same_store(c, s, layer);
+  // and attention over the batch-written caches agrees with the CPU
+  std::vector<attend_item> items;
+  for (int s = 0; s < nseq; ++s) items.push_back({s, 1});
+  REQUIRE(attend_both(c, items, 1, rng) < nmse_bound);
+  // a bad value in the last sequence's rows stores nothing for any sequence
+  const auto before = c.gpu.stats();
+  std::vector<append_item> all;
+  for (int s = 0; s < nseq; ++s) all.push_back({s, 1});
+  auto k = randn_h(rng, size_t(nseq) * H * d), v = randn_h(rng, size_t(nseq) * H * d);
+  k[size_t(nseq - 1) * H * d + 5] = 0x7e00;  // fp16 NaN
+  dev_mem dk(k.size() * 2), dv(v.size() * 2);
+  upload(dk, k);
+  upload(dv, v);
+  const status st = c.gpu.append_batch(all, 0, {dk.p, dtype::f16, nseq, H, d}, {dv.p, dtype::f16, nseq, H, d});
+  REQUIRE(st.code() == errc::non_finite);
+  REQUIRE(c.gpu.stats().used_bytes == before.used_bytes);
+  for (int s = 0; s < nseq; ++s) require_same_store(c, s, 0);
+}

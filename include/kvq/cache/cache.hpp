@@ -84,6 +84,12 @@ struct attend_item {
   int q_len = 1;
 };
 
+/// One sequence's part of a batched append.
+struct append_item {
+  seq_id seq;
+  int64_t tokens = 1;
+};
+
 namespace detail {
 class cache_backend;
 }
@@ -111,6 +117,16 @@ class KVQ_EXPORT KVCache {
   /// \param k [tokens][kv_heads][head_dim] f32/f16/bf16, finite and within fp16 range
   /// \param v same shape as k
   status append(seq_id id, int layer, const tensor_view& k, const tensor_view& v);
+
+  /// Appends the new tokens of several sequences of one layer in one call: a decode step's
+  /// writes for a whole batch. On CUDA it is one page-encode launch and one ring-write launch for
+  /// the batch (and, with check_values, one synchronization), where per-sequence `append` costs
+  /// that per sequence. All or nothing: an unknown or repeated sequence, a bad shape, a bad value
+  /// or a full budget stores nothing for any sequence.
+  /// \param items one entry per sequence (distinct), tokens >= 1
+  /// \param k [sum of tokens][kv_heads][head_dim], the items' rows in order
+  /// \param v same shape as k
+  status append_batch(std::span<const append_item> items, int layer, const tensor_view& k, const tensor_view& v);
 
   /// Decode / extend attention of one layer for a batch of sequences.
   /// \param items one entry per sequence; each q_len <= its appended length and <= window

@@ -83,30 +83,39 @@ KVQ_EXPORT size_t attend_workspace_bytes(const attend_args& a);
 /// Runs decode/extend attention on `stream`; `workspace` holds `attend_workspace_bytes(a)`.
 KVQ_EXPORT status attend_run(const attend_args& a, void* workspace, size_t workspace_bytes, void* stream);
 
-/// New pages of one append (at most `max_append_pages` per call).
+/// New pages of one append call, over all its sequences.
 inline constexpr int max_append_pages = 32;
+/// Sequences of one append call.
+inline constexpr int max_append_items = 128;
 
-/// Arguments of quantize-on-append for one (sequence, layer).
+/// One sequence of an append call (one layer).
+struct append_seq {
+  int slot = 0;
+  int32_t n = 0;             ///< tokens held before the append
+  int32_t e = 0;             ///< tokens encoded before the append
+  int32_t m = 0;             ///< tokens appended (its rows of k and v, in item order)
+  uint32_t window_unit = 0;  ///< the sequence's window block, in 256-byte units
+  int first_page = 0;        ///< page index of its first new page
+  int pages = 0;             ///< its new pages (each spans every kv head and role)
+};
+
+/// Arguments of quantize-on-append for a batch of sequences of one layer: one launch of the page
+/// encoder for every new page and one ring write for every sequence, whatever the batch size.
 struct append_args {
   paged_view kv;
   uint8_t* arena = nullptr;  ///< writable alias of kv.arena
   uint32_t* blocks = nullptr;
   uint8_t* fmts = nullptr;
-  int slot = 0;
   int layer = 0;
-  int32_t n = 0;        ///< tokens held before the append
-  int32_t e = 0;        ///< tokens encoded before the append
-  int32_t m = 0;        ///< tokens appended
-  uint32_t window_unit = 0;
-  tensor_view k, v;     ///< device [m][kv_heads][head_dim]
-  int first_page = 0;   ///< page index of the first new page
-  int pages = 0;        ///< new pages (each spans every kv head and role)
-  const uint32_t* page_blocks = nullptr;  ///< host [pages] block offsets, 256-byte units
-  const uint8_t* page_fmts = nullptr;     ///< host [pages][kv_heads][2]
+  std::span<const append_seq> items;      ///< host memory; at most max_append_items
+  tensor_view k, v;                       ///< device [sum of m][kv_heads][head_dim], items in order
+  const uint32_t* page_blocks = nullptr;  ///< host [sum of pages] block offsets, 256-byte units, items in order
+  const uint8_t* page_fmts = nullptr;     ///< host [sum of pages][kv_heads][2]
   const float* clip = nullptr;            ///< host [kv_heads][2] rolealign clip ratios of the layer
 };
 
-/// Writes the m tokens into the ring and encodes the new pages: bytes identical to the CPU codec.
+/// Writes each sequence's m tokens into its ring and encodes the new pages (at most
+/// max_append_pages in all): bytes identical to the CPU codec.
 KVQ_EXPORT status append_run(const append_args& a, void* stream);
 
 /// Sets `*flag` (device int) to 1 if any of the K/V values is NaN, Inf or beyond the fp16 range.

@@ -27,6 +27,17 @@ class cache_backend {
   /// pages. Must leave the ring untouched when the values are rejected.
   virtual status write(sequence_state& s, int layer, const tensor_view& k, const tensor_view& v,
                        const append_plan& plan) = 0;
+  /// One sequence of a validated batched append: its rows of k and v and its planned pages.
+  struct batch_entry {
+    sequence_state* s;
+    const append_plan* plan;
+    int64_t row;     ///< first row of the sequence in k and v
+    int64_t tokens;  ///< rows of the sequence
+  };
+  /// `write` for several sequences of one layer, all or nothing: every value of every sequence
+  /// is validated before anything is stored.
+  virtual status write_batch(std::span<const batch_entry> entries, int layer, const tensor_view& k,
+                             const tensor_view& v) = 0;
   /// Attention for a validated batch.
   virtual status attend(std::span<const attend_item> items, int layer, const tensor_view& q, const tensor_mut& o) = 0;
   /// Dequantized view of one (sequence, layer, role) into host memory.
@@ -50,6 +61,15 @@ class cache_backend {
     return clip_[(size_t(layer) * cfg_.shape.kv_heads + kv_head) * 2 + (r == role::k ? 0 : 1)];
   }
 };
+
+/// Rows [row, row + n) of a [tokens][heads][head_dim] view.
+inline tensor_view rows_of(const tensor_view& t, int64_t row, int64_t n) {
+  tensor_view r = t;
+  r.data = static_cast<const uint8_t*>(t.data) + row * t.stride() * int64_t(dtype_size(t.type));
+  r.tokens = n;
+  r.token_stride = t.stride();
+  return r;
+}
 
 /// Fills `out` [n][kv_heads][d] floats with what a step of `q_len` new tokens of (sequence, layer)
 /// reads for role `r`: pages (through the codec) for encoded tokens older than the step, the FP16
