@@ -1,6 +1,6 @@
 // Cost of EchoKV's device canary on a Llama-8B-like stack (32 layers, 32 query heads, 8 kv heads,
 // head_dim 128, CUDA backend, kivi4/g32 pages, EchoKV's default tiers), batch 1 and 8 at a 32K
-// context. A decode step = for every layer: a one-token append per sequence, then one attend of
+// context. A decode step = for every layer: one append_batch of a token per sequence, then one attend of
 // the batch. The policy is wrapped so that one cache runs four modes, in interleaved blocks of
 // steps (so that clock and context drift cancel):
 //   frozen  no canary (the baseline),
@@ -127,13 +127,13 @@ result run(int batch, int context, int steps_per_mode, int block) {
   CUDA_CHECK(cudaMalloc(&dout, q.size() * 2));
   CUDA_CHECK(cudaMemcpy(dq, q.data(), q.size() * 2, cudaMemcpyHostToDevice));
   std::vector<kvq::attend_item> items;
-  for (int b = 0; b < batch; ++b) items.push_back({b, 1});
+  std::vector<kvq::append_item> adds;
+  for (int b = 0; b < batch; ++b) items.push_back({b, 1}), adds.push_back({b, 1});
 
   auto decode_step = [&] {
     for (int l = 0; l < layers; ++l) {
-      for (int b = 0; b < batch; ++b)  // token b of the K/V buffers: different tokens per sequence
-        kvq::check(cache.append(b, l, {static_cast<uint16_t*>(dk) + size_t(b) * H * D, kvq::dtype::f16, 1, H, D},
-                                {static_cast<uint16_t*>(dv) + size_t(b) * H * D, kvq::dtype::f16, 1, H, D}));
+      // row b of the K/V buffers: different tokens per sequence, one append_batch for the batch
+      kvq::check(cache.append_batch(adds, l, {dk, kvq::dtype::f16, batch, H, D}, {dv, kvq::dtype::f16, batch, H, D}));
       kvq::check(cache.attend(items, l, {dq, kvq::dtype::f16, batch, Hq, D}, {dout, kvq::dtype::f16, batch, Hq, D}));
     }
   };

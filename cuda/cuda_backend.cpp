@@ -122,11 +122,13 @@ class cuda_backend final : public cache_backend {
 
   status write(sequence_state& s, int layer, const tensor_view& k, const tensor_view& v, const append_plan& plan) override {
     KVQ_TRY(check(k, v, fmt::format("append: K or V of sequence {} layer {}", s.id, layer)));
+    KVQ_TRY(flush_canaries());  // before any ring changes: the deferred canaries read the rings
     return write_pieces(s, layer, k, v, plan);
   }
 
   status write_batch(std::span<const batch_entry> entries, int layer, const tensor_view& k, const tensor_view& v) override {
     KVQ_TRY(check(k, v, fmt::format("append_batch: K or V of the batch (layer {})", layer)));
+    KVQ_TRY(flush_canaries());  // before any ring changes: the deferred canaries read the rings
     // One launch pair for as many sequences as fit (max_append_items, max_append_pages); a
     // sequence with more new pages than that (a long prefill) goes through the piecewise path.
     const int per_page = cfg_.shape.kv_heads * 2;
@@ -231,6 +233,7 @@ class cuda_backend final : public cache_backend {
   }
 
   status attend(std::span<const attend_item> items, int layer, const tensor_view& q, const tensor_mut& o) override {
+    if (deferred_layer_.size() > size_t(layer) && deferred_layer_[size_t(layer)]) KVQ_TRY(flush_canaries());  // a repeated step
     const auto& sh = cfg_.shape;
     items_.clear();
     int32_t row = 0;
@@ -265,6 +268,7 @@ class cuda_backend final : public cache_backend {
   void poll_policy() override { note(drain(false)); }
 
   status sync_policy() override {
+    note(flush_canaries());
     note(drain(true));
     status s = canary_error_;
     canary_error_ = {};
@@ -319,9 +323,13 @@ class cuda_backend final : public cache_backend {
   std::vector<uint8_t> batch_fmts_;
 
   // ---- device canary -----------------------------------------------------------------------
-  // One launch per attend call with due canaries writes [items][kv_heads][tiers] sums into a
-  // slot of mapped pinned memory and records the slot's event; `pending_` keeps the launches in
-  // step order, and `drain` ingests them in that order once their events complete.
+  // An attend call with due canaries only stages the items' queries (one small copy kernel); the
+  // canary of every layer of the step is launched together, once, by `flush_canaries` at the next
+  // append (before any ring changes), a repeated attend of a layer, or `sync_policy`. The launch
+  // writes [items][kv_heads][tiers] sums into a slot of mapped pinned memory and records the
+  // slot's event; `pending_` keeps the launches in step order, and `drain` ingests them in that
+  // order once their events complete. One launch per canary step instead of one per layer: the
+  // canary is latency-bound (a 128-key window), so 32 layers cost about what one does.
   struct canary_slot {
     double* host = nullptr;  // mapped pinned [max_sequences][kv_heads][tiers]
     double* dev = nullptr;   // its device alias
@@ -329,12 +337,12 @@ class cuda_backend final : public cache_backend {
   };
   struct canary_entry {
     seq_id seq;
+    int layer;
     int64_t context;
     int rows;  // query rows that see a key
   };
   struct canary_launch {
     size_t slot;
-    int layer;
     std::vector<canary_entry> entries;
   };
 
@@ -358,13 +366,15 @@ class cuda_backend final : public cache_backend {
     return a;
   }
 
-  // Runs the canary of the items whose step is due (the policy's host RNG, as on the CPU).
+  // Stages the queries of the items whose step is due (the policy's host RNG, as on the CPU); the
+  // canary runs at the next flush.
   status canaries(std::span<const attend_item> items, int layer, const tensor_view& q) {
     if (!pol_->wants_queries()) return {};
     const auto& sh = cfg_.shape;
-    canary_items_.clear();
-    canary_launch launch{0, layer, {}};
-    int32_t row = 0;
+    const int width = sh.q_heads * sh.head_dim;
+    stage_runs_.clear();
+    const size_t first_item = deferred_items_.size();
+    int32_t row = 0, rows = 0;
     for (const auto& it : items) {
       const sequence_state& s = *store_.find(it.seq);
       const int64_t n = s.layers[size_t(layer)].n;
@@ -378,13 +388,51 @@ class cuda_backend final : public cache_backend {
         continue;
       }
       const auto* ring = reinterpret_cast<const uint16_t*>(arena_.ptr + store_.window_offset(s, layer, 0, role::k));
-      canary_items_.push_back({ring, q_row, it.q_len, int32_t(n), int32_t(keys.first), int32_t(keys.count())});
-      launch.entries.push_back({it.seq, n, keys.rows_seeing(it.q_len, n)});
+      deferred_items_.push_back({ring, staged_rows_ + rows, it.q_len, int32_t(n), int32_t(keys.first), int32_t(keys.count())});
+      deferred_entries_.push_back({it.seq, layer, n, keys.rows_seeing(it.q_len, n)});
+      stage_runs_.push_back({q_row, it.q_len, staged_rows_ + rows});
+      rows += it.q_len;
     }
-    if (canary_items_.empty()) return {};
+    if (stage_runs_.empty()) return {};
+    if (size_t(staged_rows_ + rows) * width > q_stage_.count) {
+      // Grow (rare: up to the largest canary step seen). The earlier layers' staged rows live in
+      // the old buffer: launch them first, and let that launch finish before the buffer goes.
+      std::vector<cuda::canary_item> mine(deferred_items_.begin() + ptrdiff_t(first_item), deferred_items_.end());
+      std::vector<canary_entry> mine_e(deferred_entries_.begin() + ptrdiff_t(first_item), deferred_entries_.end());
+      deferred_items_.resize(first_item);
+      deferred_entries_.resize(first_item);
+      KVQ_TRY(flush_canaries());
+      KVQ_TRY(cuda_ok(cudaStreamSynchronize(stream()), "cudaStreamSynchronize"));
+      const size_t keep = q_stage_.count / size_t(width);
+      KVQ_TRY(q_stage_.allocate(std::max(size_t(2) * rows, keep + size_t(rows)) * width, "canary query staging"));
+      const int32_t base = stage_runs_[0].dst_row;  // the rows now start at 0
+      for (size_t i = 0; i < mine.size(); ++i) mine[i].q_row -= base, stage_runs_[i].dst_row = mine[i].q_row;
+      deferred_items_.insert(deferred_items_.end(), mine.begin(), mine.end());
+      deferred_entries_.insert(deferred_entries_.end(), mine_e.begin(), mine_e.end());
+    }
+    KVQ_TRY(cuda::canary_stage_q(q.data, q.type, q.stride(), width, stage_runs_, q_stage_.ptr, cfg_.stream));
+    staged_rows_ += rows;
+    if (deferred_layer_.empty()) deferred_layer_.assign(size_t(sh.layers), 0);
+    deferred_layer_[size_t(layer)] = 1;
+    return {};
+  }
+
+  // Launches the canary of every staged item (every layer of the step) in one launch.
+  status flush_canaries() {
+    if (deferred_items_.empty()) return {};
+    const auto& sh = cfg_.shape;
+    canary_launch launch{0, std::move(deferred_entries_)};
+    deferred_entries_ = {};
+    std::fill(deferred_layer_.begin(), deferred_layer_.end(), uint8_t(0));
+    staged_rows_ = 0;
+    const std::vector<cuda::canary_item> items = std::move(deferred_items_);
+    deferred_items_.clear();
     KVQ_TRY(take_slot(launch.slot));
     const canary_slot& c = canary_slots_[launch.slot];
-    cuda::canary_args a = canary_args(&q, canary_items_);
+    cuda::canary_args a = canary_args(nullptr, items);
+    a.q = q_stage_.ptr;
+    a.q_type = dtype::f32;
+    a.q_stride = int64_t(sh.q_heads) * sh.head_dim;
     a.out = c.dev;
     if (status s = cuda::canary_run(a, cfg_.stream); !s.ok()) {
       free_slots_.push_back(launch.slot);
@@ -406,7 +454,8 @@ class cuda_backend final : public cache_backend {
     }
     // Grows to the number of launches in flight (how far the host runs ahead), then never again.
     canary_slot c;
-    const size_t bytes = size_t(cfg_.max_sequences) * cfg_.shape.kv_heads * canary_.tiers.size() * sizeof(double);
+    const size_t bytes =
+        size_t(cfg_.shape.layers) * cfg_.max_sequences * cfg_.shape.kv_heads * canary_.tiers.size() * sizeof(double);
     KVQ_TRY(cuda_ok(cudaHostAlloc(reinterpret_cast<void**>(&c.host), bytes, cudaHostAllocMapped), "cudaHostAlloc"));
     canary_slots_.push_back(c);  // owned from here on: the destructor frees it
     canary_slot& owned = canary_slots_.back();
@@ -435,7 +484,7 @@ class cuda_backend final : public cache_backend {
         for (size_t i = 0; i < l.entries.size(); ++i) {
           const canary_entry& en = l.entries[i];
           const double* sums = c.host + i * size_t(H) * T;
-          canary_measurement m{en.seq, l.layer, en.context, {}};
+          canary_measurement m{en.seq, en.layer, en.context, {}};
           if (canary_.per_head) {
             m.delta.resize(size_t(H) * T);
             for (size_t k = 0; k < m.delta.size(); ++k) m.delta[k] = sums[k] / (double(en.rows) * group);
@@ -459,7 +508,12 @@ class cuda_backend final : public cache_backend {
   }
 
   canary_spec canary_;
-  std::vector<cuda::canary_item> canary_items_;
+  std::vector<cuda::canary_item> deferred_items_;   // staged, not yet launched (this step's layers)
+  std::vector<canary_entry> deferred_entries_;
+  std::vector<uint8_t> deferred_layer_;              // [layers] 1 while the layer has staged items
+  std::vector<cuda::canary_rows> stage_runs_;
+  device_buffer<float> q_stage_;                     // staged queries, [rows][q_heads * head_dim]
+  int32_t staged_rows_ = 0;
   std::deque<canary_slot> canary_slots_;  // deque: slots never move (the destructor walks them)
   std::vector<size_t> free_slots_;
   std::deque<canary_launch> pending_;

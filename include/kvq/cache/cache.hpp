@@ -145,11 +145,13 @@ class KVQ_EXPORT KVCache {
 
   /// Waits for the policy's canaries still in flight and feeds their measurements to the policy.
   /// CPU backend: nothing to do (the canary runs inside `attend`). CUDA backend: a policy with a
-  /// device canary (`policy::device_canary`, e.g. EchoKV) is measured by a kernel launched on the
-  /// stream after the step's attention; completed measurements are ingested without blocking at
-  /// the start of later `append`/`attend` calls, so a decision reaches `choose` one or more steps
-  /// after its canary (pages planned in between keep the previous tier), and this call
-  /// synchronizes the stream's canaries and ingests the rest. A live canary makes the launch
+  /// device canary (`policy::device_canary`, e.g. EchoKV) is measured on the GPU: each attend
+  /// stages the due queries, and one kernel for all layers of the step runs on the stream at the
+  /// next append (or a repeated attend of a layer, or this call); completed measurements are
+  /// ingested without blocking at the start of later `append`/`attend` calls, so a decision
+  /// reaches `choose` one or more steps after its canary (pages planned in between keep the
+  /// previous tier), and this call launches what is staged, synchronizes the stream's canaries
+  /// and ingests the rest. A live canary makes the launch
   /// sequence data-dependent (a canary kernel on some steps only): freeze the policy before
   /// capturing a step in a CUDA graph. Returns the first canary failure since the last call.
   status sync_policy();

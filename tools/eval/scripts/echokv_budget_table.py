@@ -3,7 +3,8 @@
 
 usage: echokv_budget_table.py <kvq-eval.json>
 
-For every `echokv:...target_bits=B` configuration: the target, the canary rate, the page bits
+For every `echokv:...target_bits=B` configuration: the target, the canary rate, the starting tier
+(`init=`, a column only when some configuration sets it), the page bits
 actually written (every page since the start, prefill included), the nominal bits of the final
 format map, the nominal bits of the format maps sampled every `--map-every` steps averaged over
 the second half of the decode steps (where the controller has had time to act), the largest
@@ -47,12 +48,14 @@ def main(path):
           f"{t['prefill']}) of {t['path']}; wall {rep['wall_seconds']:.0f} s, {rep['threads']} threads\n")
     ref = next(c for c in rep["configs"] if c["reference"])
     print(f"Reference: {ref['name']}, PPL {ref['quality']['perplexity']:.3f}\n")
-    print("| target bits | rate | page bits | final nominal bits | nominal bits, 2nd half (mean) | "
+    budget = [c for c in rep["configs"] if c["name"].startswith("echokv:") and "target_bits=" in c["name"]]
+    # the start-tier column only when some configuration sets init= (kvq-eval's echokv:...,init=I)
+    with_init = any(param(c["name"], "init") for c in budget)
+    print("| target bits | rate | " + ("start tier (init) | " if with_init else "") +
+          "page bits | final nominal bits | nominal bits, 2nd half (mean) | "
           "max \\|error\\|, 2nd half | mean KL | p99 KL | top-1 | ΔPPL | map changes (sampled) |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for c in rep["configs"]:
-        if not c["name"].startswith("echokv:") or "target_bits=" not in c["name"]:
-            continue
+    print("| ---: | ---: | " + ("---: | " if with_init else "") + ("---: | " * 9).rstrip())
+    for c in budget:
         target = float(param(c["name"], "target_bits"))
         rate = param(c["name"], "rate", "0.015625 (default)")
         hist = c["format_map_history"]
@@ -66,7 +69,8 @@ def main(path):
         mean2 = sum((segs[i + 1][0] - segs[i][0]) * segs[i][1] for i in range(len(segs) - 1)) / (steps - half)
         err2 = max(abs(b - target) for _, b in segs[:-1])
         q = c["quality"]
-        print(f"| {target:g} | {rate} | {c['bits']['page_bits']:.2f} | {final:.2f} | {mean2:.2f} | {err2:.2f} | "
+        init = f"{param(c['name'], 'init', 'high (default)')} | " if with_init else ""
+        print(f"| {target:g} | {rate} | {init}{c['bits']['page_bits']:.2f} | {final:.2f} | {mean2:.2f} | {err2:.2f} | "
               f"{q['mean_kl']:.2e} | {q['p99_kl']:.2e} | {q['top1_agreement']:.4f} | {q['perplexity_delta']:+.3f} | "
               f"{len(hist) - 1} |")
 

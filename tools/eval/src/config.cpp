@@ -200,13 +200,30 @@ kvq::result<std::shared_ptr<kvq::policy>> make_echokv(std::string_view text, con
       rest = bar == std::string_view::npos ? std::string_view{} : rest.substr(bar + 1);
     }
   }
+  // init=low|mid|high or a tier index (0 = lowest): the tier every unit starts in; default the highest
+  if (const std::string* v = p.get("init")) {
+    const int n = int(opt.tiers.size());
+    if (*v == "low") {
+      opt.initial_tier = 0;
+    } else if (*v == "mid") {
+      opt.initial_tier = (n - 1) / 2;
+    } else if (*v == "high") {
+      opt.initial_tier = n - 1;
+    } else {
+      auto t = p.unsigned_int("init", 0);
+      if (!t || *t >= uint64_t(n))
+        return status{errc::invalid_argument,
+                      fmt::format("parameter 'init={}' is not low, mid, high or a tier index in [0, {}]", *v, n - 1)};
+      opt.initial_tier = int(*t);
+    }
+  }
   const std::string* target = p.get("target_bits");
   double target_bits = 0;
   if (target) {
     KVQ_EVAL_ASSIGN(b, p.number("target_bits", 0));
     target_bits = b;
   }
-  KVQ_TRY(p.check_all_used("seed, hysteresis, margin, rate, tau0, alpha, per_head, tiers, target_bits"));
+  KVQ_TRY(p.check_all_used("seed, hysteresis, margin, rate, tau0, alpha, per_head, tiers, init, target_bits"));
   if (!target) return std::shared_ptr<kvq::policy>(std::make_shared<kvq::echokv_policy>(opt));
   // Budget mode needs a bound policy; KVCache::create binds again, which resets the target, so
   // the target is applied by a thin wrapper at bind time.
@@ -261,10 +278,12 @@ const std::vector<policy_entry>& policy_registry() {
        "at random over (layer, kv head): the same bytes; like= takes the rest of the string, so it comes last",
        make_random},
       {"echokv",
-       "echokv:seed=N[,hysteresis=K][,margin=H][,rate=R][,tau0=T][,alpha=A][,per_head][,tiers=F|F|F][,target_bits=B]",
+       "echokv:seed=N[,hysteresis=K][,margin=H][,rate=R][,tau0=T][,alpha=A][,per_head][,tiers=F|F|F][,init=I]"
+       "[,target_bits=B]",
        "online canary KL per layer (or per kv head) on live queries; tiers kivi2|kivi4|kivi8 /g32 by default; "
        "hysteresis=K demotes after K canaries below tau*(1-H) (default K=3, H=0.1; hysteresis=1 alone = none); "
-       "rate default 1/64; target_bits turns on the budget (PID) mode",
+       "rate default 1/64; init=low|mid|high or a tier index (0 = lowest) is the starting tier (default high); "
+       "target_bits turns on the budget (PID) mode",
        make_echokv},
   };
   return registry;

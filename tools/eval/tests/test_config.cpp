@@ -251,6 +251,26 @@ TEST_CASE("make_policy: kl_budget, autok, random and echokv by name", "[config]"
     CHECK_THAT(t->name(), Contains("target_bits=5"));
     CHECK(t->wants_queries());
   }
+  SECTION("echokv starting tier: init=low|mid|high or a tier index") {
+    const auto fmt_of = [](const char* f) {
+      const kvq::format_id id = kvq::parse_format(f).value_or_throw();
+      return kvq::format_pair{id, id};
+    };
+    const kvq::format_pair k2 = fmt_of("kivi2/g32"), k4 = fmt_of("kivi4/g32"), k8 = fmt_of("kivi8/g32");
+    CHECK(bound("echokv:seed=1", shape)->current(0, 0) == k8);  // default: the highest
+    for (const auto& [init, want] : std::vector<std::pair<std::string, kvq::format_pair>>{
+             {"0", k2}, {"1", k4}, {"2", k8}, {"low", k2}, {"mid", k4}, {"high", k8}}) {
+      CAPTURE(init);
+      const auto p = bound("echokv:seed=1,init=" + init, shape);
+      CHECK(p->current(0, 0) == want);
+      CHECK(p->current(shape.layers - 1, shape.kv_heads - 1) == want);
+      CHECK(map_bits(*p, shape) == map_bits(*bound("static:" + kvq::format_pair_name(want), shape), shape));
+    }
+    // with budget mode, and with other tiers (mid of two is the lower one)
+    CHECK(bound("echokv:seed=1,init=1,target_bits=4", shape)->current(3, 1) == k4);
+    CHECK(bound("echokv:seed=1,tiers=kivi4/g32|kivi8/g32,init=mid", shape)->current(0, 0) == k4);
+    CHECK(bound("echokv:seed=1,tiers=kivi4/g32|kivi8/g32,init=high", shape)->current(0, 0) == k8);
+  }
   SECTION("errors name the configuration and the parameter") {
     const auto err = [&](const std::string& cfg) {
       auto p = make_policy(cfg, shape);
@@ -272,6 +292,13 @@ TEST_CASE("make_policy: kl_budget, autok, random and echokv by name", "[config]"
     CHECK_THAT(err("echokv:hysteresis=0"), Contains("hysteresis=0 must be in [1, 1000]"));
     CHECK_THAT(err("echokv:tiers=kivi4/g32|kivi9"), Contains("kivi9"));
     CHECK_THAT(err("echokv:seed=1,,rate=1"), Contains("two commas"));
+    CHECK_THAT(err("echokv:seed=1,init=3"),
+               Contains("parameter 'init=3' is not low, mid, high or a tier index in [0, 2]"));
+    CHECK_THAT(err("echokv:seed=1,init=top"), Contains("parameter 'init=top'"));
+    CHECK_THAT(err("echokv:seed=1,init=-1"), Contains("parameter 'init=-1'"));
+    CHECK_THAT(err("echokv:seed=1,init="), Contains("parameter 'init='"));
+    CHECK_THAT(err("echokv:seed=1,tiers=kivi4/g32|kivi8/g32,init=2"), Contains("tier index in [0, 1]"));
+    CHECK_THAT(err("echokv:seed=1,initial=1"), Contains("unknown parameter 'initial'"));
     // another model's artifact
     kvq::cache_shape other = shape;
     other.layers = 12;
