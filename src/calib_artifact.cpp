@@ -67,6 +67,30 @@ struct reader {
     if (j.size() != n) return fail(field, fmt::format("has {} entries, needs {} ({})", j.size(), n, what));
     return {};
   }
+
+  // A [layers][kv_heads][n] array `j` (field `base`) of finite numbers >= 0, each handed to
+  // `put(l, h, f, x)`; `what` names the innermost length.
+  template <class Put>
+  status grid(const json& j, const std::string& base, int layers, int kv_heads, size_t n, std::string_view what,
+              Put&& put) const {
+    KVQ_TRY(array_of(j, base, size_t(layers), "model.layers"));
+    for (int l = 0; l < layers; ++l) {
+      const json& heads = j[size_t(l)];
+      KVQ_TRY(array_of(heads, fmt::format("{}[{}]", base, l), size_t(kv_heads), "model.kv_heads"));
+      for (int h = 0; h < kv_heads; ++h) {
+        const json& vals = heads[size_t(h)];
+        KVQ_TRY(array_of(vals, fmt::format("{}[{}][{}]", base, l, h), n, what));
+        for (size_t f = 0; f < n; ++f) {
+          const std::string field = fmt::format("{}[{}][{}][{}]", base, l, h, f);
+          auto x = number(vals[f], field);
+          if (!x) return x.error();
+          if (*x < 0.0) return fail(field, fmt::format("is {}, must be >= 0", *x));
+          put(l, h, f, *x);
+        }
+      }
+    }
+    return {};
+  }
 };
 
 #define KVQ_ASSIGN(var, expr)           \
@@ -81,6 +105,23 @@ double float_as_decimal(float x) {
   double d = double(x);
   std::from_chars(s.data(), s.data() + s.size(), d);
   return d;
+}
+
+// A [layers][kv_heads][n] JSON array of get(l, h, f).
+template <class Get>
+nlohmann::ordered_json grid_json(int layers, int kv_heads, size_t n, Get&& get) {
+  using ojson = nlohmann::ordered_json;
+  ojson out = ojson::array();
+  for (int l = 0; l < layers; ++l) {
+    ojson heads = ojson::array();
+    for (int h = 0; h < kv_heads; ++h) {
+      ojson vals = ojson::array();
+      for (size_t f = 0; f < n; ++f) vals.push_back(get(l, h, f));
+      heads.push_back(vals);
+    }
+    out.push_back(heads);
+  }
+  return out;
 }
 
 }  // namespace
@@ -117,6 +158,29 @@ status artifact::validate() const {
       return bad(fmt::format("clip ratio of layer {} head {} {} is {}; must be in (0, 1]",
                              i / 2 / size_t(shape.kv_heads), (i / 2) % size_t(shape.kv_heads), i % 2 ? "V" : "K",
                              clip_ratios[i]));
+  if (!output_kl.empty()) {
+    const output_kl_table& o = output_kl;
+    if (o.layers != shape.layers || o.kv_heads != shape.kv_heads)
+      return bad(fmt::format("output_kl covers {} layers x {} kv heads, the model has {} x {}", o.layers, o.kv_heads,
+                             shape.layers, shape.kv_heads));
+    for (size_t i = 0; i < o.formats.size(); ++i) {
+      if (sensitivity.format_index(o.formats[i]) < 0)
+        return bad(fmt::format("output_kl format {} is not one of the artifact's formats", format_name(o.formats[i])));
+      for (size_t k = 0; k < i; ++k)
+        if (o.formats[k] == o.formats[i])
+          return bad(fmt::format("output_kl format {} appears twice", format_name(o.formats[i])));
+    }
+    if (o.tokens < 1) return bad(fmt::format("output_kl tokens {} must be >= 1", o.tokens));
+    const size_t n = size_t(shape.layers) * size_t(shape.kv_heads) * o.formats.size();
+    if (o.kl.size() != n)
+      return bad(fmt::format("{} output_kl values, needs {} (layers x kv heads x output_kl formats)", o.kl.size(), n));
+    for (size_t i = 0; i < n; ++i)
+      if (!(std::isfinite(o.kl[i]) && o.kl[i] >= 0.0))
+        return bad(fmt::format("output_kl of layer {} head {} format {} is {}; must be finite and >= 0",
+                               i / o.formats.size() / size_t(shape.kv_heads),
+                               (i / o.formats.size()) % size_t(shape.kv_heads),
+                               format_name(o.formats[i % o.formats.size()]), o.kl[i]));
+  }
   return {};
 }
 
@@ -136,17 +200,9 @@ result<std::string> artifact::to_json() const {
   for (format_id f : sensitivity.formats) formats.push_back(format_name(f));
   j["formats"] = formats;
   for (role r : {role::k, role::v}) {
-    ojson layers = ojson::array();
-    for (int l = 0; l < shape.layers; ++l) {
-      ojson heads = ojson::array();
-      for (int h = 0; h < shape.kv_heads; ++h) {
-        ojson vals = ojson::array();
-        for (size_t f = 0; f < sensitivity.formats.size(); ++f) vals.push_back(sensitivity.at(l, h, r, int(f)));
-        heads.push_back(vals);
-      }
-      layers.push_back(heads);
-    }
-    j["sensitivity"][r == role::k ? "k_attention_kl" : "v_output_perturbation"] = layers;
+    j["sensitivity"][r == role::k ? "k_attention_kl" : "v_output_perturbation"] =
+        grid_json(shape.layers, shape.kv_heads, sensitivity.formats.size(),
+                  [&](int l, int h, size_t f) { return sensitivity.at(l, h, r, int(f)); });
     ojson clips = ojson::array();
     for (int l = 0; l < shape.layers; ++l) {
       ojson heads = ojson::array();
@@ -155,6 +211,14 @@ result<std::string> artifact::to_json() const {
       clips.push_back(heads);
     }
     j["clip_ratios"][r == role::k ? "k" : "v"] = clips;
+  }
+  if (!output_kl.empty()) {
+    ojson fmts = ojson::array();
+    for (format_id f : output_kl.formats) fmts.push_back(format_name(f));
+    j["output_kl"] = {{"formats", fmts},
+                      {"tokens", output_kl.tokens},
+                      {"kl", grid_json(shape.layers, shape.kv_heads, output_kl.formats.size(),
+                                       [&](int l, int h, size_t f) { return output_kl.at(l, h, int(f)); })}};
   }
   return j.dump(1);
 }
@@ -264,21 +328,8 @@ result<artifact> artifact::parse(std::string_view text, std::string_view source,
       const char* key = r == role::k ? "k_attention_kl" : "v_output_perturbation";
       const std::string base = fmt::format("sensitivity.{}", key);
       KVQ_ASSIGN(arr, rd.member(*sens, "sensitivity", key));
-      KVQ_TRY(rd.array_of(*arr, base, size_t(L), "model.layers"));
-      for (int l = 0; l < L; ++l) {
-        const json& heads = (*arr)[size_t(l)];
-        KVQ_TRY(rd.array_of(heads, fmt::format("{}[{}]", base, l), size_t(H), "model.kv_heads"));
-        for (int h = 0; h < H; ++h) {
-          const json& vals = heads[size_t(h)];
-          KVQ_TRY(rd.array_of(vals, fmt::format("{}[{}][{}]", base, l, h), formats.size(), "one per format"));
-          for (size_t f = 0; f < formats.size(); ++f) {
-            const std::string field = fmt::format("{}[{}][{}][{}]", base, l, h, f);
-            KVQ_ASSIGN(x, rd.number(vals[f], field));
-            if (x < 0.0) return rd.fail(field, fmt::format("is {}, must be >= 0", x));
-            a.sensitivity.at(l, h, r, int(f)) = x;
-          }
-        }
-      }
+      KVQ_TRY(rd.grid(*arr, base, L, H, formats.size(), "one per format",
+                      [&](int l, int h, size_t f, double x) { a.sensitivity.at(l, h, r, int(f)) = x; }));
     }
   }
   {
@@ -300,6 +351,30 @@ result<artifact> artifact::parse(std::string_view text, std::string_view source,
         }
       }
     }
+  }
+  if (j.contains("output_kl")) {  // optional
+    const json& o = j["output_kl"];
+    if (!o.is_object()) return rd.fail("output_kl", fmt::format("must be an object, is {}", o.type_name()));
+    KVQ_ASSIGN(fm, rd.member(o, "output_kl", "formats"));
+    if (!fm->is_array() || fm->empty())
+      return rd.fail("output_kl.formats", "must be a non-empty array of format specs");
+    std::vector<format_id> okl;
+    for (size_t i = 0; i < fm->size(); ++i) {
+      const std::string field = fmt::format("output_kl.formats[{}]", i);
+      KVQ_ASSIGN(spec, rd.string((*fm)[i], field));
+      auto f = parse_format(spec);
+      if (!f) return rd.fail(field, f.error().message());
+      if (a.sensitivity.format_index(*f) < 0) return rd.fail(field, fmt::format("'{}' is not one of 'formats'", spec));
+      for (size_t k = 0; k < okl.size(); ++k)
+        if (okl[k] == *f) return rd.fail(field, fmt::format("repeats output_kl.formats[{}] ({})", k, spec));
+      okl.push_back(*f);
+    }
+    KVQ_ASSIGN(tok, rd.member(o, "output_kl", "tokens"));
+    KVQ_ASSIGN(tok_v, rd.integer(*tok, "output_kl.tokens", 1, std::numeric_limits<int64_t>::max()));
+    a.output_kl = output_kl_table::make(L, H, std::move(okl), tok_v);
+    KVQ_ASSIGN(kl, rd.member(o, "output_kl", "kl"));
+    KVQ_TRY(rd.grid(*kl, "output_kl.kl", L, H, a.output_kl.formats.size(), "one per output_kl format",
+                    [&](int l, int h, size_t f, double x) { a.output_kl.at(l, h, int(f)) = x; }));
   }
   if (status s = a.validate(); !s.ok()) return status{s.code(), fmt::format("artifact '{}': {}", source, s.message())};
   return a;

@@ -1,6 +1,7 @@
-// The calibration artifact: exact round trip through a file, the text hash, and rejection of bad
-// files (malformed JSON, missing fields, wrong version, another model's shape, NaN, bad ranges)
-// with messages that name the file and the field.
+// The calibration artifact: exact round trip through a file (with and without the optional
+// output_kl), the text hash, and rejection of bad files (malformed JSON, missing fields, wrong
+// version, another model's shape, NaN, bad ranges, a malformed output_kl) with messages that name
+// the file and the field.
 #include <kvq/calib/artifact.hpp>
 #include <kvq/policy/autok.hpp>
 
@@ -43,6 +44,18 @@ artifact make_artifact() {
   return a;
 }
 
+// make_artifact() with an output_kl table over two of its three formats.
+artifact make_artifact_with_output_kl() {
+  artifact a = make_artifact();
+  a.output_kl = calib::output_kl_table::make(
+      2, 2, {parse_format("kivi4/g32").value_or_throw(), parse_format("kivi2/g32").value_or_throw()}, 96);
+  std::mt19937_64 rng(7);
+  std::uniform_real_distribution<double> u(0.0, 1.0);
+  for (auto& v : a.output_kl.kl) v = std::pow(10.0, -6.0 * u(rng)) * u(rng);
+  a.output_kl.kl[1] = 0.0;
+  return a;
+}
+
 struct temp_dir {
   std::filesystem::path path;
   temp_dir() {
@@ -74,6 +87,17 @@ std::string edit(std::string s, const std::string& from, const std::string& to) 
   return s.replace(at, from.size(), to);
 }
 
+// Writes `text` as a file of `dir`, checks that loading it fails with a message naming the file,
+// and returns the message.
+std::string load_error(const temp_dir& dir, const std::string& text) {
+  const std::string p = dir.file("bad.json");
+  write_text(p, text);
+  auto r = artifact::load(p, tiny);
+  REQUIRE_FALSE(r.ok());
+  CHECK_THAT(r.error().message(), Catch::Contains(p));  // every message names the file
+  return r.error().message();
+}
+
 }  // namespace
 
 TEST_CASE("artifact round trip through a file is exact", "[artifact]") {
@@ -94,12 +118,74 @@ TEST_CASE("artifact round trip through a file is exact", "[artifact]") {
   CHECK(b.sensitivity.formats == a.sensitivity.formats);
   CHECK(b.sensitivity.values == a.sensitivity.values);  // bit-exact doubles
   CHECK(b.clip_ratios == a.clip_ratios);                // bit-exact floats
+  CHECK(b.output_kl.empty());                           // optional, absent
+  CHECK_THAT(text, !Catch::Contains("output_kl"));
   // the loaded profile drives a policy like any other
   auto p = autok_policy::create(b.sensitivity, b.sensitivity.formats[0], {0.5, {}, {}}).value_or_throw();
   CHECK(p.protected_layers().size() >= 1);
   // and saving what was loaded gives the same file
   REQUIRE(b.save(dir.file("again.json")).ok());
   CHECK(read_text(dir.file("again.json")) == text);
+}
+
+TEST_CASE("artifact round trip with the optional output_kl", "[artifact]") {
+  temp_dir dir;
+  const artifact a = make_artifact_with_output_kl();
+  const std::string path = dir.file("okl.json");
+  REQUIRE(a.save(path).ok());
+  const std::string text = read_text(path);
+  CHECK_THAT(text, Catch::Contains("\"output_kl\": {"));
+  auto b = artifact::load(path, tiny).value_or_throw();
+  REQUIRE_FALSE(b.output_kl.empty());
+  CHECK(b.output_kl.layers == 2);
+  CHECK(b.output_kl.kv_heads == 2);
+  CHECK(b.output_kl.formats == a.output_kl.formats);
+  CHECK(b.output_kl.tokens == 96);
+  CHECK(b.output_kl.kl == a.output_kl.kl);  // bit-exact doubles
+  CHECK(b.output_kl.at(1, 0, 1) == a.output_kl.kl[(1 * 2 + 0) * 2 + 1]);
+  CHECK(b.sensitivity.values == a.sensitivity.values);
+  REQUIRE(b.save(dir.file("again.json")).ok());
+  CHECK(read_text(dir.file("again.json")) == text);
+}
+
+TEST_CASE("artifact load rejects a malformed output_kl, naming the field", "[artifact]") {
+  temp_dir dir;
+  const artifact a = make_artifact_with_output_kl();
+  REQUIRE(a.save(dir.file("good.json")).ok());
+  const std::string good = read_text(dir.file("good.json"));
+  const auto load_text = [&](const std::string& text) { return load_error(dir, text); };
+  const std::string first = "\"kl\": [\n   [\n    [\n     ";
+  const size_t at = good.find(first) + first.size();
+  const size_t end = good.find(',', at);
+  CHECK_THAT(load_text(good.substr(0, at) + "null" + good.substr(end)),
+             Catch::Contains("field 'output_kl.kl[0][0][0]' is null"));
+  CHECK_THAT(load_text(good.substr(0, at) + "-" + good.substr(at)), Catch::Contains("'output_kl.kl[0][0][0]' is -"));
+  CHECK_THAT(load_text(good.substr(0, at) + "\"x\"" + good.substr(end)),
+             Catch::Contains("'output_kl.kl[0][0][0]' must be a number"));
+  // one format more than the values
+  CHECK_THAT(
+      load_text(edit(good, "\"formats\": [\n   \"kivi4/g32\",", "\"formats\": [\n   \"kivi4/g32\", \"ra8/g64\",")),
+      Catch::Contains("'output_kl.kl[0][0]' has 2 entries, needs 3 (one per output_kl format)"));
+  CHECK_THAT(load_text(edit(good, "\"formats\": [\n   \"kivi4/g32\",", "\"formats\": [\n   \"sym8/g32\",")),
+             Catch::Contains("field 'output_kl.formats[0]' 'sym8/g32' is not one of 'formats'"));
+  CHECK_THAT(load_text(edit(good, "\"formats\": [\n   \"kivi4/g32\",", "\"formats\": [\n   \"kivi2/g32\",")),
+             Catch::Contains("'output_kl.formats[1]' repeats output_kl.formats[0]"));
+  CHECK_THAT(load_text(edit(good, "\"tokens\": 96", "\"tokens\": 0")), Catch::Contains("'output_kl.tokens' is 0"));
+  CHECK_THAT(load_text(edit(good, "\"tokens\": 96", "\"tokenz\": 96")),
+             Catch::Contains("field 'output_kl.tokens' is missing"));
+  CHECK_THAT(load_text(edit(good, "\"output_kl\": {", "\"output_kl\": [], \"x\": {")),
+             Catch::Contains("field 'output_kl' must be an object"));
+  // a layer too few: the output_kl of a one-layer artifact in the two-layer file
+  artifact one_layer = a;
+  one_layer.shape.layers = 1;
+  one_layer.sensitivity = sensitivity_profile::make(1, 2, a.sensitivity.formats).value_or_throw();
+  one_layer.clip_ratios.resize(4);
+  one_layer.output_kl = calib::output_kl_table::make(1, 2, a.output_kl.formats, 96);
+  auto short_text = one_layer.to_json().value_or_throw();
+  const size_t okl = short_text.find("\"output_kl\"");
+  REQUIRE(okl != std::string::npos);
+  CHECK_THAT(load_text(edit(good, good.substr(good.find("\"output_kl\"")), short_text.substr(okl))),
+             Catch::Contains("field 'output_kl.kl' has 1 entries, needs 2 (model.layers)"));
 }
 
 TEST_CASE("artifact text hash is FNV-1a 64", "[artifact]") {
@@ -114,14 +200,7 @@ TEST_CASE("artifact load rejects bad files, naming the file and the field", "[ar
   const std::string good_path = dir.file("good.json");
   REQUIRE(a.save(good_path).ok());
   const std::string good = read_text(good_path);
-  const auto load_text = [&](const std::string& text) {
-    const std::string p = dir.file("bad.json");
-    write_text(p, text);
-    auto r = artifact::load(p, tiny);
-    REQUIRE_FALSE(r.ok());
-    CHECK_THAT(r.error().message(), Catch::Contains(p));  // every message names the file
-    return r.error().message();
-  };
+  const auto load_text = [&](const std::string& text) { return load_error(dir, text); };
 
   SECTION("missing file") {
     auto r = artifact::load(dir.file("nope.json"), tiny);
@@ -212,6 +291,18 @@ TEST_CASE("artifact save validates first and never writes NaN", "[artifact]") {
   a = make_artifact();
   a.version = 2;
   CHECK_THAT(a.save(p).message(), Catch::Contains("version 2"));
+  a = make_artifact_with_output_kl();
+  a.output_kl.kl[5] = NAN;
+  CHECK_THAT(a.save(p).message(), Catch::Contains("output_kl of layer 1 head 0 format kivi2/g32 is nan"));
+  a = make_artifact_with_output_kl();
+  a.output_kl.kl.pop_back();
+  CHECK_THAT(a.save(p).message(), Catch::Contains("7 output_kl values, needs 8"));
+  a = make_artifact_with_output_kl();
+  a.output_kl.formats[1] = parse_format("sym8/g32").value_or_throw();
+  CHECK_THAT(a.save(p).message(), Catch::Contains("output_kl format sym8/g32 is not one of the artifact's formats"));
+  a = make_artifact_with_output_kl();
+  a.output_kl.tokens = 0;
+  CHECK_THAT(a.save(p).message(), Catch::Contains("output_kl tokens 0 must be >= 1"));
   a = make_artifact();
   CHECK_THAT(a.save(dir.file("no/such/dir/x.json")).message(), Catch::Contains("cannot open for writing"));
 }

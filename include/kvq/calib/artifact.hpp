@@ -21,9 +21,19 @@
 ///     "v_output_perturbation": [[[...per format...] ...per kv head...] ...per layer...]
 ///   },
 ///   "clip_ratios": { "k": [[...per kv head...] ...per layer...],    // in (0, 1]
-///                    "v": [[...per kv head...] ...per layer...] }
+///                    "v": [[...per kv head...] ...per layer...] },
+///   "output_kl": {                                  // optional (kvq-calibrate --output-kl)
+///     "formats": ["kivi2/g32", "kivi4/g32"],        // a subset of "formats", no repeats
+///     "tokens": 128,                                // teacher-forced tokens of each run
+///     "kl": [[[...per output_kl format...] ...per kv head...] ...per layer...]   // nats
+///   }
 /// }
 /// ```
+///
+/// `output_kl.kl[l][h][f]` is the mean KL(P_fp16 ‖ P) of the model's next-token distribution
+/// over the teacher-forced positions, P from a run whose cache is FP16 except (layer l, kv head h),
+/// stored (K and V) in `output_kl.formats[f]`. Files without the field (older ones included) load
+/// with `artifact::output_kl` empty; a file that has it must have it complete and valid.
 ///
 /// Numbers must be finite (JSON has no NaN; a NaN written by another tool appears as `null` or a
 /// string and is rejected), sensitivities >= 0, clip ratios in (0, 1]. A file of another
@@ -50,6 +60,32 @@ struct model_shape {
   friend bool operator==(const model_shape&, const model_shape&) = default;
 };
 
+/// The optional end-to-end sensitivity of an artifact: output KL with one unit quantized at a time.
+struct output_kl_table {
+  int layers = 0;                  ///< the artifact's layers (when not empty)
+  int kv_heads = 0;                ///< the artifact's kv heads (when not empty)
+  std::vector<format_id> formats;  ///< measured formats, each one of the artifact's formats
+  int64_t tokens = 0;              ///< teacher-forced tokens of each run (>= 1)
+  std::vector<double> kl;          ///< [layers][kv_heads][formats], nats, finite and >= 0
+
+  /// A table of zeros for `layers` x `kv_heads` x `formats`.
+  static output_kl_table make(int layers, int kv_heads, std::vector<format_id> formats, int64_t tokens) {
+    output_kl_table t{layers, kv_heads, std::move(formats), tokens, {}};
+    t.kl.assign(size_t(layers) * size_t(kv_heads) * t.formats.size(), 0.0);
+    return t;
+  }
+  /// True when nothing was measured (the artifact has no `output_kl` field).
+  bool empty() const { return formats.empty(); }
+  /// Entry of (layer, kv head, index into `formats`).
+  double& at(int layer, int kv_head, int f) { return kl[index(layer, kv_head, f)]; }
+  double at(int layer, int kv_head, int f) const { return kl[index(layer, kv_head, f)]; }
+
+ private:
+  size_t index(int layer, int kv_head, int f) const {
+    return (size_t(layer) * size_t(kv_heads) + size_t(kv_head)) * formats.size() + size_t(f);
+  }
+};
+
 /// Contents of a calibration artifact.
 struct KVQ_EXPORT artifact {
   /// The version this build writes and reads.
@@ -66,6 +102,8 @@ struct KVQ_EXPORT artifact {
   /// rolealign clip ratios, [layers][kv_heads][2] (K then V): the layout of
   /// `KVCache::set_clip_ratios`.
   std::vector<float> clip_ratios;
+  /// Optional output KL with one unit quantized at a time; `empty()` when the file has none.
+  output_kl_table output_kl;
 
   /// Checks internal consistency (dimensions, numbers, ranges); the message names the field.
   status validate() const;

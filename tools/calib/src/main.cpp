@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
+#include <eval/metrics.hpp>
 #include <eval/progress.hpp>
 #include <filesystem>
 #include <fstream>
@@ -17,6 +19,9 @@
 #include <llama/gguf.hpp>
 #include <llama/model.hpp>
 #include <llama/tokenizer.hpp>
+#include <mutex>
+#include <numeric>
+#include <span>
 #include <sstream>
 #include <thread>
 
@@ -37,6 +42,18 @@ WHAT IT DOES
   groups aligned as in the cache), and picks per (layer, kv head, role) the rolealign clip ratio
   of --clip-grid that minimizes the damage of --clip-formats relative to no clipping.
   See include/kvq/calib/calibrate.hpp for the exact definitions.
+
+OUTPUT KL (--output-kl, slower)
+  For each (layer, kv head) and each of --output-kl-formats, the first --output-kl-tokens tokens
+  of the text (BOS first when the model adds one) are run through the model with a cache that is
+  FP16 except that one unit, whose K and V pages are stored in the format; the artifact's
+  output_kl records the mean over teacher-forced positions of KL(P_fp16 || P) of the next-token
+  distribution, against the all-FP16 run. These caches encode every full page at once (recent 0,
+  window = --page-tokens, the model fed in chunks of --page-tokens tokens), so a position sees the
+  unit quantized for every page before its own chunk; positions of the first chunk see nothing
+  quantized and are left out of the mean (--output-kl-tokens must exceed --page-tokens). Runs:
+  layers x kv heads x formats, + 1 reference, spread over --threads. The summary gives the
+  Spearman rank correlation over units of output KL with K attention KL and V perturbation.
 
 OUTPUT
   The artifact JSON (kvq.calibration v1, include/kvq/calib/artifact.hpp), reloaded and
@@ -74,6 +91,111 @@ int fail(const kvq::status& s) {
   return 1;
 }
 
+/// Runs work() on `threads` threads (the caller's included) and joins them.
+template <class F>
+void run_threads(int threads, F&& work) {
+  std::vector<std::jthread> pool;
+  for (int i = 1; i < threads; ++i) pool.emplace_back(work);
+  work();
+}
+
+/// Bytes of an FP16 cache of `model` holding `tokens` tokens with a ring of `window`, with slack.
+uint64_t fp16_budget(const kvq::llama::llama_hparams& hp, int64_t tokens, int page_tokens, int window) {
+  const uint64_t per_token = uint64_t(hp.n_layer) * uint64_t(hp.n_head_kv) * uint64_t(hp.head_dim) * 2u * 2u;
+  return 2 * per_token * uint64_t(tokens + 2 * page_tokens + window) + (16u << 20);
+}
+
+/// Output KL with one unit quantized at a time (see the footer, OUTPUT KL).
+kvq::result<kvq::calib::output_kl_table> measure_output_kl(const kvq::llama::llama_model& model,
+                                                           std::span<const token_id> tokens,
+                                                           std::vector<kvq::format_id> formats, int page_tokens,
+                                                           const std::vector<float>& clip_ratios, int threads,
+                                                           bool progress) {
+  const auto& hp = model.hparams();
+  const int64_t N = int64_t(tokens.size()), P = page_tokens, V = hp.n_vocab;
+  if (N <= P)
+    return kvq::status{kvq::errc::invalid_argument,
+                       fmt::format("--output-kl-tokens {} must exceed --page-tokens {}: positions of the first page "
+                                   "see no quantized token",
+                                   N, P)};
+  const uint64_t budget = fp16_budget(hp, N, page_tokens, page_tokens);
+  // Log-probabilities of positions [P, N) under the policy `spec`, into `logp` ([N - P][V]).
+  const auto run = [&](const std::string& spec, std::vector<float>& logits, std::vector<double>& logp) -> kvq::status {
+    auto cache_r = kvq::llama::make_cache(model, spec, budget, page_tokens, page_tokens, 0);
+    if (!cache_r) return cache_r.error();
+    kvq::KVCache& cache = cache_r.value();
+    KVQ_TRY(cache.set_clip_ratios(clip_ratios));
+    KVQ_TRY(cache.create_sequence(0));
+    KVQ_TRY(model.prefill(cache, 0, tokens, logits, kvq::llama::logits_mode::all));
+    for (int64_t p = P; p < N; ++p)
+      kvq::eval::log_softmax(std::span<const float>(logits).subspan(size_t(p * V), size_t(V)),
+                             std::span<double>(logp).subspan(size_t((p - P) * V), size_t(V)));
+    return {};
+  };
+  auto table = kvq::calib::output_kl_table::make(hp.n_layer, hp.n_head_kv, std::move(formats), N);
+  const int64_t F = int64_t(table.formats.size()), units = int64_t(hp.n_layer) * hp.n_head_kv;
+  kvq::eval::progress_bar bar("output KL", units * F + 1, progress);
+  std::vector<float> logits(size_t(N * V));
+  std::vector<double> ref(size_t((N - P) * V));
+  KVQ_TRY(run("fp16", logits, ref));
+  bar.advance(1);
+  std::atomic<int64_t> next{0};
+  std::atomic<bool> failed{false};
+  kvq::status first_error;
+  std::mutex mu;
+  run_threads(threads, [&] {
+    std::vector<float> lg(size_t(N * V));
+    std::vector<double> lp(ref.size());
+    for (int64_t i; !failed.load() && (i = next.fetch_add(1)) < units * F;) {
+      const int l = int(i / F / hp.n_head_kv), h = int((i / F) % hp.n_head_kv), f = int(i % F);
+      kvq::status s = run(fmt::format("fp16;{}.{}={}", l, h, kvq::format_name(table.formats[size_t(f)])), lg, lp);
+      if (!s.ok()) {
+        std::lock_guard lock(mu);
+        if (!failed.exchange(true)) first_error = std::move(s);
+        return;
+      }
+      double sum = 0;
+      for (int64_t p = 0; p < N - P; ++p)
+        sum += kvq::eval::kl_divergence(std::span<const double>(ref).subspan(size_t(p * V), size_t(V)),
+                                        std::span<const double>(lp).subspan(size_t(p * V), size_t(V)));
+      table.at(l, h, f) = sum / double(N - P);
+      bar.advance(1);
+    }
+  });
+  bar.finish();
+  if (failed) return first_error;
+  return table;
+}
+
+/// Ranks of `x` (1 = smallest), ties given their average rank.
+std::vector<double> ranks(const std::vector<double>& x) {
+  std::vector<size_t> order(x.size());
+  std::iota(order.begin(), order.end(), size_t(0));
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return x[a] < x[b]; });
+  std::vector<double> r(x.size());
+  for (size_t i = 0; i < order.size();) {
+    size_t j = i;
+    while (j + 1 < order.size() && x[order[j + 1]] == x[order[i]]) ++j;
+    for (size_t k = i; k <= j; ++k) r[order[k]] = double(i + j) / 2.0 + 1.0;
+    i = j + 1;
+  }
+  return r;
+}
+
+/// Spearman rank correlation of `a` and `b` (Pearson correlation of their ranks); 0 when either is
+/// constant.
+double spearman(const std::vector<double>& a, const std::vector<double>& b) {
+  const std::vector<double> ra = ranks(a), rb = ranks(b);
+  const double n = double(ra.size()), mean = (n + 1.0) / 2.0;
+  double sab = 0, saa = 0, sbb = 0;
+  for (size_t i = 0; i < ra.size(); ++i) {
+    sab += (ra[i] - mean) * (rb[i] - mean);
+    saa += (ra[i] - mean) * (ra[i] - mean);
+    sbb += (rb[i] - mean) * (rb[i] - mean);
+  }
+  return saa > 0 && sbb > 0 ? sab / std::sqrt(saa * sbb) : 0.0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -86,7 +208,9 @@ int main(int argc, char** argv) {
   int segment = 512, page_tokens = 64, window = 128, threads = 1;
   std::vector<std::string> formats, clip_formats = {"ra4/g32", "ra2/g32"};
   std::vector<float> clip_grid = {1.0f, 0.95f, 0.9f, 0.85f, 0.8f, 0.7f};
-  bool no_progress = false;
+  bool no_progress = false, output_kl = false;
+  int64_t output_kl_tokens = 128;
+  std::vector<std::string> output_kl_formats;
   app.add_option("-m,--model", model_path, "GGUF model (llama architecture)")->required()->check(CLI::ExistingFile);
   app.add_option("-t,--text", text_path, "calibration text (UTF-8)")->required()->check(CLI::ExistingFile);
   app.add_option("-o,--out", out_path, "artifact JSON to write")->required();
@@ -106,6 +230,14 @@ int main(int argc, char** argv) {
   app.add_option("--threads", threads, "threads for the calibrator (layers in parallel)")
       ->capture_default_str()
       ->check(CLI::Range(1, 256));
+  app.add_flag("--output-kl", output_kl,
+               "also measure the output KL with one (layer, kv head) quantized at a time (slow; see OUTPUT KL)");
+  app.add_option("--output-kl-tokens", output_kl_tokens, "teacher-forced tokens of each output-KL run")
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t(2), int64_t(1) << 20));
+  app.add_option("--output-kl-formats", output_kl_formats,
+                 "formats of the output-KL runs, of --formats (default: all of them)")
+      ->delimiter(',');
   app.add_flag("--no-progress", no_progress, "no progress bar on stderr");
   CLI11_PARSE(app, argc, argv);
 
@@ -164,12 +296,35 @@ int main(int argc, char** argv) {
   opt.model_name = model_name.empty() ? model.name() : model_name;
   auto cal_r = kvq::calib::calibrator::create(shape, opt);
   if (!cal_r) return fail(cal_r.error());
+  std::vector<kvq::format_id> okf = opt.formats;  // of the output-KL runs
+  if (output_kl && !output_kl_formats.empty()) {
+    auto f = parse_formats(output_kl_formats, "--output-kl-formats");
+    if (!f) return fail(f.error());
+    for (size_t i = 0; i < f->size(); ++i)
+      if (std::find(opt.formats.begin(), opt.formats.end(), (*f)[i]) == opt.formats.end())
+        return fail(
+            {kvq::errc::invalid_argument,
+             fmt::format("--output-kl-formats '{}' is not one of the calibration's formats", output_kl_formats[i])});
+    okf = *f;
+  }
+  std::vector<token_id> first;  // the tokens of the output-KL runs
+  if (output_kl) {
+    if (output_kl_tokens <= page_tokens)
+      return fail({kvq::errc::invalid_argument,
+                   fmt::format("--output-kl-tokens {} must exceed --page-tokens {}", output_kl_tokens, page_tokens)});
+    if (bos) first.push_back(tok.bos());
+    const size_t n_text = size_t(output_kl_tokens) - first.size();
+    if (all.size() < n_text)
+      return fail(
+          {kvq::errc::invalid_argument, fmt::format("text '{}' has {} tokens; --output-kl-tokens {} asks for more",
+                                                    text_path, all.size(), output_kl_tokens)});
+    first.insert(first.end(), all.begin(), all.begin() + int64_t(n_text));
+  }
   auto& cal = cal_r.value();
 
   // ---- the runner's cache (FP16, one segment at a time)
-  const uint64_t per_token = uint64_t(hp.n_layer) * uint64_t(hp.n_head_kv) * uint64_t(hp.head_dim) * 2u * 2u;
-  const uint64_t budget = 2 * per_token * uint64_t(segment + 2 * page_tokens + window) + (16u << 20);
-  auto cache_r = kvq::llama::make_cache(model, "fp16", budget, page_tokens, window, shape.recent);
+  auto cache_r = kvq::llama::make_cache(model, "fp16", fp16_budget(hp, segment, page_tokens, window), page_tokens,
+                                        window, shape.recent);
   if (!cache_r) return fail(cache_r.error());
   auto& cache = cache_r.value();
 
@@ -214,10 +369,7 @@ int main(int argc, char** argv) {
                                     {ks[size_t(l)].data(), kvq::dtype::f32, T, hp.n_head_kv, hp.head_dim, 0},
                                     {vs[size_t(l)].data(), kvq::dtype::f32, T, hp.n_head_kv, hp.head_dim, 0});
     };
-    std::vector<std::thread> pool;
-    for (int i = 1; i < threads; ++i) pool.emplace_back(work);
-    work();
-    for (auto& th : pool) th.join();
+    run_threads(threads, work);
     for (const auto& s : st)
       if (!s.ok()) return fail(s);
     const auto t2 = std::chrono::steady_clock::now();
@@ -233,6 +385,17 @@ int main(int argc, char** argv) {
   if (!prof) return fail(prof.error());
   // The hash is of the whole file; record the tokens actually measured.
   art.calibration_tokens = total;
+  double t_output_kl = 0;
+  if (output_kl) {
+    std::cerr << fmt::format("kvq-calibrate: output KL over {} tokens: {} units x {} format(s) = {} runs + 1\n",
+                             first.size(), hp.n_layer * hp.n_head_kv, okf.size(),
+                             int64_t(hp.n_layer) * hp.n_head_kv * int64_t(okf.size()));
+    const auto t0 = std::chrono::steady_clock::now();
+    auto table = measure_output_kl(model, first, okf, page_tokens, art.clip_ratios, threads, !no_progress);
+    if (!table) return fail(table.error());
+    art.output_kl = std::move(table).value();
+    t_output_kl = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
   if (const auto dir = std::filesystem::path(out_path).parent_path(); !dir.empty()) {
     std::error_code ec;
     std::filesystem::create_directories(dir, ec);
@@ -262,9 +425,30 @@ int main(int argc, char** argv) {
                                clips[(size_t(l) * hp.n_head_kv + h) * 2 + 1]);
     std::cout << "\n";
   }
+  if (!art.output_kl.empty()) {
+    // Does the one-pass measure rank the units as the output KL does?
+    std::cout << fmt::format("output KL (nats, mean over {} positions) per unit, Spearman over {} units:\n",
+                             art.output_kl.tokens - page_tokens, L * hp.n_head_kv);
+    for (size_t f = 0; f < art.output_kl.formats.size(); ++f) {
+      const int pf = prof->format_index(art.output_kl.formats[f]);
+      std::vector<double> o, k, v;
+      for (int l = 0; l < L; ++l)
+        for (int h = 0; h < hp.n_head_kv; ++h) {
+          o.push_back(art.output_kl.at(l, h, int(f)));
+          k.push_back(prof->at(l, h, kvq::role::k, pf));
+          v.push_back(prof->at(l, h, kvq::role::v, pf));
+        }
+      const auto top = std::max_element(o.begin(), o.end()) - o.begin();
+      std::cout << fmt::format(
+          "  {:>10}: mean {:.3e}, max {:.3e} (layer {} head {}); spearman vs K attention KL {:+.3f}, "
+          "vs V perturbation {:+.3f}\n",
+          kvq::format_name(art.output_kl.formats[f]), std::accumulate(o.begin(), o.end(), 0.0) / double(o.size()),
+          o[size_t(top)], top / hp.n_head_kv, top % hp.n_head_kv, spearman(o, k), spearman(o, v));
+    }
+  }
   std::cout << fmt::format(
-      "wrote {}: {} tokens in {} segment(s) of up to {}; model {:.1f} s, calibrator {:.1f} s ({} thread(s)); "
-      "reloaded and validated\n",
-      out_path, total, segments.size(), segment, t_model, t_calib, threads);
+      "wrote {}: {} tokens in {} segment(s) of up to {}; model {:.1f} s, calibrator {:.1f} s, output KL {:.1f} s "
+      "({} thread(s)); reloaded and validated\n",
+      out_path, total, segments.size(), segment, t_model, t_calib, t_output_kl, threads);
   return 0;
 }
