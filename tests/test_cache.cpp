@@ -253,6 +253,14 @@ struct snapshot {
            st.tokens == o.st.tokens && st.bytes_by_format == o.st.bytes_by_format && k == o.k && v == o.v;
   }
 };
+// A failed call: the code, and a message that contains `text`.
+void require_error(const status& s, errc code, const char* text) {
+  CAPTURE(s.to_string());
+  REQUIRE_FALSE(s.ok());
+  REQUIRE(s.code() == code);
+  REQUIRE_THAT(s.message(), Catch::Contains(text));
+}
+
 snapshot snap(KVCache& c, seq_id s) {
   snapshot out{c.stats(), {}, {}};
   const auto& sh = c.config().shape;
@@ -276,10 +284,7 @@ TEST_CASE("bad input is a clear error and leaves the cache unchanged", "[cache][
   const snapshot before = snap(c, 1);
 
   auto expect = [&](status s, errc code, const char* text) {
-    CAPTURE(s.to_string());
-    REQUIRE_FALSE(s.ok());
-    REQUIRE(s.code() == code);
-    REQUIRE_THAT(s.message(), Catch::Contains(text));
+    require_error(s, code, text);
     REQUIRE(snap(c, 1) == before);
   };
   // NaN / Inf deep inside a multi-page append: nothing stored
@@ -370,10 +375,7 @@ TEST_CASE("a batched append that fails stores nothing for any sequence", "[cache
   }
   const snapshot b1 = snap(c, 1), b2 = snap(c, 2);
   auto expect = [&](status s, errc code, const char* text) {
-    CAPTURE(s.to_string());
-    REQUIRE_FALSE(s.ok());
-    REQUIRE(s.code() == code);
-    REQUIRE_THAT(s.message(), Catch::Contains(text));
+    require_error(s, code, text);
     REQUIRE(snap(c, 1) == b1);
     REQUIRE(snap(c, 2) == b2);
   };
