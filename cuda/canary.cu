@@ -223,40 +223,7 @@ __global__ void __launch_bounds__(threads) canary_kernel(const __grid_constant__
   if (threadIdx.x == 0) p.out[(size_t(blockIdx.z) * p.kv_heads + h) * p.tiers + t] = acc;
 }
 
-constexpr int max_stage_runs = 256;
-struct stage_params {
-  const void* q;
-  dtype q_type;
-  int64_t q_stride;
-  int width;
-  float* dst;
-  canary_rows runs[max_stage_runs];
-};
-
-// A block per run of rows: row r of the run, element e -> dst[(dst_row + r) * width + e].
-__global__ void stage_q_kernel(const __grid_constant__ stage_params p) {
-  const canary_rows run = p.runs[blockIdx.x];
-  for (int idx = threadIdx.x; idx < run.rows * p.width; idx += blockDim.x) {
-    const int r = idx / p.width, e = idx % p.width;
-    p.dst[int64_t(run.dst_row + r) * p.width + e] = load_any(p.q, p.q_type, int64_t(run.src_row + r) * p.q_stride + e);
-  }
-}
-
 }  // namespace
-
-status canary_stage_q(const void* q, dtype q_type, int64_t q_stride, int width, std::span<const canary_rows> runs,
-                      float* dst, void* stream) {
-  if (runs.empty()) return {};
-  if (!q || !dst || width <= 0 || q_stride < width)
-    return {errc::invalid_argument, msg("canary_stage_q: null pointer, width ", width, " or stride ", q_stride)};
-  stage_params p{q, q_type, q_stride, width, dst, {}};
-  for (size_t i0 = 0; i0 < runs.size(); i0 += max_stage_runs) {
-    const size_t count = std::min<size_t>(max_stage_runs, runs.size() - i0);
-    std::copy(runs.begin() + ptrdiff_t(i0), runs.begin() + ptrdiff_t(i0 + count), p.runs);
-    stage_q_kernel<<<unsigned(count), 256, 0, static_cast<cudaStream_t>(stream)>>>(p);
-  }
-  return cuda_status(cudaGetLastError(), "canary query staging launch");
-}
 
 size_t canary_smem_bytes(std::span<const format_id> tiers, int align, int head_dim, int keys) {
   size_t page = 0;

@@ -261,8 +261,11 @@ class cuda_backend final : public cache_backend {
     const size_t need = cuda::attend_workspace_bytes(a);
     if (need > workspace_.count)  // grows to the largest batch shape seen, then never again
       KVQ_TRY(workspace_.allocate(need, "attention workspace"));
+    KVQ_TRY(due_canaries(items, layer));
+    if (!due_.empty()) a.q_stage = q_stage_.ptr;
     KVQ_TRY(cuda::attend_run(a, workspace_.ptr, workspace_.count, cfg_.stream));
-    return canaries(items, layer, q);
+    defer_canaries(layer);
+    return {};
   }
 
   void poll_policy() override { note(drain(false)); }
@@ -323,8 +326,8 @@ class cuda_backend final : public cache_backend {
   std::vector<uint8_t> batch_fmts_;
 
   // ---- device canary -----------------------------------------------------------------------
-  // An attend call with due canaries only stages the items' queries (one small copy kernel); the
-  // canary of every layer of the step is launched together, once, by `flush_canaries` at the next
+  // An attend call with due canaries only stages the items' queries (its own launch copies them,
+  // `decode_item::stage_row`); the canary of every layer of the step is launched together, once, by `flush_canaries` at the next
   // append (before any ring changes), a repeated attend of a layer, or `sync_policy`. The launch
   // writes [items][kv_heads][tiers] sums into a slot of mapped pinned memory and records the
   // slot's event; `pending_` keeps the launches in step order, and `drain` ingests them in that
@@ -366,20 +369,20 @@ class cuda_backend final : public cache_backend {
     return a;
   }
 
-  // Stages the queries of the items whose step is due (the policy's host RNG, as on the CPU); the
-  // canary runs at the next flush.
-  status canaries(std::span<const attend_item> items, int layer, const tensor_view& q) {
+  // Picks the items of this attend whose step is due (the policy's host RNG, as on the CPU) and
+  // gives each a row of the query staging buffer, which the attend launch fills (its split merge
+  // copies the rows: no launch of its own). The staging buffer grows, rarely, up to the largest
+  // canary step seen: the earlier layers' rows live in the old one, so they are launched first
+  // and the launch finishes before the buffer goes.
+  status due_canaries(std::span<const attend_item> items, int layer) {
+    due_.clear();
     if (!pol_->wants_queries()) return {};
     const auto& sh = cfg_.shape;
-    const int width = sh.q_heads * sh.head_dim;
-    stage_runs_.clear();
-    const size_t first_item = deferred_items_.size();
-    int32_t row = 0, rows = 0;
-    for (const auto& it : items) {
+    int32_t rows = 0;
+    for (size_t i = 0; i < items.size(); ++i) {
+      const attend_item& it = items[i];
       const sequence_state& s = *store_.find(it.seq);
       const int64_t n = s.layers[size_t(layer)].n;
-      const int32_t q_row = row;
-      row += it.q_len;
       pol_->note_observation();
       if (!pol_->canary_due(it.seq, n)) continue;
       const canary_keys keys(canary_.align, std::max<int64_t>(0, n - sh.window), n);
@@ -388,33 +391,35 @@ class cuda_backend final : public cache_backend {
         continue;
       }
       const auto* ring = reinterpret_cast<const uint16_t*>(arena_.ptr + store_.window_offset(s, layer, 0, role::k));
-      deferred_items_.push_back({ring, staged_rows_ + rows, it.q_len, int32_t(n), int32_t(keys.first), int32_t(keys.count())});
-      deferred_entries_.push_back({it.seq, layer, n, keys.rows_seeing(it.q_len, n)});
-      stage_runs_.push_back({q_row, it.q_len, staged_rows_ + rows});
+      due_.push_back({i, {ring, rows, it.q_len, int32_t(n), int32_t(keys.first), int32_t(keys.count())},
+                      {it.seq, layer, n, keys.rows_seeing(it.q_len, n)}});
       rows += it.q_len;
     }
-    if (stage_runs_.empty()) return {};
+    if (due_.empty()) return {};
+    const size_t width = size_t(sh.q_heads) * sh.head_dim;
     if (size_t(staged_rows_ + rows) * width > q_stage_.count) {
-      // Grow (rare: up to the largest canary step seen). The earlier layers' staged rows live in
-      // the old buffer: launch them first, and let that launch finish before the buffer goes.
-      std::vector<cuda::canary_item> mine(deferred_items_.begin() + ptrdiff_t(first_item), deferred_items_.end());
-      std::vector<canary_entry> mine_e(deferred_entries_.begin() + ptrdiff_t(first_item), deferred_entries_.end());
-      deferred_items_.resize(first_item);
-      deferred_entries_.resize(first_item);
       KVQ_TRY(flush_canaries());
       KVQ_TRY(cuda_ok(cudaStreamSynchronize(stream()), "cudaStreamSynchronize"));
-      const size_t keep = q_stage_.count / size_t(width);
+      const size_t keep = q_stage_.count / width;
       KVQ_TRY(q_stage_.allocate(std::max(size_t(2) * rows, keep + size_t(rows)) * width, "canary query staging"));
-      const int32_t base = stage_runs_[0].dst_row;  // the rows now start at 0
-      for (size_t i = 0; i < mine.size(); ++i) mine[i].q_row -= base, stage_runs_[i].dst_row = mine[i].q_row;
-      deferred_items_.insert(deferred_items_.end(), mine.begin(), mine.end());
-      deferred_entries_.insert(deferred_entries_.end(), mine_e.begin(), mine_e.end());
     }
-    KVQ_TRY(cuda::canary_stage_q(q.data, q.type, q.stride(), width, stage_runs_, q_stage_.ptr, cfg_.stream));
-    staged_rows_ += rows;
-    if (deferred_layer_.empty()) deferred_layer_.assign(size_t(sh.layers), 0);
-    deferred_layer_[size_t(layer)] = 1;
+    for (due_canary& d : due_) {
+      d.item.q_row += staged_rows_;
+      items_[d.index].stage_row = d.item.q_row;
+    }
     return {};
+  }
+
+  // After the attend launch that staged their queries: the due items wait for the step's flush.
+  void defer_canaries(int layer) {
+    if (due_.empty()) return;
+    for (const due_canary& d : due_) {
+      deferred_items_.push_back(d.item);
+      deferred_entries_.push_back(d.entry);
+      staged_rows_ += d.item.q_len;
+    }
+    if (deferred_layer_.empty()) deferred_layer_.assign(size_t(cfg_.shape.layers), 0);
+    deferred_layer_[size_t(layer)] = 1;
   }
 
   // Launches the canary of every staged item (every layer of the step) in one launch.
@@ -511,7 +516,12 @@ class cuda_backend final : public cache_backend {
   std::vector<cuda::canary_item> deferred_items_;   // staged, not yet launched (this step's layers)
   std::vector<canary_entry> deferred_entries_;
   std::vector<uint8_t> deferred_layer_;              // [layers] 1 while the layer has staged items
-  std::vector<cuda::canary_rows> stage_runs_;
+  struct due_canary {
+    size_t index;  // in the attend call's items
+    cuda::canary_item item;
+    canary_entry entry;
+  };
+  std::vector<due_canary> due_;                      // this attend call's due items
   device_buffer<float> q_stage_;                     // staged queries, [rows][q_heads * head_dim]
   int32_t staged_rows_ = 0;
   std::deque<canary_slot> canary_slots_;  // deque: slots never move (the destructor walks them)

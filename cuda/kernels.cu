@@ -59,6 +59,7 @@ struct attend_params {
   int unit_tokens;  // tokens of a work unit: 64 (tile kernel) or 16 (decode kernel slabs)
   float* ws_o;   // [partials][16][D]
   float* ws_ml;  // [partials][16][2]
+  float* q_stage;  // optional: items' query rows copied here as fp32 (decode_item::stage_row)
   int n_items;
   decode_item items[max_items];
 };
@@ -1324,6 +1325,16 @@ __global__ void __launch_bounds__(threads) merge_kernel(const __grid_constant__ 
   const decode_item item = p.items[blockIdx.x];
   const int rows_used = p.group * item.q_len;
   if (mt * 16 >= rows_used) return;
+  if (p.q_stage && item.stage_row >= 0) {  // the canary's copy of this block's query rows
+    const int width = p.q_heads * D;
+    for (int idx = threadIdx.x; idx < 16 * D; idx += threads) {
+      const int mm = mt * 16 + idx / D, c = idx % D;
+      if (mm >= rows_used) break;
+      const int i = mm / p.group, qh = h * p.group + mm % p.group;
+      p.q_stage[int64_t(item.stage_row + i) * width + qh * D + c] =
+          load_any(p.q, p.q_type, int64_t(item.q_row + i) * p.q_stride + int64_t(qh) * D + c);
+    }
+  }
   const int T = ceil_div(item.from_pages, p.unit_tokens) + ceil_div(item.n - item.from_pages, p.unit_tokens);
   const int splits = ceil_div(T, p.tiles_per_split);
   const size_t part0 = ((size_t(blockIdx.x) * p.kv.kv_heads + h) * p.mtiles + mt) * p.max_splits;
@@ -1474,6 +1485,7 @@ status attend_run(const attend_args& a, void* workspace, size_t workspace_bytes,
     const size_t parts = sub.items.size() * a.kv.kv_heads * lp.mtiles * lp.max_splits;
     p.ws_o = static_cast<float*>(workspace);
     p.ws_ml = p.ws_o + parts * 16 * a.kv.head_dim;
+    p.q_stage = a.q_stage;
     p.n_items = int(sub.items.size());
     std::copy(sub.items.begin(), sub.items.end(), p.items);
     p.unit_tokens = lp.unit;

@@ -64,18 +64,6 @@ struct canary_args {
   double* out = nullptr;              ///< device-writable [items][kv_heads][tiers] (mapped host memory works)
 };
 
-/// One run of query rows to stage for a later canary launch.
-struct canary_rows {
-  int32_t src_row;  ///< first row in the source
-  int32_t rows;     ///< rows of the run
-  int32_t dst_row;  ///< first row in the destination
-};
-/// Copies runs of rows of `q` ([rows][width] of f32/f16/bf16, `q_stride` elements apart) into
-/// `dst` ([rows][width] float, packed), on `stream`: the queries of a layer's canary items, kept
-/// until the canary of the whole step is launched (the engine may reuse its query buffer).
-KVQ_EXPORT status canary_stage_q(const void* q, dtype q_type, int64_t q_stride, int width,
-                                 std::span<const canary_rows> runs, float* dst, void* stream);
-
 /// Shared memory one block needs for `keys` keys (at most the window) and the given tiers.
 KVQ_EXPORT size_t canary_smem_bytes(std::span<const format_id> tiers, int align, int head_dim, int keys);
 /// Checks the arguments' shape (items may be empty); the message names what is not supported.

@@ -54,6 +54,7 @@ struct decode_item {
   int32_t from_pages;   ///< tokens read from pages: min(encoded, n - q_len); the rest from the ring
   uint32_t window_unit; ///< the sequence's window block, in 256-byte units
   int32_t q_row;        ///< first row of this item's queries in q and o
+  int32_t stage_row = -1;  ///< >= 0: copy the item's query rows to this row of `attend_args::q_stage`
 };
 
 /// Arguments of one attention call over one layer.
@@ -74,6 +75,11 @@ struct attend_args {
   /// is always correct; 8 or less lets decode run a kernel that keeps fewer registers per warp
   /// and more warps per SM. A 16-bit page under a smaller hint is still read correctly, slower.
   int max_page_bits = 16;
+  /// Optional, for a device canary that runs after the engine has reused `q` (EchoKV's): the
+  /// launch also copies the query rows of every item with `stage_row >= 0` into `q_stage`
+  /// ([rows][q_heads * head_dim] float, packed) from that row on. No extra launch: the split
+  /// merge does it.
+  float* q_stage = nullptr;
 };
 
 /// Checks that the arguments are supported; the message names what is not.
