@@ -52,6 +52,34 @@ double copy_bandwidth() {  // bytes read + written per second of a large device-
   return bw;
 }
 
+// `rows` random fp16 tokens of [H][D] (host): normal draws from `nd`, every 16th element (index 3
+// mod 16) scaled by `outlier` (1: none). Random data, never zeros.
+std::vector<uint16_t> random_rows(std::mt19937& rng, std::normal_distribution<float>& nd, int rows, float outlier) {
+  std::vector<uint16_t> host(size_t(rows) * H * D);
+  for (size_t i = 0; i < host.size(); ++i) host[i] = kvq::float_to_half(nd(rng) * ((i % 16) == 3 ? outlier : 1.f));
+  return host;
+}
+
+// A device copy of host fp16 data (the caller frees it).
+void* upload(const std::vector<uint16_t>& host) {
+  void* d;
+  CUDA_CHECK(cudaMalloc(&d, host.size() * 2));
+  CUDA_CHECK(cudaMemcpy(d, host.data(), host.size() * 2, cudaMemcpyHostToDevice));
+  return d;
+}
+
+// Creates sequences 0 .. n-1 of `context` tokens each, one layer: the first rows of the device
+// chunks `dk` / `dv` (`chunk` tokens each) appended repeatedly.
+void fill(kvq::KVCache& cache, int n, int context, const void* dk, const void* dv, int chunk) {
+  for (int s = 0; s < n; ++s) {
+    kvq::check(cache.create_sequence(s));
+    for (int done = 0; done < context; done += chunk) {
+      const int m = std::min(chunk, context - done);
+      kvq::check(cache.append(s, 0, {dk, kvq::dtype::f16, m, H, D}, {dv, kvq::dtype::f16, m, H, D}));
+    }
+  }
+}
+
 void bm_decode(benchmark::State& state, std::string spec, int batch, int context) {
   // memory: pages for every set + windows
   const auto fp = kvq::parse_format_pair(spec).value();
@@ -76,18 +104,9 @@ void bm_decode(benchmark::State& state, std::string spec, int batch, int context
   const int chunk = 4096;
   std::mt19937 rng(7);
   std::normal_distribution<float> nd;
-  std::vector<uint16_t> host(size_t(chunk) * H * D);
-  for (size_t i = 0; i < host.size(); ++i) host[i] = kvq::float_to_half(nd(rng) * ((i % 16) == 3 ? 5.f : 1.f));
-  void *dk, *dq, *dout;
-  CUDA_CHECK(cudaMalloc(&dk, host.size() * 2));
-  CUDA_CHECK(cudaMemcpy(dk, host.data(), host.size() * 2, cudaMemcpyHostToDevice));
-  for (int s = 0; s < batch * sets; ++s) {
-    kvq::check(cache.create_sequence(s));
-    for (int done = 0; done < context; done += chunk) {
-      const int n = std::min(chunk, context - done);
-      kvq::check(cache.append(s, 0, {dk, kvq::dtype::f16, n, H, D}, {dk, kvq::dtype::f16, n, H, D}));
-    }
-  }
+  void* dk = upload(random_rows(rng, nd, chunk, 5.f));
+  fill(cache, batch * sets, context, dk, dk, chunk);
+  void *dq, *dout;
   std::vector<uint16_t> q(size_t(batch) * Hq * D);
   for (auto& x : q) x = kvq::float_to_half(nd(rng));
   CUDA_CHECK(cudaMalloc(&dq, q.size() * 2));
@@ -163,18 +182,10 @@ void bm_append_step(benchmark::State& state, std::string spec, int batch, int co
   const int chunk = 4096;
   std::mt19937 rng(11);
   std::normal_distribution<float> nd;
-  std::vector<uint16_t> host(size_t(chunk) * H * D);
-  for (auto& x : host) x = kvq::float_to_half(nd(rng));
-  void *dk, *dq, *dout;
-  CUDA_CHECK(cudaMalloc(&dk, host.size() * 2));
-  CUDA_CHECK(cudaMemcpy(dk, host.data(), host.size() * 2, cudaMemcpyHostToDevice));
-  for (int s = 0; s < batch; ++s) {
-    kvq::check(cache.create_sequence(s));
-    for (int done = 0; done < context; done += chunk) {
-      const int n = std::min(chunk, context - done);
-      kvq::check(cache.append(s, 0, {dk, kvq::dtype::f16, n, H, D}, {dk, kvq::dtype::f16, n, H, D}));
-    }
-  }
+  const std::vector<uint16_t> host = random_rows(rng, nd, chunk, 1.f);
+  void* dk = upload(host);
+  fill(cache, batch, context, dk, dk, chunk);
+  void *dq, *dout;
   CUDA_CHECK(cudaMalloc(&dq, size_t(batch) * Hq * D * 2));
   CUDA_CHECK(cudaMalloc(&dout, size_t(batch) * Hq * D * 2));
   CUDA_CHECK(cudaMemcpy(dq, host.data(), size_t(batch) * Hq * D * 2, cudaMemcpyHostToDevice));
