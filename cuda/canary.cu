@@ -1,39 +1,45 @@
 // The device canary (include/kvq/cuda/canary.hpp): echokv_policy::measure's KL on the GPU.
 //
-// Grid: (tier, kv head, item), 1024 threads. A block encodes the item's window keys of its kv head
-// with its tier's codec into shared memory, in pages of `align` tokens (every unit of a K page is
-// one token group or one token, so the bytes and values equal those of the CPU's one page of all
-// the keys; a group never wraps around the ring because align divides the window), then, for up
-// to `rows_per_pass` query rows of the GQA group at a time: logits z = s·q·k and perturbations
-// D = s·q·(f(k) - k) with four lanes per (key, 4 rows), then the KL of each row with a warp per
-// row in fp64. KIVI keys are encoded a warp per codec unit, lanes over tokens. The keys are staged in shared memory first (one global latency instead of one per
-// encode step) and the error f(k) - k is decoded once per element, not once per row.
-// The block's sum over rows goes to out[item][kv head][tier]. The work is tiny (the window is a
-// few hundred keys); what matters is one launch per layer call and no synchronization.
-#include <kvq/codec/codec.hpp>
-#include <kvq/cuda/canary.hpp>
-
+// Grid: (kv head, item), 512 threads. A block stages the item's window keys of its kv head in
+// shared memory once (one global latency instead of one per encode step), then for each tier in
+// turn: the error f(k) - k of every key element under the tier's codec, in pages of `align` tokens
+// (every unit of a K page is one token group or one token, so the values equal those of the CPU's
+// one page of all the keys; a group never wraps around the ring because align divides the window;
+// KIVI keys a warp per (token group, 32 channels), a lane per channel, other formats through
+// codec::encode_unit into shared-memory pages), decoded once per element, not once per row; then,
+// for up to `rows_per_pass` query rows of the GQA group at a time, logits z = s·q·k and
+// perturbations D = s·q·(f(k) - k) with four lanes per (key, 4 rows), and the KL of each row with
+// a warp per row in fp64. The block's sum over rows goes to out[item][kv head][tier]. The work is
+// tiny (the window is a few hundred keys): the launch is latency-bound, so the tiers share one
+// block (the keys are staged once) and a whole decode step's canaries (every layer, every due
+// sequence) are one launch.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include "common.cuh"
-
 #include <algorithm>
 #include <atomic>
+#include <kvq/codec/codec.hpp>
+#include <kvq/cuda/canary.hpp>
+
+#include "common.cuh"
 
 KVQ_NAMESPACE_BEGIN
 namespace cuda {
 namespace {
 
-constexpr int threads = 1024;  // the launch is latency-bound: spread every phase wide
+constexpr int threads = 512;  // 2 blocks per SM fit (shared memory); a 128-key window busies <= 16 warps
 constexpr int warps = threads / 32;
 constexpr int rows_per_pass = 16;  // query rows (row = query token x head of the group) per pass
-constexpr int max_items = 64;      // items per launch (parameter space); more are launched in turn
+constexpr int max_items = 64;
+// Row padding of the staged keys (halves) and the error table (floats): in the z/D phase a warp
+// reads 8 keys x 4 interleaved channel quarters; row strides of 4 words mod 32 put those 32 reads
+// in 32 different banks (the keys' pairs of lanes share a word).
+constexpr int key_pad = 8, err_pad = 4;  // items per launch (parameter space); more are launched in turn
 
 using detail::cuda_status;
-using detail::msg;
 using detail::load_any;
+using detail::msg;
 
 size_t round16(size_t x) { return (x + 15) / 16 * 16; }
 
@@ -66,21 +72,22 @@ __device__ __forceinline__ T warp_sum(T x) {
 
 __global__ void __launch_bounds__(threads) canary_kernel(const __grid_constant__ canary_params p) {
   extern __shared__ __align__(16) uint8_t smem[];
-  const int t = blockIdx.x, h = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const canary_item& it = p.items[blockIdx.z];
+  const int h = blockIdx.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const canary_item& it = p.items[blockIdx.y];
   const int d = p.head_dim, R = p.window, A = p.align, n = it.keys, group = p.q_heads / p.kv_heads;
   const uint16_t* ring = it.ring + size_t(h) * p.ring_head_stride;
   const int chunks = n / A;
-  const uint32_t cs = p.chunk_stride[t];
-  const int kstride = d + 2;  // halves per staged key row: consecutive rows shift by one bank
-  const int estride = d + 1;  // floats per error row
+  const int kstride = d + key_pad;  // halves per staged key row
+  const int estride = d + err_pad;  // floats per error row
+  uint32_t page_stride = 0;         // the pages of every tier fit (canary_smem_bytes)
+  for (int t = 0; t < p.tiers; ++t) page_stride = max(page_stride, p.chunk_stride[t]);
   uint8_t* page = smem;
-  uint16_t* keys = reinterpret_cast<uint16_t*>(smem + size_t(chunks) * cs);          // [n][d + 2]
-  float* err = reinterpret_cast<float*>(keys + ((size_t(n) * kstride + 1) & ~size_t(1)));  // [n][d + 1]
-  float* qs = err + size_t(n) * estride;                                              // [rows_per_pass][d]
-  float* z = qs + rows_per_pass * d;                                                  // [rows_per_pass][n]
-  float* dd = z + rows_per_pass * n;                                                  // [rows_per_pass][n]
-  double* kl = reinterpret_cast<double*>(dd + rows_per_pass * n);                     // [rows_per_pass]
+  uint16_t* keys = reinterpret_cast<uint16_t*>(smem + size_t(chunks) * page_stride);       // [n][d + 2]
+  float* err = reinterpret_cast<float*>(keys + ((size_t(n) * kstride + 1) & ~size_t(1)));  // [n][d + err_pad]
+  float* qs = err + size_t(n) * estride;                                                   // [rows_per_pass][d]
+  float* z = qs + rows_per_pass * d;                                                       // [rows_per_pass][n]
+  float* dd = z + rows_per_pass * n;                                                       // [rows_per_pass][n]
+  double* kl = reinterpret_cast<double*>(dd + rows_per_pass * n);                          // [rows_per_pass]
 
   // K_ref: the window's keys into shared memory, 4 bytes per thread and step (one memory latency)
   for (int idx = threadIdx.x; idx < n * (d / 2); idx += threads) {
@@ -91,136 +98,143 @@ __global__ void __launch_bounds__(threads) canary_kernel(const __grid_constant__
   }
   __syncthreads();
 
-  // f_t(K) - K for every key and channel.
-  const codec::page_geom g = codec::make_geom(p.tier_fmt[t], role::k, A, d);
-  if (g.k_columns()) {
-    // KIVI keys (the usual tiers): a warp per (token group, 32 channels), a lane per channel. The
-    // range over the group's tokens, the fp16 scale and zero and the codes come from the codec's
-    // own helpers (kivi_range, kivi_code), so they equal codec::encode_unit's; the error is then
-    // x^ - x = (code s + z) - x with the codec's rounding, as the CPU canary computes it. No page
-    // is written: the codes are only needed as values.
-    const int G = g.fmt.group, bits = g.fmt.bits, blocks = d / 32;
-    const bool ra = g.fmt.fam == family::rolealign;
-    for (int task = warp; task < (n / G) * blocks; task += warps) {
-      const int tg = task / blocks, c = (task % blocks) * 32 + lane;
-      const uint16_t* src = keys + size_t(tg) * G * kstride + c;
-      float lo = h2f(src[0]), hi = lo;
+  // The tiers one after the other over the same staged keys (the shared-memory tables are reused).
+  for (int t = 0; t < p.tiers; ++t) {
+    const uint32_t cs = p.chunk_stride[t];
+    // f_t(K) - K for every key and channel.
+    const codec::page_geom g = codec::make_geom(p.tier_fmt[t], role::k, A, d);
+    if (g.k_columns()) {
+      // KIVI keys (the usual tiers): a warp per (token group, 32 channels), a lane per channel. The
+      // range over the group's tokens, the fp16 scale and zero and the codes come from the codec's
+      // own helpers (kivi_range, kivi_code), so they equal codec::encode_unit's; the error is then
+      // x^ - x = (code s + z) - x with the codec's rounding, as the CPU canary computes it. No page
+      // is written: the codes are only needed as values.
+      const int G = g.fmt.group, bits = g.fmt.bits, blocks = d / 32;
+      const bool ra = g.fmt.fam == family::rolealign;
+      for (int task = warp; task < (n / G) * blocks; task += warps) {
+        const int tg = task / blocks, c = (task % blocks) * 32 + lane;
+        const uint16_t* src = keys + size_t(tg) * G * kstride + c;
+        float lo = h2f(src[0]), hi = lo;
 #pragma unroll 8
-      for (int tt = 1; tt < G; ++tt) {
-        const float x = h2f(src[tt * kstride]);
-        lo = codec::fmin_(lo, x);
-        hi = codec::fmax_(hi, x);
+        for (int tt = 1; tt < G; ++tt) {
+          const float x = h2f(src[tt * kstride]);
+          lo = codec::fmin_(lo, x);
+          hi = codec::fmax_(hi, x);
+        }
+        uint16_t s16, z16;
+        codec::kivi_range(lo, hi, bits, ra, 1.0f, s16, z16);
+        const float sf = h2f(s16), zf = h2f(z16);
+        float* er = err + size_t(tg) * G * estride + c;
+#pragma unroll 8
+        for (int tt = 0; tt < G; ++tt) {
+          const float x = h2f(src[tt * kstride]);
+          const uint32_t q = codec::kivi_code(x, sf, zf, bits);
+          er[tt * estride] = codec::sub_rn(codec::add_rn(codec::mul_rn(float(q), sf), zf), x);
+        }
       }
-      uint16_t s16, z16;
-      codec::kivi_range(lo, hi, bits, ra, 1.0f, s16, z16);
-      const float sf = h2f(s16), zf = h2f(z16);
-      float* er = err + size_t(tg) * G * estride + c;
-#pragma unroll 8
-      for (int tt = 0; tt < G; ++tt) {
-        const float x = h2f(src[tt * kstride]);
-        const uint32_t q = codec::kivi_code(x, sf, zf, bits);
-        er[tt * estride] = codec::sub_rn(codec::add_rn(codec::mul_rn(float(q), sf), zf), x);
+    } else {
+      // other tiers: the codec's units into shared-memory pages of align tokens, then every element
+      for (uint32_t i = threadIdx.x; i < chunks * cs / 4; i += threads) reinterpret_cast<uint32_t*>(page)[i] = 0u;
+      __syncthreads();
+      const int units = g.unit_count();
+      for (int ua = threadIdx.x; ua < chunks * units; ua += threads) {
+        const int ch = ua / units;
+        codec::encode_unit(g, keys + size_t(ch) * A * kstride, kstride, ua % units, page + size_t(ch) * cs, 1.0f);
+      }
+      __syncthreads();
+      for (int idx = threadIdx.x; idx < n * d; idx += threads) {
+        const int j = idx / d, c = idx % d;
+        const float k = h2f(keys[j * kstride + c]);
+        err[j * estride + c] = codec::sub_rn(codec::decode_element(g, page + size_t(j / A) * cs, j % A, c), k);
       }
     }
-  } else {
-    // other tiers: the codec's units into shared-memory pages of align tokens, then every element
-    for (uint32_t i = threadIdx.x; i < chunks * cs / 4; i += threads) reinterpret_cast<uint32_t*>(page)[i] = 0u;
-    __syncthreads();
-    const int units = g.unit_count();
-    for (int ua = threadIdx.x; ua < chunks * units; ua += threads) {
-      const int ch = ua / units;
-      codec::encode_unit(g, keys + size_t(ch) * A * kstride, kstride, ua % units, page + size_t(ch) * cs, 1.0f);
-    }
-    __syncthreads();
-    for (int idx = threadIdx.x; idx < n * d; idx += threads) {
-      const int j = idx / d, c = idx % d;
-      const float k = h2f(keys[j * kstride + c]);
-      err[j * estride + c] = codec::sub_rn(codec::decode_element(g, page + size_t(j / A) * cs, j % A, c), k);
-    }
-  }
 
-  const int total_rows = it.q_len * group;
-  const int64_t last_key = int64_t(it.first) + n;
-  double acc = 0.0;
-  for (int r0 = 0; r0 < total_rows; r0 += rows_per_pass) {
-    const int rows = min(rows_per_pass, total_rows - r0);
-    for (int idx = threadIdx.x; idx < rows_per_pass * d; idx += threads) {
-      const int r = idx / d, c = idx % d, row = r0 + r;
-      qs[idx] = r < rows ? load_any(p.q, p.q_type,
-                                  int64_t(it.q_row + row / group) * p.q_stride + int64_t(h * group + row % group) * d + c)
-                         : 0.f;
-    }
-    __syncthreads();  // also orders the error table before the first pass's reads
+    const int total_rows = it.q_len * group;
+    const int64_t last_key = int64_t(it.first) + n;
+    double acc = 0.0;
+    for (int r0 = 0; r0 < total_rows; r0 += rows_per_pass) {
+      const int rows = min(rows_per_pass, total_rows - r0);
+      for (int idx = threadIdx.x; idx < rows_per_pass * d; idx += threads) {
+        const int r = idx / d, c = idx % d, row = r0 + r;
+        qs[idx] =
+            r < rows ? load_any(p.q, p.q_type,
+                                int64_t(it.q_row + row / group) * p.q_stride + int64_t(h * group + row % group) * d + c)
+                     : 0.f;
+      }
+      __syncthreads();  // also orders the error table before the first pass's reads
 
-    // z_j = s q.k_j and D_j = s q.(f(k_j) - k_j): four adjacent lanes per (key, block of 4 rows),
-    // each over a quarter of the channels, summed by shuffles (the query reads are broadcasts, the
-    // key rows are padded apart). The trip count is warp-uniform for the shuffles.
-    const int row_blocks = (rows + 3) / 4;
-    for (int base = 0; base < n * row_blocks * 4; base += threads) {
-      const int idx = base + int(threadIdx.x), quarter = idx % 4, pair = idx / 4;
-      const int j = pair % n, rb = (pair / n) * 4;
-      const bool live = pair < n * row_blocks;
-      float az[4] = {0.f, 0.f, 0.f, 0.f}, ad[4] = {0.f, 0.f, 0.f, 0.f};
-      if (live) {
-        const uint16_t* kr = keys + j * kstride;
-        const float* er = err + j * estride;
+      // z_j = s q.k_j and D_j = s q.(f(k_j) - k_j): four adjacent lanes per (key, block of 4 rows),
+      // lane `quarter` over the channels 4i + quarter, summed by shuffles (the query reads are
+      // broadcasts; key_pad / err_pad keep the key and error reads conflict-free). The trip count
+      // is warp-uniform for the shuffles.
+      const int row_blocks = (rows + 3) / 4;
+      for (int base = 0; base < n * row_blocks * 4; base += threads) {
+        const int idx = base + int(threadIdx.x), quarter = idx % 4, pair = idx / 4;
+        const int j = pair % n, rb = (pair / n) * 4;
+        const bool live = pair < n * row_blocks;
+        float az[4] = {0.f, 0.f, 0.f, 0.f}, ad[4] = {0.f, 0.f, 0.f, 0.f};
+        if (live) {
+          const uint16_t* kr = keys + j * kstride;
+          const float* er = err + j * estride;
 #pragma unroll 8
-        for (int c = quarter * (d / 4); c < (quarter + 1) * (d / 4); ++c) {
-          const float k = h2f(kr[c]), e = er[c];
+          for (int i = 0; i < d / 4; ++i) {
+            const int c = 4 * i + quarter;
+            const float k = h2f(kr[c]), e = er[c];
 #pragma unroll
-          for (int r = 0; r < 4; ++r) {
-            az[r] += qs[(rb + r) * d + c] * k;
-            ad[r] += qs[(rb + r) * d + c] * e;
+            for (int r = 0; r < 4; ++r) {
+              az[r] += qs[(rb + r) * d + c] * k;
+              ad[r] += qs[(rb + r) * d + c] * e;
+            }
           }
         }
-      }
-#pragma unroll
-      for (int r = 0; r < 4; ++r)
-        for (int o = 1; o < 4; o <<= 1) {
-          az[r] += __shfl_xor_sync(0xffffffffu, az[r], o);
-          ad[r] += __shfl_xor_sync(0xffffffffu, ad[r], o);
-        }
-      if (live && quarter == 0)
 #pragma unroll
         for (int r = 0; r < 4; ++r)
-          if (rb + r < rows) {
-            z[(rb + r) * n + j] = p.scale * az[r];
-            dd[(rb + r) * n + j] = p.scale * ad[r];
+          for (int o = 1; o < 4; o <<= 1) {
+            az[r] += __shfl_xor_sync(0xffffffffu, az[r], o);
+            ad[r] += __shfl_xor_sync(0xffffffffu, ad[r], o);
           }
-    }
-    __syncthreads();
+        if (live && quarter == 0)
+#pragma unroll
+          for (int r = 0; r < 4; ++r)
+            if (rb + r < rows) {
+              z[(rb + r) * n + j] = p.scale * az[r];
+              dd[(rb + r) * n + j] = p.scale * ad[r];
+            }
+      }
+      __syncthreads();
 
-    // KL(p || softmax(z + D)) = log1p(Σ p expm1(D)) - Σ p D over the keys the row sees
-    for (int r = warp; r < rows; r += warps) {
-      const int64_t pos = int64_t(it.context) - it.q_len + (r0 + r) / group;  // the row's last visible key
-      const int vis = int(min(last_key, pos + 1) - it.first);
-      if (vis <= 0) {
-        if (lane == 0) kl[r] = 0.0;
-        continue;
+      // KL(p || softmax(z + D)) = log1p(Σ p expm1(D)) - Σ p D over the keys the row sees
+      for (int r = warp; r < rows; r += warps) {
+        const int64_t pos = int64_t(it.context) - it.q_len + (r0 + r) / group;  // the row's last visible key
+        const int vis = int(min(last_key, pos + 1) - it.first);
+        if (vis <= 0) {
+          if (lane == 0) kl[r] = 0.0;
+          continue;
+        }
+        float mx = -INFINITY;
+        for (int j = lane; j < vis; j += 32) mx = fmaxf(mx, z[r * n + j]);
+        for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        double sum = 0.0, e1 = 0.0, e2 = 0.0;
+        for (int j = lane; j < vis; j += 32) {
+          // exponentials in float (relative error ~1e-7, far inside the canary's use), sums in double
+          const float dj = dd[r * n + j];
+          const double w = double(expf(z[r * n + j] - mx));
+          sum += w;
+          e1 += w * double(expm1f(dj));
+          e2 += w * double(dj);
+        }
+        sum = warp_sum(sum);
+        e1 = warp_sum(e1);
+        e2 = warp_sum(e2);
+        if (lane == 0) kl[r] = fmax(log1p(e1 / sum) - e2 / sum, 0.0);  // rounding can give -1e-17
       }
-      float mx = -INFINITY;
-      for (int j = lane; j < vis; j += 32) mx = fmaxf(mx, z[r * n + j]);
-      for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-      double sum = 0.0, e1 = 0.0, e2 = 0.0;
-      for (int j = lane; j < vis; j += 32) {
-        // exponentials in float (relative error ~1e-7, far inside the canary's use), sums in double
-        const float dj = dd[r * n + j];
-        const double w = double(expf(z[r * n + j] - mx));
-        sum += w;
-        e1 += w * double(expm1f(dj));
-        e2 += w * double(dj);
-      }
-      sum = warp_sum(sum);
-      e1 = warp_sum(e1);
-      e2 = warp_sum(e2);
-      if (lane == 0) kl[r] = fmax(log1p(e1 / sum) - e2 / sum, 0.0);  // rounding can give -1e-17
+      __syncthreads();
+      if (threadIdx.x == 0)
+        for (int r = 0; r < rows; ++r) acc += kl[r];  // in row order: deterministic
+      __syncthreads();  // qs, z, dd (next pass) and the error table (next tier) are rewritten
     }
-    __syncthreads();
-    if (threadIdx.x == 0)
-      for (int r = 0; r < rows; ++r) acc += kl[r];  // in row order: deterministic
-    __syncthreads();  // qs, z and dd are rewritten by the next pass
+    if (threadIdx.x == 0) p.out[(size_t(blockIdx.y) * p.kv_heads + h) * p.tiers + t] = acc;
   }
-  if (threadIdx.x == 0) p.out[(size_t(blockIdx.z) * p.kv_heads + h) * p.tiers + t] = acc;
 }
 
 }  // namespace
@@ -229,8 +243,8 @@ size_t canary_smem_bytes(std::span<const format_id> tiers, int align, int head_d
   size_t page = 0;
   for (format_id f : tiers) page = std::max(page, chunk_bytes(f, align, head_dim));
   const size_t chunks = size_t(keys / std::max(align, 1));
-  const size_t staged = ((size_t(keys) * (head_dim + 2) + 1) & ~size_t(1)) * 2;  // fp16 keys, padded rows
-  const size_t errors = size_t(keys) * (head_dim + 1) * 4;
+  const size_t staged = ((size_t(keys) * (head_dim + key_pad) + 1) & ~size_t(1)) * 2;  // fp16 keys, padded rows
+  const size_t errors = size_t(keys) * (head_dim + err_pad) * 4;
   return chunks * page + staged + errors + size_t(rows_per_pass) * head_dim * 4 + 2 * size_t(rows_per_pass) * keys * 4 +
          rows_per_pass * sizeof(double);
 }
@@ -304,7 +318,7 @@ status canary_run(const canary_args& a, void* stream) {
                           "cudaFuncSetAttribute"));
       opted.store(int(smem));
     }
-    canary_kernel<<<dim3(unsigned(p.tiers), unsigned(a.kv_heads), unsigned(count)), threads, smem, st>>>(p);
+    canary_kernel<<<dim3(unsigned(a.kv_heads), unsigned(count)), threads, smem, st>>>(p);
   }
   return cuda_status(cudaGetLastError(), "canary launch");
 }

@@ -122,13 +122,13 @@ class cuda_backend final : public cache_backend {
 
   status write(sequence_state& s, int layer, const tensor_view& k, const tensor_view& v, const append_plan& plan) override {
     KVQ_TRY(check(k, v, fmt::format("append: K or V of sequence {} layer {}", s.id, layer)));
-    KVQ_TRY(flush_canaries());  // before any ring changes: the deferred canaries read the rings
+    KVQ_TRY(flush_canaries_of(layer));  // before the layer's rings change
     return write_pieces(s, layer, k, v, plan);
   }
 
   status write_batch(std::span<const batch_entry> entries, int layer, const tensor_view& k, const tensor_view& v) override {
     KVQ_TRY(check(k, v, fmt::format("append_batch: K or V of the batch (layer {})", layer)));
-    KVQ_TRY(flush_canaries());  // before any ring changes: the deferred canaries read the rings
+    KVQ_TRY(flush_canaries_of(layer));  // before the layer's rings change
     // One launch pair for as many sequences as fit (max_append_items, max_append_pages); a
     // sequence with more new pages than that (a long prefill) goes through the piecewise path.
     const int per_page = cfg_.shape.kv_heads * 2;
@@ -233,7 +233,7 @@ class cuda_backend final : public cache_backend {
   }
 
   status attend(std::span<const attend_item> items, int layer, const tensor_view& q, const tensor_mut& o) override {
-    if (deferred_layer_.size() > size_t(layer) && deferred_layer_[size_t(layer)]) KVQ_TRY(flush_canaries());  // a repeated step
+    KVQ_TRY(flush_canaries_of(layer));  // a repeated step of the layer
     const auto& sh = cfg_.shape;
     items_.clear();
     int32_t row = 0;
@@ -327,12 +327,13 @@ class cuda_backend final : public cache_backend {
 
   // ---- device canary -----------------------------------------------------------------------
   // An attend call with due canaries only stages the items' queries (its own launch copies them,
-  // `decode_item::stage_row`); the canary of every layer of the step is launched together, once, by `flush_canaries` at the next
-  // append (before any ring changes), a repeated attend of a layer, or `sync_policy`. The launch
-  // writes [items][kv_heads][tiers] sums into a slot of mapped pinned memory and records the
-  // slot's event; `pending_` keeps the launches in step order, and `drain` ingests them in that
-  // order once their events complete. One launch per canary step instead of one per layer: the
-  // canary is latency-bound (a 128-key window), so 32 layers cost about what one does.
+  // `decode_item::stage_row`); the canary of every layer of the step is launched together, once,
+  // by `flush_canaries` at the next append to or attend of a layer with deferred items (before
+  // its rings change), or `sync_policy`. The launch writes [items][kv_heads][tiers] sums into a
+  // slot of mapped pinned memory and records the slot's event; `pending_` keeps the launches in
+  // step order, and `drain` ingests them in that order once their events complete. One launch
+  // per canary step instead of one per layer: the canary is latency-bound (a 128-key window), so
+  // 32 layers cost little more than one does.
   struct canary_slot {
     double* host = nullptr;  // mapped pinned [max_sequences][kv_heads][tiers]
     double* dev = nullptr;   // its device alias
@@ -420,6 +421,15 @@ class cuda_backend final : public cache_backend {
     }
     if (deferred_layer_.empty()) deferred_layer_.assign(size_t(cfg_.shape.layers), 0);
     deferred_layer_[size_t(layer)] = 1;
+  }
+
+  // The deferred canaries of a layer read its rings as they are now: an append to the layer, or
+  // its next attend (the staged rows are one per layer and step), first launches every deferred
+  // canary. In a decode step (per layer: append, attend) that is the first layer's append of the
+  // next step, so the whole step's canary is one launch.
+  status flush_canaries_of(int layer) {
+    if (deferred_layer_.size() > size_t(layer) && deferred_layer_[size_t(layer)]) return flush_canaries();
+    return {};
   }
 
   // Launches the canary of every staged item (every layer of the step) in one launch.

@@ -123,7 +123,9 @@ KVQ_HOST_DEVICE void kivi_range(float lo, float hi, int bits, bool ra, float cli
 /// KIVI / rolealign code of x for scale s and zero z (the decoded fp16 values of `kivi_range`).
 KVQ_HOST_DEVICE uint32_t kivi_code(float x, float s, float z, int bits) {
   if (!(s > 0.f)) return 0u;
-  const float q = round_even(div_rn(sub_rn(x, z), s));
+  const float num = sub_rn(x, z);
+  if (num == 0.f) return 0u;  // 0 / s, and keeps the device division off its slow path (zero operand)
+  const float q = round_even(div_rn(num, s));
   return uint32_t(fmin_(fmax_(q, 0.f), float((1 << bits) - 1)));
 }
 
