@@ -20,8 +20,11 @@ for s in $steps; do
       cs=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
       KVQ_GPU_TEST_SMALL=1 "$cs" --tool memcheck --error-exitcode 3 ./.gpu/kvq_cuda_tests "[decode],[extend],[errors]" \
         > "$OUT/memcheck.log" 2>&1; r=$?; tail -4 "$OUT/memcheck.log"; rc=$((rc | r))
-      KVQ_GPU_TEST_SMALL=1 "$cs" --tool memcheck --error-exitcode 3 ./.gpu/kvq_cuda_tests "[append]" \
-        > "$OUT/memcheck_append.log" 2>&1; r=$?; tail -3 "$OUT/memcheck_append.log"; rc=$((rc | r))
+      for f in "[append]" "[canary]" "[graph]"; do
+        KVQ_GPU_TEST_SMALL=1 "$cs" --tool memcheck --error-exitcode 3 ./.gpu/kvq_cuda_tests "$f" \
+          > "$OUT/memcheck_more.log" 2>&1; r=$?; echo "memcheck $f: $(tail -1 "$OUT/memcheck_more.log")"; rc=$((rc | r))
+      done
+      # (no racecheck of [canary]: its 512-thread blocks make racecheck take many minutes)
       KVQ_GPU_TEST_SMALL=1 "$cs" --tool racecheck --error-exitcode 3 ./.gpu/kvq_cuda_tests "gpu: mixed formats*" \
         > "$OUT/racecheck.log" 2>&1; r=$?; tail -3 "$OUT/racecheck.log"; rc=$((rc | r)) ;;
     bench)
@@ -30,7 +33,7 @@ for s in $steps; do
     peer)
       python3 .gpu/peer_decode.py 2>&1 | tee "$OUT/peer.csv" ;;
     canary)
-      ./.gpu/kvq_bench_canary_cuda --json "$OUT/canary.json" 2>&1 | tee "$OUT/canary.log" | grep -vE "filled|round"
+      ./.gpu/kvq_bench_canary_cuda --steps 1280 --json "$OUT/canary.json" 2>&1 | tee "$OUT/canary.log" | grep -vE "filled|round"
       rc=$((rc | ${PIPESTATUS[0]})) ;;
   esac
 done
