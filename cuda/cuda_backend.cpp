@@ -30,15 +30,20 @@ struct device_buffer {
   ~device_buffer() {
     if (ptr) cudaFree(ptr);
   }
+  // Replaces the buffer (its contents are not kept). On failure it is empty (count 0), so a later
+  // size check asks for it again instead of writing through a null pointer.
   status allocate(size_t n, const char* what) {
     if (ptr) cudaFree(ptr);
     ptr = nullptr;
-    count = n;
+    count = 0;
     if (n == 0) return {};
     const cudaError_t e = cudaMalloc(reinterpret_cast<void**>(&ptr), n * sizeof(T));
-    if (e != cudaSuccess)
+    if (e != cudaSuccess) {
+      ptr = nullptr;
       return {errc::out_of_budget,
               fmt::format("cudaMalloc of {} bytes for the {} failed: {}", n * sizeof(T), what, cudaGetErrorString(e))};
+    }
+    count = n;
     return {};
   }
 };
@@ -372,9 +377,9 @@ class cuda_backend final : public cache_backend {
 
   // Picks the items of this attend whose step is due (the policy's host RNG, as on the CPU) and
   // gives each a row of the query staging buffer, which the attend launch fills (its split merge
-  // copies the rows: no launch of its own). The staging buffer grows, rarely, up to the largest
-  // canary step seen: the earlier layers' rows live in the old one, so they are launched first
-  // and the launch finishes before the buffer goes.
+  // copies the rows: no launch of its own). The staging buffer grows, rarely (to a whole step of
+  // the largest canary call seen, doubling): the earlier layers' rows live in the old one, so
+  // they are launched first and the launch finishes before the buffer goes.
   status due_canaries(std::span<const attend_item> items, int layer) {
     due_.clear();
     if (!pol_->wants_queries()) return {};
@@ -401,8 +406,10 @@ class cuda_backend final : public cache_backend {
     if (size_t(staged_rows_ + rows) * width > q_stage_.count) {
       KVQ_TRY(flush_canaries());
       KVQ_TRY(cuda_ok(cudaStreamSynchronize(stream()), "cudaStreamSynchronize"));
-      const size_t keep = q_stage_.count / width;
-      KVQ_TRY(q_stage_.allocate(std::max(size_t(2) * rows, keep + size_t(rows)) * width, "canary query staging"));
+      // room for a whole step like this call (every layer) and at least twice what was there
+      const size_t have = q_stage_.count / width;
+      const size_t want = std::max(size_t(2) * have, size_t(rows) * size_t(sh.layers));
+      KVQ_TRY(q_stage_.allocate(want * width, "canary query staging"));
     }
     for (due_canary& d : due_) {
       d.item.q_row += staged_rows_;
