@@ -275,6 +275,8 @@ class cuda_backend final : public cache_backend {
 
   void poll_policy() override { note(drain(false)); }
 
+  status flush_policy() override { return flush_canaries(); }
+
   status sync_policy() override {
     note(flush_canaries());
     note(drain(true));

@@ -231,6 +231,8 @@ status KVCache::set_clip_ratios(std::span<const float> ratios) {
 
 status KVCache::sync_policy() { return impl_->sync_policy(); }
 
+status KVCache::flush_policy() { return impl_->flush_policy(); }
+
 cache_stats KVCache::stats() const {
   const auto& st = impl_->store_;
   const auto& t = st.totals();

@@ -147,7 +147,8 @@ class KVQ_EXPORT KVCache {
   /// CPU backend: nothing to do (the canary runs inside `attend`). CUDA backend: a policy with a
   /// device canary (`policy::device_canary`, e.g. EchoKV) is measured on the GPU: each attend
   /// stages the due queries, and one kernel for all layers of the step runs on the stream at the
-  /// next append (or a repeated attend of a layer, or this call); completed measurements are
+  /// next append to or attend of a layer with staged queries (in a decode step: the next step's
+  /// first append), at `flush_policy`, or at this call; completed measurements are
   /// ingested without blocking at the start of later `append`/`attend` calls, so a decision
   /// reaches `choose` one or more steps after its canary (pages planned in between keep the
   /// previous tier), and this call launches what is staged, synchronizes the stream's canaries
@@ -155,6 +156,13 @@ class KVQ_EXPORT KVCache {
   /// sequence data-dependent (a canary kernel on some steps only): freeze the policy before
   /// capturing a step in a CUDA graph. Returns the first canary failure since the last call.
   status sync_policy();
+
+  /// Launches the canaries staged so far (CUDA backend; nothing elsewhere) without waiting for
+  /// them. An engine may call it after a step's last attend: the canary then runs ahead of the
+  /// rest of the step rather than at the next step's first append (the same GPU time, its
+  /// decisions one step sooner). The measurements are ingested as usual. Returns the launch's
+  /// failure, if any.
+  status flush_policy();
 
   cache_stats stats() const;
   const cache_config& config() const;

@@ -50,6 +50,8 @@ class cache_backend {
   /// Waits for every canary in flight and hands its measurement to the policy; returns the first
   /// failure since the last call (a launch, an event or a malformed measurement).
   virtual status sync_policy() { return {}; }
+  /// Launches the deferred canaries without waiting (`KVCache::flush_policy`).
+  virtual status flush_policy() { return {}; }
 
   cache_config cfg_;
   std::shared_ptr<policy> pol_;
