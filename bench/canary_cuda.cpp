@@ -81,6 +81,7 @@ struct result {
   double diff_sem_ms = 0;       // standard error of the paired live - frozen block difference
   double quiet_sem_ms = 0;      // the same for quiet - frozen
   double one_sem_ms = 0;        // the same for one - frozen (the canary step extra)
+  double flush_one_ms = 0, flush_frozen_ms = 0;  // the canary launch's own time on the stream
   double expected_p = 0, modeled_pct = 0, direct_pct = 0, quiet_pct = 0, extra_one_ms = 0, extra_all_ms = 0;
 };
 
@@ -153,9 +154,16 @@ result run(int batch, int context, int steps_per_mode, int block) {
       kvq::check(cache.attend(items, l, {dq, kvq::dtype::f16, batch, Hq, D}, {dout, kvq::dtype::f16, batch, Hq, D}));
     }
   };
-  cudaEvent_t e0, e1;
+  cudaEvent_t e0, e1, f0, f1;
   CUDA_CHECK(cudaEventCreate(&e0));
   CUDA_CHECK(cudaEventCreate(&e1));
+  CUDA_CHECK(cudaEventCreate(&f0));
+  CUDA_CHECK(cudaEventCreate(&f1));
+  // In `one` and `frozen` blocks, the middle step's canary is launched explicitly right after the
+  // step (flush_policy, which the next step's first append would otherwise do) between two
+  // events: the canary's own time on the stream (frozen: the empty flush, the events' floor).
+  double flush_ms[modes] = {};
+  int flushes[modes] = {};
   double sum_ms[modes] = {};
   std::vector<double> diffs, quiet_diffs, one_diffs;  // live, quiet and one - frozen per round, ms per step
   int live_with_canary = 0;
@@ -175,6 +183,11 @@ result run(int batch, int context, int steps_per_mode, int block) {
           canary_steps += any;
         }
         decode_step();
+        if (s == block / 2 && (m == one || m == frozen)) {
+          CUDA_CHECK(cudaEventRecord(f0, stream));
+          kvq::check(cache.flush_policy());
+          CUDA_CHECK(cudaEventRecord(f1, stream));
+        }
       }
       // The block's last canary launches inside its time; the host ingestion of the block's
       // measurements does not (sync_policy after the stop event: in a running engine the host is
@@ -185,6 +198,12 @@ result run(int batch, int context, int steps_per_mode, int block) {
       kvq::check(cache.sync_policy());
       float ms = 0;
       CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+      if (round >= 2 && (m == one || m == frozen)) {
+        float fm = 0;
+        CUDA_CHECK(cudaEventElapsedTime(&fm, f0, f1));
+        flush_ms[m] += fm;
+        ++flushes[m];
+      }
       if (round < 2) continue;
       block_ms[m] = ms / block;
       sum_ms[m] += ms;
@@ -228,6 +247,11 @@ result run(int batch, int context, int steps_per_mode, int block) {
               r.direct_pct, 100.0 * r.diff_sem_ms / r.step_ms[frozen], diffs.size());
   std::printf("  host work alone   (quiet - frozen) / step = %.4f %% +- %.4f %%\n", r.quiet_pct,
               100.0 * r.quiet_sem_ms / r.step_ms[frozen]);
+  r.flush_one_ms = flush_ms[one] / std::max(1, flushes[one]);
+  r.flush_frozen_ms = flush_ms[frozen] / std::max(1, flushes[frozen]);
+  std::printf("  canary launch on the stream (one item due): %.4f ms (empty flush: %.4f ms; %d samples); "
+              "P x that / step = %.4f %%\n",
+              r.flush_one_ms, r.flush_frozen_ms, flushes[one], 100.0 * r.expected_p * r.flush_one_ms / r.step_ms[frozen]);
   std::fflush(stdout);
   cudaFree(dk);
   cudaFree(dv);
@@ -235,6 +259,8 @@ result run(int batch, int context, int steps_per_mode, int block) {
   cudaFree(dout);
   cudaEventDestroy(e0);
   cudaEventDestroy(e1);
+  cudaEventDestroy(f0);
+  cudaEventDestroy(f1);
   CUDA_CHECK(cudaStreamSynchronize(stream));
   return r;
 }
@@ -293,11 +319,12 @@ int main(int argc, char** argv) {
                    "\"extra_one_ms\": %.6f, \"extra_one_sem_ms\": %.6f, \"extra_all_ms\": %.6f, \"live_canary_frac\": %.6f, \"expected_p\": %.6f, "
                    "\"overhead_modeled_pct\": %.6f, \"overhead_direct_pct\": %.6f, \"direct_sem_pct\": %.6f, "
                    "\"quiet_ms\": %.6f, \"host_work_pct\": %.6f, \"host_work_sem_pct\": %.6f, "
+                   "\"canary_launch_ms\": %.6f, \"empty_flush_ms\": %.6f, "
                    "\"target_pct\": 0.1}",
                    i ? "," : "", r.batch, r.step_ms[frozen], r.step_ms[live], r.step_ms[one], r.step_ms[all],
                    r.extra_one_ms, r.one_sem_ms, r.extra_all_ms, r.live_canary_frac, r.expected_p, r.modeled_pct, r.direct_pct,
                    100.0 * r.diff_sem_ms / r.step_ms[frozen], r.step_ms[quiet], r.quiet_pct,
-                   100.0 * r.quiet_sem_ms / r.step_ms[frozen]);
+                   100.0 * r.quiet_sem_ms / r.step_ms[frozen], r.flush_one_ms, r.flush_frozen_ms);
     }
     std::fprintf(f, "\n]}\n");
     std::fclose(f);
