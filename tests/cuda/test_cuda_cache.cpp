@@ -8,12 +8,15 @@
 #include <catch2/catch.hpp>
 #include <cuda_runtime.h>
 
+#include "gpu_test.hpp"
+
 #include <cmath>
 #include <cstdlib>
 #include <random>
 #include <vector>
 
 using namespace kvq;
+using namespace kvq::gpu_test;
 
 namespace {
 
@@ -23,17 +26,6 @@ bool small() { return std::getenv("KVQ_GPU_TEST_SMALL") != nullptr; }
 // query and the probabilities to fp16 for the tensor cores (relative 2^-11 each); the CPU works
 // in fp32. One table for every format.
 constexpr double nmse_bound = 2e-5;
-
-struct dev_mem {
-  void* p = nullptr;
-  explicit dev_mem(size_t bytes) { REQUIRE(cudaMalloc(&p, bytes) == cudaSuccess); }
-  ~dev_mem() { cudaFree(p); }
-};
-
-template <class T>
-void upload(dev_mem& d, const std::vector<T>& h) {
-  REQUIRE(cudaMemcpy(d.p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice) == cudaSuccess);
-}
 
 // Can this spec store pages of 64 tokens of head_dim d (both roles)?
 bool supported(const std::string& spec, int d) {
@@ -57,13 +49,6 @@ pair_of_caches make(const std::string& spec, int layers, int hq, int h, int d, i
   cfg.where = backend::cuda;
   auto g = KVCache::create(cfg, pol).value_or_throw();
   return {std::move(c), std::move(g), pol};
-}
-
-std::vector<uint16_t> randn_h(std::mt19937& rng, size_t n, float sigma = 1.f) {
-  std::normal_distribution<float> nd(0.f, sigma);
-  std::vector<uint16_t> x(n);
-  for (size_t i = 0; i < n; ++i) x[i] = float_to_half(nd(rng) * ((i % 16) == 5 ? 6.f : 1.f));
-  return x;
 }
 
 // Appends the same fp16 tokens to both caches (host copy for the CPU, device copy for the GPU).

@@ -9,22 +9,16 @@
 #include <catch2/catch.hpp>
 #include <cuda_runtime.h>
 
+#include "gpu_test.hpp"
+
 #include <cmath>
 #include <random>
 #include <vector>
 
 using namespace kvq;
+using namespace kvq::gpu_test;
 
 namespace {
-
-struct dev_buf {
-  void* p = nullptr;
-  explicit dev_buf(size_t bytes) { REQUIRE(cudaMalloc(&p, bytes) == cudaSuccess); }
-  ~dev_buf() { cudaFree(p); }
-  void upload(const std::vector<uint16_t>& h) {
-    REQUIRE(cudaMemcpy(p, h.data(), h.size() * 2, cudaMemcpyHostToDevice) == cudaSuccess);
-  }
-};
 
 struct twin {
   std::shared_ptr<echokv_policy> cpu_pol, gpu_pol;
@@ -45,13 +39,6 @@ twin make_twin(const echokv_options& o, int layers, int kv_heads, int d) {
   return {a, b, std::move(c), std::move(g)};
 }
 
-std::vector<uint16_t> randn_h(std::mt19937& rng, size_t n) {
-  std::normal_distribution<float> nd(0.f, 1.f);
-  std::vector<uint16_t> x(n);
-  for (size_t i = 0; i < n; ++i) x[i] = float_to_half(nd(rng) * ((i % 16) == 5 ? 6.f : 1.f));
-  return x;
-}
-
 // One step of every sequence: append q_len tokens per layer, attend them, on both caches.
 void step(twin& t, std::mt19937& rng, const std::vector<seq_id>& seqs, int q_len) {
   const cache_shape& sh = t.cpu.config().shape;
@@ -63,17 +50,17 @@ void step(twin& t, std::mt19937& rng, const std::vector<seq_id>& seqs, int q_len
     for (seq_id s : seqs) {
       const auto k = randn_h(rng, size_t(q_len) * H * d), v = randn_h(rng, k.size());
       check(t.cpu.append(s, l, {k.data(), dtype::f16, q_len, H, d}, {v.data(), dtype::f16, q_len, H, d}));
-      dev_buf dk(k.size() * 2), dv(v.size() * 2);
-      dk.upload(k);
-      dv.upload(v);
+      dev_mem dk(k.size() * 2), dv(v.size() * 2);
+      upload(dk, k);
+      upload(dv, v);
       check(t.gpu.append(s, l, {dk.p, dtype::f16, q_len, H, d}, {dv.p, dtype::f16, q_len, H, d}));
       REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
     }
     const auto q = randn_h(rng, size_t(rows) * Hq * d);
     std::vector<uint16_t> o(q.size());
     check(t.cpu.attend(items, l, {q.data(), dtype::f16, rows, Hq, d}, {o.data(), dtype::f16, rows, Hq, d}));
-    dev_buf dq(q.size() * 2), dout(q.size() * 2);
-    dq.upload(q);
+    dev_mem dq(q.size() * 2), dout(q.size() * 2);
+    upload(dq, q);
     check(t.gpu.attend(items, l, {dq.p, dtype::f16, rows, Hq, d}, {dout.p, dtype::f16, rows, Hq, d}));
     REQUIRE(cudaDeviceSynchronize() == cudaSuccess);  // the buffers above die here
   }

@@ -23,6 +23,8 @@
 #include <catch2/catch.hpp>
 #include <cuda_runtime.h>
 
+#include "gpu_test.hpp"
+
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -30,16 +32,11 @@
 #include <vector>
 
 using namespace kvq;
+using namespace kvq::gpu_test;
 
 namespace {
 
 constexpr int Hq = 8, H = 2, D = 128;
-
-struct dev_mem {
-  void* p = nullptr;
-  explicit dev_mem(size_t bytes) { REQUIRE(cudaMalloc(&p, bytes) == cudaSuccess); }
-  ~dev_mem() { cudaFree(p); }
-};
 
 struct stream_guard {
   cudaStream_t s = nullptr;
@@ -69,13 +66,6 @@ std::vector<uint16_t> download(cudaStream_t st, const dev_mem& d, size_t n) {
   REQUIRE(cudaMemcpyAsync(h.data(), d.p, n * 2, cudaMemcpyDeviceToHost, st) == cudaSuccess);
   REQUIRE(cudaStreamSynchronize(st) == cudaSuccess);
   return h;
-}
-
-std::vector<uint16_t> randn_h(std::mt19937& rng, size_t n) {
-  std::normal_distribution<float> nd;
-  std::vector<uint16_t> x(n);
-  for (size_t i = 0; i < n; ++i) x[i] = float_to_half(nd(rng) * ((i % 16) == 5 ? 6.f : 1.f));
-  return x;
 }
 
 KVCache make(const std::string& spec, cudaStream_t st) {

@@ -1,0 +1,38 @@
+#pragma once
+// Helpers shared by the GPU test files: a device buffer, a synchronous upload, random fp16 data.
+#include <kvq/format/numeric.hpp>
+
+#include <catch2/catch.hpp>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <random>
+#include <vector>
+
+namespace kvq::gpu_test {
+
+// Device memory owned for a test's scope.
+struct dev_mem {
+  void* p = nullptr;
+  explicit dev_mem(size_t bytes) { REQUIRE(cudaMalloc(&p, bytes) == cudaSuccess); }
+  dev_mem(const dev_mem&) = delete;
+  dev_mem& operator=(const dev_mem&) = delete;
+  ~dev_mem() { cudaFree(p); }
+};
+
+// Host to device, synchronous (legacy stream).
+template <class T>
+void upload(dev_mem& d, const std::vector<T>& h) {
+  REQUIRE(cudaMemcpy(d.p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice) == cudaSuccess);
+}
+
+// fp16 normal draws (standard deviation `sigma`), every 16th element (index 5 mod 16) six times
+// larger: channel outliers as real keys have them.
+inline std::vector<uint16_t> randn_h(std::mt19937& rng, size_t n, float sigma = 1.f) {
+  std::normal_distribution<float> nd(0.f, sigma);
+  std::vector<uint16_t> x(n);
+  for (size_t i = 0; i < n; ++i) x[i] = float_to_half(nd(rng) * ((i % 16) == 5 ? 6.f : 1.f));
+  return x;
+}
+
+}  // namespace kvq::gpu_test
