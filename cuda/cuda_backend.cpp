@@ -81,7 +81,7 @@ class cuda_backend final : public cache_backend {
     KVQ_TRY(cuda_ok(cudaGetDevice(&dev), "cudaGetDevice"));
     KVQ_TRY(cuda_ok(cudaDeviceGetAttribute(&sms_, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute"));
     max_pages_ = int((cfg_.max_tokens + sh.page_tokens - 1) / sh.page_tokens);
-    wide_layer_.assign(size_t(sh.layers), 0);
+    layer_bits_.assign(size_t(sh.layers), 2);
     KVQ_TRY(arena_.allocate(store_.arena().capacity(), "cache arena"));
     const size_t rows = size_t(cfg_.max_sequences) * sh.layers * max_pages_;
     KVQ_TRY(blocks_.allocate(rows, "device page table"));
@@ -190,7 +190,7 @@ class cuda_backend final : public cache_backend {
   }
 
   // Appends pages [first, first + count) of a plan to the block and format lists of a call (and
-  // notes a 16-bit page for the decode kernel's choice).
+  // notes the widest format for the decode kernel's choice).
   void add_pages(int layer, const append_plan& plan, int first, int count, std::vector<uint32_t>& blocks,
                  std::vector<uint8_t>& fmts) {
     const int per_page = cfg_.shape.kv_heads * 2;
@@ -199,7 +199,7 @@ class cuda_backend final : public cache_backend {
       blocks.push_back(uint32_t(plan.entries[at].offset / 256));
       for (int j = 0; j < per_page; ++j) {
         fmts.push_back(plan.entries[at + size_t(j)].fmt);
-        if (traits_of(plan.entries[at + size_t(j)].fmt).bits > 8) wide_layer_[size_t(layer)] = 1;
+        layer_bits_[size_t(layer)] = std::max(layer_bits_[size_t(layer)], traits_of(plan.entries[at + size_t(j)].fmt).bits);
       }
     }
   }
@@ -262,7 +262,7 @@ class cuda_backend final : public cache_backend {
     a.o_stride = o.stride();
     a.scale = softmax_scale();
     a.num_sms = sms_;
-    a.max_page_bits = wide_layer_[size_t(layer)] ? 16 : 8;
+    a.max_page_bits = layer_bits_[size_t(layer)];
     const size_t need = cuda::attend_workspace_bytes(a);
     if (need > workspace_.count)  // grows to the largest batch shape seen, then never again
       KVQ_TRY(workspace_.allocate(need, "attention workspace"));
@@ -327,7 +327,7 @@ class cuda_backend final : public cache_backend {
   int* flag_host_ = nullptr;
   cuda::paged_view view_;
   std::vector<cuda::decode_item> items_;
-  std::vector<uint8_t> wide_layer_;  // [layers] 1 once a page of the layer holds a 16-bit format
+  std::vector<uint8_t> layer_bits_;  // [layers] the widest code bits of any page the layer has held
   std::vector<cuda::append_seq> batch_items_;  // reused by write_batch
   std::vector<uint32_t> batch_blocks_;
   std::vector<uint8_t> batch_fmts_;

@@ -57,6 +57,7 @@ struct attend_params {
   float scale_log2;
   int tiles_per_split, max_splits;
   int unit_tokens;  // tokens of a work unit: 64 (tile kernel) or 16 (decode kernel slabs)
+  int stages, stage_cap;  // staged decode kernel: stages per warp, code bits a stage holds
   float* ws_o;   // [partials][16][D]
   float* ws_ml;  // [partials][16][2]
   float* q_stage;  // optional: items' query rows copied here as fp32 (decode_item::stage_row)
@@ -680,16 +681,20 @@ constexpr uint32_t slot_kpar = 16 * D + 2 * 16 * (D / 32) * 2;
 template <int D>
 constexpr uint32_t slot_bytes = slot_kpar<D> + 2 * D * 2;
 
-template <int D, int Cap>
+// The warps' partial outputs and (max, sum) per column, merged after the slab loop.
+template <int D>
+struct merge_area {
+  float wo[dec_warps][8][D];   // [warp][column][channel]
+  float wml[dec_warps][8][2];  // [warp][column] running max and sum
+};
+
+template <int D>
 struct decode_smem {
   page_table_cache pages;
   uint32_t qh[dec_warps][D / 8][32];  // each lane's fp16 query pairs (for KIVI re-scaling)
   union {
     __align__(16) uint8_t vslot[dec_warps][2][slot_bytes<D>];  // staging, two slabs per warp
-    struct {
-      float wo[dec_warps][8][D];   // per-warp partial outputs, [warp][column][channel] (after the loop)
-      float wml[dec_warps][8][2];  // per-warp running max and sum of each column
-    } m;
+    merge_area<D> m;                                             // after the loop
   };
 };
 
@@ -764,8 +769,9 @@ __device__ __forceinline__ void ldg_words(const uint8_t* src, uint32_t* w) {
   }
 }
 
-// Codes of `Pairs` channel pairs (in channel order) -> half2 words holding 1024 + code (integer
-// families) or the values (fp16; bf16 and fp8 converted).
+// Codes of `Pairs` channel pairs (in channel order) -> half2 words holding 1024 + code (8-bit
+// integer families), 1024 + code / magic_mul (4 and 2 bits: one byte-permute and one lop3 per pair,
+// no shifts), or the values (fp16; bf16 and fp8 converted).
 template <int Bits, int Pairs>
 __device__ __forceinline__ void to_pairs(const uint32_t* w, family fam, uint32_t (&out)[Pairs]) {
   if constexpr (Bits == 16) {
@@ -788,25 +794,29 @@ __device__ __forceinline__ void to_pairs(const uint32_t* w, family fam, uint32_t
 #pragma unroll
       for (int i = 0; i < Pairs; ++i) out[i] = __byte_perm(w[i / 2], 0x64646464u, (i % 2) ? 0x7342 : 0x5140);
     }
-  } else if constexpr (Bits == 4) {
+  } else if constexpr (Bits == 4) {  // byte j of a word spread to both halves, one mask per pair
 #pragma unroll
-    for (int i = 0; i < (Pairs + 3) / 4; ++i) {
-      const uint32_t ev = w[i] & 0x0F0F0F0Fu, od = (w[i] >> 4) & 0x0F0F0F0Fu;
-#pragma unroll
-      for (int k = 0; k < 4 && 4 * i + k < Pairs; ++k)
-        out[4 * i + k] = (__byte_perm(ev, od, k | (k << 4) | ((4 + k) << 8) | ((4 + k) << 12)) & 0x00FF00FFu) | 0x64006400u;
-    }
+    for (int i = 0; i < Pairs; ++i)
+      out[i] = (__byte_perm(w[i / 4], 0u, (i % 4) * 0x1111u) & 0x00F0000Fu) | 0x64006400u;
   } else {
 #pragma unroll
     for (int b = 0; b < Pairs / 2; ++b) {  // byte b holds channels 4b .. 4b+3
-      const int i = b / 4, k = b % 4;
-      const uint32_t c0 = w[i] & 0x03030303u, c1 = (w[i] >> 2) & 0x03030303u, c2 = (w[i] >> 4) & 0x03030303u,
-                     c3 = (w[i] >> 6) & 0x03030303u;
-      const uint32_t sel = k | (k << 4) | ((4 + k) << 8) | ((4 + k) << 12);
-      out[2 * b] = (__byte_perm(c0, c1, sel) & 0x00FF00FFu) | 0x64006400u;
-      out[2 * b + 1] = (__byte_perm(c2, c3, sel) & 0x00FF00FFu) | 0x64006400u;
+      const uint32_t x = __byte_perm(w[b / 4], 0u, (b % 4) * 0x1111u);
+      out[2 * b] = (x & 0x000C0003u) | 0x64006400u;
+      out[2 * b + 1] = (x & 0x00C00030u) | 0x64006400u;
     }
   }
+}
+
+// The codes in the halves of pair i of `to_pairs` are scaled by 1 / magic_mul (4 bits: the high
+// nibble is read in place, 16x; 2 bits: 1x, 4x, 16x, 64x): 1024 + c / mul, exact.
+template <int Bits>
+__device__ __forceinline__ __half2 magic_mul(int i) {
+  if constexpr (Bits == 4) return __halves2half2(__float2half(1.f), __float2half(1.f / 16));
+  else if constexpr (Bits == 2)
+    return i % 2 ? __halves2half2(__float2half(1.f / 16), __float2half(1.f / 64))
+                 : __halves2half2(__float2half(1.f), __float2half(1.f / 4));
+  else return __float2half2_rn(1.f);
 }
 
 // Raw K words of one slab for lane (g, t): rows g and g + 8, the lane's D/4 channels, plus the
@@ -825,35 +835,37 @@ struct v_raw {
   uint32_t s[4], z[4];
 };
 
-template <int D, int Bits, int Cap>
+template <int D, int Bits, int Cap, bool Global>
 __device__ __forceinline__ void load_k_rows(const slab_ref& s, int g, int t, int window, uint32_t (&w)[2][D * Cap / 128]) {
   constexpr int lane_bytes = (D / 4) * Bits / 8;
   constexpr uint32_t row_bytes = D * Bits / 8;
-  ldg_words<lane_bytes>(slab_row<D>(s, s.k, g, row_bytes, window) + t * lane_bytes, w[0]);
-  ldg_words<lane_bytes>(slab_row<D>(s, s.k, g + 8, row_bytes, window) + t * lane_bytes, w[1]);
+  ldg_words<lane_bytes, Global>(slab_row<D>(s, s.k, g, row_bytes, window) + t * lane_bytes, w[0]);
+  ldg_words<lane_bytes, Global>(slab_row<D>(s, s.k, g + 8, row_bytes, window) + t * lane_bytes, w[1]);
 }
 
-template <int D, int Cap>
+// K of a slab for lane (g, t), from its page (Global) or from its staged copy in shared memory
+// (a 16-row page: P = 16, row0 = 0).
+template <int D, int Cap, bool Global = true>
 __device__ __forceinline__ void load_k(const slab_ref& s, format_traits f, int P, int window, int g, int t, k_raw<D, Cap>& kr) {
   switch (f.bits) {
     case 16:
-      if constexpr (Cap >= 16) load_k_rows<D, 16, Cap>(s, g, t, window, kr.w);
+      if constexpr (Cap >= 16) load_k_rows<D, 16, Cap, Global>(s, g, t, window, kr.w);
       break;
-    case 8: load_k_rows<D, 8, Cap>(s, g, t, window, kr.w); break;
-    case 4: load_k_rows<D, 4, Cap>(s, g, t, window, kr.w); break;
-    default: load_k_rows<D, 2, Cap>(s, g, t, window, kr.w); break;
+    case 8: load_k_rows<D, 8, Cap, Global>(s, g, t, window, kr.w); break;
+    case 4: load_k_rows<D, 4, Cap, Global>(s, g, t, window, kr.w); break;
+    default: load_k_rows<D, 2, Cap, Global>(s, g, t, window, kr.w); break;
   }
   if (s.ring) return;
   const uint32_t code_bytes = uint32_t(P) * ((D * f.bits) >> 3);
   if (f.fam == family::sym) {
     const int lg = log2i(f.group == 0 ? D : f.group), ng = D >> lg, grp = (t * (D / 4)) >> lg;
     const uint16_t* sc = reinterpret_cast<const uint16_t*>(s.k + code_bytes);
-    kr.ps[0] = __ldg(sc + (s.row0 + g) * ng + grp);
-    kr.ps[1] = __ldg(sc + (s.row0 + g + 8) * ng + grp);
+    kr.ps[0] = ld<Global>(sc + (s.row0 + g) * ng + grp);
+    kr.ps[1] = ld<Global>(sc + (s.row0 + g + 8) * ng + grp);
   } else if (f.fam == family::fp8_e4m3) {
     const uint32_t* sc = reinterpret_cast<const uint32_t*>(s.k + code_bytes);
-    kr.ps[0] = __ldg(sc + s.row0 + g);
-    kr.ps[1] = __ldg(sc + s.row0 + g + 8);
+    kr.ps[0] = ld<Global>(sc + s.row0 + g);
+    kr.ps[1] = ld<Global>(sc + s.row0 + g + 8);
   }
 }
 
@@ -866,19 +878,25 @@ __device__ __forceinline__ void k_frags(const uint32_t (&w)[2][D * Cap / 128], f
   to_pairs<Bits, D / 8>(w[1], fam, kg8);
   if constexpr (Bits != 16) {
     if (fam == family::fp8_e4m3) return;
-    const __half2 bias = __float2half2_rn(1024.f + float(1 << (Bits - 1)));
+    // centered code c - 2^(b-1) = m * mul - (1024 mul + 2^(b-1)), one exact fma per pair
+    const float mid = float(1 << (Bits - 1));
+    const auto center = [&](uint32_t m, int i) {
+      const __half2 mul = magic_mul<Bits>(i);
+      const __half2 bias = __floats2half2_rn(-(1024.f * __low2float(mul) + mid), -(1024.f * __high2float(mul) + mid));
+      return __hfma2(bits_h2(m), mul, bias);
+    };
     if (fam == family::sym) {
       const __half2 s0 = __half2half2(__ushort_as_half(uint16_t(ps[0]))), s8 = __half2half2(__ushort_as_half(uint16_t(ps[1])));
 #pragma unroll
       for (int i = 0; i < D / 8; ++i) {
-        kg[i] = h2_bits(__hmul2(__hsub2(bits_h2(kg[i]), bias), s0));
-        kg8[i] = h2_bits(__hmul2(__hsub2(bits_h2(kg8[i]), bias), s8));
+        kg[i] = h2_bits(__hmul2(center(kg[i], i), s0));
+        kg8[i] = h2_bits(__hmul2(center(kg8[i], i), s8));
       }
     } else {
 #pragma unroll
       for (int i = 0; i < D / 8; ++i) {
-        kg[i] = h2_bits(__hsub2(bits_h2(kg[i]), bias));
-        kg8[i] = h2_bits(__hsub2(bits_h2(kg8[i]), bias));
+        kg[i] = h2_bits(center(kg[i], i));
+        kg8[i] = h2_bits(center(kg8[i], i));
       }
     }
   }
@@ -956,34 +974,66 @@ __device__ __forceinline__ void stage_slab(const slab_ref& s, int P, int lane, u
   }
 }
 
-// Raw V words of one row -> dequantized half2 pairs of the lane's D/8 channels (fp8: unscaled, the
-// token scale multiplies P).
-template <int D, int Bits>
-__device__ __forceinline__ void v_pairs(const uint32_t* w, family fam, uint32_t s, uint32_t z, uint32_t (&out)[D / 16]) {
-  to_pairs<Bits, D / 16>(w, fam, out);
-  if constexpr (Bits != 16) {
-    if (fam == family::fp8_e4m3) return;
-    const __half2 s2 = __half2half2(__ushort_as_half(uint16_t(s)));
-    if (fam == family::sym) {
-      const __half2 bias = __float2half2_rn(1024.f + float(1 << (Bits - 1)));
-#pragma unroll
-      for (int i = 0; i < D / 16; ++i) out[i] = h2_bits(__hmul2(__hsub2(bits_h2(out[i]), bias), s2));
-    } else {
-      const __half2 bias = __float2half2_rn(1024.f);
-      const __half2 z2 = __half2half2(__ushort_as_half(uint16_t(z)));
-#pragma unroll
-      for (int i = 0; i < D / 16; ++i) out[i] = h2_bits(__hfma2(__hsub2(bits_h2(out[i]), bias), s2, z2));
-    }
-  }
-}
-
+// Raw V words of the lane's four rows -> half2 channel pairs of each (fp8: unscaled, the token
+// scale multiplies P; 16 bits: the values).
 template <int D, int Bits, int Cap>
 __device__ __forceinline__ void v_all(const v_raw<D, Cap>& vr, family fam, uint32_t (&va)[D / 16], uint32_t (&vb)[D / 16],
                                       uint32_t (&vc)[D / 16], uint32_t (&vd)[D / 16]) {
-  v_pairs<D, Bits>(vr.w[0], fam, vr.s[0], vr.z[0], va);
-  v_pairs<D, Bits>(vr.w[1], fam, vr.s[1], vr.z[1], vb);
-  v_pairs<D, Bits>(vr.w[2], fam, vr.s[2], vr.z[2], vc);
-  v_pairs<D, Bits>(vr.w[3], fam, vr.s[3], vr.z[3], vd);
+  to_pairs<Bits, D / 16>(vr.w[0], fam, va);
+  to_pairs<Bits, D / 16>(vr.w[1], fam, vb);
+  to_pairs<Bits, D / 16>(vr.w[2], fam, vc);
+  to_pairs<Bits, D / 16>(vr.w[3], fam, vd);
+}
+
+// The codes of channel c (of the lane's D/8) of two tokens, as the half2 (1024 + c_a / mul, 1024 +
+// c_b / mul) with mul = pair_mul<Bits>(c): one byte-permute per 4 (8 bits: 2) channels and one lop3
+// per channel, so that V^T's A fragments (token pairs) come straight from the raw words.
+template <int Bits>
+__device__ __forceinline__ uint32_t pair_codes(const uint32_t* wa, const uint32_t* wb, int c) {
+  if constexpr (Bits == 8) {
+    const int wi = c / 4, j = c % 4;
+    const uint32_t u = __byte_perm(wa[wi], wb[wi], j < 2 ? 0x5140 : 0x7362);  // a_j, b_j, a_j+1, b_j+1
+    return __byte_perm(u, 0x64646464u, (j % 2) ? 0x4342 : 0x4140);
+  } else {
+    constexpr int per_word = 32 / Bits, per_byte = 8 / Bits;
+    constexpr uint32_t mask = ((1u << Bits) - 1) * 0x00010001u;
+    const int wi = c / per_word, j = (c % per_word) / per_byte, k = c % per_byte;
+    const uint32_t x = __byte_perm(wa[wi], wb[wi], j | (j << 4) | ((4 + j) << 8) | ((4 + j) << 12));  // a_j a_j b_j b_j
+    return (x & (mask << (Bits * k))) | 0x64006400u;
+  }
+}
+template <int Bits>
+__device__ __forceinline__ float pair_mul(int c) {
+  return Bits == 8 ? 1.f : 1.f / float(1 << (Bits * (c % (8 / Bits))));
+}
+
+// O^T += V^T P^T for a slab of integer V codes (sym, kivi, rolealign): each A fragment is built from
+// its token pair's raw words and dequantized with the two tokens' scales and zeros (exact: subtract
+// the magic, then one fma); rows at or beyond `valid` (stale bytes) get scale and zero 0.
+template <int D, int Bits, int Cap>
+__device__ __forceinline__ void values_int(const v_raw<D, Cap>& vr, bool sym, int valid, int t, uint32_t pb0, uint32_t pb1,
+                                           float (&acc)[D / 16][4]) {
+  uint32_t sr[4], zr[4];
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const bool ok = 2 * t + (r & 1) + 8 * (r >> 1) < valid;
+    sr[r] = ok ? vr.s[r] & 0xffffu : 0u;
+    zr[r] = ok && !sym ? vr.z[r] & 0xffffu : 0u;
+  }
+  const __half2 s01 = bits_h2(sr[0] | (sr[1] << 16)), s89 = bits_h2(sr[2] | (sr[3] << 16));
+  const __half2 z01 = bits_h2(zr[0] | (zr[1] << 16)), z89 = bits_h2(zr[2] | (zr[3] << 16));
+  const float mid = sym ? float(1 << (Bits - 1)) : 0.f;
+  const auto deq = [&](uint32_t x, int c, __half2 sc, __half2 z) {
+    const float mul = pair_mul<Bits>(c);  // compile-time after unrolling
+    const __half2 v = __hsub2(bits_h2(x), __float2half2_rn(1024.f + mid / mul));  // (code - mid) / mul, exact
+    return h2_bits(__hfma2(v, __hmul2(sc, __float2half2_rn(mul)), z));
+  };
+#pragma unroll
+  for (int m = 0; m < D / 16; ++m)
+    mma16816(acc[m], deq(pair_codes<Bits>(vr.w[0], vr.w[1], 2 * m), 2 * m, s01, z01),
+             deq(pair_codes<Bits>(vr.w[0], vr.w[1], 2 * m + 1), 2 * m + 1, s01, z01),
+             deq(pair_codes<Bits>(vr.w[2], vr.w[3], 2 * m), 2 * m, s89, z89),
+             deq(pair_codes<Bits>(vr.w[2], vr.w[3], 2 * m + 1), 2 * m + 1, s89, z89), pb0, pb1);
 }
 
 // The narrow decode kernel's path for 16-bit slabs (fp16/bf16 pages, the FP16 ring): read where
@@ -1039,68 +1089,277 @@ __device__ __forceinline__ uint32_t movmatrix_t(uint32_t x) {
   return y;
 }
 
-// Cap: the widest format (bits) whose slabs are prefetched into registers; wider slabs (16-bit
-// pages and the ring when Cap = 8) are read where they are used.
+// ---- pieces shared by the two decode kernels ---------------------------------------------------
+
+// Page lookups of the block's slabs [c0, c1), once per block (threads of the block in parallel).
+template <int D>
+__device__ __forceinline__ void fill_page_table(const attend_params& p, const decode_item& item, int h, int c0, int c1,
+                                                int page_slabs, page_table_cache& pc) {
+  const int lg = log2i(p.kv.page_tokens);
+  const int first = (c0 * slab) >> lg;
+  const int last_slab = min(c1, page_slabs) - 1;
+  const int npages = last_slab >= c0 ? ((last_slab * slab) >> lg) - first + 1 : 0;
+  if (threadIdx.x == 0) pc.first_page = first;
+  for (int e = threadIdx.x; e < npages; e += dec_warps * 32) {
+    const size_t row = (size_t(item.slot) * p.kv.layers + p.layer) * p.kv.max_pages + first + e;
+    const uint8_t* fm = p.kv.fmts + row * p.kv.kv_heads * 2;
+    uint32_t off = 0;
+    for (int hh = 0; hh < h; ++hh) off += p.kv.k_page_bytes[fm[2 * hh]] + p.kv.v_page_bytes[fm[2 * hh + 1]];
+    pc.page16[e] = uint32_t((size_t(p.kv.blocks[row]) * 256 + off) / 16);
+    pc.v_offset[e] = p.kv.k_page_bytes[fm[2 * h]];
+    pc.fk[e] = traits_of(fm[2 * h]);
+    pc.fv[e] = traits_of(fm[2 * h + 1]);
+  }
+}
+
+// The block's query columns as MMA B fragments: column n is query n / group of head
+// h * group + n % group; lane (g, t) holds column g, the pairs of its channels [(D/4) t, (D/4)(t+1)).
+template <int D>
+__device__ __forceinline__ void load_query(const attend_params& p, const decode_item& item, int h, int g, int t,
+                                           uint32_t (&qb)[D / 8]) {
+  const bool live = g < p.group * item.q_len;
+  const int i = g / p.group, qh_i = h * p.group + g % p.group;
+  const int64_t base = int64_t(item.q_row + i) * p.q_stride + int64_t(qh_i) * D + t * (D / 4);
+#pragma unroll
+  for (int c = 0; c < D / 8; ++c)
+    qb[c] = h2_bits(__floats2half2_rn(live ? load_any(p.q, p.q_type, base + 2 * c) : 0.f,
+                                      live ? load_any(p.q, p.q_type, base + 2 * c + 1) : 0.f));
+}
+
+// The query for a KIVI key slab: the token group's channel scales fold into q (q' = q s) and the
+// centered zeros (z + s 2^(b-1)) into one score offset per column, itself an MMA of the zero row
+// with q. `scales`/`zeros`: the group's D halves each (any memory).
+template <int D>
+__device__ __forceinline__ void fold_kivi(const uint8_t* scales, const uint8_t* zeros, int bits, const uint32_t (&qh)[D / 8][32],
+                                          int lane, int t, uint32_t (&qb)[D / 8], float (&cz_col)[2]) {
+  uint32_t sw[D / 8], zw[D / 8];
+  ldg_words<D / 2, false>(scales + t * (D / 4) * 2, sw);
+  ldg_words<D / 2, false>(zeros + t * (D / 4) * 2, zw);
+  const __half2 mid = __float2half2_rn(float(1 << (bits - 1)));
+  float cz[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ++ks) {
+    const uint32_t z0 = h2_bits(__hfma2(bits_h2(sw[2 * ks]), mid, bits_h2(zw[2 * ks])));
+    const uint32_t z1 = h2_bits(__hfma2(bits_h2(sw[2 * ks + 1]), mid, bits_h2(zw[2 * ks + 1])));
+    const uint32_t q0 = qh[2 * ks][lane], q1 = qh[2 * ks + 1][lane];
+    mma16816(cz, z0, z0, z1, z1, q0, q1);
+    qb[2 * ks] = h2_bits(__hmul2(bits_h2(q0), bits_h2(sw[2 * ks])));
+    qb[2 * ks + 1] = h2_bits(__hmul2(bits_h2(q1), bits_h2(sw[2 * ks + 1])));
+  }
+  cz_col[0] = cz[0], cz_col[1] = cz[1];
+}
+
+// S^T = K Q^T of one slab from this lane's K fragments (rows g, g + 8): two accumulators, half
+// the dependency chain each.
+template <int D>
+__device__ __forceinline__ void scores_mma(const uint32_t (&kg)[D / 8], const uint32_t (&kg8)[D / 8], const uint32_t (&qb)[D / 8],
+                                           float (&sc)[4]) {
+  float sd[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ks += 2) {
+    mma16816(sc, kg[2 * ks], kg8[2 * ks], kg[2 * ks + 1], kg8[2 * ks + 1], qb[2 * ks], qb[2 * ks + 1]);
+    mma16816(sd, kg[2 * ks + 2], kg8[2 * ks + 2], kg[2 * ks + 3], kg8[2 * ks + 3], qb[2 * ks + 2], qb[2 * ks + 3]);
+  }
+#pragma unroll
+  for (int e = 0; e < 4; ++e) sc[e] += sd[e];
+}
+
+// A warp's running state of its query columns 2t, 2t+1: online-softmax max and sum, the output
+// accumulators, the KIVI score offsets and the last token each column may see (causal within the
+// step's queries).
+template <int D>
+struct column_state {
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  float acc[D / 16][4];
+  float cz[2] = {0.f, 0.f};
+  int last_visible[2];
+  __device__ column_state(const attend_params& p, const decode_item& item, int t) {
+    const int q_first = item.n - item.q_len;
+    last_visible[0] = q_first + (2 * t) / p.group;
+    last_visible[1] = q_first + (2 * t + 1) / p.group;
+#pragma unroll
+    for (int i = 0; i < D / 16; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+  }
+};
+
+// Online softmax over one slab's scores (S^T rows g, g + 8 of the slab, columns 2t, 2t + 1): rows
+// at or beyond `valid` and tokens after a column's query are masked; the running max, sum and
+// accumulators are updated and P is left in `pv`. `rs`: per-row score scales (fp8 keys), `cz`:
+// per-column score offsets (KIVI zeros).
+template <int D>
+__device__ __forceinline__ void softmax_slab(float (&sc)[4], const float (&rs)[2], float scale_log2, int tok0, int valid, int g,
+                                             column_state<D>& cs, float (&pv)[4]) {
+  float(&m_col)[2] = cs.m;
+  float(&l_col)[2] = cs.l;
+  float(&acc)[D / 16][4] = cs.acc;
+  const float(&cz)[2] = cs.cz;
+  const int(&last_visible)[2] = cs.last_visible;
+  float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const int row = g + (e / 2) * 8;
+    const float x = (sc[e] * rs[e / 2] + cz[e % 2]) * scale_log2;
+    sc[e] = row < valid && tok0 + row <= last_visible[e % 2] ? x : -INFINITY;
+    tile_max[e % 2] = fmaxf(tile_max[e % 2], sc[e]);
+  }
+  float alpha[2];
+#pragma unroll
+  for (int c = 0; c < 2; ++c) {
+    tile_max[c] = fmaxf(tile_max[c], __shfl_xor_sync(0xffffffffu, tile_max[c], 4));
+    tile_max[c] = fmaxf(tile_max[c], __shfl_xor_sync(0xffffffffu, tile_max[c], 8));
+    tile_max[c] = fmaxf(tile_max[c], __shfl_xor_sync(0xffffffffu, tile_max[c], 16));
+    const float m_new = fmaxf(m_col[c], tile_max[c]);
+    alpha[c] = m_new == -INFINITY ? 1.f : exp2f(m_col[c] - m_new);
+    m_col[c] = m_new;
+  }
+#pragma unroll
+  for (int e = 0; e < 4; ++e) pv[e] = m_col[e % 2] == -INFINITY ? 0.f : exp2f(sc[e] - m_col[e % 2]);
+  l_col[0] = l_col[0] * alpha[0] + pv[0] + pv[2];
+  l_col[1] = l_col[1] * alpha[1] + pv[1] + pv[3];
+  if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+    for (int i = 0; i < D / 16; ++i) {
+      acc[i][0] *= alpha[0];
+      acc[i][1] *= alpha[1];
+      acc[i][2] *= alpha[0];
+      acc[i][3] *= alpha[1];
+    }
+  }
+}
+
+// P^T as B fragments of O^T += V^T P^T, from the S^T accumulators by register transpose.
+__device__ __forceinline__ void p_frags(const float (&pv)[4], uint32_t& pb0, uint32_t& pb1) {
+  pb0 = movmatrix_t(h2_bits(__floats2half2_rn(pv[0], pv[1])));
+  pb1 = movmatrix_t(h2_bits(__floats2half2_rn(pv[2], pv[3])));
+}
+
+// O^T += V^T P^T from this lane's V halves of tokens 2t, 2t+1, 2t+8, 2t+9 (va..vd): A fragments
+// pair two tokens per channel. Rows at or beyond `valid` hold stale bytes and are zeroed (P is 0
+// there, but 0 x NaN is not).
+template <int D>
+__device__ __forceinline__ void values_mma(uint32_t (&va)[D / 16], uint32_t (&vb)[D / 16], uint32_t (&vc)[D / 16],
+                                           uint32_t (&vd)[D / 16], int valid, int t, uint32_t pb0, uint32_t pb1,
+                                           float (&acc)[D / 16][4]) {
+  if (valid < slab) {
+    const bool za = 2 * t < valid, zb = 2 * t + 1 < valid, zc = 2 * t + 8 < valid, zd = 2 * t + 9 < valid;
+#pragma unroll
+    for (int i = 0; i < D / 16; ++i) {
+      va[i] = za ? va[i] : 0u, vb[i] = zb ? vb[i] : 0u, vc[i] = zc ? vc[i] : 0u, vd[i] = zd ? vd[i] : 0u;
+    }
+  }
+#pragma unroll
+  for (int mtile = 0; mtile < D / 16; ++mtile)
+    mma16816(acc[mtile], __byte_perm(va[mtile], vb[mtile], 0x5410), __byte_perm(va[mtile], vb[mtile], 0x7632),
+             __byte_perm(vc[mtile], vd[mtile], 0x5410), __byte_perm(vc[mtile], vd[mtile], 0x7632), pb0, pb1);
+}
+
+// O^T += V^T P^T for one slab from the lane's raw V words (any format the kernel holds in
+// registers: up to Cap bits).
 template <int D, int Cap>
-__global__ void __launch_bounds__(dec_warps * 32, Cap == 16 ? 2 : 3) decode_kernel(const __grid_constant__ attend_params p) {
-  __shared__ decode_smem<D, Cap> sm;
+__device__ __forceinline__ void values_slab(const v_raw<D, Cap>& vr, format_traits fv, int valid, int t, uint32_t pb0,
+                                            uint32_t pb1, float (&acc)[D / 16][4]) {
+  if (fv.is_integer()) {
+    const bool sym = fv.fam == family::sym;
+    switch (fv.bits) {
+      case 8: values_int<D, 8, Cap>(vr, sym, valid, t, pb0, pb1, acc); break;
+      case 4: values_int<D, 4, Cap>(vr, sym, valid, t, pb0, pb1, acc); break;
+      default: values_int<D, 2, Cap>(vr, sym, valid, t, pb0, pb1, acc); break;
+    }
+    return;
+  }
+  uint32_t va[D / 16], vb[D / 16], vc[D / 16], vd[D / 16];
+  if (Cap >= 16 && fv.bits == 16) v_all<D, Cap >= 16 ? 16 : 8, Cap>(vr, fv.fam, va, vb, vc, vd);
+  else v_all<D, 8, Cap>(vr, fv.fam, va, vb, vc, vd);  // fp8
+  values_mma<D>(va, vb, vc, vd, valid, t, pb0, pb1, acc);
+}
+
+// Merges the block's warps and writes the block's partial (split) result. The caller has synced
+// the block after the last use of the memory that `m` overlays.
+template <int D>
+__device__ __forceinline__ void write_partial(const attend_params& p, merge_area<D>& m, const column_state<D>& cs, bool has_work,
+                                              int warp, int g, int t) {
+  const float(&acc)[D / 16][4] = cs.acc;
+  const float(&m_col)[2] = cs.m;
+  const float(&l_col)[2] = cs.l;
+  float l_tot[2] = {l_col[0], l_col[1]};
+#pragma unroll
+  for (int c = 0; c < 2; ++c) {
+    l_tot[c] += __shfl_xor_sync(0xffffffffu, l_tot[c], 4);
+    l_tot[c] += __shfl_xor_sync(0xffffffffu, l_tot[c], 8);
+    l_tot[c] += __shfl_xor_sync(0xffffffffu, l_tot[c], 16);
+  }
+#pragma unroll
+  for (int i = 0; i < D / 16; ++i) {
+    const int ch = (D / 8) * g + 2 * i;
+    m.wo[warp][2 * t][ch] = has_work ? acc[i][0] : 0.f;
+    m.wo[warp][2 * t + 1][ch] = has_work ? acc[i][1] : 0.f;
+    m.wo[warp][2 * t][ch + 1] = has_work ? acc[i][2] : 0.f;
+    m.wo[warp][2 * t + 1][ch + 1] = has_work ? acc[i][3] : 0.f;
+  }
+  if (g == 0)
+    for (int c = 0; c < 2; ++c) {
+      m.wml[warp][2 * t + c][0] = has_work ? m_col[c] : -INFINITY;
+      m.wml[warp][2 * t + c][1] = has_work ? l_tot[c] : 0.f;
+    }
+  __syncthreads();
+  const size_t part = (size_t(blockIdx.z) * p.kv.kv_heads + blockIdx.y) * p.max_splits + blockIdx.x;
+  for (int idx = threadIdx.x; idx < 8 * D; idx += dec_warps * 32) {
+    const int r = idx / D, c = idx % D;
+    float mx = -INFINITY;
+    for (int w = 0; w < dec_warps; ++w) mx = fmaxf(mx, m.wml[w][r][0]);
+    float o = 0.f, l = 0.f;
+    for (int w = 0; w < dec_warps; ++w) {
+      const float mw = m.wml[w][r][0];
+      const float f = mw == -INFINITY ? 0.f : exp2f(mw - mx);
+      o += f * m.wo[w][r][c];
+      l += f * m.wml[w][r][1];
+    }
+    p.ws_o[part * 16 * D + r * D + c] = o;
+    if (c == 0) {
+      p.ws_ml[(part * 16 + r) * 2] = mx;
+      p.ws_ml[(part * 16 + r) * 2 + 1] = l;
+    }
+  }
+}
+
+// The block's slab range and this warp's part of it; false if the block has no slab.
+struct slab_range {
+  int page_slabs, c0, c1, s0, s1;
+};
+__device__ __forceinline__ slab_range block_slabs(const attend_params& p, const decode_item& item, int warp) {
+  slab_range r;
+  r.page_slabs = ceil_div(item.from_pages, slab);
+  const int S = r.page_slabs + ceil_div(item.n - item.from_pages, slab);
+  r.c0 = blockIdx.x * p.tiles_per_split;
+  r.c1 = min(S, r.c0 + p.tiles_per_split);
+  const int per_warp = ceil_div(r.c1 - r.c0, dec_warps);
+  r.s0 = r.c0 + warp * per_warp;
+  r.s1 = min(r.c1, r.s0 + per_warp);
+  return r;
+}
+
+// ---- the wide decode kernel: layers that hold a 16-bit page -------------------------------------
+// K codes of up to 16 bits are loaded from global memory into registers one slab ahead; V of up
+// to 8 bits and the KIVI key scales go through two cp.async staging slots per warp (2 blocks/SM).
+template <int D>
+__global__ void __launch_bounds__(dec_warps * 32, 2) decode_wide_kernel(const __grid_constant__ attend_params p) {
+  constexpr int Cap = 16;
+  __shared__ decode_smem<D> sm;
   const int h = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const decode_item item = p.items[blockIdx.z];
-  const int cols_used = p.group * item.q_len;  // <= 8
-  const int page_slabs = ceil_div(item.from_pages, slab);
-  const int S = page_slabs + ceil_div(item.n - item.from_pages, slab);
-  const int c0 = blockIdx.x * p.tiles_per_split, c1 = min(S, c0 + p.tiles_per_split);
-  if (c0 >= S) return;
-  const int P = p.kv.page_tokens;
+  const slab_range rg = block_slabs(p, item, warp);
+  if (rg.c0 >= rg.c1) return;
+  const int P = p.kv.page_tokens, page_slabs = rg.page_slabs, s0 = rg.s0, s1 = rg.s1;
+  fill_page_table<D>(p, item, h, rg.c0, rg.c1, page_slabs, sm.pages);
+  __syncthreads();
 
-  // page lookups of the block's slabs, once
-  {
-    const int lg = log2i(P);
-    const int first = (c0 * slab) >> lg;
-    const int last_slab = min(c1, page_slabs) - 1;
-    const int npages = last_slab >= c0 ? ((last_slab * slab) >> lg) - first + 1 : 0;
-    if (threadIdx.x == 0) sm.pages.first_page = first;
-    for (int e = threadIdx.x; e < npages; e += dec_warps * 32) {
-      const size_t row = (size_t(item.slot) * p.kv.layers + p.layer) * p.kv.max_pages + first + e;
-      const uint8_t* fm = p.kv.fmts + row * p.kv.kv_heads * 2;
-      uint32_t off = 0;
-      for (int hh = 0; hh < h; ++hh) off += p.kv.k_page_bytes[fm[2 * hh]] + p.kv.v_page_bytes[fm[2 * hh + 1]];
-      sm.pages.page16[e] = uint32_t((size_t(p.kv.blocks[row]) * 256 + off) / 16);
-      sm.pages.v_offset[e] = p.kv.k_page_bytes[fm[2 * h]];
-      sm.pages.fk[e] = traits_of(fm[2 * h]);
-      sm.pages.fv[e] = traits_of(fm[2 * h + 1]);
-    }
-    __syncthreads();
-  }
-
-  // this warp's slabs
-  const int per_warp = ceil_div(c1 - c0, dec_warps);
-  const int s0 = c0 + warp * per_warp, s1 = min(c1, s0 + per_warp);
-
-  // query columns: col n -> query i = n / group, head h*group + n % group; lane holds column g
-  // (B fragments: pairs of the lane's channels [(D/4) t, (D/4)(t+1)), as fp16)
   uint32_t qb[D / 8];
   uint32_t(&qh)[D / 8][32] = sm.qh[warp];  // [pair][lane]: conflict-free
-  {
-    const bool live = g < cols_used;
-    const int i = g / p.group, qh_i = h * p.group + g % p.group;
-    const int64_t base = int64_t(item.q_row + i) * p.q_stride + int64_t(qh_i) * D + t * (D / 4);
+  load_query<D>(p, item, h, g, t, qb);
 #pragma unroll
-    for (int c = 0; c < D / 8; ++c) {
-      qb[c] = h2_bits(__floats2half2_rn(live ? load_any(p.q, p.q_type, base + 2 * c) : 0.f,
-                                        live ? load_any(p.q, p.q_type, base + 2 * c + 1) : 0.f));
-      qh[c][lane] = qb[c];
-    }
-  }
+  for (int c = 0; c < D / 8; ++c) qh[c][lane] = qb[c];
   const uint8_t* q_scales_of = nullptr;  // the KIVI token group whose scales qb holds (nullptr: plain)
-  float cz_col[2] = {0.f, 0.f};
-  const int q_first = item.n - item.q_len;
-  const int last_visible[2] = {q_first + (2 * t) / p.group, q_first + (2 * t + 1) / p.group};
-
-  float m_col[2] = {-INFINITY, -INFINITY}, l_col[2] = {0.f, 0.f};
-  float acc[D / 16][4];
-#pragma unroll
-  for (int i = 0; i < D / 16; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+  column_state<D> cs(p, item, t);
 
   slab_ref cur{};
   k_raw<D, Cap> kc;
@@ -1128,8 +1387,6 @@ __global__ void __launch_bounds__(dec_warps * 32, Cap == 16 ? 2 : 3) decode_kern
     __syncwarp();
     const uint8_t* slot = sm.vslot[warp][j & 1];
 
-    // ---- the query for this slab's K format: KIVI folds the token group's channel scales into q
-    // and the zeros (centered: z + s 2^(b-1)) into one score offset per column, computed by MMA ----
     const bool k_codes = !cur.ring && fk.k_along_tokens();
     const int lgk = k_codes ? log2i(fk.group) : 0;
     const uint8_t* group_key =
@@ -1138,185 +1395,267 @@ __global__ void __launch_bounds__(dec_warps * 32, Cap == 16 ? 2 : 3) decode_kern
       if (!k_codes) {
 #pragma unroll
         for (int i = 0; i < D / 8; ++i) qb[i] = qh[i][lane];
-        cz_col[0] = cz_col[1] = 0.f;
+        cs.cz[0] = cs.cz[1] = 0.f;
       } else {
-        uint32_t sw[D / 8], zw[D / 8];  // staged with the slab
-        ldg_words<D / 2, false>(slot + slot_kpar<D> + t * (D / 4) * 2, sw);
-        ldg_words<D / 2, false>(slot + slot_kpar<D> + D * 2 + t * (D / 4) * 2, zw);
-        const __half2 mid = __float2half2_rn(float(1 << (fk.bits - 1)));
-        float cz[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-        for (int ks = 0; ks < D / 16; ++ks) {
-          const uint32_t z0 = h2_bits(__hfma2(bits_h2(sw[2 * ks]), mid, bits_h2(zw[2 * ks])));
-          const uint32_t z1 = h2_bits(__hfma2(bits_h2(sw[2 * ks + 1]), mid, bits_h2(zw[2 * ks + 1])));
-          const uint32_t q0 = qh[2 * ks][lane], q1 = qh[2 * ks + 1][lane];
-          mma16816(cz, z0, z0, z1, z1, q0, q1);
-          qb[2 * ks] = h2_bits(__hmul2(bits_h2(q0), bits_h2(sw[2 * ks])));
-          qb[2 * ks + 1] = h2_bits(__hmul2(bits_h2(q1), bits_h2(sw[2 * ks + 1])));
-        }
-        cz_col[0] = cz[0], cz_col[1] = cz[1];
+        fold_kivi<D>(slot + slot_kpar<D>, slot + slot_kpar<D> + D * 2, fk.bits, qh, lane, t, qb, cs.cz);  // staged with the slab
       }
       q_scales_of = group_key;
     }
 
-    // ---- S^T = K Q^T: rows tokens g / g+8, columns 2t, 2t+1 (two accumulators: half the chain) ----
     float sc[4] = {0.f, 0.f, 0.f, 0.f};
     {
       uint32_t kg[D / 8], kg8[D / 8];
       switch (fk.bits) {
-        case 16:
-          if constexpr (Cap >= 16) k_frags<D, 16, Cap>(kc.w, fk.fam, kc.ps, kg, kg8);
-          break;
+        case 16: k_frags<D, 16, Cap>(kc.w, fk.fam, kc.ps, kg, kg8); break;
         case 8: k_frags<D, 8, Cap>(kc.w, fk.fam, kc.ps, kg, kg8); break;
         case 4: k_frags<D, 4, Cap>(kc.w, fk.fam, kc.ps, kg, kg8); break;
         default: k_frags<D, 2, Cap>(kc.w, fk.fam, kc.ps, kg, kg8); break;
       }
-      float sd[4] = {0.f, 0.f, 0.f, 0.f};
-      if (Cap < 16 && fk.bits == 16) {
-        scores_wide<D>(cur, fk.fam, g, t, p.kv.window, qb, sd);
-      } else {
-#pragma unroll
-      for (int ks = 0; ks < D / 16; ks += 2) {
-        mma16816(sc, kg[2 * ks], kg8[2 * ks], kg[2 * ks + 1], kg8[2 * ks + 1], qb[2 * ks], qb[2 * ks + 1]);
-        mma16816(sd, kg[2 * ks + 2], kg8[2 * ks + 2], kg[2 * ks + 3], kg8[2 * ks + 3], qb[2 * ks + 2], qb[2 * ks + 3]);
-      }
-      }
-#pragma unroll
-      for (int e = 0; e < 4; ++e) sc[e] += sd[e];
+      scores_mma<D>(kg, kg8, qb, sc);
     }
     v_raw<D, Cap> vr;
-    const bool v_staged = staged(cur);
-    if (v_staged) {
+    if (staged(cur)) {
       slab_ref sv = cur;
       sv.v = slot;
       sv.row0 = 0;
       load_v<D, Cap, false>(sv, fv, 16, p.kv.window, g, t, vr);
-    } else if (Cap >= 16) {
-      load_v<D, Cap, true>(cur, fv, P, p.kv.window, g, t, vr);  // 16-bit pages and the ring (wide kernel)
+    } else {
+      load_v<D, Cap, true>(cur, fv, P, p.kv.window, g, t, vr);  // 16-bit pages and the ring
     }
     float rs[2] = {1.f, 1.f};  // fp8 keys: per-token scales of rows g, g+8
     if (!cur.ring && fk.fam == family::fp8_e4m3) {
       rs[0] = g < cur.valid ? __uint_as_float(kc.ps[0]) : 0.f;
       rs[1] = g + 8 < cur.valid ? __uint_as_float(kc.ps[1]) : 0.f;
     }
-    float tile_max[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int row = g + (e / 2) * 8, jt = cur.tok0 + row;
-      const float x = (sc[e] * rs[e / 2] + cz_col[e % 2]) * p.scale_log2;
-      const bool ok = row < cur.valid && jt <= last_visible[e % 2];
-      sc[e] = ok ? x : -INFINITY;
-      tile_max[e % 2] = fmaxf(tile_max[e % 2], sc[e]);
-    }
-    float alpha[2];
-#pragma unroll
-    for (int c = 0; c < 2; ++c) {
-      tile_max[c] = fmaxf(tile_max[c], __shfl_xor_sync(0xffffffffu, tile_max[c], 4));
-      tile_max[c] = fmaxf(tile_max[c], __shfl_xor_sync(0xffffffffu, tile_max[c], 8));
-      tile_max[c] = fmaxf(tile_max[c], __shfl_xor_sync(0xffffffffu, tile_max[c], 16));
-      const float m_new = fmaxf(m_col[c], tile_max[c]);
-      alpha[c] = m_new == -INFINITY ? 1.f : exp2f(m_col[c] - m_new);
-      m_col[c] = m_new;
-    }
     float pv[4];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) pv[e] = m_col[e % 2] == -INFINITY ? 0.f : exp2f(sc[e] - m_col[e % 2]);
-    l_col[0] = l_col[0] * alpha[0] + pv[0] + pv[2];
-    l_col[1] = l_col[1] * alpha[1] + pv[1] + pv[3];
-    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
-#pragma unroll
-      for (int i = 0; i < D / 16; ++i) {
-        acc[i][0] *= alpha[0];
-        acc[i][1] *= alpha[1];
-        acc[i][2] *= alpha[0];
-        acc[i][3] *= alpha[1];
-      }
-    }
+    softmax_slab<D>(sc, rs, p.scale_log2, cur.tok0, cur.valid, g, cs, pv);
     if (!cur.ring && fv.fam == family::fp8_e4m3) {  // per-token V scales fold into P
       // rows at or beyond `valid` hold stale bytes: their scale must not turn P = 0 into NaN
       const float v0 = g < cur.valid ? __uint_as_float(vr.s[0]) : 0.f;
       const float v8 = g + 8 < cur.valid ? __uint_as_float(vr.s[1]) : 0.f;
       pv[0] *= v0, pv[1] *= v0, pv[2] *= v8, pv[3] *= v8;
     }
-    const uint32_t pb0 = movmatrix_t(h2_bits(__floats2half2_rn(pv[0], pv[1])));
-    const uint32_t pb1 = movmatrix_t(h2_bits(__floats2half2_rn(pv[2], pv[3])));
-
-    // ---- O^T += V^T P^T: A fragments pair tokens (2t, 2t+1) and (2t+8, 2t+9) per channel ----
-    if (Cap < 16 && fv.bits == 16) {
-      values_wide<D>(cur, fv.fam, g, t, p.kv.window, pb0, pb1, acc);
-    } else {
-    uint32_t va[D / 16], vb[D / 16], vc[D / 16], vd[D / 16];
-    switch (fv.bits) {
-      case 16:
-        if constexpr (Cap >= 16) v_all<D, 16, Cap>(vr, fv.fam, va, vb, vc, vd);
-        break;
-      case 8: v_all<D, 8, Cap>(vr, fv.fam, va, vb, vc, vd); break;
-      case 4: v_all<D, 4, Cap>(vr, fv.fam, va, vb, vc, vd); break;
-      default: v_all<D, 2, Cap>(vr, fv.fam, va, vb, vc, vd); break;
-    }
-    // rows of the slab at or beyond `valid` hold stale bytes: zero them (P is 0 there, but 0 x NaN is not)
-    if (cur.valid < slab) {
-      const bool za = 2 * t < cur.valid, zb = 2 * t + 1 < cur.valid, zc = 2 * t + 8 < cur.valid, zd = 2 * t + 9 < cur.valid;
-#pragma unroll
-      for (int i = 0; i < D / 16; ++i) {
-        va[i] = za ? va[i] : 0u, vb[i] = zb ? vb[i] : 0u, vc[i] = zc ? vc[i] : 0u, vd[i] = zd ? vd[i] : 0u;
-      }
-    }
-#pragma unroll
-    for (int mtile = 0; mtile < D / 16; ++mtile)
-      mma16816(acc[mtile], __byte_perm(va[mtile], vb[mtile], 0x5410), __byte_perm(va[mtile], vb[mtile], 0x7632),
-               __byte_perm(vc[mtile], vd[mtile], 0x5410), __byte_perm(vc[mtile], vd[mtile], 0x7632), pb0, pb1);
-    }
+    uint32_t pb0, pb1;
+    p_frags(pv, pb0, pb1);
+    values_slab<D, Cap>(vr, fv, cur.valid, t, pb0, pb1, cs.acc);
 
     __syncwarp();  // every lane is done with this slab's staging slot
     // the next slab's description again (cheaper than keeping it live across the slab)
     if (j + 1 < s1) cur = locate_slab<D>(p, item, h, j + 1, page_slabs, sm.pages);
     kc = kn;
   }
-
-  // ---- merge the warps, write the block's partial ----
-  float l_tot[2] = {l_col[0], l_col[1]};
-#pragma unroll
-  for (int c = 0; c < 2; ++c) {
-    l_tot[c] += __shfl_xor_sync(0xffffffffu, l_tot[c], 4);
-    l_tot[c] += __shfl_xor_sync(0xffffffffu, l_tot[c], 8);
-    l_tot[c] += __shfl_xor_sync(0xffffffffu, l_tot[c], 16);
-  }
-  const bool has_work = s0 < s1;
   cp_wait<0>();
   __syncthreads();  // the merge area overlays the staging slots of every warp
+  write_partial<D>(p, sm.m, cs, s0 < s1, warp, g, t);
+}
+
+// ---- the staged decode kernel: layers whose pages all hold formats of at most 8 bits ------------
+// Each warp streams its slabs through a ring of `stages` per-warp stages in shared memory, filled by
+// the bulk-copy engine (cp.async.bulk, one instruction per section, completion counted in bytes
+// by one mbarrier per stage): no addresses per lane and no register prefetch. A stage holds one
+// page slab's K as a 16-row page (codes, then sym/fp8 parameter rows, or the KIVI token group's
+// scales and zeros, D halves each) and, at `stage_k_bytes`, its V as a 16-row page (codes, scales
+// rows, zeros rows). Slabs whose format is wider than the
+// stages (a stray 16-bit page, an 8-bit page under a 4-bit stage plan) and the FP16 ring are read
+// from global memory where they are used.
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  do {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+__device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
+}
+
+constexpr int max_stages = 8;
+// Blocks per SM of the staged kernel: 168 registers. (128 registers for 4 blocks spill ~220 bytes and
+// measured 13-30 % slower.)
+constexpr int staged_blocks = 3;
+
+// A stage's room for one role: 16 code rows of `cap` bits plus the largest parameter section (K:
+// KIVI scales and zeros, 4 D bytes; V: scales and zeros rows, 2 D bytes).
+__host__ __device__ constexpr uint32_t stage_k_bytes(int d, int cap) { return uint32_t(2 * d * cap + 4 * d); }
+__host__ __device__ constexpr uint32_t stage_bytes(int d, int cap) { return stage_k_bytes(d, cap) + uint32_t(2 * d * cap + 2 * d); }
+
+template <int D>
+struct staged_head {
+  page_table_cache pages;
+  uint32_t qh[D / 8][32];  // the fp16 query pairs of each lane (for KIVI re-scaling); all warps alike
+  uint64_t bar[dec_warps][max_stages];
+};
+template <int D>
+constexpr uint32_t staged_head_bytes = (sizeof(staged_head<D>) + 127) / 128 * 128;
+
+// Issues the bulk copies of page slab j into a stage (lane l < 6 copies one section: K codes, K
+// scales, K zeros, V codes, V scales, V zeros) and arms the stage's barrier with their bytes.
+template <int D>
+__device__ __forceinline__ void issue_slab(const attend_params& p, const page_table_cache& pc, int j, bool first, int lane,
+                                           uint32_t stage, uint32_t bar) {
+  const int P = p.kv.page_tokens, lgP = log2i(P);
+  const int tok0 = j * slab, e = (tok0 >> lgP) - pc.first_page;
+  const uint32_t row0 = uint32_t(tok0 & (P - 1));
+  const bool is_v = lane >= 3;
+  const int part = is_v ? lane - 3 : lane;  // 0 codes, 1 scales, 2 zeros
+  const format_traits f = is_v ? pc.fv[e] : pc.fk[e];
+  const uint8_t* base = p.kv.arena + size_t(pc.page16[e]) * 16 + (is_v ? pc.v_offset[e] : 0u);
+  const uint32_t rb = uint32_t(D * f.bits) >> 3, code = uint32_t(P) * rb;
+  const uint32_t dst0 = stage + (is_v ? stage_k_bytes(D, p.stage_cap) : 0u) + (part ? 16 * rb : 0u);
+  uint32_t off = 0, bytes = 0, dst = dst0;
+  if (part == 0) {
+    off = row0 * rb, bytes = 16 * rb;
+  } else if (f.fam == family::fp8_e4m3) {
+    if (part == 1) off = code + row0 * 4, bytes = 64;
+  } else if (!is_v && f.has_zero()) {  // KIVI keys: the slab's token group, scales then zeros
+    const int lg = log2i(f.group);       // (only read when the warp enters the group: first slab)
+    off = code + (part == 2 ? uint32_t(P >> lg) * D * 2 : 0u) + (row0 >> lg) * D * 2;
+    bytes = first || (row0 & (f.group - 1)) == 0 ? D * 2 : 0u;
+    dst += part == 2 ? D * 2 : 0u;
+  } else if (f.is_integer() && (part == 1 || f.has_zero())) {  // per-row scales (and zeros)
+    const uint32_t ng = uint32_t(D >> log2i(group_of(f, D)));
+    off = code + (part == 2 ? uint32_t(P) * ng * 2 : 0u) + row0 * ng * 2, bytes = 32 * ng;
+    dst += part == 2 ? 32 * ng : 0u;
+  }
+  if (lane >= 6 || f.bits > p.stage_cap) bytes = 0;
+  const uint32_t total = __reduce_add_sync(0xffffffffu, bytes);
+  if (bytes) bulk_copy(dst, base + off, bytes, bar);
+  if (lane == 0) mbar_expect_tx(bar, total);
+}
+
+template <int D>
+__global__ void __launch_bounds__(dec_warps * 32, staged_blocks) decode_kernel(const __grid_constant__ attend_params p) {
+  constexpr int Cap = 8;
+  extern __shared__ __align__(128) uint8_t dsm[];
+  staged_head<D>& sm = *reinterpret_cast<staged_head<D>*>(dsm);
+  uint8_t* stages = dsm + staged_head_bytes<D>;
+  const int h = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const decode_item item = p.items[blockIdx.z];
+  const slab_range rg = block_slabs(p, item, warp);
+  if (rg.c0 >= rg.c1) return;
+  const int P = p.kv.page_tokens, page_slabs = rg.page_slabs, s0 = rg.s0, s1 = rg.s1;
+  const int ns = p.stages;
+  const uint32_t st_bytes = stage_bytes(D, p.stage_cap), st_v = stage_k_bytes(D, p.stage_cap);
+  uint8_t* my_stages = stages + uint32_t(warp * ns) * st_bytes;
+  const uint32_t my_stages_s = smem_addr(my_stages), my_bars = smem_addr(&sm.bar[warp][0]);
+  fill_page_table<D>(p, item, h, rg.c0, rg.c1, page_slabs, sm.pages);
+  uint32_t qb[D / 8];
+  load_query<D>(p, item, h, g, t, qb);
+  if (warp == 0) {
 #pragma unroll
-  for (int i = 0; i < D / 16; ++i) {
-    const int ch = (D / 8) * g + 2 * i;
-    sm.m.wo[warp][2 * t][ch] = has_work ? acc[i][0] : 0.f;
-    sm.m.wo[warp][2 * t + 1][ch] = has_work ? acc[i][1] : 0.f;
-    sm.m.wo[warp][2 * t][ch + 1] = has_work ? acc[i][2] : 0.f;
-    sm.m.wo[warp][2 * t + 1][ch + 1] = has_work ? acc[i][3] : 0.f;
+    for (int c = 0; c < D / 8; ++c) sm.qh[c][lane] = qb[c];
   }
-  if (g == 0)
-    for (int c = 0; c < 2; ++c) {
-      sm.m.wml[warp][2 * t + c][0] = has_work ? m_col[c] : -INFINITY;
-      sm.m.wml[warp][2 * t + c][1] = has_work ? l_tot[c] : 0.f;
-    }
+  if (lane < ns) mbar_init(my_bars + lane * 8, 1);
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   __syncthreads();
-  const size_t part = (size_t(blockIdx.z) * p.kv.kv_heads + h) * p.max_splits + blockIdx.x;
-  for (int idx = threadIdx.x; idx < 8 * D; idx += dec_warps * 32) {
-    const int r = idx / D, c = idx % D;
-    float m = -INFINITY;
-    for (int w = 0; w < dec_warps; ++w) m = fmaxf(m, sm.m.wml[w][r][0]);
-    float o = 0.f, l = 0.f;
-    for (int w = 0; w < dec_warps; ++w) {
-      const float mw = sm.m.wml[w][r][0];
-      const float f = mw == -INFINITY ? 0.f : exp2f(mw - m);
-      o += f * sm.m.wo[w][r][c];
-      l += f * sm.m.wml[w][r][1];
+
+  // prologue: the first ns - 1 page slabs in flight
+  const int issue_end = min(s1, page_slabs);
+  int issue_j = s0, issue_st = 0;
+  for (; issue_j < min(issue_end, s0 + ns - 1); ++issue_j, ++issue_st)
+    issue_slab<D>(p, sm.pages, issue_j, issue_j == s0, lane, my_stages_s + issue_st * st_bytes, my_bars + issue_st * 8);
+  if (issue_st == ns) issue_st = 0;
+
+  const uint8_t* q_scales_of = nullptr;  // the KIVI token group whose scales qb holds (nullptr: plain)
+  column_state<D> cs(p, item, t);
+
+  int cur_st = 0;
+  uint32_t phases = 0;  // bit s: parity of stage s's next phase
+  for (int j = s0; j < s1; ++j) {
+    if (issue_j < issue_end) {  // refill the stage the previous slab freed
+      issue_slab<D>(p, sm.pages, issue_j, issue_j == s0, lane, my_stages_s + issue_st * st_bytes, my_bars + issue_st * 8);
+      ++issue_j;
+      if (++issue_st == ns) issue_st = 0;
     }
-    p.ws_o[part * 16 * D + r * D + c] = o;
-    if (c == 0) {
-      p.ws_ml[(part * 16 + r) * 2] = m;
-      p.ws_ml[(part * 16 + r) * 2 + 1] = l;
+    const slab_ref cur = locate_slab<D>(p, item, h, j, page_slabs, sm.pages);
+    const format_traits fk = cur.fk, fv = cur.fv;
+    const uint8_t* st = my_stages + cur_st * st_bytes;
+    if (!cur.ring) {
+      mbar_wait(my_bars + cur_st * 8, (phases >> cur_st) & 1u);
+      phases ^= 1u << cur_st;
     }
+    const bool k_st = !cur.ring && fk.bits <= p.stage_cap, v_st = !cur.ring && fv.bits <= p.stage_cap;
+    // a slab as a 16-row page in its stage (P = 16, row0 = 0)
+    slab_ref sk = cur;
+    sk.k = st, sk.v = st + st_v, sk.row0 = 0;
+
+    // ---- the query for this slab's K format ----
+    const bool k_codes = !cur.ring && fk.k_along_tokens();
+    const int lgk = k_codes ? log2i(fk.group) : 0;
+    const uint32_t rbk = uint32_t(D * fk.bits) >> 3;
+    const uint8_t* group_key = k_codes ? cur.k + uint32_t(P) * rbk + uint32_t(cur.row0 >> lgk) * D * 2 : nullptr;
+    if (group_key != q_scales_of) {
+      if (!k_codes) {
+#pragma unroll
+        for (int i = 0; i < D / 8; ++i) qb[i] = sm.qh[i][lane];
+        cs.cz[0] = cs.cz[1] = 0.f;
+      } else if (k_st) {
+        fold_kivi<D>(st + 16 * rbk, st + 16 * rbk + D * 2, fk.bits, sm.qh, lane, t, qb, cs.cz);
+      } else {
+        fold_kivi<D>(group_key, group_key + uint32_t(P >> lgk) * D * 2, fk.bits, sm.qh, lane, t, qb, cs.cz);
+      }
+      q_scales_of = group_key;
+    }
+
+    // ---- S^T = K Q^T ----
+    float sc[4] = {0.f, 0.f, 0.f, 0.f};
+    float rs[2] = {1.f, 1.f};  // fp8 keys: per-token scales of rows g, g+8
+    if (fk.bits == 16) {
+      scores_wide<D>(cur, fk.fam, g, t, p.kv.window, qb, sc);
+    } else {
+      k_raw<D, Cap> kr;
+      if (k_st) load_k<D, Cap, false>(sk, fk, 16, p.kv.window, g, t, kr);
+      else load_k<D, Cap, true>(cur, fk, P, p.kv.window, g, t, kr);
+      uint32_t kg[D / 8], kg8[D / 8];
+      switch (fk.bits) {
+        case 8: k_frags<D, 8, Cap>(kr.w, fk.fam, kr.ps, kg, kg8); break;
+        case 4: k_frags<D, 4, Cap>(kr.w, fk.fam, kr.ps, kg, kg8); break;
+        default: k_frags<D, 2, Cap>(kr.w, fk.fam, kr.ps, kg, kg8); break;
+      }
+      scores_mma<D>(kg, kg8, qb, sc);
+      if (fk.fam == family::fp8_e4m3) {
+        rs[0] = g < cur.valid ? __uint_as_float(kr.ps[0]) : 0.f;
+        rs[1] = g + 8 < cur.valid ? __uint_as_float(kr.ps[1]) : 0.f;
+      }
+    }
+    float pv[4];
+    softmax_slab<D>(sc, rs, p.scale_log2, cur.tok0, cur.valid, g, cs, pv);
+
+    // ---- O^T += V^T P^T ----
+    uint32_t pb0, pb1;
+    if (fv.bits == 16) {
+      p_frags(pv, pb0, pb1);
+      values_wide<D>(cur, fv.fam, g, t, p.kv.window, pb0, pb1, cs.acc);
+    } else {
+      v_raw<D, Cap> vr;
+      if (v_st) load_v<D, Cap, false>(sk, fv, 16, p.kv.window, g, t, vr);
+      else load_v<D, Cap, true>(cur, fv, P, p.kv.window, g, t, vr);
+      if (fv.fam == family::fp8_e4m3) {  // per-token V scales fold into P
+        // rows at or beyond `valid` hold stale bytes: their scale must not turn P = 0 into NaN
+        const float v0 = g < cur.valid ? __uint_as_float(vr.s[0]) : 0.f;
+        const float v8 = g + 8 < cur.valid ? __uint_as_float(vr.s[1]) : 0.f;
+        pv[0] *= v0, pv[1] *= v0, pv[2] *= v8, pv[3] *= v8;
+      }
+      p_frags(pv, pb0, pb1);
+      values_slab<D, Cap>(vr, fv, cur.valid, t, pb0, pb1, cs.acc);
+    }
+    __syncwarp();  // every lane is done with this slab's stage before it is refilled
+    if (!cur.ring && ++cur_st == ns) cur_st = 0;
   }
+  __syncthreads();  // the merge area overlays every warp's stages (all their copies were waited for)
+  write_partial<D>(p, *reinterpret_cast<merge_area<D>*>(stages), cs, s0 < s1, warp, g, t);
 }
 
 template <int D>
@@ -1360,7 +1699,20 @@ struct launch_plan {
   bool decode;  // group x q_len <= 8: the warp-split decode kernel
   bool wide;    // decode: some page may hold a 16-bit format (registers for 16-bit prefetch)
   int unit, mtiles, tiles_per_split, max_splits, max_tiles;
+  int stages, stage_cap, smem, per_sm;  // the staged decode kernel's stages and occupancy
 };
+
+// Stages of the staged decode kernel: as many as fit with `staged_blocks` blocks per SM, 2 at least. cap: the bits a stage holds (the layer's widest format, rounded up to 2/4/8).
+template <int D>
+void plan_stages(int max_bits, launch_plan& lp) {
+  constexpr int sm_bytes = 227 * 1024, per_sm = staged_blocks, reserved = 1024;
+  lp.stage_cap = max_bits <= 2 ? 2 : max_bits <= 4 ? 4 : 8;
+  const int st = int(stage_bytes(D, lp.stage_cap));
+  const int room = sm_bytes / per_sm - reserved - int(staged_head_bytes<D>);
+  lp.stages = std::clamp(room / (dec_warps * st), 2, max_stages);
+  lp.smem = int(staged_head_bytes<D>) + std::max(dec_warps * lp.stages * st, int(sizeof(merge_area<D>)));
+  lp.per_sm = std::min(per_sm, sm_bytes / (lp.smem + reserved));
+}
 
 launch_plan plan_for(const attend_args& a) {
   launch_plan lp{};
@@ -1384,7 +1736,11 @@ launch_plan plan_for(const attend_args& a) {
     // time), so take the s of least cost, the fewest splits on a tie. At least 4 slabs per warp,
     // at most max_cta_slabs per block (the page table cache).
     lp.wide = a.max_page_bits > 8;
-    const int64_t wave = int64_t(a.num_sms) * (lp.wide ? 2 : 3);
+    if (!lp.wide) {
+      if (a.kv.head_dim == 128) plan_stages<128>(a.max_page_bits, lp);
+      else plan_stages<64>(a.max_page_bits, lp);
+    }
+    const int64_t wave = int64_t(a.num_sms) * (lp.wide ? 2 : lp.per_sm);
     const int64_t base = int64_t(std::max<size_t>(1, a.items.size())) * a.kv.kv_heads;
     const int s_min = ceil_div(lp.max_tiles, max_cta_slabs);
     const int s_max = std::max(s_min, ceil_div(lp.max_tiles, 4 * dec_warps));
@@ -1415,10 +1771,13 @@ status launch_attend(const attend_params& p, const launch_plan& lp, int kv_heads
   const dim3 mgrid(unsigned(items), unsigned(kv_heads * lp.mtiles));
   if (lp.decode) {
     const dim3 grid(unsigned(lp.max_splits), unsigned(kv_heads), unsigned(items));
-    if (lp.wide)
-      decode_kernel<D, 16><<<grid, dec_warps * 32, 0, st>>>(p);
-    else
-      decode_kernel<D, 8><<<grid, dec_warps * 32, 0, st>>>(p);
+    if (lp.wide) {
+      decode_wide_kernel<D><<<grid, dec_warps * 32, 0, st>>>(p);
+    } else {
+      KVQ_TRY(cuda_status(cudaFuncSetAttribute(decode_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, lp.smem),
+                          "cudaFuncSetAttribute"));
+      decode_kernel<D><<<grid, dec_warps * 32, lp.smem, st>>>(p);
+    }
   } else {
     const int smem = int(sizeof(attend_smem<D>));
     KVQ_TRY(cuda_status(cudaFuncSetAttribute(attend_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
@@ -1489,6 +1848,8 @@ status attend_run(const attend_args& a, void* workspace, size_t workspace_bytes,
     p.n_items = int(sub.items.size());
     std::copy(sub.items.begin(), sub.items.end(), p.items);
     p.unit_tokens = lp.unit;
+    p.stages = lp.stages;
+    p.stage_cap = lp.stage_cap;
     if (a.kv.head_dim == 128)
       KVQ_TRY(launch_attend<128>(p, lp, a.kv.kv_heads, int(sub.items.size()), st));
     else

@@ -155,11 +155,16 @@ TEST_CASE("gpu: decode attention matches the CPU reference over formats and leng
 }
 
 TEST_CASE("gpu: mixed formats within one sequence (temporal striping)", "[gpu][decode]") {
+  // with 16-bit pages (the wide decode kernel) and without (the staged one)
+  const bool wide = GENERATE(true, false);
+  CAPTURE(wide);
   auto c = make("kivi4/g32", 2, 32, 8, 128);
-  std::mt19937 rng(5);
+  std::mt19937 rng(wide ? 5 : 6);
   check(c.cpu.create_sequence(0));
   check(c.gpu.create_sequence(0));
-  const char* tiers[] = {"kivi4/g32", "k=kivi2/g32,v=fp8", "fp16", "k=int8,v=kivi2/g64", "ra2/g32", "bf16"};
+  const char* wide_tiers[] = {"kivi4/g32", "k=kivi2/g32,v=fp8", "fp16", "k=int8,v=kivi2/g64", "ra2/g32", "bf16"};
+  const char* narrow_tiers[] = {"kivi4/g32", "k=kivi2/g32,v=fp8", "kivi8/g64", "k=int8,v=kivi2/g64", "ra2/g32", "k=fp8,v=sym2/g32"};
+  const char* const* tiers = wide ? wide_tiers : narrow_tiers;
   const int steps = small() ? 3 : 6;
   for (int i = 0; i < steps; ++i) {
     c.pol->set_all(*parse_format_pair(tiers[i]));
