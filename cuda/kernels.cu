@@ -57,7 +57,7 @@ struct attend_params {
   float scale_log2;
   int tiles_per_split, max_splits;
   int unit_tokens;  // tokens of a work unit: 64 (tile kernel) or 16 (decode kernel slabs)
-  int stages, stage_cap;  // staged decode kernel: stages per warp, code bits a stage holds
+  int stages, stage_cap, chunk;  // staged decode kernel: stages per warp, code bits and slabs a stage holds
   float* ws_o;   // [partials][16][D]
   float* ws_ml;  // [partials][16][2]
   float* q_stage;  // optional: items' query rows copied here as fp32 (decode_item::stage_row)
@@ -794,16 +794,15 @@ __device__ __forceinline__ void to_pairs(const uint32_t* w, family fam, uint32_t
 #pragma unroll
       for (int i = 0; i < Pairs; ++i) out[i] = __byte_perm(w[i / 2], 0x64646464u, (i % 2) ? 0x7342 : 0x5140);
     }
-  } else if constexpr (Bits == 4) {  // byte j of a word spread to both halves, one mask per pair
+  } else if constexpr (Bits == 4) {  // [byte j, 0x64, byte j, 0x64], then one mask per pair
 #pragma unroll
-    for (int i = 0; i < Pairs; ++i)
-      out[i] = (__byte_perm(w[i / 4], 0u, (i % 4) * 0x1111u) & 0x00F0000Fu) | 0x64006400u;
+    for (int i = 0; i < Pairs; ++i) out[i] = __byte_perm(w[i / 4], 0x64646464u, (i % 4) * 0x0101u + 0x4040u) & 0xFFF0FF0Fu;
   } else {
 #pragma unroll
     for (int b = 0; b < Pairs / 2; ++b) {  // byte b holds channels 4b .. 4b+3
-      const uint32_t x = __byte_perm(w[b / 4], 0u, (b % 4) * 0x1111u);
-      out[2 * b] = (x & 0x000C0003u) | 0x64006400u;
-      out[2 * b + 1] = (x & 0x00C00030u) | 0x64006400u;
+      const uint32_t x = __byte_perm(w[b / 4], 0x64646464u, (b % 4) * 0x0101u + 0x4040u);
+      out[2 * b] = x & 0xFF0CFF03u;
+      out[2 * b + 1] = x & 0xFFC0FF30u;
     }
   }
 }
@@ -986,8 +985,9 @@ __device__ __forceinline__ void v_all(const v_raw<D, Cap>& vr, family fam, uint3
 }
 
 // The codes of channel c (of the lane's D/8) of two tokens, as the half2 (1024 + c_a / mul, 1024 +
-// c_b / mul) with mul = pair_mul<Bits>(c): one byte-permute per 4 (8 bits: 2) channels and one lop3
-// per channel, so that V^T's A fragments (token pairs) come straight from the raw words.
+// c_b / mul) with mul = pair_mul<Bits>(c): byte permutes pair the tokens' bytes and insert the
+// magic byte, one lop3 per channel masks the code in place, so that V^T's A fragments (token pairs)
+// come straight from the raw words.
 template <int Bits>
 __device__ __forceinline__ uint32_t pair_codes(const uint32_t* wa, const uint32_t* wb, int c) {
   if constexpr (Bits == 8) {
@@ -998,8 +998,9 @@ __device__ __forceinline__ uint32_t pair_codes(const uint32_t* wa, const uint32_
     constexpr int per_word = 32 / Bits, per_byte = 8 / Bits;
     constexpr uint32_t mask = ((1u << Bits) - 1) * 0x00010001u;
     const int wi = c / per_word, j = (c % per_word) / per_byte, k = c % per_byte;
-    const uint32_t x = __byte_perm(wa[wi], wb[wi], j | (j << 4) | ((4 + j) << 8) | ((4 + j) << 12));  // a_j a_j b_j b_j
-    return (x & (mask << (Bits * k))) | 0x64006400u;
+    const uint32_t u = __byte_perm(wa[wi], wb[wi], j < 2 ? 0x5140 : 0x7362);     // a_j, b_j, a_j+1, b_j+1 (j even)
+    const uint32_t x = __byte_perm(u, 0x64646464u, (j % 2) ? 0x4342 : 0x4140);  // a_j, 0x64, b_j, 0x64
+    return x & (0xFF00FF00u | (mask << (Bits * k)));
   }
 }
 template <int Bits>
@@ -1182,6 +1183,12 @@ struct column_state {
   }
 };
 
+__device__ __forceinline__ float ex2(float x) {  // 2^x, one MUFU op (-inf -> 0)
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // Online softmax over one slab's scores (S^T rows g, g + 8 of the slab, columns 2t, 2t + 1): rows
 // at or beyond `valid` and tokens after a column's query are masked; the running max, sum and
 // accumulators are updated and P is left in `pv`. `rs`: per-row score scales (fp8 keys), `cz`:
@@ -1209,11 +1216,11 @@ __device__ __forceinline__ void softmax_slab(float (&sc)[4], const float (&rs)[2
     tile_max[c] = fmaxf(tile_max[c], __shfl_xor_sync(0xffffffffu, tile_max[c], 8));
     tile_max[c] = fmaxf(tile_max[c], __shfl_xor_sync(0xffffffffu, tile_max[c], 16));
     const float m_new = fmaxf(m_col[c], tile_max[c]);
-    alpha[c] = m_new == -INFINITY ? 1.f : exp2f(m_col[c] - m_new);
+    alpha[c] = m_new == -INFINITY ? 1.f : ex2(m_col[c] - m_new);
     m_col[c] = m_new;
   }
 #pragma unroll
-  for (int e = 0; e < 4; ++e) pv[e] = m_col[e % 2] == -INFINITY ? 0.f : exp2f(sc[e] - m_col[e % 2]);
+  for (int e = 0; e < 4; ++e) pv[e] = m_col[e % 2] == -INFINITY ? 0.f : ex2(sc[e] - m_col[e % 2]);
   l_col[0] = l_col[0] * alpha[0] + pv[0] + pv[2];
   l_col[1] = l_col[1] * alpha[1] + pv[1] + pv[3];
   if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
@@ -1322,17 +1329,17 @@ __device__ __forceinline__ void write_partial(const attend_params& p, merge_area
   }
 }
 
-// The block's slab range and this warp's part of it; false if the block has no slab.
+// The block's slab range and this warp's part of it (whole chunks of `chunk` slabs).
 struct slab_range {
   int page_slabs, c0, c1, s0, s1;
 };
-__device__ __forceinline__ slab_range block_slabs(const attend_params& p, const decode_item& item, int warp) {
+__device__ __forceinline__ slab_range block_slabs(const attend_params& p, const decode_item& item, int warp, int chunk) {
   slab_range r;
   r.page_slabs = ceil_div(item.from_pages, slab);
   const int S = r.page_slabs + ceil_div(item.n - item.from_pages, slab);
-  r.c0 = blockIdx.x * p.tiles_per_split;
+  r.c0 = blockIdx.x * p.tiles_per_split;  // a multiple of dec_warps * chunk
   r.c1 = min(S, r.c0 + p.tiles_per_split);
-  const int per_warp = ceil_div(r.c1 - r.c0, dec_warps);
+  const int per_warp = ceil_div(r.c1 - r.c0, dec_warps * chunk) * chunk;
   r.s0 = r.c0 + warp * per_warp;
   r.s1 = min(r.c1, r.s0 + per_warp);
   return r;
@@ -1347,7 +1354,7 @@ __global__ void __launch_bounds__(dec_warps * 32, 2) decode_wide_kernel(const __
   __shared__ decode_smem<D> sm;
   const int h = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const decode_item item = p.items[blockIdx.z];
-  const slab_range rg = block_slabs(p, item, warp);
+  const slab_range rg = block_slabs(p, item, warp, 1);
   if (rg.c0 >= rg.c1) return;
   const int P = p.kv.page_tokens, page_slabs = rg.page_slabs, s0 = rg.s0, s1 = rg.s1;
   fill_page_table<D>(p, item, h, rg.c0, rg.c1, page_slabs, sm.pages);
@@ -1486,10 +1493,13 @@ constexpr int max_stages = 8;
 // measured 13-30 % slower.)
 constexpr int staged_blocks = 3;
 
-// A stage's room for one role: 16 code rows of `cap` bits plus the largest parameter section (K:
-// KIVI scales and zeros, 4 D bytes; V: scales and zeros rows, 2 D bytes).
-__host__ __device__ constexpr uint32_t stage_k_bytes(int d, int cap) { return uint32_t(2 * d * cap + 4 * d); }
-__host__ __device__ constexpr uint32_t stage_bytes(int d, int cap) { return stage_k_bytes(d, cap) + uint32_t(2 * d * cap + 2 * d); }
+// A stage holds `rows` (16 or 32: one or two slabs) rows of each role. Its room for one role: the
+// code rows of `cap` bits plus the largest parameter section (K: KIVI scales and zeros, 4 D bytes;
+// V: scale and zero rows, at most rows D / 8 bytes).
+__host__ __device__ constexpr uint32_t stage_k_bytes(int d, int cap, int rows) { return uint32_t(rows * d * cap / 8 + 4 * d); }
+__host__ __device__ constexpr uint32_t stage_bytes(int d, int cap, int rows) {
+  return stage_k_bytes(d, cap, rows) + uint32_t(rows * d * cap / 8 + rows * d / 8);
+}
 
 template <int D>
 struct staged_head {
@@ -1500,11 +1510,12 @@ struct staged_head {
 template <int D>
 constexpr uint32_t staged_head_bytes = (sizeof(staged_head<D>) + 127) / 128 * 128;
 
-// Issues the bulk copies of page slab j into a stage (lane l < 6 copies one section: K codes, K
-// scales, K zeros, V codes, V scales, V zeros) and arms the stage's barrier with their bytes.
+// Issues the bulk copies of the chunk of `rows` page rows that starts at slab j into a stage (lane
+// l < 6 copies one section: K codes, K scales, K zeros, V codes, V scales, V zeros) and arms the
+// stage's barrier with their bytes. A chunk never leaves its page (chunks are aligned to their size).
 template <int D>
-__device__ __forceinline__ void issue_slab(const attend_params& p, const page_table_cache& pc, int j, bool first, int lane,
-                                           uint32_t stage, uint32_t bar) {
+__device__ __forceinline__ void issue_chunk(const attend_params& p, const page_table_cache& pc, int j, uint32_t rows, bool first,
+                                            int lane, uint32_t stage, uint32_t bar) {
   const int P = p.kv.page_tokens, lgP = log2i(P);
   const int tok0 = j * slab, e = (tok0 >> lgP) - pc.first_page;
   const uint32_t row0 = uint32_t(tok0 & (P - 1));
@@ -1513,12 +1524,12 @@ __device__ __forceinline__ void issue_slab(const attend_params& p, const page_ta
   const format_traits f = is_v ? pc.fv[e] : pc.fk[e];
   const uint8_t* base = p.kv.arena + size_t(pc.page16[e]) * 16 + (is_v ? pc.v_offset[e] : 0u);
   const uint32_t rb = uint32_t(D * f.bits) >> 3, code = uint32_t(P) * rb;
-  const uint32_t dst0 = stage + (is_v ? stage_k_bytes(D, p.stage_cap) : 0u) + (part ? 16 * rb : 0u);
+  const uint32_t dst0 = stage + (is_v ? stage_k_bytes(D, p.stage_cap, rows) : 0u) + (part ? rows * rb : 0u);
   uint32_t off = 0, bytes = 0, dst = dst0;
   if (part == 0) {
-    off = row0 * rb, bytes = 16 * rb;
+    off = row0 * rb, bytes = rows * rb;
   } else if (f.fam == family::fp8_e4m3) {
-    if (part == 1) off = code + row0 * 4, bytes = 64;
+    if (part == 1) off = code + row0 * 4, bytes = rows * 4;
   } else if (!is_v && f.has_zero()) {  // KIVI keys: the slab's token group, scales then zeros
     const int lg = log2i(f.group);       // (only read when the warp enters the group: first slab)
     off = code + (part == 2 ? uint32_t(P >> lg) * D * 2 : 0u) + (row0 >> lg) * D * 2;
@@ -1526,13 +1537,63 @@ __device__ __forceinline__ void issue_slab(const attend_params& p, const page_ta
     dst += part == 2 ? D * 2 : 0u;
   } else if (f.is_integer() && (part == 1 || f.has_zero())) {  // per-row scales (and zeros)
     const uint32_t ng = uint32_t(D >> log2i(group_of(f, D)));
-    off = code + (part == 2 ? uint32_t(P) * ng * 2 : 0u) + row0 * ng * 2, bytes = 32 * ng;
-    dst += part == 2 ? 32 * ng : 0u;
+    off = code + (part == 2 ? uint32_t(P) * ng * 2 : 0u) + row0 * ng * 2, bytes = rows * ng * 2;
+    dst += part == 2 ? rows * ng * 2 : 0u;
   }
   if (lane >= 6 || f.bits > p.stage_cap) bytes = 0;
   const uint32_t total = __reduce_add_sync(0xffffffffu, bytes);
   if (bytes) bulk_copy(dst, base + off, bytes, bar);
   if (lane == 0) mbar_expect_tx(bar, total);
+}
+
+// The staged kernel compiles the K part (loads, dequantization, score MMAs) and the V part (loads,
+// dequantization, P, output MMAs) once per kind of page format, each a straight run of code with the
+// format's family and bits constant (branches inside a slab cost issue slots and split the code the
+// scheduler can interleave). Kinds: KIVI/RoleAlign 8/4/2 bits (0-2), sym 8/4/2 (3-5), fp8 (6);
+// 16-bit formats (-1) take the unstaged path.
+__device__ __forceinline__ int kind_of(format_traits f) {
+  if (f.bits > 8) return -1;
+  const int b = f.bits == 8 ? 0 : f.bits == 4 ? 1 : 2;
+  return f.fam == family::fp8_e4m3 ? 6 : f.fam == family::sym ? 3 + b : b;
+}
+
+// S^T of a staged slab (sk: the stage as a `rows`-row page) for one kind of K format.
+template <int D, int Cap, family Fam, int Bits>
+__device__ __forceinline__ void scores_kind(const slab_ref& sk, uint16_t group, int rows, int window, int g, int t,
+                                            const uint32_t (&qb)[D / 8], float (&sc)[4], float (&rs)[2], int valid) {
+  const format_traits f{Fam, uint8_t(Bits), group};
+  k_raw<D, Cap> kr;
+  load_k<D, Cap, false>(sk, f, rows, window, g, t, kr);
+  uint32_t kg[D / 8], kg8[D / 8];
+  k_frags<D, Bits, Cap>(kr.w, Fam, kr.ps, kg, kg8);
+  scores_mma<D>(kg, kg8, qb, sc);
+  if constexpr (Fam == family::fp8_e4m3) {
+    rs[0] = g < valid ? __uint_as_float(kr.ps[0]) : 0.f;
+    rs[1] = g + 8 < valid ? __uint_as_float(kr.ps[1]) : 0.f;
+  }
+}
+
+// O^T += V^T P^T for a staged slab for one kind of V format (P from `pv`).
+template <int D, int Cap, family Fam, int Bits>
+__device__ __forceinline__ void values_kind(const slab_ref& sk, uint16_t group, int rows, int window, int g, int t,
+                                            float (&pv)[4], int valid, float (&acc)[D / 16][4]) {
+  const format_traits f{Fam, uint8_t(Bits), group};
+  v_raw<D, Cap> vr;
+  load_v<D, Cap, false>(sk, f, rows, window, g, t, vr);
+  uint32_t pb0, pb1;
+  if constexpr (Fam == family::fp8_e4m3) {  // per-token V scales fold into P
+    // rows at or beyond `valid` hold stale bytes: their scale must not turn P = 0 into NaN
+    const float v0 = g < valid ? __uint_as_float(vr.s[0]) : 0.f;
+    const float v8 = g + 8 < valid ? __uint_as_float(vr.s[1]) : 0.f;
+    pv[0] *= v0, pv[1] *= v0, pv[2] *= v8, pv[3] *= v8;
+    p_frags(pv, pb0, pb1);
+    uint32_t va[D / 16], vb[D / 16], vc[D / 16], vd[D / 16];
+    v_all<D, 8, Cap>(vr, Fam, va, vb, vc, vd);
+    values_mma<D>(va, vb, vc, vd, valid, t, pb0, pb1, acc);
+  } else {
+    p_frags(pv, pb0, pb1);
+    values_int<D, Bits, Cap>(vr, Fam == family::sym, valid, t, pb0, pb1, acc);
+  }
 }
 
 template <int D>
@@ -1543,11 +1604,12 @@ __global__ void __launch_bounds__(dec_warps * 32, staged_blocks) decode_kernel(c
   uint8_t* stages = dsm + staged_head_bytes<D>;
   const int h = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const decode_item item = p.items[blockIdx.z];
-  const slab_range rg = block_slabs(p, item, warp);
+  const int ch = p.chunk;  // slabs per stage (1 or 2); warps' ranges start on a chunk
+  const slab_range rg = block_slabs(p, item, warp, ch);
   if (rg.c0 >= rg.c1) return;
   const int P = p.kv.page_tokens, page_slabs = rg.page_slabs, s0 = rg.s0, s1 = rg.s1;
-  const int ns = p.stages;
-  const uint32_t st_bytes = stage_bytes(D, p.stage_cap), st_v = stage_k_bytes(D, p.stage_cap);
+  const int ns = p.stages, rows = slab * ch;
+  const uint32_t st_bytes = stage_bytes(D, p.stage_cap, rows), st_v = stage_k_bytes(D, p.stage_cap, rows);
   uint8_t* my_stages = stages + uint32_t(warp * ns) * st_bytes;
   const uint32_t my_stages_s = smem_addr(my_stages), my_bars = smem_addr(&sm.bar[warp][0]);
   fill_page_table<D>(p, item, h, rg.c0, rg.c1, page_slabs, sm.pages);
@@ -1561,69 +1623,91 @@ __global__ void __launch_bounds__(dec_warps * 32, staged_blocks) decode_kernel(c
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   __syncthreads();
 
-  // prologue: the first ns - 1 page slabs in flight
+  // prologue: the first ns - 1 chunks of page slabs in flight
   const int issue_end = min(s1, page_slabs);
   int issue_j = s0, issue_st = 0;
-  for (; issue_j < min(issue_end, s0 + ns - 1); ++issue_j, ++issue_st)
-    issue_slab<D>(p, sm.pages, issue_j, issue_j == s0, lane, my_stages_s + issue_st * st_bytes, my_bars + issue_st * 8);
+  for (; issue_j < issue_end && issue_st < ns - 1; issue_j += ch, ++issue_st)
+    issue_chunk<D>(p, sm.pages, issue_j, rows, issue_j == s0, lane, my_stages_s + issue_st * st_bytes, my_bars + issue_st * 8);
   if (issue_st == ns) issue_st = 0;
 
-  const uint8_t* q_scales_of = nullptr;  // the KIVI token group whose scales qb holds (nullptr: plain)
+  int q_key = -2;  // the KIVI token group (its first token) whose scales qb holds; -1: the plain query
   column_state<D> cs(p, item, t);
-
-  int cur_st = 0;
+  int cur_st = 0, cur_e = -1;
   uint32_t phases = 0;  // bit s: parity of stage s's next phase
+  format_traits pk{}, pv_fmt{};  // the current page's formats (kept across its slabs)
   for (int j = s0; j < s1; ++j) {
-    if (issue_j < issue_end) {  // refill the stage the previous slab freed
-      issue_slab<D>(p, sm.pages, issue_j, issue_j == s0, lane, my_stages_s + issue_st * st_bytes, my_bars + issue_st * 8);
-      ++issue_j;
+    const int r_in = (j - s0) & (ch - 1);  // the slab's place in its chunk
+    if (r_in == 0 && issue_j < issue_end) {  // refill the stage the previous chunk freed
+      issue_chunk<D>(p, sm.pages, issue_j, rows, false, lane, my_stages_s + issue_st * st_bytes, my_bars + issue_st * 8);
+      issue_j += ch;
       if (++issue_st == ns) issue_st = 0;
     }
-    const slab_ref cur = locate_slab<D>(p, item, h, j, page_slabs, sm.pages);
+    slab_ref cur;
+    if (j < page_slabs) {  // the page's formats are read only when the page changes
+      cur.tok0 = j * slab;
+      const int e = (cur.tok0 >> log2i(P)) - sm.pages.first_page;
+      if (e != cur_e) cur_e = e, pk = sm.pages.fk[e], pv_fmt = sm.pages.fv[e];
+      cur.fk = pk, cur.fv = pv_fmt;
+      cur.k = p.kv.arena + size_t(sm.pages.page16[e]) * 16;  // (used by the unstaged paths only)
+      cur.v = cur.k + sm.pages.v_offset[e];
+      cur.ring = false;
+      cur.valid = min(slab, item.from_pages - cur.tok0);
+      cur.row0 = cur.tok0 & (P - 1);
+      if (r_in == 0) {
+        mbar_wait(my_bars + cur_st * 8, (phases >> cur_st) & 1u);
+        phases ^= 1u << cur_st;
+      }
+    } else {
+      cur = locate_slab<D>(p, item, h, j, page_slabs, sm.pages);
+    }
     const format_traits fk = cur.fk, fv = cur.fv;
     const uint8_t* st = my_stages + cur_st * st_bytes;
-    if (!cur.ring) {
-      mbar_wait(my_bars + cur_st * 8, (phases >> cur_st) & 1u);
-      phases ^= 1u << cur_st;
-    }
     const bool k_st = !cur.ring && fk.bits <= p.stage_cap, v_st = !cur.ring && fv.bits <= p.stage_cap;
-    // a slab as a 16-row page in its stage (P = 16, row0 = 0)
+    // the slab in its stage: a `rows`-row page whose row r_in * 16 is the slab's first
     slab_ref sk = cur;
-    sk.k = st, sk.v = st + st_v, sk.row0 = 0;
+    sk.k = st, sk.v = st + st_v, sk.row0 = slab * r_in;
 
     // ---- the query for this slab's K format ----
     const bool k_codes = !cur.ring && fk.k_along_tokens();
     const int lgk = k_codes ? log2i(fk.group) : 0;
-    const uint32_t rbk = uint32_t(D * fk.bits) >> 3;
-    const uint8_t* group_key = k_codes ? cur.k + uint32_t(P) * rbk + uint32_t(cur.row0 >> lgk) * D * 2 : nullptr;
-    if (group_key != q_scales_of) {
+    const int key = k_codes ? cur.tok0 & ~(int(fk.group) - 1) : -1;
+    if (key != q_key) {
+      const uint32_t rbk = uint32_t(D * fk.bits) >> 3;
       if (!k_codes) {
 #pragma unroll
         for (int i = 0; i < D / 8; ++i) qb[i] = sm.qh[i][lane];
         cs.cz[0] = cs.cz[1] = 0.f;
       } else if (k_st) {
-        fold_kivi<D>(st + 16 * rbk, st + 16 * rbk + D * 2, fk.bits, sm.qh, lane, t, qb, cs.cz);
+        fold_kivi<D>(st + rows * rbk, st + rows * rbk + D * 2, fk.bits, sm.qh, lane, t, qb, cs.cz);
       } else {
-        fold_kivi<D>(group_key, group_key + uint32_t(P >> lgk) * D * 2, fk.bits, sm.qh, lane, t, qb, cs.cz);
+        const uint8_t* sc = cur.k + uint32_t(P) * rbk + uint32_t(cur.row0 >> lgk) * D * 2;
+        fold_kivi<D>(sc, sc + uint32_t(P >> lgk) * D * 2, fk.bits, sm.qh, lane, t, qb, cs.cz);
       }
-      q_scales_of = group_key;
+      q_key = key;
     }
 
     // ---- S^T = K Q^T ----
     float sc[4] = {0.f, 0.f, 0.f, 0.f};
     float rs[2] = {1.f, 1.f};  // fp8 keys: per-token scales of rows g, g+8
-    if (fk.bits == 16) {
-      scores_wide<D>(cur, fk.fam, g, t, p.kv.window, qb, sc);
-    } else {
-      k_raw<D, Cap> kr;
-      if (k_st) load_k<D, Cap, false>(sk, fk, 16, p.kv.window, g, t, kr);
-      else load_k<D, Cap, true>(cur, fk, P, p.kv.window, g, t, kr);
-      uint32_t kg[D / 8], kg8[D / 8];
-      switch (fk.bits) {
-        case 8: k_frags<D, 8, Cap>(kr.w, fk.fam, kr.ps, kg, kg8); break;
-        case 4: k_frags<D, 4, Cap>(kr.w, fk.fam, kr.ps, kg, kg8); break;
-        default: k_frags<D, 2, Cap>(kr.w, fk.fam, kr.ps, kg, kg8); break;
+    const int wnd = p.kv.window;
+    if (k_st) {
+      switch (kind_of(fk)) {
+        case 0: scores_kind<D, Cap, family::kivi, 8>(sk, fk.group, rows, wnd, g, t, qb, sc, rs, cur.valid); break;
+        case 1: scores_kind<D, Cap, family::kivi, 4>(sk, fk.group, rows, wnd, g, t, qb, sc, rs, cur.valid); break;
+        case 2: scores_kind<D, Cap, family::kivi, 2>(sk, fk.group, rows, wnd, g, t, qb, sc, rs, cur.valid); break;
+        case 3: scores_kind<D, Cap, family::sym, 8>(sk, fk.group, rows, wnd, g, t, qb, sc, rs, cur.valid); break;
+        case 4: scores_kind<D, Cap, family::sym, 4>(sk, fk.group, rows, wnd, g, t, qb, sc, rs, cur.valid); break;
+        case 5: scores_kind<D, Cap, family::sym, 2>(sk, fk.group, rows, wnd, g, t, qb, sc, rs, cur.valid); break;
+        default: scores_kind<D, Cap, family::fp8_e4m3, 8>(sk, fk.group, rows, wnd, g, t, qb, sc, rs, cur.valid); break;
       }
+    } else if (fk.bits == 16) {  // the FP16 ring, a stray 16-bit page
+      scores_wide<D>(cur, fk.fam, g, t, wnd, qb, sc);
+    } else {  // a page wider than the stages (under a smaller `max_page_bits` hint)
+      k_raw<D, Cap> kr;
+      load_k<D, Cap, true>(cur, fk, P, wnd, g, t, kr);
+      uint32_t kg[D / 8], kg8[D / 8];
+      if (fk.bits == 8) k_frags<D, 8, Cap>(kr.w, fk.fam, kr.ps, kg, kg8);
+      else k_frags<D, 4, Cap>(kr.w, fk.fam, kr.ps, kg, kg8);  // (a 2-bit page is never wider)
       scores_mma<D>(kg, kg8, qb, sc);
       if (fk.fam == family::fp8_e4m3) {
         rs[0] = g < cur.valid ? __uint_as_float(kr.ps[0]) : 0.f;
@@ -1634,25 +1718,34 @@ __global__ void __launch_bounds__(dec_warps * 32, staged_blocks) decode_kernel(c
     softmax_slab<D>(sc, rs, p.scale_log2, cur.tok0, cur.valid, g, cs, pv);
 
     // ---- O^T += V^T P^T ----
-    uint32_t pb0, pb1;
-    if (fv.bits == 16) {
+    if (v_st) {
+      switch (kind_of(fv)) {
+        case 0: values_kind<D, Cap, family::kivi, 8>(sk, fv.group, rows, wnd, g, t, pv, cur.valid, cs.acc); break;
+        case 1: values_kind<D, Cap, family::kivi, 4>(sk, fv.group, rows, wnd, g, t, pv, cur.valid, cs.acc); break;
+        case 2: values_kind<D, Cap, family::kivi, 2>(sk, fv.group, rows, wnd, g, t, pv, cur.valid, cs.acc); break;
+        case 3: values_kind<D, Cap, family::sym, 8>(sk, fv.group, rows, wnd, g, t, pv, cur.valid, cs.acc); break;
+        case 4: values_kind<D, Cap, family::sym, 4>(sk, fv.group, rows, wnd, g, t, pv, cur.valid, cs.acc); break;
+        case 5: values_kind<D, Cap, family::sym, 2>(sk, fv.group, rows, wnd, g, t, pv, cur.valid, cs.acc); break;
+        default: values_kind<D, Cap, family::fp8_e4m3, 8>(sk, fv.group, rows, wnd, g, t, pv, cur.valid, cs.acc); break;
+      }
+    } else if (fv.bits == 16) {
+      uint32_t pb0, pb1;
       p_frags(pv, pb0, pb1);
-      values_wide<D>(cur, fv.fam, g, t, p.kv.window, pb0, pb1, cs.acc);
-    } else {
+      values_wide<D>(cur, fv.fam, g, t, wnd, pb0, pb1, cs.acc);
+    } else {  // a page wider than the stages
       v_raw<D, Cap> vr;
-      if (v_st) load_v<D, Cap, false>(sk, fv, 16, p.kv.window, g, t, vr);
-      else load_v<D, Cap, true>(cur, fv, P, p.kv.window, g, t, vr);
-      if (fv.fam == family::fp8_e4m3) {  // per-token V scales fold into P
-        // rows at or beyond `valid` hold stale bytes: their scale must not turn P = 0 into NaN
+      load_v<D, Cap, true>(cur, fv, P, wnd, g, t, vr);
+      if (fv.fam == family::fp8_e4m3) {
         const float v0 = g < cur.valid ? __uint_as_float(vr.s[0]) : 0.f;
         const float v8 = g + 8 < cur.valid ? __uint_as_float(vr.s[1]) : 0.f;
         pv[0] *= v0, pv[1] *= v0, pv[2] *= v8, pv[3] *= v8;
       }
+      uint32_t pb0, pb1;
       p_frags(pv, pb0, pb1);
       values_slab<D, Cap>(vr, fv, cur.valid, t, pb0, pb1, cs.acc);
     }
-    __syncwarp();  // every lane is done with this slab's stage before it is refilled
-    if (!cur.ring && ++cur_st == ns) cur_st = 0;
+    __syncwarp();  // every lane is done with this slab's rows of the stage
+    if (!cur.ring && (r_in == ch - 1 || j + 1 == page_slabs) && ++cur_st == ns) cur_st = 0;
   }
   __syncthreads();  // the merge area overlays every warp's stages (all their copies were waited for)
   write_partial<D>(p, *reinterpret_cast<merge_area<D>*>(stages), cs, s0 < s1, warp, g, t);
@@ -1699,19 +1792,23 @@ struct launch_plan {
   bool decode;  // group x q_len <= 8: the warp-split decode kernel
   bool wide;    // decode: some page may hold a 16-bit format (registers for 16-bit prefetch)
   int unit, mtiles, tiles_per_split, max_splits, max_tiles;
-  int stages, stage_cap, smem, per_sm;  // the staged decode kernel's stages and occupancy
+  int stages, stage_cap, chunk, smem, per_sm;  // the staged decode kernel's stages and occupancy
 };
 
-// Stages of the staged decode kernel: as many as fit with `staged_blocks` blocks per SM, 2 at least. cap: the bits a stage holds (the layer's widest format, rounded up to 2/4/8).
+// Stages of the staged decode kernel: two slabs per stage (one copy and one wait per 32 tokens)
+// when at least 3 stages per warp fit with `staged_blocks` blocks per SM, else one slab; as many
+// stages as fit, 2 at least. cap: the bits a stage holds (the layer's widest format, rounded up to
+// 2/4/8).
 template <int D>
 void plan_stages(int max_bits, launch_plan& lp) {
-  constexpr int sm_bytes = 227 * 1024, per_sm = staged_blocks, reserved = 1024;
+  constexpr int sm_bytes = 227 * 1024, reserved = 1024;
   lp.stage_cap = max_bits <= 2 ? 2 : max_bits <= 4 ? 4 : 8;
-  const int st = int(stage_bytes(D, lp.stage_cap));
-  const int room = sm_bytes / per_sm - reserved - int(staged_head_bytes<D>);
+  const int room = sm_bytes / staged_blocks - reserved - int(staged_head_bytes<D>);
+  lp.chunk = room / (dec_warps * int(stage_bytes(D, lp.stage_cap, 2 * slab))) >= 3 ? 2 : 1;
+  const int st = int(stage_bytes(D, lp.stage_cap, slab * lp.chunk));
   lp.stages = std::clamp(room / (dec_warps * st), 2, max_stages);
   lp.smem = int(staged_head_bytes<D>) + std::max(dec_warps * lp.stages * st, int(sizeof(merge_area<D>)));
-  lp.per_sm = std::min(per_sm, sm_bytes / (lp.smem + reserved));
+  lp.per_sm = std::min(staged_blocks, sm_bytes / (lp.smem + reserved));
 }
 
 launch_plan plan_for(const attend_args& a) {
@@ -1751,7 +1848,8 @@ launch_plan plan_for(const attend_args& a) {
       if (cost < best_cost) best_cost = cost, best = sp;
     }
     lp.mtiles = 1;
-    lp.tiles_per_split = ceil_div(ceil_div(lp.max_tiles, best), dec_warps) * dec_warps;
+    const int quantum = dec_warps * (lp.wide ? 1 : lp.chunk);  // whole chunks per warp
+    lp.tiles_per_split = ceil_div(ceil_div(lp.max_tiles, best), quantum) * quantum;
     lp.max_splits = ceil_div(lp.max_tiles, lp.tiles_per_split);
     (void)total;
     return lp;
@@ -1850,6 +1948,7 @@ status attend_run(const attend_args& a, void* workspace, size_t workspace_bytes,
     p.unit_tokens = lp.unit;
     p.stages = lp.stages;
     p.stage_cap = lp.stage_cap;
+    p.chunk = lp.chunk;
     if (a.kv.head_dim == 128)
       KVQ_TRY(launch_attend<128>(p, lp, a.kv.kv_heads, int(sub.items.size()), st));
     else
