@@ -22,6 +22,7 @@
 #include "common.cuh"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 
 KVQ_NAMESPACE_BEGIN
@@ -58,6 +59,11 @@ struct attend_params {
   int tiles_per_split, max_splits;
   int unit_tokens;  // tokens of a work unit: 64 (tile kernel) or 16 (decode kernel slabs)
   int stages, stage_cap, chunk;  // staged decode kernel: stages per warp, code bits and slabs a stage holds
+  // staged decode kernel: the bulk copy of each (format, role, section: codes, scales, zeros) of a
+  // chunk: x = offset in the page's role block of row 0 (group 0), y = bytes per row (low 16 bits)
+  // | row shift (bits 16-23; rows >> shift) | "KIVI key group" flag (bit 24), z = bytes (0: none),
+  // w = offset in the stage's role region. Filled on the host (`chunk_sections`).
+  uint4 sect[format_count][2][3];
   float* ws_o;   // [partials][16][D]
   float* ws_ml;  // [partials][16][2]
   float* q_stage;  // optional: items' query rows copied here as fp32 (decode_item::stage_row)
@@ -671,6 +677,8 @@ struct page_table_cache {
   uint32_t v_offset[max_cta_slabs * slab / 64 + 2];
   format_traits fk[max_cta_slabs * slab / 64 + 2];
   format_traits fv[max_cta_slabs * slab / 64 + 2];
+  format_id kid[max_cta_slabs * slab / 64 + 2];
+  format_id vid[max_cta_slabs * slab / 64 + 2];
 };
 
 // One warp's staging slot for a slab: 16 V code rows of up to 8 bits, the rows' V parameters (at
@@ -1110,6 +1118,8 @@ __device__ __forceinline__ void fill_page_table(const attend_params& p, const de
     pc.v_offset[e] = p.kv.k_page_bytes[fm[2 * h]];
     pc.fk[e] = traits_of(fm[2 * h]);
     pc.fv[e] = traits_of(fm[2 * h + 1]);
+    pc.kid[e] = fm[2 * h];
+    pc.vid[e] = fm[2 * h + 1];
   }
 }
 
@@ -1511,38 +1521,26 @@ template <int D>
 constexpr uint32_t staged_head_bytes = (sizeof(staged_head<D>) + 127) / 128 * 128;
 
 // Issues the bulk copies of the chunk of `rows` page rows that starts at slab j into a stage (lane
-// l < 6 copies one section: K codes, K scales, K zeros, V codes, V scales, V zeros) and arms the
-// stage's barrier with their bytes. A chunk never leaves its page (chunks are aligned to their size).
+// l < 6 copies one section: K codes, K scales, K zeros, V codes, V scales, V zeros, as described by
+// `attend_params::sect`) and arms the stage's barrier with their bytes. A chunk never leaves its
+// page (chunks are aligned to their size). KIVI key scales and zeros are copied only when the warp
+// enters their token group (`first`: the warp's first chunk).
 template <int D>
 __device__ __forceinline__ void issue_chunk(const attend_params& p, const page_table_cache& pc, int j, uint32_t rows, bool first,
                                             int lane, uint32_t stage, uint32_t bar) {
-  const int P = p.kv.page_tokens, lgP = log2i(P);
-  const int tok0 = j * slab, e = (tok0 >> lgP) - pc.first_page;
+  const int P = p.kv.page_tokens;
+  const int tok0 = j * slab, e = (tok0 >> log2i(P)) - pc.first_page;
   const uint32_t row0 = uint32_t(tok0 & (P - 1));
   const bool is_v = lane >= 3;
-  const int part = is_v ? lane - 3 : lane;  // 0 codes, 1 scales, 2 zeros
-  const format_traits f = is_v ? pc.fv[e] : pc.fk[e];
-  const uint8_t* base = p.kv.arena + size_t(pc.page16[e]) * 16 + (is_v ? pc.v_offset[e] : 0u);
-  const uint32_t rb = uint32_t(D * f.bits) >> 3, code = uint32_t(P) * rb;
-  const uint32_t dst0 = stage + (is_v ? stage_k_bytes(D, p.stage_cap, rows) : 0u) + (part ? rows * rb : 0u);
-  uint32_t off = 0, bytes = 0, dst = dst0;
-  if (part == 0) {
-    off = row0 * rb, bytes = rows * rb;
-  } else if (f.fam == family::fp8_e4m3) {
-    if (part == 1) off = code + row0 * 4, bytes = rows * 4;
-  } else if (!is_v && f.has_zero()) {  // KIVI keys: the slab's token group, scales then zeros
-    const int lg = log2i(f.group);       // (only read when the warp enters the group: first slab)
-    off = code + (part == 2 ? uint32_t(P >> lg) * D * 2 : 0u) + (row0 >> lg) * D * 2;
-    bytes = first || (row0 & (f.group - 1)) == 0 ? D * 2 : 0u;
-    dst += part == 2 ? D * 2 : 0u;
-  } else if (f.is_integer() && (part == 1 || f.has_zero())) {  // per-row scales (and zeros)
-    const uint32_t ng = uint32_t(D >> log2i(group_of(f, D)));
-    off = code + (part == 2 ? uint32_t(P) * ng * 2 : 0u) + row0 * ng * 2, bytes = rows * ng * 2;
-    dst += part == 2 ? rows * ng * 2 : 0u;
-  }
-  if (lane >= 6 || f.bits > p.stage_cap) bytes = 0;
+  const uint4 d = p.sect[is_v ? pc.vid[e] : pc.kid[e]][is_v][lane % 3];
+  const uint32_t shift = (d.y >> 16) & 0xffu;
+  uint32_t bytes = lane < 6 ? d.z : 0u;
+  if ((d.y >> 24) && !first && (row0 & ((1u << shift) - 1u))) bytes = 0;
   const uint32_t total = __reduce_add_sync(0xffffffffu, bytes);
-  if (bytes) bulk_copy(dst, base + off, bytes, bar);
+  if (bytes) {
+    const uint8_t* src = p.kv.arena + size_t(pc.page16[e]) * 16 + (is_v ? pc.v_offset[e] : 0u) + d.x + (row0 >> shift) * (d.y & 0xffffu);
+    bulk_copy(stage + (is_v ? stage_k_bytes(D, p.stage_cap, rows) : 0u) + d.w, src, bytes, bar);
+  }
   if (lane == 0) mbar_expect_tx(bar, total);
 }
 
@@ -1811,6 +1809,34 @@ void plan_stages(int max_bits, launch_plan& lp) {
   lp.per_sm = std::min(staged_blocks, sm_bytes / (lp.smem + reserved));
 }
 
+// The staged kernel's copy of each (format, role, section) for chunks of `rows` rows (see
+// attend_params::sect); formats wider than the stages (or not storable at this shape) copy nothing.
+void chunk_sections(attend_params& p, int d, int page_tokens, int rows, int cap) {
+  const uint32_t P = uint32_t(page_tokens), D = uint32_t(d), R = uint32_t(rows);
+  for (size_t f = 0; f < format_count; ++f)
+    for (int r = 0; r < 2; ++r) {
+      uint4* s = p.sect[f][r];
+      s[0] = s[1] = s[2] = make_uint4(0, 0, 0, 0);
+      const format_traits t = traits_of(format_id(f));
+      if (t.bits > cap) continue;
+      const uint32_t rb = D * t.bits / 8, code = P * rb;
+      s[0] = make_uint4(0, rb, R * rb, 0);
+      if (t.fam == family::fp8_e4m3) {
+        s[1] = make_uint4(code, 4, R * 4, R * rb);
+      } else if (r == 0 && t.has_zero()) {  // KIVI keys: the chunk's token group, scales then zeros
+        const uint32_t lg = uint32_t(std::countr_zero(uint32_t(t.group))), y = D * 2 | lg << 16 | 1u << 24;
+        s[1] = make_uint4(code, y, D * 2, R * rb);
+        s[2] = make_uint4(code + (P >> lg) * D * 2, y, D * 2, R * rb + D * 2);
+      } else if (t.is_integer()) {  // per-row scales (and zeros)
+        const uint32_t ng = D / uint32_t(group_of(t, d));
+        s[1] = make_uint4(code, ng * 2, R * ng * 2, R * rb);
+        if (t.has_zero()) s[2] = make_uint4(code + P * ng * 2, ng * 2, R * ng * 2, R * rb + R * ng * 2);
+      }
+    }
+}
+
+static_assert(sizeof(attend_params) <= 32764, "kernel parameters of at most 32764 bytes (sm_70+, CUDA 12.1+)");
+
 launch_plan plan_for(const attend_args& a) {
   launch_plan lp{};
   const int group = a.q_heads / a.kv.kv_heads;
@@ -1949,6 +1975,7 @@ status attend_run(const attend_args& a, void* workspace, size_t workspace_bytes,
     p.stages = lp.stages;
     p.stage_cap = lp.stage_cap;
     p.chunk = lp.chunk;
+    if (lp.decode && !lp.wide) chunk_sections(p, a.kv.head_dim, a.kv.page_tokens, slab * lp.chunk, lp.stage_cap);
     if (a.kv.head_dim == 128)
       KVQ_TRY(launch_attend<128>(p, lp, a.kv.kv_heads, int(sub.items.size()), st));
     else

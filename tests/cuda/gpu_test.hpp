@@ -1,10 +1,12 @@
 #pragma once
-// Helpers shared by the GPU test files: a device buffer, a synchronous upload, random fp16 data.
+// Helpers shared by the GPU test files: a device buffer, a synchronous upload, random fp16 data,
+// NMSE.
 #include <kvq/format/numeric.hpp>
 
 #include <catch2/catch.hpp>
 #include <cuda_runtime.h>
 
+#include <cmath>
 #include <cstdint>
 #include <random>
 #include <vector>
@@ -33,6 +35,18 @@ inline std::vector<uint16_t> randn_h(std::mt19937& rng, size_t n, float sigma = 
   std::vector<uint16_t> x(n);
   for (size_t i = 0; i < n; ++i) x[i] = float_to_half(nd(rng) * ((i % 16) == 5 ? 6.f : 1.f));
   return x;
+}
+
+// Normalized mean squared error of `got` against `want` (every element of `got` must be finite).
+inline double nmse(const std::vector<float>& got, const std::vector<float>& want) {
+  REQUIRE(got.size() == want.size());
+  double e = 0, n = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    REQUIRE(std::isfinite(got[i]));
+    e += (got[i] - want[i]) * double(got[i] - want[i]);
+    n += double(want[i]) * want[i];
+  }
+  return e / n;
 }
 
 }  // namespace kvq::gpu_test

@@ -95,13 +95,7 @@ double attend_both(pair_of_caches& c, const std::vector<attend_item>& items, int
   check(c.gpu.attend(items, layer, {dq.p, dtype::f16, total, sh.q_heads, sh.head_dim},
                      {dout.p, dtype::f32, total, sh.q_heads, sh.head_dim}));
   REQUIRE(cudaMemcpy(og.data(), dout.p, og.size() * 4, cudaMemcpyDeviceToHost) == cudaSuccess);
-  double e = 0, n = 0;
-  for (size_t i = 0; i < og.size(); ++i) {
-    REQUIRE(std::isfinite(og[i]));
-    e += (og[i] - oc[i]) * double(og[i] - oc[i]);
-    n += double(oc[i]) * oc[i];
-  }
-  return e / n;
+  return nmse(og, oc);
 }
 
 }  // namespace
