@@ -22,7 +22,6 @@
 #include "common.cuh"
 
 #include <algorithm>
-#include <bit>
 #include <cmath>
 
 KVQ_NAMESPACE_BEGIN
@@ -59,11 +58,6 @@ struct attend_params {
   int tiles_per_split, max_splits;
   int unit_tokens;  // tokens of a work unit: 64 (tile kernel) or 16 (decode kernel slabs)
   int stages, stage_cap, chunk;  // staged decode kernel: stages per warp, code bits and slabs a stage holds
-  // staged decode kernel: the bulk copy of each (format, role, section: codes, scales, zeros) of a
-  // chunk: x = offset in the page's role block of row 0 (group 0), y = bytes per row (low 16 bits)
-  // | row shift (bits 16-23; rows >> shift) | "KIVI key group" flag (bit 24), z = bytes (0: none),
-  // w = offset in the stage's role region. Filled on the host (`chunk_sections`).
-  uint4 sect[format_count][2][3];
   float* ws_o;   // [partials][16][D]
   float* ws_ml;  // [partials][16][2]
   float* q_stage;  // optional: items' query rows copied here as fp32 (decode_item::stage_row)
@@ -1511,28 +1505,49 @@ __host__ __device__ constexpr uint32_t stage_bytes(int d, int cap, int rows) {
   return stage_k_bytes(d, cap, rows) + uint32_t(rows * d * cap / 8 + rows * d / 8);
 }
 
+// The bulk copy of one section (0 codes, 1 scales, 2 zeros) of a format's page in one role, for
+// chunks of `rows` rows: x = offset in the page's role block of row 0 (group 0), y = bytes per row
+// (low 16 bits) | row shift (bits 16-23: rows >> shift) | "KIVI key group" flag (bit 24), z = bytes
+// (0: nothing to copy, or a format wider than the stages), w = offset in the stage's role region.
+__device__ __forceinline__ uint4 chunk_section(format_id f, int r, int part, uint32_t D, uint32_t P, uint32_t rows, int cap) {
+  const format_traits t = traits_of(f);
+  if (t.bits > cap) return make_uint4(0, 0, 0, 0);
+  const uint32_t rb = D * t.bits / 8, code = P * rb;
+  if (part == 0) return make_uint4(0, rb, rows * rb, 0);
+  if (t.fam == family::fp8_e4m3) return part == 1 ? make_uint4(code, 4, rows * 4, rows * rb) : make_uint4(0, 0, 0, 0);
+  if (r == 0 && t.has_zero()) {  // KIVI keys: the chunk's token group, scales then zeros
+    const uint32_t lg = uint32_t(log2i(t.group)), y = D * 2 | lg << 16 | 1u << 24;
+    return part == 1 ? make_uint4(code, y, D * 2, rows * rb) : make_uint4(code + (P >> lg) * D * 2, y, D * 2, rows * rb + D * 2);
+  }
+  if (!t.is_integer() || (part == 2 && !t.has_zero())) return make_uint4(0, 0, 0, 0);
+  const uint32_t ng = D >> log2i(group_of(t, int(D)));  // per-row scales (and zeros)
+  return part == 1 ? make_uint4(code, ng * 2, rows * ng * 2, rows * rb)
+                   : make_uint4(code + P * ng * 2, ng * 2, rows * ng * 2, rows * rb + rows * ng * 2);
+}
+
 template <int D>
 struct staged_head {
   page_table_cache pages;
   uint32_t qh[D / 8][32];  // the fp16 query pairs of each lane (for KIVI re-scaling); all warps alike
   uint64_t bar[dec_warps][max_stages];
+  uint4 sect[format_count][2][3];  // chunk_section of every (format, role, section), filled per block
 };
 template <int D>
 constexpr uint32_t staged_head_bytes = (sizeof(staged_head<D>) + 127) / 128 * 128;
 
 // Issues the bulk copies of the chunk of `rows` page rows that starts at slab j into a stage (lane
 // l < 6 copies one section: K codes, K scales, K zeros, V codes, V scales, V zeros, as described by
-// `attend_params::sect`) and arms the stage's barrier with their bytes. A chunk never leaves its
+// `chunk_section`) and arms the stage's barrier with their bytes. A chunk never leaves its
 // page (chunks are aligned to their size). KIVI key scales and zeros are copied only when the warp
 // enters their token group (`first`: the warp's first chunk).
 template <int D>
-__device__ __forceinline__ void issue_chunk(const attend_params& p, const page_table_cache& pc, int j, uint32_t rows, bool first,
-                                            int lane, uint32_t stage, uint32_t bar) {
+__device__ __forceinline__ void issue_chunk(const attend_params& p, const page_table_cache& pc, const uint4 (*sect)[2][3], int j,
+                                            uint32_t rows, bool first, int lane, uint32_t stage, uint32_t bar) {
   const int P = p.kv.page_tokens;
   const int tok0 = j * slab, e = (tok0 >> log2i(P)) - pc.first_page;
   const uint32_t row0 = uint32_t(tok0 & (P - 1));
   const bool is_v = lane >= 3;
-  const uint4 d = p.sect[is_v ? pc.vid[e] : pc.kid[e]][is_v][lane % 3];
+  const uint4 d = sect[is_v ? pc.vid[e] : pc.kid[e]][is_v][lane % 3];
   const uint32_t shift = (d.y >> 16) & 0xffu;
   uint32_t bytes = lane < 6 ? d.z : 0u;
   if ((d.y >> 24) && !first && (row0 & ((1u << shift) - 1u))) bytes = 0;
@@ -1617,6 +1632,8 @@ __global__ void __launch_bounds__(dec_warps * 32, staged_blocks) decode_kernel(c
 #pragma unroll
     for (int c = 0; c < D / 8; ++c) sm.qh[c][lane] = qb[c];
   }
+  for (int i = threadIdx.x; i < int(format_count) * 6; i += dec_warps * 32)
+    sm.sect[i / 6][i / 3 % 2][i % 3] = chunk_section(format_id(i / 6), i / 3 % 2, i % 3, D, P, rows, p.stage_cap);
   if (lane < ns) mbar_init(my_bars + lane * 8, 1);
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   __syncthreads();
@@ -1625,7 +1642,7 @@ __global__ void __launch_bounds__(dec_warps * 32, staged_blocks) decode_kernel(c
   const int issue_end = min(s1, page_slabs);
   int issue_j = s0, issue_st = 0;
   for (; issue_j < issue_end && issue_st < ns - 1; issue_j += ch, ++issue_st)
-    issue_chunk<D>(p, sm.pages, issue_j, rows, issue_j == s0, lane, my_stages_s + issue_st * st_bytes, my_bars + issue_st * 8);
+    issue_chunk<D>(p, sm.pages, sm.sect, issue_j, rows, issue_j == s0, lane, my_stages_s + issue_st * st_bytes, my_bars + issue_st * 8);
   if (issue_st == ns) issue_st = 0;
 
   int q_key = -2;  // the KIVI token group (its first token) whose scales qb holds; -1: the plain query
@@ -1636,7 +1653,7 @@ __global__ void __launch_bounds__(dec_warps * 32, staged_blocks) decode_kernel(c
   for (int j = s0; j < s1; ++j) {
     const int r_in = (j - s0) & (ch - 1);  // the slab's place in its chunk
     if (r_in == 0 && issue_j < issue_end) {  // refill the stage the previous chunk freed
-      issue_chunk<D>(p, sm.pages, issue_j, rows, false, lane, my_stages_s + issue_st * st_bytes, my_bars + issue_st * 8);
+      issue_chunk<D>(p, sm.pages, sm.sect, issue_j, rows, false, lane, my_stages_s + issue_st * st_bytes, my_bars + issue_st * 8);
       issue_j += ch;
       if (++issue_st == ns) issue_st = 0;
     }
@@ -1809,32 +1826,6 @@ void plan_stages(int max_bits, launch_plan& lp) {
   lp.per_sm = std::min(staged_blocks, sm_bytes / (lp.smem + reserved));
 }
 
-// The staged kernel's copy of each (format, role, section) for chunks of `rows` rows (see
-// attend_params::sect); formats wider than the stages (or not storable at this shape) copy nothing.
-void chunk_sections(attend_params& p, int d, int page_tokens, int rows, int cap) {
-  const uint32_t P = uint32_t(page_tokens), D = uint32_t(d), R = uint32_t(rows);
-  for (size_t f = 0; f < format_count; ++f)
-    for (int r = 0; r < 2; ++r) {
-      uint4* s = p.sect[f][r];
-      s[0] = s[1] = s[2] = make_uint4(0, 0, 0, 0);
-      const format_traits t = traits_of(format_id(f));
-      if (t.bits > cap) continue;
-      const uint32_t rb = D * t.bits / 8, code = P * rb;
-      s[0] = make_uint4(0, rb, R * rb, 0);
-      if (t.fam == family::fp8_e4m3) {
-        s[1] = make_uint4(code, 4, R * 4, R * rb);
-      } else if (r == 0 && t.has_zero()) {  // KIVI keys: the chunk's token group, scales then zeros
-        const uint32_t lg = uint32_t(std::countr_zero(uint32_t(t.group))), y = D * 2 | lg << 16 | 1u << 24;
-        s[1] = make_uint4(code, y, D * 2, R * rb);
-        s[2] = make_uint4(code + (P >> lg) * D * 2, y, D * 2, R * rb + D * 2);
-      } else if (t.is_integer()) {  // per-row scales (and zeros)
-        const uint32_t ng = D / uint32_t(group_of(t, d));
-        s[1] = make_uint4(code, ng * 2, R * ng * 2, R * rb);
-        if (t.has_zero()) s[2] = make_uint4(code + P * ng * 2, ng * 2, R * ng * 2, R * rb + R * ng * 2);
-      }
-    }
-}
-
 static_assert(sizeof(attend_params) <= 32764, "kernel parameters of at most 32764 bytes (sm_70+, CUDA 12.1+)");
 
 launch_plan plan_for(const attend_args& a) {
@@ -1975,7 +1966,6 @@ status attend_run(const attend_args& a, void* workspace, size_t workspace_bytes,
     p.stages = lp.stages;
     p.stage_cap = lp.stage_cap;
     p.chunk = lp.chunk;
-    if (lp.decode && !lp.wide) chunk_sections(p, a.kv.head_dim, a.kv.page_tokens, slab * lp.chunk, lp.stage_cap);
     if (a.kv.head_dim == 128)
       KVQ_TRY(launch_attend<128>(p, lp, a.kv.kv_heads, int(sub.items.size()), st));
     else
@@ -2061,18 +2051,23 @@ __global__ void __launch_bounds__(threads) encode_kernel(const __grid_constant__
 }
 
 // The ring keeps the last `window` tokens: write each item's new tokens that remain among them
-// (grid y: the item).
+// (grid y: the item). A thread writes 8 channels of one (token, head, role) row with one 16-byte
+// store; 32-bit index math (a row count times d fits easily).
 __global__ void ring_kernel(const __grid_constant__ append_params p) {
   const append_params::item& it = p.items[blockIdx.y];
   const int32_t first = max(it.n, it.n + it.m - p.kv.window);
-  const int d = p.kv.head_dim;
-  const int64_t total = int64_t(it.n + it.m - first) * p.kv.kv_heads * 2 * d;
-  for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < total; idx += int64_t(gridDim.x) * blockDim.x) {
-    const int c = int(idx % d);
-    const int r = int((idx / d) % 2);
-    const int h = int((idx / (2 * d)) % p.kv.kv_heads);
-    const int32_t j = first + int32_t(idx / (int64_t(2) * d * p.kv.kv_heads));
-    ring_of(p, it, h, r)[size_t(j % p.kv.window) * d + c] = src_half(p, r, it.src_row + (j - it.n), h, c);
+  const int d8 = p.kv.head_dim / 8, rows = (it.n + it.m - first) * p.kv.kv_heads * 2;
+  for (int idx = blockIdx.x * blockDim.x + threadIdx.x; idx < rows * d8; idx += gridDim.x * blockDim.x) {
+    const int c = (idx % d8) * 8, row = idx / d8;
+    const int r = row % 2, h = (row / 2) % p.kv.kv_heads;
+    const int32_t j = first + row / (2 * p.kv.kv_heads);
+    const int64_t src_row = it.src_row + (j - it.n);
+    uint16_t x[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) x[i] = src_half(p, r, src_row, h, c + i);
+    *reinterpret_cast<uint4*>(ring_of(p, it, h, r) + size_t(j % p.kv.window) * p.kv.head_dim + c) =
+        make_uint4(x[0] | uint32_t(x[1]) << 16, x[2] | uint32_t(x[3]) << 16, x[4] | uint32_t(x[5]) << 16,
+                   x[6] | uint32_t(x[7]) << 16);
   }
 }
 
@@ -2134,8 +2129,8 @@ status append_run(const append_args& a, void* stream) {
                         "cudaFuncSetAttribute"));
     encode_kernel<<<dim3(unsigned(pages), unsigned(kv.kv_heads), 2), threads, smem, st>>>(p);
   }
-  const int64_t ring_elems = int64_t(std::min(max_m, kv.window)) * kv.kv_heads * 2 * kv.head_dim;
-  const int blocks = int(std::min<int64_t>(1024, (ring_elems + 255) / 256));
+  const int64_t ring_chunks = int64_t(std::min(max_m, kv.window)) * kv.kv_heads * 2 * (kv.head_dim / 8);
+  const int blocks = int(std::min<int64_t>(1024, (ring_chunks + 255) / 256));
   ring_kernel<<<dim3(unsigned(std::max(1, blocks)), unsigned(a.items.size())), 256, 0, st>>>(p);
   return cuda_status(cudaGetLastError(), "append launch");
 }
