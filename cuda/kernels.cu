@@ -2,8 +2,10 @@
 // and fused mixed-format paged decode/extend attention on tensor cores.
 //
 // Attention design (DESIGN.md section 5): two kernels and a log-sum-exp merge of their splits.
-// - Decode (GQA group x q_len <= 8): `decode_kernel`, warp-independent 16-token slabs with the
-//   MMA operands swapped (see its section below). It serves the decode step.
+// - Decode (GQA group x q_len <= 8): warp-independent 16-token slabs with the MMA operands
+//   swapped (see its section below). It serves the decode step, in two kernels by the layer's
+//   widest page: `decode_kernel` (pages of at most 8 bits, staged into shared memory by bulk
+//   copies) and `decode_wide_kernel` (a layer that holds a 16-bit page).
 // - Tile (more query rows: speculative decoding with big groups, extend/chunked prefill):
 //   `attend_kernel`. Grid (split, kv head x 16-row query tile, sequence); per 64-token tile the 4
 //   warps dequantize the page's K and V into shared memory as fp16 (one warp-uniform branch per
@@ -645,20 +647,21 @@ __global__ void __launch_bounds__(threads, 2) attend_kernel(const __grid_constan
 // tile. For decode the query side is tiny (at most 8 columns: GQA heads x q_len), so this kernel
 // swaps the MMA operands (S^T = K Q^T with tokens as M, queries as N) and lets each warp stream
 // its own 16-token slabs with no barrier in the main loop (docs/decisions.md, "Decode kernel"):
-// - lane (g, t) owns the K channels [(D/4) t, (D/4)(t+1)) of rows g and g+8 and loads their codes
-//   from global memory straight into registers, one slab ahead, then into MMA A fragments (a
-//   per-lane channel permutation, applied to Q as well);
-// - V (up to 8 bits) and the KIVI key scales of the next slab are copied by cp.async into a
-//   two-slot per-warp staging area while this slab is computed; lane g reads the V channels
-//   [(D/8) g, (D/8)(g+1)) of tokens 2t, 2t+1, 2t+8, 2t+9, so the A fragments of O^T = V^T P^T come
-//   from pairing two tokens' halves with one byte-permute;
+// - lane (g, t) owns the K channels [(D/4) t, (D/4)(t+1)) of rows g and g+8 and turns their
+//   codes into MMA A fragments (a per-lane channel permutation, applied to Q as well);
+// - lane g reads the V channels [(D/8) g, (D/8)(g+1)) of tokens 2t, 2t+1, 2t+8, 2t+9, so the A
+//   fragments of O^T = V^T P^T pair two tokens per channel (built straight from the two tokens'
+//   raw words for integer formats);
 // - P^T comes from the S^T accumulators by movmatrix (register transpose);
 // - per-token scales (fp8 K) scale S rows, per-token V scales (fp8) scale P, KIVI key scales
 //   fold into the query (q' = q s per token group) and their zeros (centered) into one score
 //   offset per column, itself an MMA of the zero row with q;
-// - two instantiations: Cap = 8 (no 16-bit page in the layer: 168 registers, 3 blocks per SM)
-//   and Cap = 16 (registers for 16-bit slabs: 2 blocks per SM). 16-bit slabs in the narrow one
-//   (the FP16 ring, a stray fp16 page) are read where used, in channel halves.
+// - two kernels by the widest page of the layer (`attend_args::max_page_bits`): the staged
+//   `decode_kernel` (pages of at most 8 bits copied into per-warp shared-memory stages by the
+//   bulk-copy engine; its own section below) and `decode_wide_kernel` (K codes of up to 16 bits
+//   loaded into registers one slab ahead, V and KIVI key scales through two cp.async slots per
+//   warp; 2 blocks per SM). Both read the FP16 ring, and the staged one a page wider than its
+//   stages, from global memory where used.
 constexpr int slab = 16;
 constexpr int dec_warps = 4;
 constexpr int max_cta_slabs = 1024;
