@@ -20,8 +20,7 @@ using namespace kvq::gpu_test;
 
 namespace {
 
-constexpr int d = 128, kv_heads = 2, q_heads = 8, P = 64, window = 128, pages = 6, ring_tokens = 40;
-constexpr int n_all = pages * P + ring_tokens;
+constexpr int d = 128, kv_heads = 2, q_heads = 8, window = 128, pages = 6, ring_tokens = 40;
 
 // Page formats (K, V) of head 0; head 1 takes them in reverse page order.
 const char* const page_specs[pages] = {"kivi4/g32", "k=kivi8/g64,v=fp8", "fp16", "k=int8,v=kivi2/g32", "ra2/g32",
@@ -42,7 +41,8 @@ format_id page_format(int pg, int h, role r) {
   return r == role::k ? pair.k : pair.v;
 }
 
-arena_on_host build(std::mt19937& rng) {
+arena_on_host build(std::mt19937& rng, int P) {
+  const int n_all = pages * P + ring_tokens;
   arena_on_host a;
   for (size_t f = 0; f < format_count; ++f) {
     const auto t = traits_of(format_id(f));
@@ -93,16 +93,19 @@ arena_on_host build(std::mt19937& rng) {
 }  // namespace
 
 TEST_CASE("gpu: attend_run over a caller-built arena reads every page under any max_page_bits hint", "[gpu][decode][lowlevel]") {
+  const int P = GENERATE(64, 128);  // page_tokens
+  CAPTURE(P);
+  const int n_all = pages * P + ring_tokens;
   std::mt19937 rng(11);
-  const arena_on_host a = build(rng);
+  const arena_on_host a = build(rng, P);
   dev_mem arena(a.bytes.size()), blocks(a.blocks.size() * 4), fmts(a.fmts.size());
   upload(arena, a.bytes);
   upload(blocks, a.blocks);
   upload(fmts, a.fmts);
 
-  // two items over the same slot: all pages plus 40 ring tokens; and n = 300 reading pages up to
-  // token 298 (a partly read last page) and token 299 from the ring
-  const int n_b = 300;
+  // two items over the same slot: all pages plus 40 ring tokens; and n_b = n_all - 60 reading the
+  // last page only up to its row P - 22 and its own token from the ring
+  const int n_b = n_all - 60;
   std::vector<cuda::decode_item> items = {{0, 1, n_all, pages * P, a.window_unit, 0}, {0, 1, n_b, n_b - 1, a.window_unit, 1}};
   const auto qh = randn_h(rng, size_t(2) * q_heads * d);
   std::vector<float> qf(qh.size());
