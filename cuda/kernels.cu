@@ -812,15 +812,16 @@ __device__ __forceinline__ void to_pairs(const uint32_t* w, family fam, uint32_t
   }
 }
 
-// The codes in the halves of pair i of `to_pairs` are scaled by 1 / magic_mul (4 bits: the high
-// nibble is read in place, 16x; 2 bits: 1x, 4x, 16x, 64x): 1024 + c / mul, exact.
+// Codes read in place within their byte (4 bits: the high nibble 16x; 2 bits: 1x, 4x, 16x, 64x)
+// hold 1024 + code / mul in fp16, exact, with mul = code_mul(c) for channel c of the word.
+template <int Bits>
+__host__ __device__ constexpr float code_mul(int c) {
+  return Bits == 8 ? 1.f : 1.f / float(1 << (Bits * (c % (8 / Bits))));
+}
+// The multipliers of the two halves of pair i of `to_pairs` (channels 2i, 2i + 1).
 template <int Bits>
 __device__ __forceinline__ __half2 magic_mul(int i) {
-  if constexpr (Bits == 4) return __halves2half2(__float2half(1.f), __float2half(1.f / 16));
-  else if constexpr (Bits == 2)
-    return i % 2 ? __halves2half2(__float2half(1.f / 16), __float2half(1.f / 64))
-                 : __halves2half2(__float2half(1.f), __float2half(1.f / 4));
-  else return __float2half2_rn(1.f);
+  return __floats2half2_rn(code_mul<Bits>(2 * i), code_mul<Bits>(2 * i + 1));
 }
 
 // Raw K words of one slab for lane (g, t): rows g and g + 8, the lane's D/4 channels, plus the
@@ -990,7 +991,7 @@ __device__ __forceinline__ void v_all(const v_raw<D, Cap>& vr, family fam, uint3
 }
 
 // The codes of channel c (of the lane's D/8) of two tokens, as the half2 (1024 + c_a / mul, 1024 +
-// c_b / mul) with mul = pair_mul<Bits>(c): byte permutes pair the tokens' bytes and insert the
+// c_b / mul) with mul = code_mul<Bits>(c): byte permutes pair the tokens' bytes and insert the
 // magic byte, one lop3 per channel masks the code in place, so that V^T's A fragments (token pairs)
 // come straight from the raw words.
 template <int Bits>
@@ -1007,10 +1008,6 @@ __device__ __forceinline__ uint32_t pair_codes(const uint32_t* wa, const uint32_
     const uint32_t x = __byte_perm(u, 0x64646464u, (j % 2) ? 0x4342 : 0x4140);  // a_j, 0x64, b_j, 0x64
     return x & (0xFF00FF00u | (mask << (Bits * k)));
   }
-}
-template <int Bits>
-__device__ __forceinline__ float pair_mul(int c) {
-  return Bits == 8 ? 1.f : 1.f / float(1 << (Bits * (c % (8 / Bits))));
 }
 
 // O^T += V^T P^T for a slab of integer V codes (sym, kivi, rolealign): each A fragment is built from
@@ -1030,7 +1027,7 @@ __device__ __forceinline__ void values_int(const v_raw<D, Cap>& vr, bool sym, in
   const __half2 z01 = bits_h2(zr[0] | (zr[1] << 16)), z89 = bits_h2(zr[2] | (zr[3] << 16));
   const float mid = sym ? float(1 << (Bits - 1)) : 0.f;
   const auto deq = [&](uint32_t x, int c, __half2 sc, __half2 z) {
-    const float mul = pair_mul<Bits>(c);  // compile-time after unrolling
+    const float mul = code_mul<Bits>(c);  // compile-time after unrolling
     const __half2 v = __hsub2(bits_h2(x), __float2half2_rn(1024.f + mid / mul));  // (code - mid) / mul, exact
     return h2_bits(__hfma2(v, __hmul2(sc, __float2half2_rn(mul)), z));
   };
@@ -1087,6 +1084,12 @@ __device__ __forceinline__ void values_wide(const slab_ref& s, family fam, int g
       mma16816(acc[hs * (D / 32) + i], __byte_perm(v[0][i], v[1][i], 0x5410), __byte_perm(v[0][i], v[1][i], 0x7632),
                __byte_perm(v[2][i], v[3][i], 0x5410), __byte_perm(v[2][i], v[3][i], 0x7632), pb0, pb1);
   }
+}
+
+// fp8: the float token scales of rows g and g + 8 of a slab. Rows at or beyond `valid` hold stale
+// bytes: their scale is 0, so that a masked score or P = 0 never meets a NaN.
+__device__ __forceinline__ float2 fp8_scales(uint32_t s0, uint32_t s8, int g, int valid) {
+  return make_float2(g < valid ? __uint_as_float(s0) : 0.f, g + 8 < valid ? __uint_as_float(s8) : 0.f);
 }
 
 __device__ __forceinline__ uint32_t movmatrix_t(uint32_t x) {
@@ -1438,16 +1441,14 @@ __global__ void __launch_bounds__(dec_warps * 32, 2) decode_wide_kernel(const __
     }
     float rs[2] = {1.f, 1.f};  // fp8 keys: per-token scales of rows g, g+8
     if (!cur.ring && fk.fam == family::fp8_e4m3) {
-      rs[0] = g < cur.valid ? __uint_as_float(kc.ps[0]) : 0.f;
-      rs[1] = g + 8 < cur.valid ? __uint_as_float(kc.ps[1]) : 0.f;
+      const float2 r = fp8_scales(kc.ps[0], kc.ps[1], g, cur.valid);
+      rs[0] = r.x, rs[1] = r.y;
     }
     float pv[4];
     softmax_slab<D>(sc, rs, p.scale_log2, cur.tok0, cur.valid, g, cs, pv);
     if (!cur.ring && fv.fam == family::fp8_e4m3) {  // per-token V scales fold into P
-      // rows at or beyond `valid` hold stale bytes: their scale must not turn P = 0 into NaN
-      const float v0 = g < cur.valid ? __uint_as_float(vr.s[0]) : 0.f;
-      const float v8 = g + 8 < cur.valid ? __uint_as_float(vr.s[1]) : 0.f;
-      pv[0] *= v0, pv[1] *= v0, pv[2] *= v8, pv[3] *= v8;
+      const float2 v = fp8_scales(vr.s[0], vr.s[1], g, cur.valid);
+      pv[0] *= v.x, pv[1] *= v.x, pv[2] *= v.y, pv[3] *= v.y;
     }
     uint32_t pb0, pb1;
     p_frags(pv, pb0, pb1);
@@ -1584,8 +1585,8 @@ __device__ __forceinline__ void scores_kind(const slab_ref& sk, uint16_t group, 
   k_frags<D, Bits, Cap>(kr.w, Fam, kr.ps, kg, kg8);
   scores_mma<D>(kg, kg8, qb, sc);
   if constexpr (Fam == family::fp8_e4m3) {
-    rs[0] = g < valid ? __uint_as_float(kr.ps[0]) : 0.f;
-    rs[1] = g + 8 < valid ? __uint_as_float(kr.ps[1]) : 0.f;
+    const float2 r = fp8_scales(kr.ps[0], kr.ps[1], g, valid);
+    rs[0] = r.x, rs[1] = r.y;
   }
 }
 
@@ -1598,10 +1599,8 @@ __device__ __forceinline__ void values_kind(const slab_ref& sk, uint16_t group, 
   load_v<D, Cap, false>(sk, f, rows, window, g, t, vr);
   uint32_t pb0, pb1;
   if constexpr (Fam == family::fp8_e4m3) {  // per-token V scales fold into P
-    // rows at or beyond `valid` hold stale bytes: their scale must not turn P = 0 into NaN
-    const float v0 = g < valid ? __uint_as_float(vr.s[0]) : 0.f;
-    const float v8 = g + 8 < valid ? __uint_as_float(vr.s[1]) : 0.f;
-    pv[0] *= v0, pv[1] *= v0, pv[2] *= v8, pv[3] *= v8;
+    const float2 v = fp8_scales(vr.s[0], vr.s[1], g, valid);
+    pv[0] *= v.x, pv[1] *= v.x, pv[2] *= v.y, pv[3] *= v.y;
     p_frags(pv, pb0, pb1);
     uint32_t va[D / 16], vb[D / 16], vc[D / 16], vd[D / 16];
     v_all<D, 8, Cap>(vr, Fam, va, vb, vc, vd);
@@ -1728,8 +1727,8 @@ __global__ void __launch_bounds__(dec_warps * 32, staged_blocks) decode_kernel(c
       else k_frags<D, 4, Cap>(kr.w, fk.fam, kr.ps, kg, kg8);  // (a 2-bit page is never wider)
       scores_mma<D>(kg, kg8, qb, sc);
       if (fk.fam == family::fp8_e4m3) {
-        rs[0] = g < cur.valid ? __uint_as_float(kr.ps[0]) : 0.f;
-        rs[1] = g + 8 < cur.valid ? __uint_as_float(kr.ps[1]) : 0.f;
+        const float2 r = fp8_scales(kr.ps[0], kr.ps[1], g, cur.valid);
+        rs[0] = r.x, rs[1] = r.y;
       }
     }
     float pv[4];
@@ -1754,9 +1753,8 @@ __global__ void __launch_bounds__(dec_warps * 32, staged_blocks) decode_kernel(c
       v_raw<D, Cap> vr;
       load_v<D, Cap, true>(cur, fv, P, wnd, g, t, vr);
       if (fv.fam == family::fp8_e4m3) {
-        const float v0 = g < cur.valid ? __uint_as_float(vr.s[0]) : 0.f;
-        const float v8 = g + 8 < cur.valid ? __uint_as_float(vr.s[1]) : 0.f;
-        pv[0] *= v0, pv[1] *= v0, pv[2] *= v8, pv[3] *= v8;
+        const float2 v = fp8_scales(vr.s[0], vr.s[1], g, cur.valid);
+        pv[0] *= v.x, pv[1] *= v.x, pv[2] *= v.y, pv[3] *= v.y;
       }
       uint32_t pb0, pb1;
       p_frags(pv, pb0, pb1);
