@@ -1199,13 +1199,14 @@ __device__ __forceinline__ float ex2(float x) {  // 2^x, one MUFU op (-inf -> 0)
   return y;
 }
 
-// Online softmax over one slab's scores (S^T rows g, g + 8 of the slab, columns 2t, 2t + 1): rows
-// at or beyond `valid` and tokens after a column's query are masked; the running max, sum and
-// accumulators are updated and P is left in `pv`. `rs`: per-row score scales (fp8 keys), `cz`:
-// per-column score offsets (KIVI zeros).
-template <int D>
-__device__ __forceinline__ void softmax_slab(float (&sc)[4], const float (&rs)[2], float scale_log2, int tok0, int valid, int g,
-                                             column_state<D>& cs, float (&pv)[4]) {
+// Online softmax over S consecutive slabs' scores (S^T rows g, g + 8 of slab s in sc[4s..4s+3],
+// columns 2t, 2t + 1): rows at or beyond `valid` (counted from the first slab's row 0) and tokens
+// after a column's query are masked; the running max, sum and accumulators are updated once for
+// the S slabs and P is left in `pv`. `rs`: per-row score scales (fp8 keys), `cz`: per-column
+// score offsets (KIVI zeros).
+template <int D, int S>
+__device__ __forceinline__ void softmax_tiles(float (&sc)[4 * S], const float (&rs)[2 * S], float scale_log2, int tok0, int valid,
+                                              int g, column_state<D>& cs, float (&pv)[4 * S]) {
   float(&m_col)[2] = cs.m;
   float(&l_col)[2] = cs.l;
   float(&acc)[D / 16][4] = cs.acc;
@@ -1213,11 +1214,11 @@ __device__ __forceinline__ void softmax_slab(float (&sc)[4], const float (&rs)[2
   const int(&last_visible)[2] = cs.last_visible;
   float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-  for (int e = 0; e < 4; ++e) {
-    const int row = g + (e / 2) * 8;
-    const float x = (sc[e] * rs[e / 2] + cz[e % 2]) * scale_log2;
-    sc[e] = row < valid && tok0 + row <= last_visible[e % 2] ? x : -INFINITY;
-    tile_max[e % 2] = fmaxf(tile_max[e % 2], sc[e]);
+  for (int i = 0; i < 4 * S; ++i) {
+    const int e = i % 4, row = slab * (i / 4) + g + (e / 2) * 8;
+    const float x = (sc[i] * rs[i / 2] + cz[e % 2]) * scale_log2;
+    sc[i] = row < valid && tok0 + row <= last_visible[e % 2] ? x : -INFINITY;
+    tile_max[e % 2] = fmaxf(tile_max[e % 2], sc[i]);
   }
   float alpha[2];
 #pragma unroll
@@ -1229,10 +1230,14 @@ __device__ __forceinline__ void softmax_slab(float (&sc)[4], const float (&rs)[2
     alpha[c] = m_new == -INFINITY ? 1.f : ex2(m_col[c] - m_new);
     m_col[c] = m_new;
   }
+  float sum[2] = {0.f, 0.f};
 #pragma unroll
-  for (int e = 0; e < 4; ++e) pv[e] = m_col[e % 2] == -INFINITY ? 0.f : ex2(sc[e] - m_col[e % 2]);
-  l_col[0] = l_col[0] * alpha[0] + pv[0] + pv[2];
-  l_col[1] = l_col[1] * alpha[1] + pv[1] + pv[3];
+  for (int i = 0; i < 4 * S; ++i) {
+    pv[i] = m_col[i % 2] == -INFINITY ? 0.f : ex2(sc[i] - m_col[i % 2]);
+    sum[i % 2] += pv[i];
+  }
+  l_col[0] = l_col[0] * alpha[0] + sum[0];
+  l_col[1] = l_col[1] * alpha[1] + sum[1];
   if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
     for (int i = 0; i < D / 16; ++i) {
@@ -1445,7 +1450,7 @@ __global__ void __launch_bounds__(dec_warps * 32, 2) decode_wide_kernel(const __
       rs[0] = r.x, rs[1] = r.y;
     }
     float pv[4];
-    softmax_slab<D>(sc, rs, p.scale_log2, cur.tok0, cur.valid, g, cs, pv);
+    softmax_tiles<D, 1>(sc, rs, p.scale_log2, cur.tok0, cur.valid, g, cs, pv);
     if (!cur.ring && fv.fam == family::fp8_e4m3) {  // per-token V scales fold into P
       const float2 v = fp8_scales(vr.s[0], vr.s[1], g, cur.valid);
       pv[0] *= v.x, pv[1] *= v.x, pv[2] *= v.y, pv[3] *= v.y;
@@ -1574,40 +1579,85 @@ __device__ __forceinline__ int kind_of(format_traits f) {
   return f.fam == family::fp8_e4m3 ? 6 : f.fam == family::sym ? 3 + b : b;
 }
 
-// S^T of a staged slab (sk: the stage as a `rows`-row page) for one kind of K format.
-template <int D, int Cap, family Fam, int Bits>
+// S^T of S consecutive staged slabs (sk: the stage as a `rows`-row page, row0 the first slab's
+// row) for one kind of K format; slab s's scores in sc[4s..4s+3].
+template <int D, int Cap, family Fam, int Bits, int S>
 __device__ __forceinline__ void scores_kind(const slab_ref& sk, uint16_t group, int rows, int window, int g, int t,
-                                            const uint32_t (&qb)[D / 8], float (&sc)[4], float (&rs)[2], int valid) {
+                                            const uint32_t (&qb)[D / 8], float (&sc)[4 * S], float (&rs)[2 * S], int valid) {
   const format_traits f{Fam, uint8_t(Bits), group};
-  k_raw<D, Cap> kr;
-  load_k<D, Cap, false>(sk, f, rows, window, g, t, kr);
-  uint32_t kg[D / 8], kg8[D / 8];
-  k_frags<D, Bits, Cap>(kr.w, Fam, kr.ps, kg, kg8);
-  scores_mma<D>(kg, kg8, qb, sc);
-  if constexpr (Fam == family::fp8_e4m3) {
-    const float2 r = fp8_scales(kr.ps[0], kr.ps[1], g, valid);
-    rs[0] = r.x, rs[1] = r.y;
+#pragma unroll
+  for (int s = 0; s < S; ++s) {
+    slab_ref ss = sk;
+    ss.row0 = sk.row0 + slab * s;
+    k_raw<D, Cap> kr;
+    load_k<D, Cap, false>(ss, f, rows, window, g, t, kr);
+    uint32_t kg[D / 8], kg8[D / 8];
+    k_frags<D, Bits, Cap>(kr.w, Fam, kr.ps, kg, kg8);
+    float part[4] = {0.f, 0.f, 0.f, 0.f};
+    scores_mma<D>(kg, kg8, qb, part);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) sc[4 * s + e] = part[e];
+    if constexpr (Fam == family::fp8_e4m3) {
+      const float2 r = fp8_scales(kr.ps[0], kr.ps[1], g, valid - slab * s);
+      rs[2 * s] = r.x, rs[2 * s + 1] = r.y;
+    }
   }
 }
 
-// O^T += V^T P^T for a staged slab for one kind of V format (P from `pv`).
-template <int D, int Cap, family Fam, int Bits>
+// O^T += V^T P^T for S consecutive staged slabs for one kind of V format (slab s's P in
+// pv[4s..4s+3]).
+template <int D, int Cap, family Fam, int Bits, int S>
 __device__ __forceinline__ void values_kind(const slab_ref& sk, uint16_t group, int rows, int window, int g, int t,
-                                            float (&pv)[4], int valid, float (&acc)[D / 16][4]) {
+                                            float (&pv)[4 * S], int valid, float (&acc)[D / 16][4]) {
   const format_traits f{Fam, uint8_t(Bits), group};
-  v_raw<D, Cap> vr;
-  load_v<D, Cap, false>(sk, f, rows, window, g, t, vr);
-  uint32_t pb0, pb1;
-  if constexpr (Fam == family::fp8_e4m3) {  // per-token V scales fold into P
-    const float2 v = fp8_scales(vr.s[0], vr.s[1], g, valid);
-    pv[0] *= v.x, pv[1] *= v.x, pv[2] *= v.y, pv[3] *= v.y;
-    p_frags(pv, pb0, pb1);
-    uint32_t va[D / 16], vb[D / 16], vc[D / 16], vd[D / 16];
-    v_all<D, 8, Cap>(vr, Fam, va, vb, vc, vd);
-    values_mma<D>(va, vb, vc, vd, valid, t, pb0, pb1, acc);
-  } else {
-    p_frags(pv, pb0, pb1);
-    values_int<D, Bits, Cap>(vr, Fam == family::sym, valid, t, pb0, pb1, acc);
+#pragma unroll
+  for (int s = 0; s < S; ++s) {
+    slab_ref ss = sk;
+    ss.row0 = sk.row0 + slab * s;
+    const int vs = valid - slab * s;
+    v_raw<D, Cap> vr;
+    load_v<D, Cap, false>(ss, f, rows, window, g, t, vr);
+    float ps[4] = {pv[4 * s], pv[4 * s + 1], pv[4 * s + 2], pv[4 * s + 3]};
+    uint32_t pb0, pb1;
+    if constexpr (Fam == family::fp8_e4m3) {  // per-token V scales fold into P
+      const float2 v = fp8_scales(vr.s[0], vr.s[1], g, vs);
+      ps[0] *= v.x, ps[1] *= v.x, ps[2] *= v.y, ps[3] *= v.y;
+      p_frags(ps, pb0, pb1);
+      uint32_t va[D / 16], vb[D / 16], vc[D / 16], vd[D / 16];
+      v_all<D, 8, Cap>(vr, Fam, va, vb, vc, vd);
+      values_mma<D>(va, vb, vc, vd, min(vs, slab), t, pb0, pb1, acc);
+    } else {
+      p_frags(ps, pb0, pb1);
+      values_int<D, Bits, Cap>(vr, Fam == family::sym, min(vs, slab), t, pb0, pb1, acc);
+    }
+  }
+}
+
+// The K part and the V part of a step of S staged slabs of one page, compiled per kind of format.
+template <int D, int Cap, int S>
+__device__ __forceinline__ void scores_staged(format_traits fk, const slab_ref& sk, int rows, int window, int g, int t,
+                                              const uint32_t (&qb)[D / 8], float (&sc)[4 * S], float (&rs)[2 * S], int valid) {
+  switch (kind_of(fk)) {
+    case 0: scores_kind<D, Cap, family::kivi, 8, S>(sk, fk.group, rows, window, g, t, qb, sc, rs, valid); break;
+    case 1: scores_kind<D, Cap, family::kivi, 4, S>(sk, fk.group, rows, window, g, t, qb, sc, rs, valid); break;
+    case 2: scores_kind<D, Cap, family::kivi, 2, S>(sk, fk.group, rows, window, g, t, qb, sc, rs, valid); break;
+    case 3: scores_kind<D, Cap, family::sym, 8, S>(sk, fk.group, rows, window, g, t, qb, sc, rs, valid); break;
+    case 4: scores_kind<D, Cap, family::sym, 4, S>(sk, fk.group, rows, window, g, t, qb, sc, rs, valid); break;
+    case 5: scores_kind<D, Cap, family::sym, 2, S>(sk, fk.group, rows, window, g, t, qb, sc, rs, valid); break;
+    default: scores_kind<D, Cap, family::fp8_e4m3, 8, S>(sk, fk.group, rows, window, g, t, qb, sc, rs, valid); break;
+  }
+}
+template <int D, int Cap, int S>
+__device__ __forceinline__ void values_staged(format_traits fv, const slab_ref& sk, int rows, int window, int g, int t,
+                                              float (&pv)[4 * S], int valid, float (&acc)[D / 16][4]) {
+  switch (kind_of(fv)) {
+    case 0: values_kind<D, Cap, family::kivi, 8, S>(sk, fv.group, rows, window, g, t, pv, valid, acc); break;
+    case 1: values_kind<D, Cap, family::kivi, 4, S>(sk, fv.group, rows, window, g, t, pv, valid, acc); break;
+    case 2: values_kind<D, Cap, family::kivi, 2, S>(sk, fv.group, rows, window, g, t, pv, valid, acc); break;
+    case 3: values_kind<D, Cap, family::sym, 8, S>(sk, fv.group, rows, window, g, t, pv, valid, acc); break;
+    case 4: values_kind<D, Cap, family::sym, 4, S>(sk, fv.group, rows, window, g, t, pv, valid, acc); break;
+    case 5: values_kind<D, Cap, family::sym, 2, S>(sk, fv.group, rows, window, g, t, pv, valid, acc); break;
+    default: values_kind<D, Cap, family::fp8_e4m3, 8, S>(sk, fv.group, rows, window, g, t, pv, valid, acc); break;
   }
 }
 
@@ -1652,7 +1702,7 @@ __global__ void __launch_bounds__(dec_warps * 32, staged_blocks) decode_kernel(c
   int cur_st = 0, cur_e = -1;
   uint32_t phases = 0;  // bit s: parity of stage s's next phase
   format_traits pk{}, pv_fmt{};  // the current page's formats (kept across its slabs)
-  for (int j = s0; j < s1; ++j) {
+  for (int j = s0; j < s1;) {
     const int r_in = (j - s0) & (ch - 1);  // the slab's place in its chunk
     if (r_in == 0 && issue_j < issue_end) {  // refill the stage the previous chunk freed
       issue_chunk<D>(p, sm.pages, sm.sect, issue_j, rows, false, lane, my_stages_s + issue_st * st_bytes, my_bars + issue_st * 8);
@@ -1668,7 +1718,6 @@ __global__ void __launch_bounds__(dec_warps * 32, staged_blocks) decode_kernel(c
       cur.k = p.kv.arena + size_t(sm.pages.page16[e]) * 16;  // (used by the unstaged paths only)
       cur.v = cur.k + sm.pages.v_offset[e];
       cur.ring = false;
-      cur.valid = min(slab, item.from_pages - cur.tok0);
       cur.row0 = cur.tok0 & (P - 1);
       if (r_in == 0) {
         mbar_wait(my_bars + cur_st * 8, (phases >> cur_st) & 1u);
@@ -1680,6 +1729,10 @@ __global__ void __launch_bounds__(dec_warps * 32, staged_blocks) decode_kernel(c
     const format_traits fk = cur.fk, fv = cur.fv;
     const uint8_t* st = my_stages + cur_st * st_bytes;
     const bool k_st = !cur.ring && fk.bits <= p.stage_cap, v_st = !cur.ring && fv.bits <= p.stage_cap;
+    // A whole staged chunk of two slabs is one step (one softmax update for 32 tokens); any other
+    // slab is a step of its own. (A chunk lies in one page and one KIVI key group.)
+    const bool pair = ch == 2 && r_in == 0 && j + 1 < s1 && j + 1 < page_slabs && k_st && v_st;
+    if (!cur.ring) cur.valid = min(pair ? 2 * slab : slab, item.from_pages - cur.tok0);
     // the slab in its stage: a `rows`-row page whose row r_in * 16 is the slab's first
     slab_ref sk = cur;
     sk.k = st, sk.v = st + st_v, sk.row0 = slab * r_in;
@@ -1702,66 +1755,58 @@ __global__ void __launch_bounds__(dec_warps * 32, staged_blocks) decode_kernel(c
       }
       q_key = key;
     }
-
-    // ---- S^T = K Q^T ----
-    float sc[4] = {0.f, 0.f, 0.f, 0.f};
-    float rs[2] = {1.f, 1.f};  // fp8 keys: per-token scales of rows g, g+8
     const int wnd = p.kv.window;
-    if (k_st) {
-      switch (kind_of(fk)) {
-        case 0: scores_kind<D, Cap, family::kivi, 8>(sk, fk.group, rows, wnd, g, t, qb, sc, rs, cur.valid); break;
-        case 1: scores_kind<D, Cap, family::kivi, 4>(sk, fk.group, rows, wnd, g, t, qb, sc, rs, cur.valid); break;
-        case 2: scores_kind<D, Cap, family::kivi, 2>(sk, fk.group, rows, wnd, g, t, qb, sc, rs, cur.valid); break;
-        case 3: scores_kind<D, Cap, family::sym, 8>(sk, fk.group, rows, wnd, g, t, qb, sc, rs, cur.valid); break;
-        case 4: scores_kind<D, Cap, family::sym, 4>(sk, fk.group, rows, wnd, g, t, qb, sc, rs, cur.valid); break;
-        case 5: scores_kind<D, Cap, family::sym, 2>(sk, fk.group, rows, wnd, g, t, qb, sc, rs, cur.valid); break;
-        default: scores_kind<D, Cap, family::fp8_e4m3, 8>(sk, fk.group, rows, wnd, g, t, qb, sc, rs, cur.valid); break;
+    if (pair) {
+      float sc[8], rs[4] = {1.f, 1.f, 1.f, 1.f}, pv[8];
+      scores_staged<D, Cap, 2>(fk, sk, rows, wnd, g, t, qb, sc, rs, cur.valid);
+      softmax_tiles<D, 2>(sc, rs, p.scale_log2, cur.tok0, cur.valid, g, cs, pv);
+      values_staged<D, Cap, 2>(fv, sk, rows, wnd, g, t, pv, cur.valid, cs.acc);
+    } else {
+      // ---- S^T = K Q^T ----
+      float sc[4] = {0.f, 0.f, 0.f, 0.f};
+      float rs[2] = {1.f, 1.f};  // fp8 keys: per-token scales of rows g, g+8
+      if (k_st) {
+        scores_staged<D, Cap, 1>(fk, sk, rows, wnd, g, t, qb, sc, rs, cur.valid);
+      } else if (fk.bits == 16) {  // the FP16 ring, a stray 16-bit page
+        scores_wide<D>(cur, fk.fam, g, t, wnd, qb, sc);
+      } else {  // a page wider than the stages (under a smaller `max_page_bits` hint)
+        k_raw<D, Cap> kr;
+        load_k<D, Cap, true>(cur, fk, P, wnd, g, t, kr);
+        uint32_t kg[D / 8], kg8[D / 8];
+        if (fk.bits == 8) k_frags<D, 8, Cap>(kr.w, fk.fam, kr.ps, kg, kg8);
+        else k_frags<D, 4, Cap>(kr.w, fk.fam, kr.ps, kg, kg8);  // (a 2-bit page is never wider)
+        scores_mma<D>(kg, kg8, qb, sc);
+        if (fk.fam == family::fp8_e4m3) {
+          const float2 r = fp8_scales(kr.ps[0], kr.ps[1], g, cur.valid);
+          rs[0] = r.x, rs[1] = r.y;
+        }
       }
-    } else if (fk.bits == 16) {  // the FP16 ring, a stray 16-bit page
-      scores_wide<D>(cur, fk.fam, g, t, wnd, qb, sc);
-    } else {  // a page wider than the stages (under a smaller `max_page_bits` hint)
-      k_raw<D, Cap> kr;
-      load_k<D, Cap, true>(cur, fk, P, wnd, g, t, kr);
-      uint32_t kg[D / 8], kg8[D / 8];
-      if (fk.bits == 8) k_frags<D, 8, Cap>(kr.w, fk.fam, kr.ps, kg, kg8);
-      else k_frags<D, 4, Cap>(kr.w, fk.fam, kr.ps, kg, kg8);  // (a 2-bit page is never wider)
-      scores_mma<D>(kg, kg8, qb, sc);
-      if (fk.fam == family::fp8_e4m3) {
-        const float2 r = fp8_scales(kr.ps[0], kr.ps[1], g, cur.valid);
-        rs[0] = r.x, rs[1] = r.y;
-      }
-    }
-    float pv[4];
-    softmax_slab<D>(sc, rs, p.scale_log2, cur.tok0, cur.valid, g, cs, pv);
+      float pv[4];
+      softmax_tiles<D, 1>(sc, rs, p.scale_log2, cur.tok0, cur.valid, g, cs, pv);
 
-    // ---- O^T += V^T P^T ----
-    if (v_st) {
-      switch (kind_of(fv)) {
-        case 0: values_kind<D, Cap, family::kivi, 8>(sk, fv.group, rows, wnd, g, t, pv, cur.valid, cs.acc); break;
-        case 1: values_kind<D, Cap, family::kivi, 4>(sk, fv.group, rows, wnd, g, t, pv, cur.valid, cs.acc); break;
-        case 2: values_kind<D, Cap, family::kivi, 2>(sk, fv.group, rows, wnd, g, t, pv, cur.valid, cs.acc); break;
-        case 3: values_kind<D, Cap, family::sym, 8>(sk, fv.group, rows, wnd, g, t, pv, cur.valid, cs.acc); break;
-        case 4: values_kind<D, Cap, family::sym, 4>(sk, fv.group, rows, wnd, g, t, pv, cur.valid, cs.acc); break;
-        case 5: values_kind<D, Cap, family::sym, 2>(sk, fv.group, rows, wnd, g, t, pv, cur.valid, cs.acc); break;
-        default: values_kind<D, Cap, family::fp8_e4m3, 8>(sk, fv.group, rows, wnd, g, t, pv, cur.valid, cs.acc); break;
+      // ---- O^T += V^T P^T ----
+      if (v_st) {
+        values_staged<D, Cap, 1>(fv, sk, rows, wnd, g, t, pv, cur.valid, cs.acc);
+      } else if (fv.bits == 16) {
+        uint32_t pb0, pb1;
+        p_frags(pv, pb0, pb1);
+        values_wide<D>(cur, fv.fam, g, t, wnd, pb0, pb1, cs.acc);
+      } else {  // a page wider than the stages
+        v_raw<D, Cap> vr;
+        load_v<D, Cap, true>(cur, fv, P, wnd, g, t, vr);
+        if (fv.fam == family::fp8_e4m3) {
+          const float2 v = fp8_scales(vr.s[0], vr.s[1], g, cur.valid);
+          pv[0] *= v.x, pv[1] *= v.x, pv[2] *= v.y, pv[3] *= v.y;
+        }
+        uint32_t pb0, pb1;
+        p_frags(pv, pb0, pb1);
+        values_slab<D, Cap>(vr, fv, cur.valid, t, pb0, pb1, cs.acc);
       }
-    } else if (fv.bits == 16) {
-      uint32_t pb0, pb1;
-      p_frags(pv, pb0, pb1);
-      values_wide<D>(cur, fv.fam, g, t, wnd, pb0, pb1, cs.acc);
-    } else {  // a page wider than the stages
-      v_raw<D, Cap> vr;
-      load_v<D, Cap, true>(cur, fv, P, wnd, g, t, vr);
-      if (fv.fam == family::fp8_e4m3) {
-        const float2 v = fp8_scales(vr.s[0], vr.s[1], g, cur.valid);
-        pv[0] *= v.x, pv[1] *= v.x, pv[2] *= v.y, pv[3] *= v.y;
-      }
-      uint32_t pb0, pb1;
-      p_frags(pv, pb0, pb1);
-      values_slab<D, Cap>(vr, fv, cur.valid, t, pb0, pb1, cs.acc);
     }
-    __syncwarp();  // every lane is done with this slab's rows of the stage
-    if (!cur.ring && (r_in == ch - 1 || j + 1 == page_slabs) && ++cur_st == ns) cur_st = 0;
+    __syncwarp();  // every lane is done with this step's rows of the stage
+    const int n = pair ? 2 : 1;
+    if (!cur.ring && (r_in + n == ch || j + n == page_slabs) && ++cur_st == ns) cur_st = 0;
+    j += n;
   }
   __syncthreads();  // the merge area overlays every warp's stages (all their copies were waited for)
   write_partial<D>(p, *reinterpret_cast<merge_area<D>*>(stages), cs, s0 < s1, warp, g, t);
