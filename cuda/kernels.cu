@@ -991,23 +991,20 @@ __device__ __forceinline__ void v_all(const v_raw<D, Cap>& vr, family fam, uint3
 }
 
 // The codes of channel c (of the lane's D/8) of two tokens, as the half2 (1024 + c_a / mul, 1024 +
-// c_b / mul) with mul = code_mul<Bits>(c): byte permutes pair the tokens' bytes and insert the
-// magic byte, one lop3 per channel masks the code in place, so that V^T's A fragments (token pairs)
-// come straight from the raw words.
+// c_b / mul) with mul = code_mul<Bits>(c): one byte permute places the two tokens' bytes of the
+// channel in bytes 0 and 2 (shared by the channels of that byte), one lop3 masks the code in place
+// and inserts the magic exponent, so that V^T's A fragments (token pairs) come straight from the
+// raw words. (The permute's selector is an immediate and the magic a register: a permute that
+// inserted the magic itself took its selector from a register, rematerialized at every use.)
 template <int Bits>
-__device__ __forceinline__ uint32_t pair_codes(const uint32_t* wa, const uint32_t* wb, int c) {
-  if constexpr (Bits == 8) {
-    const int wi = c / 4, j = c % 4;
-    const uint32_t u = __byte_perm(wa[wi], wb[wi], j < 2 ? 0x5140 : 0x7362);  // a_j, b_j, a_j+1, b_j+1
-    return __byte_perm(u, 0x64646464u, (j % 2) ? 0x4342 : 0x4140);
-  } else {
-    constexpr int per_word = 32 / Bits, per_byte = 8 / Bits;
-    constexpr uint32_t mask = ((1u << Bits) - 1) * 0x00010001u;
-    const int wi = c / per_word, j = (c % per_word) / per_byte, k = c % per_byte;
-    const uint32_t u = __byte_perm(wa[wi], wb[wi], j < 2 ? 0x5140 : 0x7362);     // a_j, b_j, a_j+1, b_j+1 (j even)
-    const uint32_t x = __byte_perm(u, 0x64646464u, (j % 2) ? 0x4342 : 0x4140);  // a_j, 0x64, b_j, 0x64
-    return x & (0xFF00FF00u | (mask << (Bits * k)));
-  }
+__device__ __forceinline__ uint32_t pair_codes(const uint32_t* wa, const uint32_t* wb, int c, uint32_t magic) {
+  constexpr int per_word = 32 / Bits, per_byte = 8 / Bits;
+  constexpr uint32_t mask = ((1u << Bits) - 1) * 0x00010001u;
+  const int wi = c / per_word, j = (c % per_word) / per_byte, k = c % per_byte;
+  const uint32_t x = __byte_perm(wa[wi], wb[wi], uint32_t(j * 0x11 + (4 + j) * 0x1100));  // a_j, a_j, b_j, b_j
+  uint32_t d;  // (x & mask) | magic in one lop3 (written as and + or, it compiles to two)
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(d) : "r"(x), "r"(mask << (Bits * k)), "r"(magic));
+  return d;
 }
 
 // O^T += V^T P^T for a slab of integer V codes (sym, kivi, rolealign): each A fragment is built from
@@ -1020,23 +1017,25 @@ __device__ __forceinline__ void values_int(const v_raw<D, Cap>& vr, bool sym, in
 #pragma unroll
   for (int r = 0; r < 4; ++r) {
     const bool ok = 2 * t + (r & 1) + 8 * (r >> 1) < valid;
-    sr[r] = ok ? vr.s[r] & 0xffffu : 0u;
-    zr[r] = ok && !sym ? vr.z[r] & 0xffffu : 0u;
+    sr[r] = ok ? vr.s[r] : 0u;
+    zr[r] = ok && !sym ? vr.z[r] : 0u;
   }
-  const __half2 s01 = bits_h2(sr[0] | (sr[1] << 16)), s89 = bits_h2(sr[2] | (sr[3] << 16));
-  const __half2 z01 = bits_h2(zr[0] | (zr[1] << 16)), z89 = bits_h2(zr[2] | (zr[3] << 16));
+  const __half2 s01 = bits_h2(__byte_perm(sr[0], sr[1], 0x5410)), s89 = bits_h2(__byte_perm(sr[2], sr[3], 0x5410));
+  const __half2 z01 = bits_h2(__byte_perm(zr[0], zr[1], 0x5410)), z89 = bits_h2(__byte_perm(zr[2], zr[3], 0x5410));
   const float mid = sym ? float(1 << (Bits - 1)) : 0.f;
+  uint32_t magic;  // 0x64006400 in a register (opaque, so that it is not folded back into an immediate)
+  asm("mov.b32 %0, 0x64006400;\n" : "=r"(magic));
   const auto deq = [&](uint32_t x, int c, __half2 sc, __half2 z) {
     const float mul = code_mul<Bits>(c);  // compile-time after unrolling
     const __half2 v = __hsub2(bits_h2(x), __float2half2_rn(1024.f + mid / mul));  // (code - mid) / mul, exact
-    return h2_bits(__hfma2(v, __hmul2(sc, __float2half2_rn(mul)), z));
+    return h2_bits(__hfma2(v, mul == 1.f ? sc : __hmul2(sc, __float2half2_rn(mul)), z));
   };
 #pragma unroll
   for (int m = 0; m < D / 16; ++m)
-    mma16816(acc[m], deq(pair_codes<Bits>(vr.w[0], vr.w[1], 2 * m), 2 * m, s01, z01),
-             deq(pair_codes<Bits>(vr.w[0], vr.w[1], 2 * m + 1), 2 * m + 1, s01, z01),
-             deq(pair_codes<Bits>(vr.w[2], vr.w[3], 2 * m), 2 * m, s89, z89),
-             deq(pair_codes<Bits>(vr.w[2], vr.w[3], 2 * m + 1), 2 * m + 1, s89, z89), pb0, pb1);
+    mma16816(acc[m], deq(pair_codes<Bits>(vr.w[0], vr.w[1], 2 * m, magic), 2 * m, s01, z01),
+             deq(pair_codes<Bits>(vr.w[0], vr.w[1], 2 * m + 1, magic), 2 * m + 1, s01, z01),
+             deq(pair_codes<Bits>(vr.w[2], vr.w[3], 2 * m, magic), 2 * m, s89, z89),
+             deq(pair_codes<Bits>(vr.w[2], vr.w[3], 2 * m + 1, magic), 2 * m + 1, s89, z89), pb0, pb1);
 }
 
 // The narrow decode kernel's path for 16-bit slabs (fp16/bf16 pages, the FP16 ring): read where
@@ -1153,7 +1152,7 @@ __device__ __forceinline__ void fold_kivi(const uint8_t* scales, const uint8_t* 
     const uint32_t z0 = h2_bits(__hfma2(bits_h2(sw[2 * ks]), mid, bits_h2(zw[2 * ks])));
     const uint32_t z1 = h2_bits(__hfma2(bits_h2(sw[2 * ks + 1]), mid, bits_h2(zw[2 * ks + 1])));
     const uint32_t q0 = qh[2 * ks][lane], q1 = qh[2 * ks + 1][lane];
-    mma16816(cz, z0, z0, z1, z1, q0, q1);
+    mma16816(cz, z0, 0u, z1, 0u, q0, q1);  // (rows g + 8 unused)
     qb[2 * ks] = h2_bits(__hmul2(bits_h2(q0), bits_h2(sw[2 * ks])));
     qb[2 * ks + 1] = h2_bits(__hmul2(bits_h2(q1), bits_h2(sw[2 * ks + 1])));
   }
@@ -1661,7 +1660,9 @@ __device__ __forceinline__ void values_staged(format_traits fv, const slab_ref& 
   }
 }
 
-template <int D>
+// Chunk: slabs per stage (p.chunk). The one-slab instance (8-bit layers) compiles no two-slab step:
+// with it, the 8-bit path measured 3-10 % slower (one register allocation for both).
+template <int D, int Chunk>
 __global__ void __launch_bounds__(dec_warps * 32, staged_blocks) decode_kernel(const __grid_constant__ attend_params p) {
   constexpr int Cap = 8;
   extern __shared__ __align__(128) uint8_t dsm[];
@@ -1669,7 +1670,7 @@ __global__ void __launch_bounds__(dec_warps * 32, staged_blocks) decode_kernel(c
   uint8_t* stages = dsm + staged_head_bytes<D>;
   const int h = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const decode_item item = p.items[blockIdx.z];
-  const int ch = p.chunk;  // slabs per stage (1 or 2); warps' ranges start on a chunk
+  const int ch = Chunk == 1 ? 1 : p.chunk;  // slabs per stage; warps' ranges start on a chunk
   const slab_range rg = block_slabs(p, item, warp, ch);
   if (rg.c0 >= rg.c1) return;
   const int P = p.kv.page_tokens, page_slabs = rg.page_slabs, s0 = rg.s0, s1 = rg.s1;
@@ -1731,7 +1732,7 @@ __global__ void __launch_bounds__(dec_warps * 32, staged_blocks) decode_kernel(c
     const bool k_st = !cur.ring && fk.bits <= p.stage_cap, v_st = !cur.ring && fv.bits <= p.stage_cap;
     // A whole staged chunk of two slabs is one step (one softmax update for 32 tokens); any other
     // slab is a step of its own. (A chunk lies in one page and one KIVI key group.)
-    const bool pair = ch == 2 && r_in == 0 && j + 1 < s1 && j + 1 < page_slabs && k_st && v_st;
+    const bool pair = Chunk == 2 && r_in == 0 && j + 1 < s1 && j + 1 < page_slabs && k_st && v_st;
     if (!cur.ring) cur.valid = min(pair ? 2 * slab : slab, item.from_pages - cur.tok0);
     // the slab in its stage: a `rows`-row page whose row r_in * 16 is the slab's first
     slab_ref sk = cur;
@@ -1935,9 +1936,9 @@ status launch_attend(const attend_params& p, const launch_plan& lp, int kv_heads
     if (lp.wide) {
       decode_wide_kernel<D><<<grid, dec_warps * 32, 0, st>>>(p);
     } else {
-      KVQ_TRY(cuda_status(cudaFuncSetAttribute(decode_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, lp.smem),
-                          "cudaFuncSetAttribute"));
-      decode_kernel<D><<<grid, dec_warps * 32, lp.smem, st>>>(p);
+      const auto kernel = lp.chunk == 2 ? decode_kernel<D, 2> : decode_kernel<D, 1>;
+      KVQ_TRY(cuda_status(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, lp.smem), "cudaFuncSetAttribute"));
+      kernel<<<grid, dec_warps * 32, lp.smem, st>>>(p);
     }
   } else {
     const int smem = int(sizeof(attend_smem<D>));
