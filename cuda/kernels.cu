@@ -60,6 +60,7 @@ struct attend_params {
   int tiles_per_split, max_splits;
   int unit_tokens;  // tokens of a work unit: 64 (tile kernel) or 16 (decode kernel slabs)
   int stages, stage_cap, chunk;  // staged decode kernel: stages per warp, code bits and slabs a stage holds
+  uint32_t page_stage;           // block-staged decode kernel: bytes of a stage (a page-head's K and V), 0: not used
   float* ws_o;   // [partials][16][D]
   float* ws_ml;  // [partials][16][2]
   float* q_stage;  // optional: items' query rows copied here as fp32 (decode_item::stage_row)
@@ -1484,6 +1485,9 @@ __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
 __device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
 }
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
   uint32_t done;
   do {
@@ -1535,9 +1539,13 @@ __device__ __forceinline__ uint4 chunk_section(format_id f, int r, int part, uin
 
 template <int D>
 struct staged_head {
+  // The barriers first: compute-sanitizer's racecheck (CUDA 13.0) reported the bulk copies'
+  // transaction updates of a barrier at the barrier's address less 0x400 (the reserved shared
+  // memory), as a write racing with whatever the block keeps there (it flagged the query rows'
+  // stores when the barriers followed them); at offset 0 nothing of the block's lies below them.
+  uint64_t bar[dec_warps][max_stages];
   page_table_cache pages;
   uint32_t qh[D / 8][32];  // the fp16 query pairs of each lane (for KIVI re-scaling); all warps alike
-  uint64_t bar[dec_warps][max_stages];
   uint4 sect[format_count][2][3];  // chunk_section of every (format, role, section), filled per block
 };
 template <int D>
@@ -1660,6 +1668,87 @@ __device__ __forceinline__ void values_staged(format_traits fv, const slab_ref& 
   }
 }
 
+// One step of a staged decode kernel: the query for the step's K format (KIVI keys: their token
+// group's scales folded in), then scores, online softmax and P V for one slab, or for the two slabs
+// of a staged chunk (`pair`). cur: the slab(s) in memory; sk: the same rows in their stage, which
+// has the shape of a `rows`-row page (a chunk stage holds one token group's KIVI key parameters, a
+// page stage (`page_stage`) the whole page's).
+template <int D, int Cap>
+__device__ __forceinline__ void decode_step(const attend_params& p, const slab_ref& cur, const slab_ref& sk, int rows,
+                                            bool page_stage, bool k_st, bool v_st, bool pair, int g, int t, int lane,
+                                            const uint32_t (&qh)[D / 8][32], uint32_t (&qb)[D / 8], int& q_key,
+                                            column_state<D>& cs) {
+  const int P = p.kv.page_tokens;
+  const format_traits fk = cur.fk, fv = cur.fv;
+    // ---- the query for this slab's K format ----
+    const bool k_codes = !cur.ring && fk.k_along_tokens();
+    const int lgk = k_codes ? log2i(fk.group) : 0;
+    const int key = k_codes ? cur.tok0 & ~(int(fk.group) - 1) : -1;
+    if (key != q_key) {
+      const uint32_t rbk = uint32_t(D * fk.bits) >> 3;
+      if (!k_codes) {
+#pragma unroll
+        for (int i = 0; i < D / 8; ++i) qb[i] = qh[i][lane];
+        cs.cz[0] = cs.cz[1] = 0.f;
+      } else if (k_st) {  // a chunk stage holds its token group's scales and zeros; a page stage, all groups
+        const uint8_t* ks = sk.k + rows * rbk + (page_stage ? uint32_t(sk.row0 >> lgk) * D * 2 : 0u);
+        fold_kivi<D>(ks, ks + (page_stage ? uint32_t(rows >> lgk) * D * 2 : uint32_t(D * 2)), fk.bits, qh, lane, t, qb, cs.cz);
+      } else {
+        const uint8_t* sc = cur.k + uint32_t(P) * rbk + uint32_t(cur.row0 >> lgk) * D * 2;
+        fold_kivi<D>(sc, sc + uint32_t(P >> lgk) * D * 2, fk.bits, qh, lane, t, qb, cs.cz);
+      }
+      q_key = key;
+    }
+    const int wnd = p.kv.window;
+    if (pair) {
+      float sc[8], rs[4] = {1.f, 1.f, 1.f, 1.f}, pv[8];
+      scores_staged<D, Cap, 2>(fk, sk, rows, wnd, g, t, qb, sc, rs, cur.valid);
+      softmax_tiles<D, 2>(sc, rs, p.scale_log2, cur.tok0, cur.valid, g, cs, pv);
+      values_staged<D, Cap, 2>(fv, sk, rows, wnd, g, t, pv, cur.valid, cs.acc);
+    } else {
+      // ---- S^T = K Q^T ----
+      float sc[4] = {0.f, 0.f, 0.f, 0.f};
+      float rs[2] = {1.f, 1.f};  // fp8 keys: per-token scales of rows g, g+8
+      if (k_st) {
+        scores_staged<D, Cap, 1>(fk, sk, rows, wnd, g, t, qb, sc, rs, cur.valid);
+      } else if (fk.bits == 16) {  // the FP16 ring, a stray 16-bit page
+        scores_wide<D>(cur, fk.fam, g, t, wnd, qb, sc);
+      } else {  // a page wider than the stages (under a smaller `max_page_bits` hint)
+        k_raw<D, Cap> kr;
+        load_k<D, Cap, true>(cur, fk, P, wnd, g, t, kr);
+        uint32_t kg[D / 8], kg8[D / 8];
+        if (fk.bits == 8) k_frags<D, 8, Cap>(kr.w, fk.fam, kr.ps, kg, kg8);
+        else k_frags<D, 4, Cap>(kr.w, fk.fam, kr.ps, kg, kg8);  // (a 2-bit page is never wider)
+        scores_mma<D>(kg, kg8, qb, sc);
+        if (fk.fam == family::fp8_e4m3) {
+          const float2 r = fp8_scales(kr.ps[0], kr.ps[1], g, cur.valid);
+          rs[0] = r.x, rs[1] = r.y;
+        }
+      }
+      float pv[4];
+      softmax_tiles<D, 1>(sc, rs, p.scale_log2, cur.tok0, cur.valid, g, cs, pv);
+
+      // ---- O^T += V^T P^T ----
+      if (v_st) {
+        values_staged<D, Cap, 1>(fv, sk, rows, wnd, g, t, pv, cur.valid, cs.acc);
+      } else if (fv.bits == 16) {
+        uint32_t pb0, pb1;
+        p_frags(pv, pb0, pb1);
+        values_wide<D>(cur, fv.fam, g, t, wnd, pb0, pb1, cs.acc);
+      } else {  // a page wider than the stages
+        v_raw<D, Cap> vr;
+        load_v<D, Cap, true>(cur, fv, P, wnd, g, t, vr);
+        if (fv.fam == family::fp8_e4m3) {
+          const float2 v = fp8_scales(vr.s[0], vr.s[1], g, cur.valid);
+          pv[0] *= v.x, pv[1] *= v.x, pv[2] *= v.y, pv[3] *= v.y;
+        }
+        uint32_t pb0, pb1;
+        p_frags(pv, pb0, pb1);
+        values_slab<D, Cap>(vr, fv, cur.valid, t, pb0, pb1, cs.acc);
+      }
+    }
+}
+
 // Chunk: slabs per stage (p.chunk). The one-slab instance (8-bit layers) compiles no two-slab step:
 // with it, the 8-bit path measured 3-10 % slower (one register allocation for both).
 template <int D, int Chunk>
@@ -1738,72 +1827,7 @@ __global__ void __launch_bounds__(dec_warps * 32, staged_blocks) decode_kernel(c
     slab_ref sk = cur;
     sk.k = st, sk.v = st + st_v, sk.row0 = slab * r_in;
 
-    // ---- the query for this slab's K format ----
-    const bool k_codes = !cur.ring && fk.k_along_tokens();
-    const int lgk = k_codes ? log2i(fk.group) : 0;
-    const int key = k_codes ? cur.tok0 & ~(int(fk.group) - 1) : -1;
-    if (key != q_key) {
-      const uint32_t rbk = uint32_t(D * fk.bits) >> 3;
-      if (!k_codes) {
-#pragma unroll
-        for (int i = 0; i < D / 8; ++i) qb[i] = sm.qh[i][lane];
-        cs.cz[0] = cs.cz[1] = 0.f;
-      } else if (k_st) {
-        fold_kivi<D>(st + rows * rbk, st + rows * rbk + D * 2, fk.bits, sm.qh, lane, t, qb, cs.cz);
-      } else {
-        const uint8_t* sc = cur.k + uint32_t(P) * rbk + uint32_t(cur.row0 >> lgk) * D * 2;
-        fold_kivi<D>(sc, sc + uint32_t(P >> lgk) * D * 2, fk.bits, sm.qh, lane, t, qb, cs.cz);
-      }
-      q_key = key;
-    }
-    const int wnd = p.kv.window;
-    if (pair) {
-      float sc[8], rs[4] = {1.f, 1.f, 1.f, 1.f}, pv[8];
-      scores_staged<D, Cap, 2>(fk, sk, rows, wnd, g, t, qb, sc, rs, cur.valid);
-      softmax_tiles<D, 2>(sc, rs, p.scale_log2, cur.tok0, cur.valid, g, cs, pv);
-      values_staged<D, Cap, 2>(fv, sk, rows, wnd, g, t, pv, cur.valid, cs.acc);
-    } else {
-      // ---- S^T = K Q^T ----
-      float sc[4] = {0.f, 0.f, 0.f, 0.f};
-      float rs[2] = {1.f, 1.f};  // fp8 keys: per-token scales of rows g, g+8
-      if (k_st) {
-        scores_staged<D, Cap, 1>(fk, sk, rows, wnd, g, t, qb, sc, rs, cur.valid);
-      } else if (fk.bits == 16) {  // the FP16 ring, a stray 16-bit page
-        scores_wide<D>(cur, fk.fam, g, t, wnd, qb, sc);
-      } else {  // a page wider than the stages (under a smaller `max_page_bits` hint)
-        k_raw<D, Cap> kr;
-        load_k<D, Cap, true>(cur, fk, P, wnd, g, t, kr);
-        uint32_t kg[D / 8], kg8[D / 8];
-        if (fk.bits == 8) k_frags<D, 8, Cap>(kr.w, fk.fam, kr.ps, kg, kg8);
-        else k_frags<D, 4, Cap>(kr.w, fk.fam, kr.ps, kg, kg8);  // (a 2-bit page is never wider)
-        scores_mma<D>(kg, kg8, qb, sc);
-        if (fk.fam == family::fp8_e4m3) {
-          const float2 r = fp8_scales(kr.ps[0], kr.ps[1], g, cur.valid);
-          rs[0] = r.x, rs[1] = r.y;
-        }
-      }
-      float pv[4];
-      softmax_tiles<D, 1>(sc, rs, p.scale_log2, cur.tok0, cur.valid, g, cs, pv);
-
-      // ---- O^T += V^T P^T ----
-      if (v_st) {
-        values_staged<D, Cap, 1>(fv, sk, rows, wnd, g, t, pv, cur.valid, cs.acc);
-      } else if (fv.bits == 16) {
-        uint32_t pb0, pb1;
-        p_frags(pv, pb0, pb1);
-        values_wide<D>(cur, fv.fam, g, t, wnd, pb0, pb1, cs.acc);
-      } else {  // a page wider than the stages
-        v_raw<D, Cap> vr;
-        load_v<D, Cap, true>(cur, fv, P, wnd, g, t, vr);
-        if (fv.fam == family::fp8_e4m3) {
-          const float2 v = fp8_scales(vr.s[0], vr.s[1], g, cur.valid);
-          pv[0] *= v.x, pv[1] *= v.x, pv[2] *= v.y, pv[3] *= v.y;
-        }
-        uint32_t pb0, pb1;
-        p_frags(pv, pb0, pb1);
-        values_slab<D, Cap>(vr, fv, cur.valid, t, pb0, pb1, cs.acc);
-      }
-    }
+    decode_step<D, Cap>(p, cur, sk, rows, false, k_st, v_st, pair, g, t, lane, sm.qh, qb, q_key, cs);
     __syncwarp();  // every lane is done with this step's rows of the stage
     const int n = pair ? 2 : 1;
     if (!cur.ring && (r_in + n == ch || j + n == page_slabs) && ++cur_st == ns) cur_st = 0;
@@ -1811,6 +1835,116 @@ __global__ void __launch_bounds__(dec_warps * 32, staged_blocks) decode_kernel(c
   }
   __syncthreads();  // the merge area overlays every warp's stages (all their copies were waited for)
   write_partial<D>(p, *reinterpret_cast<merge_area<D>*>(stages), cs, s0 < s1, warp, g, t);
+}
+
+// ---- the block-staged decode kernel: layers of at most 4 bits ---------------------------------
+// The block's pages go whole through a ring of `p.stages` page stages shared by its warps: one
+// bulk copy per page (a page-head's K and V blocks are contiguous), where the per-warp chunk
+// stages took six per 32 tokens (K and V codes, scales, zeros), each a loop over lanes in the
+// compiled code. Warp w takes the 32-token chunks w, w + 4, ... of the block's page slabs. Each
+// stage has a full barrier (the copy's bytes) and an empty one (the page's warps arrive when done
+// with it); the warp of a page's last chunk waits for the others (working on the same page at the
+// same time) and refills the stage with the page `stages` further on. The FP16 ring's slabs
+// follow, one per warp in turn. Pages wider than the stages are read from global memory.
+
+// Issues the bulk copy of the block's page e (relative) into a page stage: the page-head's K and
+// V blocks, or the one of them whose format the stages hold, or nothing (the barrier still
+// completes its phase).
+template <int D>
+__device__ __forceinline__ void issue_page(const attend_params& p, const page_table_cache& pc, int e, uint32_t stage, uint32_t bar) {
+  const bool k_st = pc.fk[e].bits <= p.stage_cap, v_st = pc.fv[e].bits <= p.stage_cap;
+  const uint32_t v_off = pc.v_offset[e];
+  const uint32_t lo = k_st ? 0u : v_off, hi = v_st ? v_off + p.kv.v_page_bytes[pc.vid[e]] : (k_st ? v_off : 0u);
+  const uint32_t bytes = hi > lo ? hi - lo : 0u;
+  mbar_expect_tx(bar, bytes);
+  if (bytes) {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the warps' reads of the stage's last page
+    bulk_copy(stage + lo, p.kv.arena + size_t(pc.page16[e]) * 16 + lo, bytes, bar);
+  }
+}
+
+template <int D>
+__global__ void __launch_bounds__(dec_warps * 32, staged_blocks) decode_paged_kernel(const __grid_constant__ attend_params p) {
+  constexpr int Cap = 8;
+  extern __shared__ __align__(128) uint8_t dsm[];
+  staged_head<D>& sm = *reinterpret_cast<staged_head<D>*>(dsm);
+  uint8_t* stages = dsm + staged_head_bytes<D>;
+  const int h = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const decode_item item = p.items[blockIdx.z];
+  const slab_range rg = block_slabs(p, item, 0, 1);  // (the block's range; warps interleave below)
+  if (rg.c0 >= rg.c1) return;
+  const int P = p.kv.page_tokens, page_slabs = rg.page_slabs, c0 = rg.c0;  // c0: on a page boundary
+  const int pc_end = max(c0, min(rg.c1, page_slabs));  // the block's page slabs: [c0, pc_end)
+  const int n_chunks = (pc_end - c0 + 1) / 2, cpp = P / (2 * slab), n_pages = ceil_div(n_chunks, cpp);
+  const int ns = p.stages;
+  const uint32_t st_bytes = p.page_stage, stages_s = smem_addr(stages);
+  const uint32_t bars = smem_addr(&sm.bar[0][0]), bars_empty = smem_addr(&sm.bar[1][0]);  // full, empty (per stage)
+  fill_page_table<D>(p, item, h, rg.c0, rg.c1, page_slabs, sm.pages);
+  uint32_t qb[D / 8];
+  load_query<D>(p, item, h, g, t, qb);
+  if (warp == 0) {
+#pragma unroll
+    for (int c = 0; c < D / 8; ++c) sm.qh[c][lane] = qb[c];
+  }
+  // Stage s's full barrier is armed by one thread only: lane 0 of the warp of the last chunk of its
+  // pages (the same warp for all of them: ns x cpp is a multiple of dec_warps).
+  const auto issuer = [&](int e) { return ((e + 1) * cpp - 1) % dec_warps; };
+  if (warp == 0) {  // (a warp-uniform branch first: the init's loop over lanes must not run in other warps)
+    if (lane < ns) {
+      mbar_init(bars + lane * 8, 1);
+      mbar_init(bars_empty + lane * 8, uint32_t(cpp));
+    }
+  }
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  __syncthreads();
+  if (lane == 0)
+    for (int e = 0; e < min(ns, n_pages); ++e)
+      if (issuer(e) == warp) issue_page<D>(p, sm.pages, e, stages_s + e * st_bytes, bars + e * 8);
+
+  int q_key = -2;  // the KIVI token group (its first token) whose scales qb holds; -1: the plain query
+  column_state<D> cs(p, item, t);
+  bool worked = false;
+  for (int u = warp; u < n_chunks; u += dec_warps) {
+    const int e = u / cpp, st = e % ns, j = c0 + 2 * u;
+    slab_ref cur;
+    cur.tok0 = j * slab;
+    cur.fk = sm.pages.fk[e], cur.fv = sm.pages.fv[e];
+    cur.k = p.kv.arena + size_t(sm.pages.page16[e]) * 16;  // (used by the unstaged paths only)
+    cur.v = cur.k + sm.pages.v_offset[e];
+    cur.ring = false;
+    cur.row0 = cur.tok0 & (P - 1);
+    mbar_wait(bars + st * 8, uint32_t(e / ns) & 1u);
+    const bool k_st = cur.fk.bits <= p.stage_cap, v_st = cur.fv.bits <= p.stage_cap;
+    slab_ref sk = cur;
+    sk.k = stages + st * st_bytes, sk.v = sk.k + sm.pages.v_offset[e];
+    if (j + 1 < pc_end && k_st && v_st) {  // the chunk's two slabs as one step
+      cur.valid = sk.valid = min(2 * slab, item.from_pages - cur.tok0);
+      decode_step<D, Cap>(p, cur, sk, P, true, k_st, v_st, true, g, t, lane, sm.qh, qb, q_key, cs);
+    } else {
+      for (int i = 0; i < 2 && j + i < pc_end; ++i) {
+        slab_ref c1 = cur, s1 = sk;
+        c1.tok0 = cur.tok0 + slab * i, c1.row0 = s1.row0 = cur.row0 + slab * i;
+        c1.valid = s1.valid = min(slab, item.from_pages - c1.tok0);
+        decode_step<D, Cap>(p, c1, s1, P, true, k_st, v_st, false, g, t, lane, sm.qh, qb, q_key, cs);
+      }
+    }
+    worked = true;
+    __syncwarp();  // every lane is done with this chunk's rows of the stage
+    if (e + ns < n_pages) {  // the page's warps release its stage; the warp of its last chunk refills it
+      if (lane == 0) mbar_arrive(bars_empty + st * 8);
+      if (u == (e + 1) * cpp - 1) {  // (warp issuer(e))
+        mbar_wait(bars_empty + st * 8, uint32_t(e / ns) & 1u);
+        if (lane == 0) issue_page<D>(p, sm.pages, e + ns, stages_s + st * st_bytes, bars + st * 8);
+      }
+    }
+  }
+  for (int j = max(c0, page_slabs) + warp; j < rg.c1; j += dec_warps) {  // the FP16 ring
+    const slab_ref cur = locate_slab<D>(p, item, h, j, page_slabs, sm.pages);
+    decode_step<D, Cap>(p, cur, cur, P, true, false, false, false, g, t, lane, sm.qh, qb, q_key, cs);
+    worked = true;
+  }
+  __syncthreads();  // the merge area overlays the stages (every page issued was waited for)
+  write_partial<D>(p, *reinterpret_cast<merge_area<D>*>(stages), cs, worked, warp, g, t);
 }
 
 template <int D>
@@ -1855,21 +1989,35 @@ struct launch_plan {
   bool wide;    // decode: some page may hold a 16-bit format (registers for 16-bit prefetch)
   int unit, mtiles, tiles_per_split, max_splits, max_tiles;
   int stages, stage_cap, chunk, smem, per_sm;  // the staged decode kernel's stages and occupancy
+  uint32_t page_stage;                         // > 0: the block-staged kernel, bytes of a page stage
 };
 
 // Stages of the staged decode kernel: two slabs per stage (one copy and one wait per 32 tokens)
 // when at least 3 stages per warp fit with `staged_blocks` blocks per SM, else one slab; as many
 // stages as fit, 2 at least. cap: the bits a stage holds (the layer's widest format, rounded up to
 // 2/4/8).
+// Layers of two-slab chunks take the block-staged kernel (page stages shared by the block's warps)
+// when at least 3 page stages fit: a page-head of the largest K and V formats the stages hold.
 template <int D>
-void plan_stages(int max_bits, launch_plan& lp) {
+void plan_stages(const paged_view& kv, int max_bits, launch_plan& lp) {
   constexpr int sm_bytes = 227 * 1024, reserved = 1024;
   lp.stage_cap = max_bits <= 2 ? 2 : max_bits <= 4 ? 4 : 8;
   const int room = sm_bytes / staged_blocks - reserved - int(staged_head_bytes<D>);
   lp.chunk = room / (dec_warps * int(stage_bytes(D, lp.stage_cap, 2 * slab))) >= 3 ? 2 : 1;
-  const int st = int(stage_bytes(D, lp.stage_cap, slab * lp.chunk));
-  lp.stages = std::clamp(room / (dec_warps * st), 2, max_stages);
-  lp.smem = int(staged_head_bytes<D>) + std::max(dec_warps * lp.stages * st, int(sizeof(merge_area<D>)));
+  int st = int(stage_bytes(D, lp.stage_cap, slab * lp.chunk)), ring = dec_warps;  // rings of stages: one per warp, or one
+  lp.page_stage = 0;
+  if (lp.chunk == 2) {
+    uint32_t kb = 0, vb = 0;
+    for (int f = 0; f < int(format_count); ++f)
+      if (traits_of(format_id(f)).bits <= lp.stage_cap) kb = std::max(kb, kv.k_page_bytes[f]), vb = std::max(vb, kv.v_page_bytes[f]);
+    const int ps = int((kb + vb + 127) / 128 * 128);
+    if (ps > 0 && room / ps >= 3) lp.page_stage = uint32_t(ps), st = ps, ring = 1;
+  }
+  lp.stages = std::clamp(room / (ring * st), 2, max_stages);
+  const int cpp = kv.page_tokens / (2 * slab);  // page stages: ns x chunks per page a multiple of dec_warps
+  if (lp.page_stage)
+    while ((lp.stages * cpp) % dec_warps) --lp.stages;
+  lp.smem = int(staged_head_bytes<D>) + std::max(ring * lp.stages * st, int(sizeof(merge_area<D>)));
   lp.per_sm = std::min(staged_blocks, sm_bytes / (lp.smem + reserved));
 }
 
@@ -1898,8 +2046,8 @@ launch_plan plan_for(const attend_args& a) {
     // at most max_cta_slabs per block (the page table cache).
     lp.wide = a.max_page_bits > 8;
     if (!lp.wide) {
-      if (a.kv.head_dim == 128) plan_stages<128>(a.max_page_bits, lp);
-      else plan_stages<64>(a.max_page_bits, lp);
+      if (a.kv.head_dim == 128) plan_stages<128>(a.kv, a.max_page_bits, lp);
+      else plan_stages<64>(a.kv, a.max_page_bits, lp);
     }
     const int64_t wave = int64_t(a.num_sms) * (lp.wide ? 2 : lp.per_sm);
     const int64_t base = int64_t(std::max<size_t>(1, a.items.size())) * a.kv.kv_heads;
@@ -1936,7 +2084,7 @@ status launch_attend(const attend_params& p, const launch_plan& lp, int kv_heads
     if (lp.wide) {
       decode_wide_kernel<D><<<grid, dec_warps * 32, 0, st>>>(p);
     } else {
-      const auto kernel = lp.chunk == 2 ? decode_kernel<D, 2> : decode_kernel<D, 1>;
+      const auto kernel = lp.page_stage ? decode_paged_kernel<D> : lp.chunk == 2 ? decode_kernel<D, 2> : decode_kernel<D, 1>;
       KVQ_TRY(cuda_status(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, lp.smem), "cudaFuncSetAttribute"));
       kernel<<<grid, dec_warps * 32, lp.smem, st>>>(p);
     }
@@ -2013,6 +2161,7 @@ status attend_run(const attend_args& a, void* workspace, size_t workspace_bytes,
     p.stages = lp.stages;
     p.stage_cap = lp.stage_cap;
     p.chunk = lp.chunk;
+    p.page_stage = lp.page_stage;
     if (a.kv.head_dim == 128)
       KVQ_TRY(launch_attend<128>(p, lp, a.kv.kv_heads, int(sub.items.size()), st));
     else
