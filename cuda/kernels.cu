@@ -1509,7 +1509,7 @@ constexpr int max_stages = 8;
 // measured 13-30 % slower.)
 constexpr int staged_blocks = 3;
 
-// A stage holds `rows` (16 or 32: one or two slabs) rows of each role. Its room for one role: the
+// A stage holds `rows` rows (16; the plan sizes 32-row stages to choose the block-staged kernel) of each role. Its room for one role: the
 // code rows of `cap` bits plus the largest parameter section (K: KIVI scales and zeros, 4 D bytes;
 // V: scale and zero rows, at most rows D / 8 bytes).
 __host__ __device__ constexpr uint32_t stage_k_bytes(int d, int cap, int rows) { return uint32_t(rows * d * cap / 8 + 4 * d); }
@@ -1680,78 +1680,78 @@ __device__ __forceinline__ void decode_step(const attend_params& p, const slab_r
                                             column_state<D>& cs) {
   const int P = p.kv.page_tokens;
   const format_traits fk = cur.fk, fv = cur.fv;
-    // ---- the query for this slab's K format ----
-    const bool k_codes = !cur.ring && fk.k_along_tokens();
-    const int lgk = k_codes ? log2i(fk.group) : 0;
-    const int key = k_codes ? cur.tok0 & ~(int(fk.group) - 1) : -1;
-    if (key != q_key) {
-      const uint32_t rbk = uint32_t(D * fk.bits) >> 3;
-      if (!k_codes) {
+  // ---- the query for this slab's K format ----
+  const bool k_codes = !cur.ring && fk.k_along_tokens();
+  const int lgk = k_codes ? log2i(fk.group) : 0;
+  const int key = k_codes ? cur.tok0 & ~(int(fk.group) - 1) : -1;
+  if (key != q_key) {
+    const uint32_t rbk = uint32_t(D * fk.bits) >> 3;
+    if (!k_codes) {
 #pragma unroll
-        for (int i = 0; i < D / 8; ++i) qb[i] = qh[i][lane];
-        cs.cz[0] = cs.cz[1] = 0.f;
-      } else if (k_st) {  // a chunk stage holds its token group's scales and zeros; a page stage, all groups
-        const uint8_t* ks = sk.k + rows * rbk + (page_stage ? uint32_t(sk.row0 >> lgk) * D * 2 : 0u);
-        fold_kivi<D>(ks, ks + (page_stage ? uint32_t(rows >> lgk) * D * 2 : uint32_t(D * 2)), fk.bits, qh, lane, t, qb, cs.cz);
-      } else {
-        const uint8_t* sc = cur.k + uint32_t(P) * rbk + uint32_t(cur.row0 >> lgk) * D * 2;
-        fold_kivi<D>(sc, sc + uint32_t(P >> lgk) * D * 2, fk.bits, qh, lane, t, qb, cs.cz);
-      }
-      q_key = key;
-    }
-    const int wnd = p.kv.window;
-    if (pair) {
-      float sc[8], rs[4] = {1.f, 1.f, 1.f, 1.f}, pv[8];
-      scores_staged<D, Cap, 2>(fk, sk, rows, wnd, g, t, qb, sc, rs, cur.valid);
-      softmax_tiles<D, 2>(sc, rs, p.scale_log2, cur.tok0, cur.valid, g, cs, pv);
-      values_staged<D, Cap, 2>(fv, sk, rows, wnd, g, t, pv, cur.valid, cs.acc);
+      for (int i = 0; i < D / 8; ++i) qb[i] = qh[i][lane];
+      cs.cz[0] = cs.cz[1] = 0.f;
+    } else if (k_st) {  // a chunk stage holds its token group's scales and zeros; a page stage, all groups
+      const uint8_t* ks = sk.k + rows * rbk + (page_stage ? uint32_t(sk.row0 >> lgk) * D * 2 : 0u);
+      fold_kivi<D>(ks, ks + (page_stage ? uint32_t(rows >> lgk) * D * 2 : uint32_t(D * 2)), fk.bits, qh, lane, t, qb, cs.cz);
     } else {
-      // ---- S^T = K Q^T ----
-      float sc[4] = {0.f, 0.f, 0.f, 0.f};
-      float rs[2] = {1.f, 1.f};  // fp8 keys: per-token scales of rows g, g+8
-      if (k_st) {
-        scores_staged<D, Cap, 1>(fk, sk, rows, wnd, g, t, qb, sc, rs, cur.valid);
-      } else if (fk.bits == 16) {  // the FP16 ring, a stray 16-bit page
-        scores_wide<D>(cur, fk.fam, g, t, wnd, qb, sc);
-      } else {  // a page wider than the stages (under a smaller `max_page_bits` hint)
-        k_raw<D, Cap> kr;
-        load_k<D, Cap, true>(cur, fk, P, wnd, g, t, kr);
-        uint32_t kg[D / 8], kg8[D / 8];
-        if (fk.bits == 8) k_frags<D, 8, Cap>(kr.w, fk.fam, kr.ps, kg, kg8);
-        else k_frags<D, 4, Cap>(kr.w, fk.fam, kr.ps, kg, kg8);  // (a 2-bit page is never wider)
-        scores_mma<D>(kg, kg8, qb, sc);
-        if (fk.fam == family::fp8_e4m3) {
-          const float2 r = fp8_scales(kr.ps[0], kr.ps[1], g, cur.valid);
-          rs[0] = r.x, rs[1] = r.y;
-        }
-      }
-      float pv[4];
-      softmax_tiles<D, 1>(sc, rs, p.scale_log2, cur.tok0, cur.valid, g, cs, pv);
-
-      // ---- O^T += V^T P^T ----
-      if (v_st) {
-        values_staged<D, Cap, 1>(fv, sk, rows, wnd, g, t, pv, cur.valid, cs.acc);
-      } else if (fv.bits == 16) {
-        uint32_t pb0, pb1;
-        p_frags(pv, pb0, pb1);
-        values_wide<D>(cur, fv.fam, g, t, wnd, pb0, pb1, cs.acc);
-      } else {  // a page wider than the stages
-        v_raw<D, Cap> vr;
-        load_v<D, Cap, true>(cur, fv, P, wnd, g, t, vr);
-        if (fv.fam == family::fp8_e4m3) {
-          const float2 v = fp8_scales(vr.s[0], vr.s[1], g, cur.valid);
-          pv[0] *= v.x, pv[1] *= v.x, pv[2] *= v.y, pv[3] *= v.y;
-        }
-        uint32_t pb0, pb1;
-        p_frags(pv, pb0, pb1);
-        values_slab<D, Cap>(vr, fv, cur.valid, t, pb0, pb1, cs.acc);
+      const uint8_t* sc = cur.k + uint32_t(P) * rbk + uint32_t(cur.row0 >> lgk) * D * 2;
+      fold_kivi<D>(sc, sc + uint32_t(P >> lgk) * D * 2, fk.bits, qh, lane, t, qb, cs.cz);
+    }
+    q_key = key;
+  }
+  const int wnd = p.kv.window;
+  if (pair) {
+    float sc[8], rs[4] = {1.f, 1.f, 1.f, 1.f}, pv[8];
+    scores_staged<D, Cap, 2>(fk, sk, rows, wnd, g, t, qb, sc, rs, cur.valid);
+    softmax_tiles<D, 2>(sc, rs, p.scale_log2, cur.tok0, cur.valid, g, cs, pv);
+    values_staged<D, Cap, 2>(fv, sk, rows, wnd, g, t, pv, cur.valid, cs.acc);
+  } else {
+    // ---- S^T = K Q^T ----
+    float sc[4] = {0.f, 0.f, 0.f, 0.f};
+    float rs[2] = {1.f, 1.f};  // fp8 keys: per-token scales of rows g, g+8
+    if (k_st) {
+      scores_staged<D, Cap, 1>(fk, sk, rows, wnd, g, t, qb, sc, rs, cur.valid);
+    } else if (fk.bits == 16) {  // the FP16 ring, a stray 16-bit page
+      scores_wide<D>(cur, fk.fam, g, t, wnd, qb, sc);
+    } else {  // a page wider than the stages (under a smaller `max_page_bits` hint)
+      k_raw<D, Cap> kr;
+      load_k<D, Cap, true>(cur, fk, P, wnd, g, t, kr);
+      uint32_t kg[D / 8], kg8[D / 8];
+      if (fk.bits == 8) k_frags<D, 8, Cap>(kr.w, fk.fam, kr.ps, kg, kg8);
+      else k_frags<D, 4, Cap>(kr.w, fk.fam, kr.ps, kg, kg8);  // (a 2-bit page is never wider)
+      scores_mma<D>(kg, kg8, qb, sc);
+      if (fk.fam == family::fp8_e4m3) {
+        const float2 r = fp8_scales(kr.ps[0], kr.ps[1], g, cur.valid);
+        rs[0] = r.x, rs[1] = r.y;
       }
     }
+    float pv[4];
+    softmax_tiles<D, 1>(sc, rs, p.scale_log2, cur.tok0, cur.valid, g, cs, pv);
+
+    // ---- O^T += V^T P^T ----
+    if (v_st) {
+      values_staged<D, Cap, 1>(fv, sk, rows, wnd, g, t, pv, cur.valid, cs.acc);
+    } else if (fv.bits == 16) {
+      uint32_t pb0, pb1;
+      p_frags(pv, pb0, pb1);
+      values_wide<D>(cur, fv.fam, g, t, wnd, pb0, pb1, cs.acc);
+    } else {  // a page wider than the stages
+      v_raw<D, Cap> vr;
+      load_v<D, Cap, true>(cur, fv, P, wnd, g, t, vr);
+      if (fv.fam == family::fp8_e4m3) {
+        const float2 v = fp8_scales(vr.s[0], vr.s[1], g, cur.valid);
+        pv[0] *= v.x, pv[1] *= v.x, pv[2] *= v.y, pv[3] *= v.y;
+      }
+      uint32_t pb0, pb1;
+      p_frags(pv, pb0, pb1);
+      values_slab<D, Cap>(vr, fv, cur.valid, t, pb0, pb1, cs.acc);
+    }
+  }
 }
 
-// Chunk: slabs per stage (p.chunk). The one-slab instance (8-bit layers) compiles no two-slab step:
-// with it, the 8-bit path measured 3-10 % slower (one register allocation for both).
-template <int D, int Chunk>
+// One slab per stage (layers of 8 bits; the block-staged kernel takes the narrower ones). With the
+// two-slab step compiled in, this path measured 3-10 % slower (one register allocation for both).
+template <int D>
 __global__ void __launch_bounds__(dec_warps * 32, staged_blocks) decode_kernel(const __grid_constant__ attend_params p) {
   constexpr int Cap = 8;
   extern __shared__ __align__(128) uint8_t dsm[];
@@ -1759,11 +1759,10 @@ __global__ void __launch_bounds__(dec_warps * 32, staged_blocks) decode_kernel(c
   uint8_t* stages = dsm + staged_head_bytes<D>;
   const int h = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const decode_item item = p.items[blockIdx.z];
-  const int ch = Chunk == 1 ? 1 : p.chunk;  // slabs per stage; warps' ranges start on a chunk
-  const slab_range rg = block_slabs(p, item, warp, ch);
+  const slab_range rg = block_slabs(p, item, warp, 1);
   if (rg.c0 >= rg.c1) return;
   const int P = p.kv.page_tokens, page_slabs = rg.page_slabs, s0 = rg.s0, s1 = rg.s1;
-  const int ns = p.stages, rows = slab * ch;
+  const int ns = p.stages, rows = slab;
   const uint32_t st_bytes = stage_bytes(D, p.stage_cap, rows), st_v = stage_k_bytes(D, p.stage_cap, rows);
   uint8_t* my_stages = stages + uint32_t(warp * ns) * st_bytes;
   const uint32_t my_stages_s = smem_addr(my_stages), my_bars = smem_addr(&sm.bar[warp][0]);
@@ -1780,10 +1779,10 @@ __global__ void __launch_bounds__(dec_warps * 32, staged_blocks) decode_kernel(c
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   __syncthreads();
 
-  // prologue: the first ns - 1 chunks of page slabs in flight
+  // prologue: the first ns - 1 page slabs in flight
   const int issue_end = min(s1, page_slabs);
   int issue_j = s0, issue_st = 0;
-  for (; issue_j < issue_end && issue_st < ns - 1; issue_j += ch, ++issue_st)
+  for (; issue_j < issue_end && issue_st < ns - 1; ++issue_j, ++issue_st)
     issue_chunk<D>(p, sm.pages, sm.sect, issue_j, rows, issue_j == s0, lane, my_stages_s + issue_st * st_bytes, my_bars + issue_st * 8);
   if (issue_st == ns) issue_st = 0;
 
@@ -1792,11 +1791,10 @@ __global__ void __launch_bounds__(dec_warps * 32, staged_blocks) decode_kernel(c
   int cur_st = 0, cur_e = -1;
   uint32_t phases = 0;  // bit s: parity of stage s's next phase
   format_traits pk{}, pv_fmt{};  // the current page's formats (kept across its slabs)
-  for (int j = s0; j < s1;) {
-    const int r_in = (j - s0) & (ch - 1);  // the slab's place in its chunk
-    if (r_in == 0 && issue_j < issue_end) {  // refill the stage the previous chunk freed
+  for (int j = s0; j < s1; ++j) {
+    if (issue_j < issue_end) {  // refill the stage the previous slab freed
       issue_chunk<D>(p, sm.pages, sm.sect, issue_j, rows, false, lane, my_stages_s + issue_st * st_bytes, my_bars + issue_st * 8);
-      issue_j += ch;
+      ++issue_j;
       if (++issue_st == ns) issue_st = 0;
     }
     slab_ref cur;
@@ -1809,29 +1807,22 @@ __global__ void __launch_bounds__(dec_warps * 32, staged_blocks) decode_kernel(c
       cur.v = cur.k + sm.pages.v_offset[e];
       cur.ring = false;
       cur.row0 = cur.tok0 & (P - 1);
-      if (r_in == 0) {
-        mbar_wait(my_bars + cur_st * 8, (phases >> cur_st) & 1u);
-        phases ^= 1u << cur_st;
-      }
+      mbar_wait(my_bars + cur_st * 8, (phases >> cur_st) & 1u);
+      phases ^= 1u << cur_st;
     } else {
       cur = locate_slab<D>(p, item, h, j, page_slabs, sm.pages);
     }
     const format_traits fk = cur.fk, fv = cur.fv;
     const uint8_t* st = my_stages + cur_st * st_bytes;
     const bool k_st = !cur.ring && fk.bits <= p.stage_cap, v_st = !cur.ring && fv.bits <= p.stage_cap;
-    // A whole staged chunk of two slabs is one step (one softmax update for 32 tokens); any other
-    // slab is a step of its own. (A chunk lies in one page and one KIVI key group.)
-    const bool pair = Chunk == 2 && r_in == 0 && j + 1 < s1 && j + 1 < page_slabs && k_st && v_st;
-    if (!cur.ring) cur.valid = min(pair ? 2 * slab : slab, item.from_pages - cur.tok0);
-    // the slab in its stage: a `rows`-row page whose row r_in * 16 is the slab's first
+    if (!cur.ring) cur.valid = min(slab, item.from_pages - cur.tok0);
+    // the slab in its stage: a 16-row page
     slab_ref sk = cur;
-    sk.k = st, sk.v = st + st_v, sk.row0 = slab * r_in;
+    sk.k = st, sk.v = st + st_v, sk.row0 = 0;
 
-    decode_step<D, Cap>(p, cur, sk, rows, false, k_st, v_st, pair, g, t, lane, sm.qh, qb, q_key, cs);
+    decode_step<D, Cap>(p, cur, sk, rows, false, k_st, v_st, false, g, t, lane, sm.qh, qb, q_key, cs);
     __syncwarp();  // every lane is done with this step's rows of the stage
-    const int n = pair ? 2 : 1;
-    if (!cur.ring && (r_in + n == ch || j + n == page_slabs) && ++cur_st == ns) cur_st = 0;
-    j += n;
+    if (!cur.ring && ++cur_st == ns) cur_st = 0;
   }
   __syncthreads();  // the merge area overlays every warp's stages (all their copies were waited for)
   write_partial<D>(p, *reinterpret_cast<merge_area<D>*>(stages), cs, s0 < s1, warp, g, t);
@@ -2012,6 +2003,7 @@ void plan_stages(const paged_view& kv, int max_bits, launch_plan& lp) {
       if (traits_of(format_id(f)).bits <= lp.stage_cap) kb = std::max(kb, kv.k_page_bytes[f]), vb = std::max(vb, kv.v_page_bytes[f]);
     const int ps = int((kb + vb + 127) / 128 * 128);
     if (ps > 0 && room / ps >= 3) lp.page_stage = uint32_t(ps), st = ps, ring = 1;
+    else lp.chunk = 1, st = int(stage_bytes(D, lp.stage_cap, slab));  // (no supported page size gets here)
   }
   lp.stages = std::clamp(room / (ring * st), 2, max_stages);
   const int cpp = kv.page_tokens / (2 * slab);  // page stages: ns x chunks per page a multiple of dec_warps
@@ -2084,7 +2076,7 @@ status launch_attend(const attend_params& p, const launch_plan& lp, int kv_heads
     if (lp.wide) {
       decode_wide_kernel<D><<<grid, dec_warps * 32, 0, st>>>(p);
     } else {
-      const auto kernel = lp.page_stage ? decode_paged_kernel<D> : lp.chunk == 2 ? decode_kernel<D, 2> : decode_kernel<D, 1>;
+      const auto kernel = lp.page_stage ? decode_paged_kernel<D> : decode_kernel<D>;
       KVQ_TRY(cuda_status(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, lp.smem), "cudaFuncSetAttribute"));
       kernel<<<grid, dec_warps * 32, lp.smem, st>>>(p);
     }
