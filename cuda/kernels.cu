@@ -1834,7 +1834,7 @@ __global__ void __launch_bounds__(dec_warps * 32, staged_blocks) decode_kernel(c
 // stages took six per 32 tokens (K and V codes, scales, zeros), each a loop over lanes in the
 // compiled code. Warp w takes the 32-token chunks w, w + 4, ... of the block's page slabs. Each
 // stage has a full barrier (the copy's bytes) and an empty one (the page's warps arrive when done
-// with it); the warp of a page's last chunk waits for the others (working on the same page at the
+// with it, every lane); the warp of a page's last chunk waits for the others (working on the same page at the
 // same time) and refills the stage with the page `stages` further on. The FP16 ring's slabs
 // follow, one per warp in turn. Pages wider than the stages are read from global memory.
 
@@ -1860,7 +1860,8 @@ __global__ void __launch_bounds__(dec_warps * 32, staged_blocks) decode_paged_ke
   extern __shared__ __align__(128) uint8_t dsm[];
   staged_head<D>& sm = *reinterpret_cast<staged_head<D>*>(dsm);
   uint8_t* stages = dsm + staged_head_bytes<D>;
-  const int h = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int h = blockIdx.y, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int warp = __shfl_sync(0xffffffffu, int(threadIdx.x) / 32, 0);  // (known warp-uniform: uniform registers)
   const decode_item item = p.items[blockIdx.z];
   const slab_range rg = block_slabs(p, item, 0, 1);  // (the block's range; warps interleave below)
   if (rg.c0 >= rg.c1) return;
@@ -1883,7 +1884,7 @@ __global__ void __launch_bounds__(dec_warps * 32, staged_blocks) decode_paged_ke
   if (warp == 0) {  // (a warp-uniform branch first: the init's loop over lanes must not run in other warps)
     if (lane < ns) {
       mbar_init(bars + lane * 8, 1);
-      mbar_init(bars_empty + lane * 8, uint32_t(cpp));
+      mbar_init(bars_empty + lane * 8, uint32_t(32 * cpp));
     }
   }
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -1922,7 +1923,7 @@ __global__ void __launch_bounds__(dec_warps * 32, staged_blocks) decode_paged_ke
     worked = true;
     __syncwarp();  // every lane is done with this chunk's rows of the stage
     if (e + ns < n_pages) {  // the page's warps release its stage; the warp of its last chunk refills it
-      if (lane == 0) mbar_arrive(bars_empty + st * 8);
+      mbar_arrive(bars_empty + st * 8);  // every lane: an arrive releases its own thread's reads only
       if (u == (e + 1) * cpp - 1) {  // (warp issuer(e))
         mbar_wait(bars_empty + st * 8, uint32_t(e / ns) & 1u);
         if (lane == 0) issue_page<D>(p, sm.pages, e + ns, stages_s + st * st_bytes, bars + st * 8);
@@ -1987,23 +1988,24 @@ struct launch_plan {
 // when at least 3 stages per warp fit with `staged_blocks` blocks per SM, else one slab; as many
 // stages as fit, 2 at least. cap: the bits a stage holds (the layer's widest format, rounded up to
 // 2/4/8).
-// Layers of two-slab chunks take the block-staged kernel (page stages shared by the block's warps)
-// when at least 3 page stages fit: a page-head of the largest K and V formats the stages hold.
+// A layer of at most 4 bits takes the block-staged kernel (page stages shared by the block's
+// warps) when at least 3 page stages fit, a page-head of the largest K and V formats the stages
+// hold each; other layers the per-warp staged kernel (one slab per stage). (8-bit layers on page
+// stages, 3 at page_tokens 64, failed with a launch error at 32K context: not understood yet.)
 template <int D>
 void plan_stages(const paged_view& kv, int max_bits, launch_plan& lp) {
   constexpr int sm_bytes = 227 * 1024, reserved = 1024;
   lp.stage_cap = max_bits <= 2 ? 2 : max_bits <= 4 ? 4 : 8;
   const int room = sm_bytes / staged_blocks - reserved - int(staged_head_bytes<D>);
-  lp.chunk = room / (dec_warps * int(stage_bytes(D, lp.stage_cap, 2 * slab))) >= 3 ? 2 : 1;
-  int st = int(stage_bytes(D, lp.stage_cap, slab * lp.chunk)), ring = dec_warps;  // rings of stages: one per warp, or one
-  lp.page_stage = 0;
-  if (lp.chunk == 2) {
-    uint32_t kb = 0, vb = 0;
-    for (int f = 0; f < int(format_count); ++f)
-      if (traits_of(format_id(f)).bits <= lp.stage_cap) kb = std::max(kb, kv.k_page_bytes[f]), vb = std::max(vb, kv.v_page_bytes[f]);
-    const int ps = int((kb + vb + 127) / 128 * 128);
-    if (ps > 0 && room / ps >= 3) lp.page_stage = uint32_t(ps), st = ps, ring = 1;
-    else lp.chunk = 1, st = int(stage_bytes(D, lp.stage_cap, slab));  // (no supported page size gets here)
+  uint32_t kb = 0, vb = 0;  // the largest K and V page-heads the stages hold
+  for (int f = 0; f < int(format_count); ++f)
+    if (traits_of(format_id(f)).bits <= lp.stage_cap) kb = std::max(kb, kv.k_page_bytes[f]), vb = std::max(vb, kv.v_page_bytes[f]);
+  const int ps = int((kb + vb + 127) / 128 * 128);
+  int st, ring;  // stage bytes; rings of stages (one per warp, or one per block)
+  if (lp.stage_cap <= 4 && ps > 0 && room / ps >= 3) {
+    lp.page_stage = uint32_t(ps), lp.chunk = 2, st = ps, ring = 1;
+  } else {
+    lp.page_stage = 0, lp.chunk = 1, st = int(stage_bytes(D, lp.stage_cap, slab)), ring = dec_warps;
   }
   lp.stages = std::clamp(room / (ring * st), 2, max_stages);
   const int cpp = kv.page_tokens / (2 * slab);  // page stages: ns x chunks per page a multiple of dec_warps
