@@ -59,7 +59,7 @@ struct attend_params {
   float scale_log2;
   int tiles_per_split, max_splits;
   int unit_tokens;  // tokens of a work unit: 64 (tile kernel) or 16 (decode kernel slabs)
-  int stages, stage_cap, chunk;  // staged decode kernel: stages per warp, code bits and slabs a stage holds
+  int stages, stage_cap, chunk;  // staged decode kernels: stages (per warp or per block), code bits, slabs per step (2: block-staged)
   uint32_t page_stage;           // block-staged decode kernel: bytes of a stage (a page-head's K and V), 0: not used
   float* ws_o;   // [partials][16][D]
   float* ws_ml;  // [partials][16][2]
@@ -1509,9 +1509,9 @@ constexpr int max_stages = 8;
 // measured 13-30 % slower.)
 constexpr int staged_blocks = 3;
 
-// A stage holds `rows` rows (16; the plan sizes 32-row stages to choose the block-staged kernel) of each role. Its room for one role: the
-// code rows of `cap` bits plus the largest parameter section (K: KIVI scales and zeros, 4 D bytes;
-// V: scale and zero rows, at most rows D / 8 bytes).
+// A per-warp stage holds `rows` rows (one slab: 16) of each role. Its room for one role: the code
+// rows of `cap` bits plus the largest parameter section (K: KIVI scales and zeros, 4 D bytes; V:
+// scale and zero rows, at most rows D / 8 bytes).
 __host__ __device__ constexpr uint32_t stage_k_bytes(int d, int cap, int rows) { return uint32_t(rows * d * cap / 8 + 4 * d); }
 __host__ __device__ constexpr uint32_t stage_bytes(int d, int cap, int rows) {
   return stage_k_bytes(d, cap, rows) + uint32_t(rows * d * cap / 8 + rows * d / 8);
@@ -1833,10 +1833,11 @@ __global__ void __launch_bounds__(dec_warps * 32, staged_blocks) decode_kernel(c
 // bulk copy per page (a page-head's K and V blocks are contiguous), where the per-warp chunk
 // stages took six per 32 tokens (K and V codes, scales, zeros), each a loop over lanes in the
 // compiled code. Warp w takes the 32-token chunks w, w + 4, ... of the block's page slabs. Each
-// stage has a full barrier (the copy's bytes) and an empty one (the page's warps arrive when done
-// with it, every lane); the warp of a page's last chunk waits for the others (working on the same page at the
-// same time) and refills the stage with the page `stages` further on. The FP16 ring's slabs
-// follow, one per warp in turn. Pages wider than the stages are read from global memory.
+// stage has a full barrier (the copy's bytes) and an empty one (every lane of the page's warps
+// arrives when done with it); the warp of a page's last chunk waits for the others (working on
+// the same page at the same time) and refills the stage with the page `stages` further on. The
+// FP16 ring's slabs follow, one per warp in turn. Pages wider than the stages are read from
+// global memory.
 
 // Issues the bulk copy of the block's page e (relative) into a page stage: the page-head's K and
 // V blocks, or the one of them whose format the stages hold, or nothing (the barrier still
