@@ -1879,8 +1879,9 @@ __global__ void __launch_bounds__(dec_warps * 32, staged_blocks) decode_paged_ke
 #pragma unroll
     for (int c = 0; c < D / 8; ++c) sm.qh[c][lane] = qb[c];
   }
-  // Stage s's full barrier is armed by one thread only: lane 0 of the warp of the last chunk of its
-  // pages (the same warp for all of them: ns x cpp is a multiple of dec_warps).
+  // Every page of stage s goes to the same warps (ns x cpp is a multiple of dec_warps: see
+  // plan_stages), so its full barrier is armed by one thread only, lane 0 of the warp of the
+  // pages' last chunk.
   const auto issuer = [&](int e) { return ((e + 1) * cpp - 1) % dec_warps; };
   if (warp == 0) {  // (a warp-uniform branch first: the init's loop over lanes must not run in other warps)
     if (lane < ns) {
@@ -1991,8 +1992,8 @@ struct launch_plan {
 // 2/4/8).
 // A layer of at most 4 bits takes the block-staged kernel (page stages shared by the block's
 // warps) when at least 3 page stages fit, a page-head of the largest K and V formats the stages
-// hold each; other layers the per-warp staged kernel (one slab per stage). (8-bit layers on page
-// stages, 3 at page_tokens 64, failed with a launch error at 32K context: not understood yet.)
+// hold each; other layers the per-warp staged kernel (one slab per stage). (8-bit page-heads, 18 KB
+// at page_tokens 64, leave room for 3 stages, and the block-staged ring needs an even count there.)
 template <int D>
 void plan_stages(const paged_view& kv, int max_bits, launch_plan& lp) {
   constexpr int sm_bytes = 227 * 1024, reserved = 1024;
@@ -2002,16 +2003,20 @@ void plan_stages(const paged_view& kv, int max_bits, launch_plan& lp) {
   for (int f = 0; f < int(format_count); ++f)
     if (traits_of(format_id(f)).bits <= lp.stage_cap) kb = std::max(kb, kv.k_page_bytes[f]), vb = std::max(vb, kv.v_page_bytes[f]);
   const int ps = int((kb + vb + 127) / 128 * 128);
+  // Page stages: ns x (chunks per page) must be a multiple of dec_warps, so that every page of a
+  // stage goes to the same warps, in order. Otherwise a warp could wait on a stage's next phase
+  // before another warp's page there has landed, and a parity wait cannot tell those phases apart
+  // (8-bit layers on 3 stages at page_tokens 64, 2 chunks per page, failed so at 32K context).
+  const int cpp = kv.page_tokens / (2 * slab);
+  int pns = ps > 0 ? std::min(room / ps, max_stages) : 0;
+  while (pns > 0 && (pns * cpp) % dec_warps) --pns;
   int st, ring;  // stage bytes; rings of stages (one per warp, or one per block)
-  if (lp.stage_cap <= 4 && ps > 0 && room / ps >= 3) {
-    lp.page_stage = uint32_t(ps), lp.chunk = 2, st = ps, ring = 1;
+  if (lp.stage_cap <= 4 && pns >= 3) {
+    lp.page_stage = uint32_t(ps), lp.chunk = 2, st = ps, ring = 1, lp.stages = pns;
   } else {
     lp.page_stage = 0, lp.chunk = 1, st = int(stage_bytes(D, lp.stage_cap, slab)), ring = dec_warps;
+    lp.stages = std::clamp(room / (ring * st), 2, max_stages);
   }
-  lp.stages = std::clamp(room / (ring * st), 2, max_stages);
-  const int cpp = kv.page_tokens / (2 * slab);  // page stages: ns x chunks per page a multiple of dec_warps
-  if (lp.page_stage)
-    while ((lp.stages * cpp) % dec_warps) --lp.stages;
   lp.smem = int(staged_head_bytes<D>) + std::max(ring * lp.stages * st, int(sizeof(merge_area<D>)));
   lp.per_sm = std::min(staged_blocks, sm_bytes / (lp.smem + reserved));
 }
