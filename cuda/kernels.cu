@@ -2104,8 +2104,8 @@ status attend_can_implement(const attend_args& a) {
   const auto& kv = a.kv;
   if (kv.head_dim != 64 && kv.head_dim != 128)
     return {errc::unsupported, msg("CUDA attention supports head_dim 64 and 128, not ", kv.head_dim)};
-  if (kv.page_tokens % tile_tokens != 0)
-    return {errc::unsupported, msg("CUDA attention needs page_tokens a multiple of 64, not ", kv.page_tokens)};
+  if (kv.page_tokens % tile_tokens != 0 || (kv.page_tokens & (kv.page_tokens - 1)) != 0)
+    return {errc::unsupported, msg("CUDA attention needs page_tokens a power of two and a multiple of 64, not ", kv.page_tokens)};
   if (kv.kv_heads <= 0 || kv.kv_heads > max_kv_heads || a.q_heads % kv.kv_heads != 0 || a.q_heads / kv.kv_heads > 16)
     return {errc::unsupported, msg("CUDA attention supports kv_heads <= ", max_kv_heads, " and a GQA group of at most 16; got ",
                                    a.q_heads, " query heads over ", kv.kv_heads, " kv heads")};
@@ -2116,6 +2116,25 @@ status attend_can_implement(const attend_args& a) {
       return {errc::invalid_argument, msg("attend: inconsistent item (slot ", it.slot, ", q_len ", it.q_len, ", n ", it.n,
                                           ", from_pages ", it.from_pages, ")")};
   return {};
+}
+
+result<attend_plan_info> attend_plan(const attend_args& a) {
+  KVQ_TRY(attend_can_implement(a));
+  const launch_plan lp = plan_for(a);
+  attend_plan_info info;
+  info.max_splits = lp.max_splits;
+  info.tokens_per_split = lp.tiles_per_split * lp.unit;
+  if (!lp.decode) return info;
+  if (lp.wide) {
+    info.kernel = attend_kernel::decode_wide;
+    return info;
+  }
+  info.kernel = lp.page_stage ? attend_kernel::decode_block_staged : attend_kernel::decode_staged;
+  info.stages = lp.stages;
+  info.stage_bytes = lp.page_stage ? lp.page_stage : stage_bytes(a.kv.head_dim, lp.stage_cap, slab);
+  info.smem_bytes = lp.smem;
+  info.blocks_per_sm = lp.per_sm;
+  return info;
 }
 
 size_t attend_workspace_bytes(const attend_args& a) {

@@ -14,9 +14,10 @@
 /// - windows: per sequence, [layers][kv_heads][2][window][head_dim] fp16 rings at
 ///   `window_unit * 256`; token j lives in slot j % window.
 ///
-/// Supported: head_dim 64 or 128, page_tokens 64 or 128, q_heads / kv_heads <= 16, any mix of
-/// formats per page. Launches take the caller's stream, allocate nothing and never synchronize,
-/// so they can be captured in a CUDA graph (batch descriptors travel as kernel parameters).
+/// Supported: head_dim 64 or 128, page_tokens a power of two of at least 64 (64 and 128 tested),
+/// q_heads / kv_heads <= 16, any mix of formats per page. Launches take the caller's stream,
+/// allocate nothing and never synchronize, so they can be captured in a CUDA graph (batch
+/// descriptors travel as kernel parameters).
 
 #include <kvq/config.hpp>
 #include <kvq/format/format.hpp>
@@ -84,6 +85,29 @@ struct attend_args {
 
 /// Checks that the arguments are supported; the message names what is not.
 KVQ_EXPORT status attend_can_implement(const attend_args& a);
+
+/// The attention kernel a call runs (see `attend_plan`).
+enum class attend_kernel {
+  tile,                 ///< more than 8 query rows per kv head (extend, large speculative steps)
+  decode_wide,          ///< decode, a layer that may hold 16-bit pages (`max_page_bits` > 8)
+  decode_staged,        ///< decode, pages of at most 8 bits: per-warp stages of one 16-token slab
+  decode_block_staged,  ///< decode, pages of at most 4 bits: whole pages in stages shared by a block
+};
+/// How `attend_run` runs a call, seen from the host (no device work): the kernel, its stages and
+/// shared memory, and how each sequence splits across thread blocks. For engines that size or log
+/// their launches, and for tests of the plan's rules. (A batch longer than the launch limit is run
+/// in parts planned the same way.)
+struct attend_plan_info {
+  attend_kernel kernel = attend_kernel::tile;
+  int stages = 0;            ///< staged kernels: stages per warp (staged) or per block (block-staged)
+  uint32_t stage_bytes = 0;  ///< staged kernels: bytes of one stage
+  int smem_bytes = 0;        ///< staged kernels: dynamic shared memory per thread block
+  int blocks_per_sm = 0;     ///< staged kernels: resident thread blocks per SM
+  int max_splits = 0;        ///< thread blocks per (sequence, kv head), at most
+  int tokens_per_split = 0;  ///< tokens each of them reads, at most
+};
+/// The plan of a call with supported arguments (`attend_can_implement`), or why they are not.
+KVQ_EXPORT result<attend_plan_info> attend_plan(const attend_args& a);
 /// Device workspace the call needs (partial results of the split sequence).
 KVQ_EXPORT size_t attend_workspace_bytes(const attend_args& a);
 /// Runs decode/extend attention on `stream`; `workspace` holds `attend_workspace_bytes(a)`.

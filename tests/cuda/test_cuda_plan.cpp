@@ -1,0 +1,97 @@
+// The attention launch plan (`cuda::attend_plan`), checked on the host: no CUDA device needed, so
+// CI runs it. Which kernel each layer gets, and the block-staged ring's rule: every page of a
+// stage goes to the same warps (stages x 32-token chunks per page a multiple of the block's 4
+// warps). A ring that broke the rule (8-bit pages on 3 stages at page_tokens 64) let one warp
+// pair's parity wait pass before another pair's page had landed in the stage.
+#define CATCH_CONFIG_MAIN
+#include <catch2/catch.hpp>
+
+#include <kvq/cuda/paged_attention.hpp>
+#include <kvq/format/format.hpp>
+
+#include <vector>
+
+using namespace kvq;
+
+namespace {
+
+cuda::paged_view view(int head_dim, int page_tokens) {
+  cuda::paged_view kv;
+  kv.layers = 1;
+  kv.kv_heads = 8;
+  kv.head_dim = head_dim;
+  kv.page_tokens = page_tokens;
+  kv.window = 2 * page_tokens;
+  kv.max_pages = 4096;
+  for (size_t f = 0; f < format_count; ++f) {
+    const auto t = traits_of(format_id(f));
+    if (check_shape(format_id(f), role::k, page_tokens, head_dim).ok())
+      kv.k_page_bytes[f] = layout_of(t, role::k, page_tokens, head_dim).total();
+    if (check_shape(format_id(f), role::v, page_tokens, head_dim).ok())
+      kv.v_page_bytes[f] = layout_of(t, role::v, page_tokens, head_dim).total();
+  }
+  return kv;
+}
+
+// A decode batch: `batch` sequences of `n` tokens, one query each (GQA 4).
+cuda::attend_plan_info plan(int head_dim, int page_tokens, int max_bits, int batch, int n, int q_len = 1) {
+  std::vector<cuda::decode_item> items;
+  const int ring = page_tokens / 2;  // tokens not yet in pages
+  for (int i = 0; i < batch; ++i) items.push_back({i, q_len, n, n - ring, 0, i * q_len});
+  cuda::attend_args a;
+  a.kv = view(head_dim, page_tokens);
+  a.q_heads = 32;
+  a.items = items;
+  a.max_page_bits = max_bits;
+  return cuda::attend_plan(a).value_or_throw();
+}
+
+}  // namespace
+
+TEST_CASE("attention plan: the kernel follows the layer's widest page", "[cuda][plan]") {
+  CHECK(plan(128, 64, 16, 8, 32768).kernel == cuda::attend_kernel::decode_wide);
+  CHECK(plan(128, 64, 8, 8, 32768).kernel == cuda::attend_kernel::decode_staged);
+  CHECK(plan(128, 64, 4, 8, 32768).kernel == cuda::attend_kernel::decode_block_staged);
+  CHECK(plan(128, 64, 2, 8, 32768).kernel == cuda::attend_kernel::decode_block_staged);
+  CHECK(plan(128, 128, 4, 1, 131072).kernel == cuda::attend_kernel::decode_block_staged);
+  // more than 8 query rows per kv head: the tile kernel
+  CHECK(plan(128, 64, 4, 2, 4096, 4).kernel == cuda::attend_kernel::tile);
+}
+
+TEST_CASE("attention plan: block-staged rings send every page of a stage to the same warps", "[cuda][plan]") {
+  for (int d : {64, 128})
+    for (int P : {64, 128, 256})
+      for (int bits : {2, 4, 8, 16})
+        for (int n : {1000, 32768, 131072}) {
+          CAPTURE(d, P, bits, n);
+          const auto info = plan(d, P, bits, 8, n);
+          if (info.kernel != cuda::attend_kernel::decode_block_staged) continue;
+          CHECK(bits <= 4);
+          CHECK(info.stages >= 3);
+          CHECK((info.stages * (P / 32)) % 4 == 0);
+          CHECK(info.stage_bytes % 128 == 0);
+          CHECK(int64_t(info.stages) * info.stage_bytes <= info.smem_bytes);
+          CHECK(info.smem_bytes <= 227 * 1024);
+          CHECK(info.blocks_per_sm == 3);
+          CHECK(info.tokens_per_split % 128 == 0);  // whole 32-token chunks of every warp, whole pages
+        }
+  // the measured shapes (docs/results/decode_h200.md): 6 stages of a kivi4 page-head at 64 tokens
+  const auto p64 = plan(128, 64, 4, 8, 32768);
+  CHECK(p64.stages == 6);
+  CHECK(p64.stage_bytes == 10240);
+  CHECK(plan(128, 128, 4, 8, 32768).stages == 3);
+  // 8-bit pages: one 18 KB page-head leaves room for 3 stages, too few for the rule: per-warp stages
+  CHECK(plan(128, 64, 8, 8, 32768).kernel == cuda::attend_kernel::decode_staged);
+}
+
+TEST_CASE("attention plan: unsupported page sizes are refused with the reason", "[cuda][plan]") {
+  std::vector<cuda::decode_item> items{{0, 1, 1000, 904, 0, 0}};
+  cuda::attend_args a;
+  a.kv = view(128, 192);
+  a.q_heads = 32;
+  a.items = items;
+  const auto r = cuda::attend_plan(a);
+  REQUIRE_FALSE(r.ok());
+  CHECK(r.error().code() == errc::unsupported);
+  CHECK_THAT(std::string(r.error().message()), Catch::Contains("page_tokens") && Catch::Contains("192"));
+}
