@@ -1,11 +1,13 @@
 #pragma once
-// Helpers shared by the GPU test files: a device buffer, a synchronous upload, random fp16 data,
-// NMSE.
+// Helpers shared by the GPU test files (and the host-only plan test): a device buffer, a
+// synchronous upload, random fp16 data, NMSE, the page bytes of every format.
+#include <kvq/format/format.hpp>
 #include <kvq/format/numeric.hpp>
 
 #include <catch2/catch.hpp>
 #include <cuda_runtime.h>
 
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <random>
@@ -21,6 +23,16 @@ struct dev_mem {
   dev_mem& operator=(const dev_mem&) = delete;
   ~dev_mem() { cudaFree(p); }
 };
+
+// Page bytes of every format in role `r` at this page shape, 0 where the format does not fit it:
+// what `cuda::paged_view::k_page_bytes` / `v_page_bytes` hold.
+inline std::array<uint32_t, format_count> page_bytes(role r, int page_tokens, int head_dim) {
+  std::array<uint32_t, format_count> b{};
+  for (size_t f = 0; f < format_count; ++f)
+    if (check_shape(format_id(f), r, page_tokens, head_dim).ok())
+      b[f] = layout_of(traits_of(format_id(f)), r, page_tokens, head_dim).total();
+  return b;
+}
 
 // Host to device, synchronous (legacy stream).
 template <class T>

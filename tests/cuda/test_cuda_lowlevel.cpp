@@ -44,11 +44,8 @@ format_id page_format(int pg, int h, role r) {
 arena_on_host build(std::mt19937& rng, int P) {
   const int n_all = pages * P + ring_tokens;
   arena_on_host a;
-  for (size_t f = 0; f < format_count; ++f) {
-    const auto t = traits_of(format_id(f));
-    if (check_shape(format_id(f), role::k, P, d).ok()) a.k_bytes[f] = layout_of(t, role::k, P, d).total();
-    if (check_shape(format_id(f), role::v, P, d).ok()) a.v_bytes[f] = layout_of(t, role::v, P, d).total();
-  }
+  a.k_bytes = page_bytes(role::k, P, d);
+  a.v_bytes = page_bytes(role::v, P, d);
   a.k.assign(size_t(n_all) * kv_heads * d, 0.f);
   a.v.assign(a.k.size(), 0.f);
   for (int pg = 0; pg < pages; ++pg) {

@@ -6,12 +6,14 @@
 #define CATCH_CONFIG_MAIN
 #include <catch2/catch.hpp>
 
+#include "gpu_test.hpp"
+
 #include <kvq/cuda/paged_attention.hpp>
-#include <kvq/format/format.hpp>
 
 #include <vector>
 
 using namespace kvq;
+using kvq::gpu_test::page_bytes;
 
 namespace {
 
@@ -23,13 +25,8 @@ cuda::paged_view view(int head_dim, int page_tokens) {
   kv.page_tokens = page_tokens;
   kv.window = 2 * page_tokens;
   kv.max_pages = 4096;
-  for (size_t f = 0; f < format_count; ++f) {
-    const auto t = traits_of(format_id(f));
-    if (check_shape(format_id(f), role::k, page_tokens, head_dim).ok())
-      kv.k_page_bytes[f] = layout_of(t, role::k, page_tokens, head_dim).total();
-    if (check_shape(format_id(f), role::v, page_tokens, head_dim).ok())
-      kv.v_page_bytes[f] = layout_of(t, role::v, page_tokens, head_dim).total();
-  }
+  kv.k_page_bytes = page_bytes(role::k, page_tokens, head_dim);
+  kv.v_page_bytes = page_bytes(role::v, page_tokens, head_dim);
   return kv;
 }
 
