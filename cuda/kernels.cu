@@ -25,6 +25,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 
 KVQ_NAMESPACE_BEGIN
 namespace cuda {
@@ -59,7 +60,7 @@ struct attend_params {
   float scale_log2;
   int tiles_per_split, max_splits;
   int unit_tokens;  // tokens of a work unit: 64 (tile kernel) or 16 (decode kernel slabs)
-  int stages, stage_cap, chunk;  // staged decode kernels: stages (per warp or per block), code bits, slabs per step (2: block-staged)
+  int stages, stage_cap;  // staged decode kernels: stages (per warp or per block), code bits
   uint32_t page_stage;           // block-staged decode kernel: bytes of a stage (a page-head's K and V), 0: not used
   float* ws_o;   // [partials][16][D]
   float* ws_ml;  // [partials][16][2]
@@ -1344,17 +1345,18 @@ __device__ __forceinline__ void write_partial(const attend_params& p, merge_area
   }
 }
 
-// The block's slab range and this warp's part of it (whole chunks of `chunk` slabs).
+// The block's slab range and this warp's part of it (whole slabs; the block-staged kernel deals
+// its 32-token chunks itself).
 struct slab_range {
   int page_slabs, c0, c1, s0, s1;
 };
-__device__ __forceinline__ slab_range block_slabs(const attend_params& p, const decode_item& item, int warp, int chunk) {
+__device__ __forceinline__ slab_range block_slabs(const attend_params& p, const decode_item& item, int warp) {
   slab_range r;
   r.page_slabs = ceil_div(item.from_pages, slab);
   const int S = r.page_slabs + ceil_div(item.n - item.from_pages, slab);
-  r.c0 = blockIdx.x * p.tiles_per_split;  // a multiple of dec_warps * chunk
+  r.c0 = blockIdx.x * p.tiles_per_split;  // a multiple of dec_warps (x 2: block-staged)
   r.c1 = min(S, r.c0 + p.tiles_per_split);
-  const int per_warp = ceil_div(r.c1 - r.c0, dec_warps * chunk) * chunk;
+  const int per_warp = ceil_div(r.c1 - r.c0, dec_warps);
   r.s0 = r.c0 + warp * per_warp;
   r.s1 = min(r.c1, r.s0 + per_warp);
   return r;
@@ -1369,7 +1371,7 @@ __global__ void __launch_bounds__(dec_warps * 32, 2) decode_wide_kernel(const __
   __shared__ decode_smem<D> sm;
   const int h = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const decode_item item = p.items[blockIdx.z];
-  const slab_range rg = block_slabs(p, item, warp, 1);
+  const slab_range rg = block_slabs(p, item, warp);
   if (rg.c0 >= rg.c1) return;
   const int P = p.kv.page_tokens, page_slabs = rg.page_slabs, s0 = rg.s0, s1 = rg.s1;
   fill_page_table<D>(p, item, h, rg.c0, rg.c1, page_slabs, sm.pages);
@@ -1550,6 +1552,19 @@ struct staged_head {
 };
 template <int D>
 constexpr uint32_t staged_head_bytes = (sizeof(staged_head<D>) + 127) / 128 * 128;
+
+// The staged kernels' common start: the block's page lookups, this lane's query fragments, and
+// the fp16 query pairs in shared memory (for KIVI re-scaling; warp 0 stores them).
+template <int D>
+__device__ __forceinline__ void staged_start(const attend_params& p, const decode_item& item, int h, const slab_range& rg,
+                                             int warp, int g, int t, int lane, staged_head<D>& sm, uint32_t (&qb)[D / 8]) {
+  fill_page_table<D>(p, item, h, rg.c0, rg.c1, rg.page_slabs, sm.pages);
+  load_query<D>(p, item, h, g, t, qb);
+  if (warp == 0) {
+#pragma unroll
+    for (int c = 0; c < D / 8; ++c) sm.qh[c][lane] = qb[c];
+  }
+}
 
 // Issues the bulk copies of the chunk of `rows` page rows that starts at slab j into a stage (lane
 // l < 6 copies one section: K codes, K scales, K zeros, V codes, V scales, V zeros, as described by
@@ -1759,20 +1774,15 @@ __global__ void __launch_bounds__(dec_warps * 32, staged_blocks) decode_kernel(c
   uint8_t* stages = dsm + staged_head_bytes<D>;
   const int h = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const decode_item item = p.items[blockIdx.z];
-  const slab_range rg = block_slabs(p, item, warp, 1);
+  const slab_range rg = block_slabs(p, item, warp);
   if (rg.c0 >= rg.c1) return;
   const int P = p.kv.page_tokens, page_slabs = rg.page_slabs, s0 = rg.s0, s1 = rg.s1;
   const int ns = p.stages, rows = slab;
   const uint32_t st_bytes = stage_bytes(D, p.stage_cap, rows), st_v = stage_k_bytes(D, p.stage_cap, rows);
   uint8_t* my_stages = stages + uint32_t(warp * ns) * st_bytes;
   const uint32_t my_stages_s = smem_addr(my_stages), my_bars = smem_addr(&sm.bar[warp][0]);
-  fill_page_table<D>(p, item, h, rg.c0, rg.c1, page_slabs, sm.pages);
   uint32_t qb[D / 8];
-  load_query<D>(p, item, h, g, t, qb);
-  if (warp == 0) {
-#pragma unroll
-    for (int c = 0; c < D / 8; ++c) sm.qh[c][lane] = qb[c];
-  }
+  staged_start<D>(p, item, h, rg, warp, g, t, lane, sm, qb);
   for (int i = threadIdx.x; i < int(format_count) * 6; i += dec_warps * 32)
     sm.sect[i / 6][i / 3 % 2][i % 3] = chunk_section(format_id(i / 6), i / 3 % 2, i % 3, D, P, rows, p.stage_cap);
   if (lane < ns) mbar_init(my_bars + lane * 8, 1);
@@ -1864,7 +1874,7 @@ __global__ void __launch_bounds__(dec_warps * 32, staged_blocks) decode_paged_ke
   const int h = blockIdx.y, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int warp = __shfl_sync(0xffffffffu, int(threadIdx.x) / 32, 0);  // (known warp-uniform: uniform registers)
   const decode_item item = p.items[blockIdx.z];
-  const slab_range rg = block_slabs(p, item, 0, 1);  // (the block's range; warps interleave below)
+  const slab_range rg = block_slabs(p, item, 0);  // (the block's range; warps interleave below)
   if (rg.c0 >= rg.c1) return;
   const int P = p.kv.page_tokens, page_slabs = rg.page_slabs, c0 = rg.c0;  // c0: on a page boundary
   const int pc_end = max(c0, min(rg.c1, page_slabs));  // the block's page slabs: [c0, pc_end)
@@ -1872,17 +1882,13 @@ __global__ void __launch_bounds__(dec_warps * 32, staged_blocks) decode_paged_ke
   const int ns = p.stages;
   const uint32_t st_bytes = p.page_stage, stages_s = smem_addr(stages);
   const uint32_t bars = smem_addr(&sm.bar[0][0]), bars_empty = smem_addr(&sm.bar[1][0]);  // full, empty (per stage)
-  fill_page_table<D>(p, item, h, rg.c0, rg.c1, page_slabs, sm.pages);
   uint32_t qb[D / 8];
-  load_query<D>(p, item, h, g, t, qb);
-  if (warp == 0) {
-#pragma unroll
-    for (int c = 0; c < D / 8; ++c) sm.qh[c][lane] = qb[c];
-  }
+  staged_start<D>(p, item, h, rg, warp, g, t, lane, sm, qb);
   // Every page of stage s goes to the same warps (ns x cpp is a multiple of dec_warps: see
   // plan_stages), so its full barrier is armed by one thread only, lane 0 of the warp of the
   // pages' last chunk.
-  const auto issuer = [&](int e) { return ((e + 1) * cpp - 1) % dec_warps; };
+  const auto last_chunk = [&](int e) { return (e + 1) * cpp - 1; };
+  const auto issuer = [&](int e) { return last_chunk(e) % dec_warps; };
   if (warp == 0) {  // (a warp-uniform branch first: the init's loop over lanes must not run in other warps)
     if (lane < ns) {
       mbar_init(bars + lane * 8, 1);
@@ -1926,7 +1932,7 @@ __global__ void __launch_bounds__(dec_warps * 32, staged_blocks) decode_paged_ke
     __syncwarp();  // every lane is done with this chunk's rows of the stage
     if (e + ns < n_pages) {  // the page's warps release its stage; the warp of its last chunk refills it
       mbar_arrive(bars_empty + st * 8);  // every lane: an arrive releases its own thread's reads only
-      if (u == (e + 1) * cpp - 1) {  // (warp issuer(e))
+      if (u == last_chunk(e)) {  // (in warp issuer(e))
         mbar_wait(bars_empty + st * 8, uint32_t(e / ns) & 1u);
         if (lane == 0) issue_page<D>(p, sm.pages, e + ns, stages_s + st * st_bytes, bars + st * 8);
       }
@@ -1960,20 +1966,41 @@ __global__ void __launch_bounds__(threads) merge_kernel(const __grid_constant__ 
   const int T = ceil_div(item.from_pages, p.unit_tokens) + ceil_div(item.n - item.from_pages, p.unit_tokens);
   const int splits = ceil_div(T, p.tiles_per_split);
   const size_t part0 = ((size_t(blockIdx.x) * p.kv.kv_heads + h) * p.mtiles + mt) * p.max_splits;
-  for (int idx = threadIdx.x; idx < 16 * D; idx += threads) {
-    const int r = idx / D, c = idx % D, mm = mt * 16 + r;
-    if (mm >= rows_used) continue;
+  // One warp per row: the lanes take the splits' maxima and sums 32 at a time, then D / 32
+  // channels each over all splits, with the split weights passed by shuffle. (A thread per
+  // output element walked the splits one dependent load at a time: at 1 x 128K, 49 splits, the
+  // merge took a third of the step.)
+  constexpr int per_lane = D / 32;
+  using vec = std::conditional_t<per_lane == 4, float4, float2>;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int r = warp; r < 16 && mt * 16 + r < rows_used; r += threads / 32) {
+    const float* ml = p.ws_ml + (part0 * 16 + r) * 2;  // split s: ml[s * 32], ml[s * 32 + 1]
     float m = -INFINITY;
-    for (int s = 0; s < splits; ++s) m = fmaxf(m, p.ws_ml[((part0 + s) * 16 + r) * 2]);
-    float o = 0.f, l = 0.f;
-    for (int s = 0; s < splits; ++s) {
-      const float ms = p.ws_ml[((part0 + s) * 16 + r) * 2];
+    for (int s = lane; s < splits; s += 32) m = fmaxf(m, ml[size_t(s) * 32]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    float l = 0.f, acc[per_lane] = {};
+    const float* wo = p.ws_o + (part0 * 16 + r) * D + lane * per_lane;  // split s: wo[s * 16 * D]
+    for (int s0 = 0; s0 < splits; s0 += 32) {
+      const int s = s0 + lane;
+      const float ms = s < splits ? ml[size_t(s) * 32] : -INFINITY;
       const float f = ms == -INFINITY ? 0.f : exp2f(ms - m);
-      o += f * p.ws_o[(part0 + s) * 16 * D + idx];
-      l += f * p.ws_ml[((part0 + s) * 16 + r) * 2 + 1];
+      if (s < splits) l += f * ml[size_t(s) * 32 + 1];
+      const int n = min(32, splits - s0);
+#pragma unroll 4
+      for (int j = 0; j < n; ++j) {
+        const float fj = __shfl_sync(0xffffffffu, f, j);
+        const vec x = *reinterpret_cast<const vec*>(wo + size_t(s0 + j) * 16 * D);
+        acc[0] += fj * x.x, acc[1] += fj * x.y;
+        if constexpr (per_lane == 4) acc[2] += fj * x.z, acc[3] += fj * x.w;
+      }
     }
-    const int i = mm / p.group, qh = h * p.group + mm % p.group;
-    store_any(p.o, p.o_type, int64_t(item.q_row + i) * p.o_stride + int64_t(qh) * D + c, o / l);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
+    const int mm = mt * 16 + r, i = mm / p.group, qh = h * p.group + mm % p.group;
+    const int64_t out = int64_t(item.q_row + i) * p.o_stride + int64_t(qh) * D + lane * per_lane;
+#pragma unroll
+    for (int c = 0; c < per_lane; ++c) store_any(p.o, p.o_type, out + c, acc[c] / l);
   }
 }
 
@@ -1982,7 +2009,7 @@ struct launch_plan {
   bool decode;  // group x q_len <= 8: the warp-split decode kernel
   bool wide;    // decode: some page may hold a 16-bit format (registers for 16-bit prefetch)
   int unit, mtiles, tiles_per_split, max_splits, max_tiles;
-  int stages, stage_cap, chunk, smem, per_sm;  // the staged decode kernel's stages and occupancy
+  int stages, stage_cap, smem, per_sm;  // the staged decode kernel's stages and occupancy
   uint32_t page_stage;                         // > 0: the block-staged kernel, bytes of a page stage
 };
 
@@ -2012,9 +2039,9 @@ void plan_stages(const paged_view& kv, int max_bits, launch_plan& lp) {
   while (pns > 0 && (pns * cpp) % dec_warps) --pns;
   int st, ring;  // stage bytes; rings of stages (one per warp, or one per block)
   if (lp.stage_cap <= 4 && pns >= 3) {
-    lp.page_stage = uint32_t(ps), lp.chunk = 2, st = ps, ring = 1, lp.stages = pns;
+    lp.page_stage = uint32_t(ps), st = ps, ring = 1, lp.stages = pns;
   } else {
-    lp.page_stage = 0, lp.chunk = 1, st = int(stage_bytes(D, lp.stage_cap, slab)), ring = dec_warps;
+    lp.page_stage = 0, st = int(stage_bytes(D, lp.stage_cap, slab)), ring = dec_warps;
     lp.stages = std::clamp(room / (ring * st), 2, max_stages);
   }
   lp.smem = int(staged_head_bytes<D>) + std::max(ring * lp.stages * st, int(sizeof(merge_area<D>)));
@@ -2060,7 +2087,7 @@ launch_plan plan_for(const attend_args& a) {
       if (cost < best_cost) best_cost = cost, best = sp;
     }
     lp.mtiles = 1;
-    const int quantum = dec_warps * (lp.wide ? 1 : lp.chunk);  // whole chunks per warp
+    const int quantum = dec_warps * (lp.page_stage ? 2 : 1);  // whole slabs (block-staged: 32-token chunks) per warp
     lp.tiles_per_split = ceil_div(ceil_div(lp.max_tiles, best), quantum) * quantum;
     lp.max_splits = ceil_div(lp.max_tiles, lp.tiles_per_split);
     (void)total;
@@ -2179,7 +2206,6 @@ status attend_run(const attend_args& a, void* workspace, size_t workspace_bytes,
     p.unit_tokens = lp.unit;
     p.stages = lp.stages;
     p.stage_cap = lp.stage_cap;
-    p.chunk = lp.chunk;
     p.page_stage = lp.page_stage;
     if (a.kv.head_dim == 128)
       KVQ_TRY(launch_attend<128>(p, lp, a.kv.kv_heads, int(sub.items.size()), st));
