@@ -7,7 +7,9 @@ usage: report_decode.py bench.json peer.csv > table.md
 
 A second table lists the append-step benchmarks (one token appended to each of 64 sequences by one
 append_batch call and by 64 append calls, against the same batch's attention, all timed in the
-same process).
+same process): the append_batch call from an idle GPU (host work, launch latency and kernels
+inside the events) and queued behind the step's attention (the host ahead of the GPU, as in an
+engine's decode loop: the events enclose the device work).
 """
 import csv
 import json
@@ -37,9 +39,12 @@ for b in bench["benchmarks"]:
 steps = [b for b in bench["benchmarks"] if b["name"].startswith("append_step/")]
 if steps:
     print()
-    print("| format | B | context | append_batch µs | attention µs | append_batch / attention | B append calls µs | B calls / attention |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| format | B | context | append_batch µs (idle GPU) | append_batch µs (behind attention) | attention µs | "
+          "idle / attention | behind / attention | B append calls µs | B calls / attention |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for b in steps:
         m = re.match(r"append_step/(.+)/B(\d+)/L(\d+)/", b["name"])
-        print(f"| {m.group(1)} | {m.group(2)} | {m.group(3)} | {b['append_us']:.1f} | {b['attend_us']:.1f} | "
-              f"{b['append_frac']:.3f} | {b.get('append_each_us', float('nan')):.1f} | {b.get('append_each_frac', float('nan')):.3f} |")
+        nan = float("nan")
+        print(f"| {m.group(1)} | {m.group(2)} | {m.group(3)} | {b['append_us']:.1f} | {b.get('append_busy_us', nan):.1f} | "
+              f"{b['attend_us']:.1f} | {b['append_frac']:.3f} | {b.get('append_busy_frac', nan):.3f} | "
+              f"{b.get('append_each_us', nan):.1f} | {b.get('append_each_frac', nan):.3f} |")

@@ -1947,15 +1947,26 @@ __global__ void __launch_bounds__(dec_warps * 32, staged_blocks) decode_paged_ke
   write_partial<D>(p, *reinterpret_cast<merge_area<D>*>(stages), cs, worked, warp, g, t);
 }
 
+// The split merge: one block per output row (blockIdx.z: the row within its 16-row m-tile), two
+// dependent rounds of loads: every split's max and sum at once (a thread per split), then the
+// partial outputs, the warps taking the splits in turn and the lanes D / 32 channels each, with
+// up to 8 loads in flight per lane; the warps' sums meet in shared memory. (A thread per output
+// element walking the splits one dependent load at a time took 21 us of a 1 x 128K step: 49
+// splits on 8 blocks.)
+constexpr int merge_threads = 256;
 template <int D>
-__global__ void __launch_bounds__(threads) merge_kernel(const __grid_constant__ attend_params p) {
-  const int h = blockIdx.y / p.mtiles, mt = blockIdx.y % p.mtiles;
+__global__ void __launch_bounds__(merge_threads) merge_kernel(const __grid_constant__ attend_params p) {
+  constexpr int warps = merge_threads / 32, per_lane = D / 32;
+  using vec = std::conditional_t<per_lane == 4, float4, float2>;
+  __shared__ float red[warps], f_s[merge_threads];
+  __shared__ __align__(16) float wo_sum[warps][D];
+  const int h = blockIdx.y / p.mtiles, mt = blockIdx.y % p.mtiles, r = blockIdx.z;
   const decode_item item = p.items[blockIdx.x];
   const int rows_used = p.group * item.q_len;
-  if (mt * 16 >= rows_used) return;
-  if (p.q_stage && item.stage_row >= 0) {  // the canary's copy of this block's query rows
+  if (mt * 16 + r >= rows_used) return;
+  if (r == 0 && p.q_stage && item.stage_row >= 0) {  // the canary's copy of this m-tile's query rows
     const int width = p.q_heads * D;
-    for (int idx = threadIdx.x; idx < 16 * D; idx += threads) {
+    for (int idx = threadIdx.x; idx < 16 * D; idx += merge_threads) {
       const int mm = mt * 16 + idx / D, c = idx % D;
       if (mm >= rows_used) break;
       const int i = mm / p.group, qh = h * p.group + mm % p.group;
@@ -1966,41 +1977,56 @@ __global__ void __launch_bounds__(threads) merge_kernel(const __grid_constant__ 
   const int T = ceil_div(item.from_pages, p.unit_tokens) + ceil_div(item.n - item.from_pages, p.unit_tokens);
   const int splits = ceil_div(T, p.tiles_per_split);
   const size_t part0 = ((size_t(blockIdx.x) * p.kv.kv_heads + h) * p.mtiles + mt) * p.max_splits;
-  // One warp per row: the lanes take the splits' maxima and sums 32 at a time, then D / 32
-  // channels each over all splits, with the split weights passed by shuffle. (A thread per
-  // output element walked the splits one dependent load at a time: at 1 x 128K, 49 splits, the
-  // merge took a third of the step.)
-  constexpr int per_lane = D / 32;
-  using vec = std::conditional_t<per_lane == 4, float4, float2>;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int r = warp; r < 16 && mt * 16 + r < rows_used; r += threads / 32) {
-    const float* ml = p.ws_ml + (part0 * 16 + r) * 2;  // split s: ml[s * 32], ml[s * 32 + 1]
-    float m = -INFINITY;
-    for (int s = lane; s < splits; s += 32) m = fmaxf(m, ml[size_t(s) * 32]);
+  const float2* ml = reinterpret_cast<const float2*>(p.ws_ml + (part0 * 16 + r) * 2);  // split s: ml[s * 16] (max, sum)
+  const auto block_reduce = [&](float x, bool is_max) {
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    float l = 0.f, acc[per_lane] = {};
-    const float* wo = p.ws_o + (part0 * 16 + r) * D + lane * per_lane;  // split s: wo[s * 16 * D]
-    for (int s0 = 0; s0 < splits; s0 += 32) {
-      const int s = s0 + lane;
-      const float ms = s < splits ? ml[size_t(s) * 32] : -INFINITY;
-      const float f = ms == -INFINITY ? 0.f : exp2f(ms - m);
-      if (s < splits) l += f * ml[size_t(s) * 32 + 1];
-      const int n = min(32, splits - s0);
-#pragma unroll 4
-      for (int j = 0; j < n; ++j) {
-        const float fj = __shfl_sync(0xffffffffu, f, j);
-        const vec x = *reinterpret_cast<const vec*>(wo + size_t(s0 + j) * 16 * D);
-        acc[0] += fj * x.x, acc[1] += fj * x.y;
-        if constexpr (per_lane == 4) acc[2] += fj * x.z, acc[3] += fj * x.w;
-      }
+    for (int o = 16; o > 0; o >>= 1) {
+      const float y = __shfl_xor_sync(0xffffffffu, x, o);
+      x = is_max ? fmaxf(x, y) : x + y;
     }
+    __syncthreads();  // red's previous readers are done
+    if (lane == 0) red[warp] = x;
+    __syncthreads();
+    x = red[0];
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
-    const int mm = mt * 16 + r, i = mm / p.group, qh = h * p.group + mm % p.group;
-    const int64_t out = int64_t(item.q_row + i) * p.o_stride + int64_t(qh) * D + lane * per_lane;
+    for (int w = 1; w < warps; ++w) x = is_max ? fmaxf(x, red[w]) : x + red[w];
+    return x;
+  };
+  // (more than merge_threads splits: the maxima in a loop, then the splits in chunks)
+  const float2 first = threadIdx.x < splits ? ml[size_t(threadIdx.x) * 16] : make_float2(-INFINITY, 0.f);
+  float m = first.x;
+  for (int s = threadIdx.x + merge_threads; s < splits; s += merge_threads) m = fmaxf(m, ml[size_t(s) * 16].x);
+  m = block_reduce(m, true);
+  float l = 0.f, acc[per_lane] = {};
+  const float* wo = p.ws_o + (part0 * 16 + r) * D + lane * per_lane;  // split s: wo[s * 16 * D]
+  for (int base = 0; base < splits; base += merge_threads) {
+    const float2 e = base == 0 ? first : base + threadIdx.x < splits ? ml[size_t(base + threadIdx.x) * 16] : make_float2(-INFINITY, 0.f);
+    const float f = e.x == -INFINITY ? 0.f : exp2f(e.x - m);
+    l += f * e.y;
+    if (base > 0) __syncthreads();  // f_s's previous readers are done
+    f_s[threadIdx.x] = f;
+    __syncthreads();
+    const int n = min(merge_threads, splits - base);
+#pragma unroll 8
+    for (int s = warp; s < n; s += warps) {
+      const float fs = f_s[s];
+      const vec x = *reinterpret_cast<const vec*>(wo + size_t(base + s) * 16 * D);
+      acc[0] += fs * x.x, acc[1] += fs * x.y;
+      if constexpr (per_lane == 4) acc[2] += fs * x.z, acc[3] += fs * x.w;
+    }
+  }
+  l = block_reduce(l, false);
 #pragma unroll
-    for (int c = 0; c < per_lane; ++c) store_any(p.o, p.o_type, out + c, acc[c] / l);
+  for (int c = 0; c < per_lane; ++c) wo_sum[warp][lane * per_lane + c] = acc[c];
+  __syncthreads();
+  const int mm = mt * 16 + r, i = mm / p.group, qh = h * p.group + mm % p.group;
+  const int64_t out = int64_t(item.q_row + i) * p.o_stride + int64_t(qh) * D;
+  for (int c = threadIdx.x; c < D; c += merge_threads) {
+    float o = 0.f;
+#pragma unroll
+    for (int w = 0; w < warps; ++w) o += wo_sum[w][c];
+    store_any(p.o, p.o_type, out + c, o / l);
   }
 }
 
@@ -2009,6 +2035,7 @@ struct launch_plan {
   bool decode;  // group x q_len <= 8: the warp-split decode kernel
   bool wide;    // decode: some page may hold a 16-bit format (registers for 16-bit prefetch)
   int unit, mtiles, tiles_per_split, max_splits, max_tiles;
+  int rows;  // output rows per m-tile at most (the merge's blocks per m-tile)
   int stages, stage_cap, smem, per_sm;  // the staged decode kernel's stages and occupancy
   uint32_t page_stage;                         // > 0: the block-staged kernel, bytes of a page stage
 };
@@ -2056,6 +2083,7 @@ launch_plan plan_for(const attend_args& a) {
   int max_q = 1;
   for (const auto& it : a.items) max_q = std::max(max_q, int(it.q_len));
   lp.decode = group * max_q <= 8;
+  lp.rows = std::min(16, group * max_q);
   lp.unit = lp.decode ? slab : tile_tokens;
   lp.max_tiles = 1;
   int64_t total = 0;
@@ -2105,7 +2133,7 @@ launch_plan plan_for(const attend_args& a) {
 
 template <int D>
 status launch_attend(const attend_params& p, const launch_plan& lp, int kv_heads, int items, cudaStream_t st) {
-  const dim3 mgrid(unsigned(items), unsigned(kv_heads * lp.mtiles));
+  const dim3 mgrid(unsigned(items), unsigned(kv_heads * lp.mtiles), unsigned(lp.rows));
   if (lp.decode) {
     const dim3 grid(unsigned(lp.max_splits), unsigned(kv_heads), unsigned(items));
     if (lp.wide) {
@@ -2121,7 +2149,7 @@ status launch_attend(const attend_params& p, const launch_plan& lp, int kv_heads
                         "cudaFuncSetAttribute"));
     attend_kernel<D><<<dim3(unsigned(lp.max_splits), unsigned(kv_heads * lp.mtiles), unsigned(items)), threads, smem, st>>>(p);
   }
-  merge_kernel<D><<<mgrid, threads, 0, st>>>(p);
+  merge_kernel<D><<<mgrid, merge_threads, 0, st>>>(p);
   return cuda_status(cudaGetLastError(), "attention launch");
 }
 
