@@ -28,10 +28,13 @@ for s in $steps; do
       # (no racecheck of [canary]: its 512-thread blocks make racecheck take many minutes)
       KVQ_GPU_TEST_SMALL=1 "$cs" --tool racecheck --error-exitcode 3 ./.gpu/kvq_cuda_tests "gpu: mixed formats*" \
         > "$OUT/racecheck.log" 2>&1; r=$?; tail -3 "$OUT/racecheck.log"; rc=$((rc | r))
-      # [lowlevel]: both staged kernels (hints 8, 4, 2), page_tokens 64 and 128
-      KVQ_GPU_TEST_SMALL=1 "$cs" --tool racecheck --error-exitcode 3 ./.gpu/kvq_cuda_tests "[lowlevel]" \
-        > "$OUT/racecheck_one.log" 2>&1; r=$?; echo "racecheck [lowlevel]: $(tail -1 "$OUT/racecheck_one.log")" | tee -a "$OUT/racecheck.log"
-      rm -f "$OUT/racecheck_one.log"; rc=$((rc | r)) ;;
+      # [lowlevel]: both staged kernels (hints 8, 4, 2), page_tokens 64 and 128; long sequences:
+      # every page stage refilled several times (8-bit rings with two full barriers per stage)
+      for f in "[lowlevel]" "gpu: long sequences*"; do
+        KVQ_GPU_TEST_SMALL=1 "$cs" --tool racecheck --error-exitcode 3 ./.gpu/kvq_cuda_tests "$f" \
+          > "$OUT/racecheck_one.log" 2>&1; r=$?; echo "racecheck $f: $(tail -1 "$OUT/racecheck_one.log")" | tee -a "$OUT/racecheck.log"
+        rm -f "$OUT/racecheck_one.log"; rc=$((rc | r))
+      done ;;
     bench)
       ./.gpu/kvq_bench_decode_cuda --benchmark_out="$OUT/bench.json" --benchmark_out_format=json \
         --benchmark_counters_tabular=true 2>&1 | tee "$OUT/bench.log" | grep -E "decode/|append_step/" | awk '{print $1, $2, $NF}' | head -80 ;;

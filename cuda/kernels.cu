@@ -1221,15 +1221,21 @@ __device__ __forceinline__ void softmax_tiles(float (&sc)[4 * S], const float (&
     sc[i] = row < valid && tok0 + row <= last_visible[e % 2] ? x : -INFINITY;
     tile_max[e % 2] = fmaxf(tile_max[e % 2], sc[i]);
   }
-  float alpha[2];
+  // The running max is raised only when a score exceeds it by more than `slack` (a warp vote
+  // instead of a shuffle reduction per step): until then P = 2^(s - m) may reach 2^slack, far
+  // inside fp16 P and fp32 sums, and the sums and accumulators keep their scale.
+  constexpr float slack = 8.f;
+  float alpha[2] = {1.f, 1.f};
+  if (__any_sync(0xffffffffu, tile_max[0] > m_col[0] + slack || tile_max[1] > m_col[1] + slack)) {
 #pragma unroll
-  for (int c = 0; c < 2; ++c) {
-    tile_max[c] = fmaxf(tile_max[c], __shfl_xor_sync(0xffffffffu, tile_max[c], 4));
-    tile_max[c] = fmaxf(tile_max[c], __shfl_xor_sync(0xffffffffu, tile_max[c], 8));
-    tile_max[c] = fmaxf(tile_max[c], __shfl_xor_sync(0xffffffffu, tile_max[c], 16));
-    const float m_new = fmaxf(m_col[c], tile_max[c]);
-    alpha[c] = m_new == -INFINITY ? 1.f : ex2(m_col[c] - m_new);
-    m_col[c] = m_new;
+    for (int c = 0; c < 2; ++c) {
+      tile_max[c] = fmaxf(tile_max[c], __shfl_xor_sync(0xffffffffu, tile_max[c], 4));
+      tile_max[c] = fmaxf(tile_max[c], __shfl_xor_sync(0xffffffffu, tile_max[c], 8));
+      tile_max[c] = fmaxf(tile_max[c], __shfl_xor_sync(0xffffffffu, tile_max[c], 16));
+      const float m_new = fmaxf(m_col[c], tile_max[c]);
+      alpha[c] = m_new == -INFINITY ? 1.f : ex2(m_col[c] - m_new);
+      m_col[c] = m_new;
+    }
   }
   float sum[2] = {0.f, 0.f};
 #pragma unroll
@@ -1843,9 +1849,10 @@ __global__ void __launch_bounds__(dec_warps * 32, staged_blocks) decode_kernel(c
 // bulk copy per page (a page-head's K and V blocks are contiguous), where the per-warp chunk
 // stages took six per 32 tokens (K and V codes, scales, zeros), each a loop over lanes in the
 // compiled code. Warp w takes the 32-token chunks w, w + 4, ... of the block's page slabs. Each
-// stage has a full barrier (the copy's bytes) and an empty one (every lane of the page's warps
-// arrives when done with it); the warp of a page's last chunk waits for the others (working on
-// the same page at the same time) and refills the stage with the page `stages` further on. The
+// stage has full barriers (the copy's bytes; one for its even and one for its odd fills) and an
+// empty one (every lane of the page's warps arrives when done with it); the warp of a page's last
+// chunk waits for the others (working on the same page at the same time) and refills the stage
+// with the page `stages` further on. The
 // FP16 ring's slabs follow, one per warp in turn. Pages wider than the stages are read from
 // global memory.
 
@@ -1865,7 +1872,8 @@ __device__ __forceinline__ void issue_page(const attend_params& p, const page_ta
   }
 }
 
-template <int D>
+// TwoFull: two full barriers per stage (rings whose warp pairs take a stage's pages in turn; below).
+template <int D, bool TwoFull>
 __global__ void __launch_bounds__(dec_warps * 32, staged_blocks) decode_paged_kernel(const __grid_constant__ attend_params p) {
   constexpr int Cap = 8;
   extern __shared__ __align__(128) uint8_t dsm[];
@@ -1881,17 +1889,33 @@ __global__ void __launch_bounds__(dec_warps * 32, staged_blocks) decode_paged_ke
   const int n_chunks = (pc_end - c0 + 1) / 2, cpp = P / (2 * slab), n_pages = ceil_div(n_chunks, cpp);
   const int ns = p.stages;
   const uint32_t st_bytes = p.page_stage, stages_s = smem_addr(stages);
-  const uint32_t bars = smem_addr(&sm.bar[0][0]), bars_empty = smem_addr(&sm.bar[1][0]);  // full, empty (per stage)
+  // Per stage: a full barrier (TwoFull: one for its even and one for its odd fills) and an empty
+  // barrier. Page e of the block goes to the warps of its chunks, e x cpp .. e x cpp + cpp - 1
+  // (mod 4). With stages x cpp a multiple of 4, every page of a stage goes to the same warps;
+  // otherwise (8-bit page-heads on 3 stages) two warp pairs take a stage's pages in turn. A parity
+  // wait cannot tell a barrier's phase from the one two before it, so a pair that came to its next
+  // page of a stage before the other pair's page there had landed would pass a single full
+  // barrier's wait; with one barrier per fill parity, each barrier's phases belong to one pair,
+  // which waits for them in order. (An empty barrier's waiter, the page's last warp, is one of its
+  // arrivers, and the previous fill was released before this one was issued: it waits on the
+  // current phase.) The single-barrier instance is kept for the other rings: the two-barrier code
+  // measured 3-4 % slower on 4-bit layers (register allocation).
+  const uint32_t bars = smem_addr(&sm.bar[0][0]), bars_empty = smem_addr(&sm.bar[1][0]), bars_odd = smem_addr(&sm.bar[2][0]);
+  const auto full_bar = [&](int stage, int fill) {
+    if constexpr (TwoFull) return (fill & 1 ? bars_odd : bars) + uint32_t(stage) * 8;
+    else return bars + uint32_t(stage) * 8;
+  };
+  const auto full_parity = [](int fill) { return uint32_t(TwoFull ? fill >> 1 : fill) & 1u; };
   uint32_t qb[D / 8];
   staged_start<D>(p, item, h, rg, warp, g, t, lane, sm, qb);
-  // Every page of stage s goes to the same warps (ns x cpp is a multiple of dec_warps: see
-  // plan_stages), so its full barrier is armed by one thread only, lane 0 of the warp of the
-  // pages' last chunk.
+  // Lane 0 of the warp of a page's last chunk issues the page's copy and arms its stage's full
+  // barrier.
   const auto last_chunk = [&](int e) { return (e + 1) * cpp - 1; };
   const auto issuer = [&](int e) { return last_chunk(e) % dec_warps; };
   if (warp == 0) {  // (a warp-uniform branch first: the init's loop over lanes must not run in other warps)
     if (lane < ns) {
       mbar_init(bars + lane * 8, 1);
+      if (TwoFull) mbar_init(bars_odd + lane * 8, 1);
       mbar_init(bars_empty + lane * 8, uint32_t(32 * cpp));
     }
   }
@@ -1899,7 +1923,7 @@ __global__ void __launch_bounds__(dec_warps * 32, staged_blocks) decode_paged_ke
   __syncthreads();
   if (lane == 0)
     for (int e = 0; e < min(ns, n_pages); ++e)
-      if (issuer(e) == warp) issue_page<D>(p, sm.pages, e, stages_s + e * st_bytes, bars + e * 8);
+      if (issuer(e) == warp) issue_page<D>(p, sm.pages, e, stages_s + e * st_bytes, full_bar(e, 0));
 
   int q_key = -2;  // the KIVI token group (its first token) whose scales qb holds; -1: the plain query
   column_state<D> cs(p, item, t);
@@ -1913,7 +1937,7 @@ __global__ void __launch_bounds__(dec_warps * 32, staged_blocks) decode_paged_ke
     cur.v = cur.k + sm.pages.v_offset[e];
     cur.ring = false;
     cur.row0 = cur.tok0 & (P - 1);
-    mbar_wait(bars + st * 8, uint32_t(e / ns) & 1u);
+    mbar_wait(full_bar(st, e / ns), full_parity(e / ns));
     const bool k_st = cur.fk.bits <= p.stage_cap, v_st = cur.fv.bits <= p.stage_cap;
     slab_ref sk = cur;
     sk.k = stages + st * st_bytes, sk.v = sk.k + sm.pages.v_offset[e];
@@ -1934,7 +1958,7 @@ __global__ void __launch_bounds__(dec_warps * 32, staged_blocks) decode_paged_ke
       mbar_arrive(bars_empty + st * 8);  // every lane: an arrive releases its own thread's reads only
       if (u == last_chunk(e)) {  // (in warp issuer(e))
         mbar_wait(bars_empty + st * 8, uint32_t(e / ns) & 1u);
-        if (lane == 0) issue_page<D>(p, sm.pages, e + ns, stages_s + st * st_bytes, bars + st * 8);
+        if (lane == 0) issue_page<D>(p, sm.pages, e + ns, stages_s + st * st_bytes, full_bar(st, (e + ns) / ns));
       }
     }
   }
@@ -2038,16 +2062,14 @@ struct launch_plan {
   int rows;  // output rows per m-tile at most (the merge's blocks per m-tile)
   int stages, stage_cap, smem, per_sm;  // the staged decode kernel's stages and occupancy
   uint32_t page_stage;                         // > 0: the block-staged kernel, bytes of a page stage
+  bool two_full;                               // its stage x chunks per page not a multiple of 4: two full barriers per stage
 };
 
-// Stages of the staged decode kernel: two slabs per stage (one copy and one wait per 32 tokens)
-// when at least 3 stages per warp fit with `staged_blocks` blocks per SM, else one slab; as many
-// stages as fit, 2 at least. cap: the bits a stage holds (the layer's widest format, rounded up to
-// 2/4/8).
-// A layer of at most 4 bits takes the block-staged kernel (page stages shared by the block's
-// warps) when at least 3 page stages fit, a page-head of the largest K and V formats the stages
-// hold each; other layers the per-warp staged kernel (one slab per stage). (8-bit page-heads, 18 KB
-// at page_tokens 64, leave room for 3 stages, and the block-staged ring needs an even count there.)
+// Stages of a layer of at most 8 bits. cap: the bits a stage holds (the layer's widest format,
+// rounded up to 2/4/8). The block-staged kernel (page stages shared by the block's warps) when at
+// least 3 page stages fit with `staged_blocks` blocks per SM, a page-head of the largest K and V
+// formats the stages hold each (8-bit page-heads: 18 KB at page_tokens 64, 3 stages); else the
+// per-warp staged kernel, one slab per stage, as many stages as fit, 2 at least.
 template <int D>
 void plan_stages(const paged_view& kv, int max_bits, launch_plan& lp) {
   constexpr int sm_bytes = 227 * 1024, reserved = 1024;
@@ -2057,16 +2079,13 @@ void plan_stages(const paged_view& kv, int max_bits, launch_plan& lp) {
   for (int f = 0; f < int(format_count); ++f)
     if (traits_of(format_id(f)).bits <= lp.stage_cap) kb = std::max(kb, kv.k_page_bytes[f]), vb = std::max(vb, kv.v_page_bytes[f]);
   const int ps = int((kb + vb + 127) / 128 * 128);
-  // Page stages: ns x (chunks per page) must be a multiple of dec_warps, so that every page of a
-  // stage goes to the same warps, in order. Otherwise a warp could wait on a stage's next phase
-  // before another warp's page there has landed, and a parity wait cannot tell those phases apart
-  // (8-bit layers on 3 stages at page_tokens 64, 2 chunks per page, failed so at 32K context).
-  const int cpp = kv.page_tokens / (2 * slab);
-  int pns = ps > 0 ? std::min(room / ps, max_stages) : 0;
-  while (pns > 0 && (pns * cpp) % dec_warps) --pns;
+  // Page stages: any count of at least 3 (the kernel orders a stage's fills by the `fills`
+  // counter, so warps may take a stage's pages in turn).
+  const int pns = ps > 0 ? std::min(room / ps, max_stages) : 0;
   int st, ring;  // stage bytes; rings of stages (one per warp, or one per block)
-  if (lp.stage_cap <= 4 && pns >= 3) {
+  if (pns >= 3) {
     lp.page_stage = uint32_t(ps), st = ps, ring = 1, lp.stages = pns;
+    lp.two_full = (pns * (kv.page_tokens / (2 * slab))) % dec_warps != 0;
   } else {
     lp.page_stage = 0, st = int(stage_bytes(D, lp.stage_cap, slab)), ring = dec_warps;
     lp.stages = std::clamp(room / (ring * st), 2, max_stages);
@@ -2139,7 +2158,7 @@ status launch_attend(const attend_params& p, const launch_plan& lp, int kv_heads
     if (lp.wide) {
       decode_wide_kernel<D><<<grid, dec_warps * 32, 0, st>>>(p);
     } else {
-      const auto kernel = lp.page_stage ? decode_paged_kernel<D> : decode_kernel<D>;
+      const auto kernel = !lp.page_stage ? decode_kernel<D> : lp.two_full ? decode_paged_kernel<D, true> : decode_paged_kernel<D, false>;
       KVQ_TRY(cuda_status(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, lp.smem), "cudaFuncSetAttribute"));
       kernel<<<grid, dec_warps * 32, lp.smem, st>>>(p);
     }
