@@ -2079,8 +2079,9 @@ void plan_stages(const paged_view& kv, int max_bits, launch_plan& lp) {
   for (int f = 0; f < int(format_count); ++f)
     if (traits_of(format_id(f)).bits <= lp.stage_cap) kb = std::max(kb, kv.k_page_bytes[f]), vb = std::max(vb, kv.v_page_bytes[f]);
   const int ps = int((kb + vb + 127) / 128 * 128);
-  // Page stages: any count of at least 3 (the kernel orders a stage's fills by the `fills`
-  // counter, so warps may take a stage's pages in turn).
+  // Page stages: any count of at least 3. Where stages x chunks per page is not a multiple of the
+  // block's 4 warps, warp pairs take a stage's pages in turn, and the kernel instance with one
+  // full barrier per fill parity runs (two_full).
   const int pns = ps > 0 ? std::min(room / ps, max_stages) : 0;
   int st, ring;  // stage bytes; rings of stages (one per warp, or one per block)
   if (pns >= 3) {
