@@ -1770,8 +1770,9 @@ __device__ __forceinline__ void decode_step(const attend_params& p, const slab_r
   }
 }
 
-// One slab per stage (layers of 8 bits; the block-staged kernel takes the narrower ones). With the
-// two-slab step compiled in, this path measured 3-10 % slower (one register allocation for both).
+// One slab per stage (layers of 8 bits whose page-heads leave room for fewer than 3 page stages,
+// e.g. page_tokens 128; the block-staged kernel takes the others). With the two-slab step compiled
+// in, this path measured 3-10 % slower (one register allocation for both).
 template <int D>
 __global__ void __launch_bounds__(dec_warps * 32, staged_blocks) decode_kernel(const __grid_constant__ attend_params p) {
   constexpr int Cap = 8;
@@ -1844,7 +1845,7 @@ __global__ void __launch_bounds__(dec_warps * 32, staged_blocks) decode_kernel(c
   write_partial<D>(p, *reinterpret_cast<merge_area<D>*>(stages), cs, s0 < s1, warp, g, t);
 }
 
-// ---- the block-staged decode kernel: layers of at most 4 bits ---------------------------------
+// ---- the block-staged decode kernel: layers of at most 8 bits ---------------------------------
 // The block's pages go whole through a ring of `p.stages` page stages shared by its warps: one
 // bulk copy per page (a page-head's K and V blocks are contiguous), where the per-warp chunk
 // stages took six per 32 tokens (K and V codes, scales, zeros), each a loop over lanes in the

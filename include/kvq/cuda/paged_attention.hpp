@@ -90,8 +90,9 @@ KVQ_EXPORT status attend_can_implement(const attend_args& a);
 enum class attend_kernel {
   tile,                 ///< more than 8 query rows per kv head (extend, large speculative steps)
   decode_wide,          ///< decode, a layer that may hold 16-bit pages (`max_page_bits` > 8)
-  decode_staged,        ///< decode, pages of at most 8 bits: per-warp stages of one 16-token slab
-  decode_block_staged,  ///< decode, pages of at most 4 bits: whole pages in stages shared by a block
+  decode_staged,        ///< decode, pages of at most 8 bits whose page-heads leave room for fewer than 3 page
+                        ///< stages (8-bit at page_tokens 128 and up): per-warp stages of one 16-token slab
+  decode_block_staged,  ///< decode, pages of at most 8 bits: whole pages in 3-8 stages shared by a block
 };
 /// How `attend_run` runs a call, seen from the host (no device work): the kernel, its stages and
 /// shared memory, and how each sequence splits across thread blocks. For engines that size or log
