@@ -1517,19 +1517,20 @@ constexpr int max_stages = 8;
 // measured 13-30 % slower.)
 constexpr int staged_blocks = 3;
 
-// A per-warp stage holds `rows` rows (one slab: 16) of each role. Its room for one role: the code
-// rows of `cap` bits plus the largest parameter section (K: KIVI scales and zeros, 4 D bytes; V:
-// scale and zero rows, at most rows D / 8 bytes).
-__host__ __device__ constexpr uint32_t stage_k_bytes(int d, int cap, int rows) { return uint32_t(rows * d * cap / 8 + 4 * d); }
-__host__ __device__ constexpr uint32_t stage_bytes(int d, int cap, int rows) {
-  return stage_k_bytes(d, cap, rows) + uint32_t(rows * d * cap / 8 + rows * d / 8);
+// A per-warp stage holds one slab (16 rows) of each role. Its room for one role: the code rows of
+// `cap` bits plus the largest parameter section (K: KIVI scales and zeros, 4 D bytes; V: scale and
+// zero rows, at most 16 D / 8 bytes).
+__host__ __device__ constexpr uint32_t stage_k_bytes(int d, int cap) { return uint32_t(slab * d * cap / 8 + 4 * d); }
+__host__ __device__ constexpr uint32_t stage_bytes(int d, int cap) {
+  return stage_k_bytes(d, cap) + uint32_t(slab * d * cap / 8 + slab * d / 8);
 }
 
 // The bulk copy of one section (0 codes, 1 scales, 2 zeros) of a format's page in one role, for
-// chunks of `rows` rows: x = offset in the page's role block of row 0 (group 0), y = bytes per row
+// one slab (16 rows): x = offset in the page's role block of row 0 (group 0), y = bytes per row
 // (low 16 bits) | row shift (bits 16-23: rows >> shift) | "KIVI key group" flag (bit 24), z = bytes
 // (0: nothing to copy, or a format wider than the stages), w = offset in the stage's role region.
-__device__ __forceinline__ uint4 chunk_section(format_id f, int r, int part, uint32_t D, uint32_t P, uint32_t rows, int cap) {
+__device__ __forceinline__ uint4 chunk_section(format_id f, int r, int part, uint32_t D, uint32_t P, int cap) {
+  constexpr uint32_t rows = slab;
   const format_traits t = traits_of(f);
   if (t.bits > cap) return make_uint4(0, 0, 0, 0);
   const uint32_t rb = D * t.bits / 8, code = P * rb;
@@ -1572,14 +1573,13 @@ __device__ __forceinline__ void staged_start(const attend_params& p, const decod
   }
 }
 
-// Issues the bulk copies of the chunk of `rows` page rows that starts at slab j into a stage (lane
+// Issues the bulk copies of page slab j into a per-warp stage (lane
 // l < 6 copies one section: K codes, K scales, K zeros, V codes, V scales, V zeros, as described by
-// `chunk_section`) and arms the stage's barrier with their bytes. A chunk never leaves its
-// page (chunks are aligned to their size). KIVI key scales and zeros are copied only when the warp
-// enters their token group (`first`: the warp's first chunk).
+// `chunk_section`) and arms the stage's barrier with their bytes. KIVI key scales and zeros are
+// copied only when the warp enters their token group (`first`: the warp's first slab).
 template <int D>
 __device__ __forceinline__ void issue_chunk(const attend_params& p, const page_table_cache& pc, const uint4 (*sect)[2][3], int j,
-                                            uint32_t rows, bool first, int lane, uint32_t stage, uint32_t bar) {
+                                            bool first, int lane, uint32_t stage, uint32_t bar) {
   const int P = p.kv.page_tokens;
   const int tok0 = j * slab, e = (tok0 >> log2i(P)) - pc.first_page;
   const uint32_t row0 = uint32_t(tok0 & (P - 1));
@@ -1591,7 +1591,7 @@ __device__ __forceinline__ void issue_chunk(const attend_params& p, const page_t
   const uint32_t total = __reduce_add_sync(0xffffffffu, bytes);
   if (bytes) {
     const uint8_t* src = p.kv.arena + size_t(pc.page16[e]) * 16 + (is_v ? pc.v_offset[e] : 0u) + d.x + (row0 >> shift) * (d.y & 0xffffu);
-    bulk_copy(stage + (is_v ? stage_k_bytes(D, p.stage_cap, rows) : 0u) + d.w, src, bytes, bar);
+    bulk_copy(stage + (is_v ? stage_k_bytes(D, p.stage_cap) : 0u) + d.w, src, bytes, bar);
   }
   if (lane == 0) mbar_expect_tx(bar, total);
 }
@@ -1785,13 +1785,13 @@ __global__ void __launch_bounds__(dec_warps * 32, staged_blocks) decode_kernel(c
   if (rg.c0 >= rg.c1) return;
   const int P = p.kv.page_tokens, page_slabs = rg.page_slabs, s0 = rg.s0, s1 = rg.s1;
   const int ns = p.stages, rows = slab;
-  const uint32_t st_bytes = stage_bytes(D, p.stage_cap, rows), st_v = stage_k_bytes(D, p.stage_cap, rows);
+  const uint32_t st_bytes = stage_bytes(D, p.stage_cap), st_v = stage_k_bytes(D, p.stage_cap);
   uint8_t* my_stages = stages + uint32_t(warp * ns) * st_bytes;
   const uint32_t my_stages_s = smem_addr(my_stages), my_bars = smem_addr(&sm.bar[warp][0]);
   uint32_t qb[D / 8];
   staged_start<D>(p, item, h, rg, warp, g, t, lane, sm, qb);
   for (int i = threadIdx.x; i < int(format_count) * 6; i += dec_warps * 32)
-    sm.sect[i / 6][i / 3 % 2][i % 3] = chunk_section(format_id(i / 6), i / 3 % 2, i % 3, D, P, rows, p.stage_cap);
+    sm.sect[i / 6][i / 3 % 2][i % 3] = chunk_section(format_id(i / 6), i / 3 % 2, i % 3, D, P, p.stage_cap);
   if (lane < ns) mbar_init(my_bars + lane * 8, 1);
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   __syncthreads();
@@ -1800,7 +1800,7 @@ __global__ void __launch_bounds__(dec_warps * 32, staged_blocks) decode_kernel(c
   const int issue_end = min(s1, page_slabs);
   int issue_j = s0, issue_st = 0;
   for (; issue_j < issue_end && issue_st < ns - 1; ++issue_j, ++issue_st)
-    issue_chunk<D>(p, sm.pages, sm.sect, issue_j, rows, issue_j == s0, lane, my_stages_s + issue_st * st_bytes, my_bars + issue_st * 8);
+    issue_chunk<D>(p, sm.pages, sm.sect, issue_j, issue_j == s0, lane, my_stages_s + issue_st * st_bytes, my_bars + issue_st * 8);
   if (issue_st == ns) issue_st = 0;
 
   int q_key = -2;  // the KIVI token group (its first token) whose scales qb holds; -1: the plain query
@@ -1810,7 +1810,7 @@ __global__ void __launch_bounds__(dec_warps * 32, staged_blocks) decode_kernel(c
   format_traits pk{}, pv_fmt{};  // the current page's formats (kept across its slabs)
   for (int j = s0; j < s1; ++j) {
     if (issue_j < issue_end) {  // refill the stage the previous slab freed
-      issue_chunk<D>(p, sm.pages, sm.sect, issue_j, rows, false, lane, my_stages_s + issue_st * st_bytes, my_bars + issue_st * 8);
+      issue_chunk<D>(p, sm.pages, sm.sect, issue_j, false, lane, my_stages_s + issue_st * st_bytes, my_bars + issue_st * 8);
       ++issue_j;
       if (++issue_st == ns) issue_st = 0;
     }
@@ -2089,7 +2089,7 @@ void plan_stages(const paged_view& kv, int max_bits, launch_plan& lp) {
     lp.page_stage = uint32_t(ps), st = ps, ring = 1, lp.stages = pns;
     lp.two_full = (pns * (kv.page_tokens / (2 * slab))) % dec_warps != 0;
   } else {
-    lp.page_stage = 0, st = int(stage_bytes(D, lp.stage_cap, slab)), ring = dec_warps;
+    lp.page_stage = 0, st = int(stage_bytes(D, lp.stage_cap)), ring = dec_warps;
     lp.stages = std::clamp(room / (ring * st), 2, max_stages);
   }
   lp.smem = int(staged_head_bytes<D>) + std::max(ring * lp.stages * st, int(sizeof(merge_area<D>)));
@@ -2207,7 +2207,7 @@ result<attend_plan_info> attend_plan(const attend_args& a) {
   }
   info.kernel = lp.page_stage ? attend_kernel::decode_block_staged : attend_kernel::decode_staged;
   info.stages = lp.stages;
-  info.stage_bytes = lp.page_stage ? lp.page_stage : stage_bytes(a.kv.head_dim, lp.stage_cap, slab);
+  info.stage_bytes = lp.page_stage ? lp.page_stage : stage_bytes(a.kv.head_dim, lp.stage_cap);
   info.smem_bytes = lp.smem;
   info.blocks_per_sm = lp.per_sm;
   return info;
