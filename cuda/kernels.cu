@@ -669,11 +669,15 @@ constexpr int dec_warps = 4;
 constexpr int max_cta_slabs = 1024;
 
 // The pages of one thread block's slabs, looked up once: the K block's offset in 16-byte units,
-// the V block's offset from it, and both formats' traits (no per-slab table decoding).
+// the V block's offset from it, and both formats' traits (no per-slab table decoding). For the
+// block-staged kernel, also the part of the page-head its page stage holds (`issue_page`). There,
+// a page whose V the stages hold and whose K they do not has V offset 0: its V sits at the start
+// of its page stage, and is never read from the page.
 struct page_table_cache {
   int first_page;
   uint32_t page16[max_cta_slabs * slab / 64 + 2];
   uint32_t v_offset[max_cta_slabs * slab / 64 + 2];
+  uint32_t copy_from[max_cta_slabs * slab / 64 + 2], copy_bytes[max_cta_slabs * slab / 64 + 2];
   format_traits fk[max_cta_slabs * slab / 64 + 2];
   format_traits fv[max_cta_slabs * slab / 64 + 2];
   format_id kid[max_cta_slabs * slab / 64 + 2];
@@ -1116,7 +1120,11 @@ __device__ __forceinline__ void fill_page_table(const attend_params& p, const de
     uint32_t off = 0;
     for (int hh = 0; hh < h; ++hh) off += p.kv.k_page_bytes[fm[2 * hh]] + p.kv.v_page_bytes[fm[2 * hh + 1]];
     pc.page16[e] = uint32_t((size_t(p.kv.blocks[row]) * 256 + off) / 16);
-    pc.v_offset[e] = p.kv.k_page_bytes[fm[2 * h]];
+    const uint32_t kb = p.kv.k_page_bytes[fm[2 * h]], vb = p.kv.v_page_bytes[fm[2 * h + 1]];
+    const bool k_st = traits_of(fm[2 * h]).bits <= p.stage_cap, v_st = traits_of(fm[2 * h + 1]).bits <= p.stage_cap;
+    pc.v_offset[e] = p.page_stage && !k_st && v_st ? 0u : kb;
+    pc.copy_from[e] = k_st ? 0u : kb;
+    pc.copy_bytes[e] = (k_st ? kb : 0u) + (v_st ? vb : 0u);  // (K and V blocks are contiguous)
     pc.fk[e] = traits_of(fm[2 * h]);
     pc.fv[e] = traits_of(fm[2 * h + 1]);
     pc.kid[e] = fm[2 * h];
@@ -1859,17 +1867,17 @@ __global__ void __launch_bounds__(dec_warps * 32, staged_blocks) decode_kernel(c
 
 // Issues the bulk copy of the block's page e (relative) into a page stage: the page-head's K and
 // V blocks, or the one of them whose format the stages hold, or nothing (the barrier still
-// completes its phase).
+// completes its phase). What is copied starts at the stage's start: a staged V block whose K is
+// wider than the stages goes there (its `page_table_cache::v_offset` is 0), not at its offset in
+// the page-head, which would run past the stage (a stage holds the largest staged K and V blocks,
+// not a wider K).
 template <int D>
 __device__ __forceinline__ void issue_page(const attend_params& p, const page_table_cache& pc, int e, uint32_t stage, uint32_t bar) {
-  const bool k_st = pc.fk[e].bits <= p.stage_cap, v_st = pc.fv[e].bits <= p.stage_cap;
-  const uint32_t v_off = pc.v_offset[e];
-  const uint32_t lo = k_st ? 0u : v_off, hi = v_st ? v_off + p.kv.v_page_bytes[pc.vid[e]] : (k_st ? v_off : 0u);
-  const uint32_t bytes = hi > lo ? hi - lo : 0u;
+  const uint32_t bytes = pc.copy_bytes[e];
   mbar_expect_tx(bar, bytes);
   if (bytes) {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the warps' reads of the stage's last page
-    bulk_copy(stage + lo, p.kv.arena + size_t(pc.page16[e]) * 16 + lo, bytes, bar);
+    bulk_copy(stage, p.kv.arena + size_t(pc.page16[e]) * 16 + pc.copy_from[e], bytes, bar);
   }
 }
 
