@@ -702,7 +702,7 @@ struct merge_area {
 template <int D>
 struct decode_smem {
   page_table_cache pages;
-  uint32_t qh[dec_warps][D / 8][32];  // each lane's fp16 query pairs (for KIVI re-scaling)
+  uint4 qh[dec_warps][D / 32][32];  // each lane's fp16 query pairs (for KIVI re-scaling; `put_query`)
   union {
     __align__(16) uint8_t vslot[dec_warps][2][slot_bytes<D>];  // staging, two slabs per warp
     merge_area<D> m;                                             // after the loop
@@ -1146,11 +1146,28 @@ __device__ __forceinline__ void load_query(const attend_params& p, const decode_
                                       live ? load_any(p.q, p.q_type, base + 2 * c + 1) : 0.f));
 }
 
+// Each lane's query fragments kept in shared memory for re-scaling, as [D / 32][lane] 16-byte
+// words: one conflict-free 16-byte load per 4 fragments ([fragment][lane] words took one 4-byte
+// load each).
+template <int D>
+__device__ __forceinline__ void put_query(uint4 (&qh)[D / 32][32], int lane, const uint32_t (&qb)[D / 8]) {
+#pragma unroll
+  for (int i = 0; i < D / 32; ++i) qh[i][lane] = make_uint4(qb[4 * i], qb[4 * i + 1], qb[4 * i + 2], qb[4 * i + 3]);
+}
+template <int D>
+__device__ __forceinline__ void get_query(const uint4 (&qh)[D / 32][32], int lane, uint32_t (&qb)[D / 8]) {
+#pragma unroll
+  for (int i = 0; i < D / 32; ++i) {
+    const uint4 v = qh[i][lane];
+    qb[4 * i] = v.x, qb[4 * i + 1] = v.y, qb[4 * i + 2] = v.z, qb[4 * i + 3] = v.w;
+  }
+}
+
 // The query for a KIVI key slab: the token group's channel scales fold into q (q' = q s) and the
 // centered zeros (z + s 2^(b-1)) into one score offset per column, itself an MMA of the zero row
 // with q. `scales`/`zeros`: the group's D halves each (any memory).
 template <int D>
-__device__ __forceinline__ void fold_kivi(const uint8_t* scales, const uint8_t* zeros, int bits, const uint32_t (&qh)[D / 8][32],
+__device__ __forceinline__ void fold_kivi(const uint8_t* scales, const uint8_t* zeros, int bits, const uint4 (&qh)[D / 32][32],
                                           int lane, int t, uint32_t (&qb)[D / 8], float (&cz_col)[2]) {
   uint32_t sw[D / 8], zw[D / 8];
   ldg_words<D / 2, false>(scales + t * (D / 4) * 2, sw);
@@ -1161,7 +1178,8 @@ __device__ __forceinline__ void fold_kivi(const uint8_t* scales, const uint8_t* 
   for (int ks = 0; ks < D / 16; ++ks) {
     const uint32_t z0 = h2_bits(__hfma2(bits_h2(sw[2 * ks]), mid, bits_h2(zw[2 * ks])));
     const uint32_t z1 = h2_bits(__hfma2(bits_h2(sw[2 * ks + 1]), mid, bits_h2(zw[2 * ks + 1])));
-    const uint32_t q0 = qh[2 * ks][lane], q1 = qh[2 * ks + 1][lane];
+    const uint4 q4 = qh[ks / 2][lane];
+    const uint32_t q0 = ks % 2 ? q4.z : q4.x, q1 = ks % 2 ? q4.w : q4.y;
     mma16816(cz, z0, 0u, z1, 0u, q0, q1);  // (rows g + 8 unused)
     qb[2 * ks] = h2_bits(__hmul2(bits_h2(q0), bits_h2(sw[2 * ks])));
     qb[2 * ks + 1] = h2_bits(__hmul2(bits_h2(q1), bits_h2(sw[2 * ks + 1])));
@@ -1392,10 +1410,9 @@ __global__ void __launch_bounds__(dec_warps * 32, 2) decode_wide_kernel(const __
   __syncthreads();
 
   uint32_t qb[D / 8];
-  uint32_t(&qh)[D / 8][32] = sm.qh[warp];  // [pair][lane]: conflict-free
+  uint4(&qh)[D / 32][32] = sm.qh[warp];
   load_query<D>(p, item, h, g, t, qb);
-#pragma unroll
-  for (int c = 0; c < D / 8; ++c) qh[c][lane] = qb[c];
+  put_query<D>(qh, lane, qb);
   const uint8_t* q_scales_of = nullptr;  // the KIVI token group whose scales qb holds (nullptr: plain)
   column_state<D> cs(p, item, t);
 
@@ -1431,8 +1448,7 @@ __global__ void __launch_bounds__(dec_warps * 32, 2) decode_wide_kernel(const __
         k_codes ? cur.k + uint32_t(P) * ((D * fk.bits) >> 3) + uint32_t(cur.row0 >> lgk) * D * 2 : nullptr;
     if (group_key != q_scales_of) {
       if (!k_codes) {
-#pragma unroll
-        for (int i = 0; i < D / 8; ++i) qb[i] = qh[i][lane];
+        get_query<D>(qh, lane, qb);
         cs.cz[0] = cs.cz[1] = 0.f;
       } else {
         fold_kivi<D>(slot + slot_kpar<D>, slot + slot_kpar<D> + D * 2, fk.bits, qh, lane, t, qb, cs.cz);  // staged with the slab
@@ -1562,7 +1578,7 @@ struct staged_head {
   // stores when the barriers followed them); at offset 0 nothing of the block's lies below them.
   uint64_t bar[dec_warps][max_stages];
   page_table_cache pages;
-  uint32_t qh[D / 8][32];  // the fp16 query pairs of each lane (for KIVI re-scaling); all warps alike
+  uint4 qh[D / 32][32];  // the fp16 query pairs of each lane (for KIVI re-scaling; `put_query`); all warps alike
   uint4 sect[format_count][2][3];  // chunk_section of every (format, role, section), filled per block
 };
 template <int D>
@@ -1576,8 +1592,7 @@ __device__ __forceinline__ void staged_start(const attend_params& p, const decod
   fill_page_table<D>(p, item, h, rg.c0, rg.c1, rg.page_slabs, sm.pages);
   load_query<D>(p, item, h, g, t, qb);
   if (warp == 0) {
-#pragma unroll
-    for (int c = 0; c < D / 8; ++c) sm.qh[c][lane] = qb[c];
+    put_query<D>(sm.qh, lane, qb);
   }
 }
 
@@ -1705,7 +1720,7 @@ __device__ __forceinline__ void values_staged(format_traits fv, const slab_ref& 
 template <int D, int Cap>
 __device__ __forceinline__ void decode_step(const attend_params& p, const slab_ref& cur, const slab_ref& sk, int rows,
                                             bool page_stage, bool k_st, bool v_st, bool pair, int g, int t, int lane,
-                                            const uint32_t (&qh)[D / 8][32], uint32_t (&qb)[D / 8], int& q_key,
+                                            const uint4 (&qh)[D / 32][32], uint32_t (&qb)[D / 8], int& q_key,
                                             column_state<D>& cs) {
   const int P = p.kv.page_tokens;
   const format_traits fk = cur.fk, fv = cur.fv;
@@ -1716,8 +1731,7 @@ __device__ __forceinline__ void decode_step(const attend_params& p, const slab_r
   if (key != q_key) {
     const uint32_t rbk = uint32_t(D * fk.bits) >> 3;
     if (!k_codes) {
-#pragma unroll
-      for (int i = 0; i < D / 8; ++i) qb[i] = qh[i][lane];
+      get_query<D>(qh, lane, qb);
       cs.cz[0] = cs.cz[1] = 0.f;
     } else if (k_st) {  // a chunk stage holds its token group's scales and zeros; a page stage, all groups
       const uint8_t* ks = sk.k + rows * rbk + (page_stage ? uint32_t(sk.row0 >> lgk) * D * 2 : 0u);
@@ -1937,8 +1951,13 @@ __global__ void __launch_bounds__(dec_warps * 32, staged_blocks) decode_paged_ke
   int q_key = -2;  // the KIVI token group (its first token) whose scales qb holds; -1: the plain query
   column_state<D> cs(p, item, t);
   bool worked = false;
+  // The warp's chunk u is in the block's page e = u / cpp, which is in stage st = e % ns, its fill
+  // e / ns: kept as counters (pages advance by at most 4 / cpp <= 2 < ns per step), not divided
+  // anew per chunk (a division by a runtime value is ~20 dependent instructions with a MUFU).
+  const int lg_cpp = log2i(cpp);
+  int e = warp >> lg_cpp, st = e % ns, fill = e / ns;
   for (int u = warp; u < n_chunks; u += dec_warps) {
-    const int e = u / cpp, st = e % ns, j = c0 + 2 * u;
+    const int j = c0 + 2 * u;
     slab_ref cur;
     cur.tok0 = j * slab;
     cur.fk = sm.pages.fk[e], cur.fv = sm.pages.fv[e];
@@ -1946,7 +1965,7 @@ __global__ void __launch_bounds__(dec_warps * 32, staged_blocks) decode_paged_ke
     cur.v = cur.k + sm.pages.v_offset[e];
     cur.ring = false;
     cur.row0 = cur.tok0 & (P - 1);
-    mbar_wait(full_bar(st, e / ns), full_parity(e / ns));
+    mbar_wait(full_bar(st, fill), full_parity(fill));
     const bool k_st = cur.fk.bits <= p.stage_cap, v_st = cur.fv.bits <= p.stage_cap;
     slab_ref sk = cur;
     sk.k = stages + st * st_bytes, sk.v = sk.k + sm.pages.v_offset[e];
@@ -1965,11 +1984,14 @@ __global__ void __launch_bounds__(dec_warps * 32, staged_blocks) decode_paged_ke
     __syncwarp();  // every lane is done with this chunk's rows of the stage
     if (e + ns < n_pages) {  // the page's warps release its stage; the warp of its last chunk refills it
       mbar_arrive(bars_empty + st * 8);  // every lane: an arrive releases its own thread's reads only
-      if (u == last_chunk(e)) {  // (in warp issuer(e))
-        mbar_wait(bars_empty + st * 8, uint32_t(e / ns) & 1u);
-        if (lane == 0) issue_page<D>(p, sm.pages, e + ns, stages_s + st * st_bytes, full_bar(st, (e + ns) / ns));
+      if ((u & (cpp - 1)) == cpp - 1) {  // u == last_chunk(e) (in warp issuer(e))
+        mbar_wait(bars_empty + st * 8, uint32_t(fill) & 1u);
+        if (lane == 0) issue_page<D>(p, sm.pages, e + ns, stages_s + st * st_bytes, full_bar(st, fill + 1));
       }
     }
+    const int e_next = (u + dec_warps) >> lg_cpp;
+    st += e_next - e, e = e_next;
+    if (st >= ns) st -= ns, ++fill;
   }
   for (int j = max(c0, page_slabs) + warp; j < rg.c1; j += dec_warps) {  // the FP16 ring
     const slab_ref cur = locate_slab<D>(p, item, h, j, page_slabs, sm.pages);
