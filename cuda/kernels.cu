@@ -668,6 +668,18 @@ constexpr int slab = 16;
 constexpr int dec_warps = 4;
 constexpr int max_cta_slabs = 1024;
 
+// The staged kernel compiles the K part (loads, dequantization, score MMAs) and the V part (loads,
+// dequantization, P, output MMAs) once per kind of page format, each a straight run of code with the
+// format's family and bits constant (branches inside a slab cost issue slots and split the code the
+// scheduler can interleave). Kinds: KIVI/RoleAlign 8/4/2 bits (0-2), sym 8/4/2 (3-5), fp8 (6);
+// 16-bit formats (-1) take the unstaged path. The page table cache holds each page's kinds, so
+// that a step's dispatch is a byte load, not a chain of compares per step.
+__device__ __forceinline__ int kind_of(format_traits f) {
+  if (f.bits > 8) return -1;
+  const int b = f.bits == 8 ? 0 : f.bits == 4 ? 1 : 2;
+  return f.fam == family::fp8_e4m3 ? 6 : f.fam == family::sym ? 3 + b : b;
+}
+
 // The pages of one thread block's slabs, looked up once: the K block's offset in 16-byte units,
 // the V block's offset from it, and both formats' traits (no per-slab table decoding). For the
 // block-staged kernel, also the part of the page-head its page stage holds (`issue_page`). There,
@@ -681,6 +693,7 @@ struct page_table_cache {
   format_traits fk[max_cta_slabs * slab / 64 + 2];
   format_traits fv[max_cta_slabs * slab / 64 + 2];
   format_id kid[max_cta_slabs * slab / 64 + 2];
+  int8_t kk[max_cta_slabs * slab / 64 + 2], kv[max_cta_slabs * slab / 64 + 2];  // kind_of(fk), kind_of(fv)
   format_id vid[max_cta_slabs * slab / 64 + 2];
 };
 
@@ -715,6 +728,7 @@ struct slab_ref {
   const uint8_t* v;
   int tok0, valid, row0;
   format_traits fk, fv;
+  int8_t kk, kv;  // kind_of(fk), kind_of(fv) (page slabs)
   bool ring;
 };
 
@@ -730,6 +744,8 @@ __device__ __forceinline__ slab_ref locate_slab(const attend_params& p, const de
     const int e = (s.tok0 >> log2i(p.kv.page_tokens)) - pc.first_page;
     s.fk = pc.fk[e];
     s.fv = pc.fv[e];
+    s.kk = pc.kk[e];
+    s.kv = pc.kv[e];
     s.k = p.kv.arena + size_t(pc.page16[e]) * 16;
     s.v = s.k + pc.v_offset[e];
   } else {
@@ -738,6 +754,7 @@ __device__ __forceinline__ slab_ref locate_slab(const attend_params& p, const de
     s.valid = min(slab, item.n - s.tok0);
     s.row0 = 0;
     s.fk = s.fv = traits_of(fp16_format);
+    s.kk = s.kv = -1;
     s.k = ring_base<D>(p, item, h);
     s.v = s.k + size_t(p.kv.window) * D * 2;
   }
@@ -1127,6 +1144,8 @@ __device__ __forceinline__ void fill_page_table(const attend_params& p, const de
     pc.copy_bytes[e] = (k_st ? kb : 0u) + (v_st ? vb : 0u);  // (K and V blocks are contiguous)
     pc.fk[e] = traits_of(fm[2 * h]);
     pc.fv[e] = traits_of(fm[2 * h + 1]);
+    pc.kk[e] = int8_t(kind_of(pc.fk[e]));
+    pc.kv[e] = int8_t(kind_of(pc.fv[e]));
     pc.kid[e] = fm[2 * h];
     pc.vid[e] = fm[2 * h + 1];
   }
@@ -1619,16 +1638,6 @@ __device__ __forceinline__ void issue_chunk(const attend_params& p, const page_t
   if (lane == 0) mbar_expect_tx(bar, total);
 }
 
-// The staged kernel compiles the K part (loads, dequantization, score MMAs) and the V part (loads,
-// dequantization, P, output MMAs) once per kind of page format, each a straight run of code with the
-// format's family and bits constant (branches inside a slab cost issue slots and split the code the
-// scheduler can interleave). Kinds: KIVI/RoleAlign 8/4/2 bits (0-2), sym 8/4/2 (3-5), fp8 (6);
-// 16-bit formats (-1) take the unstaged path.
-__device__ __forceinline__ int kind_of(format_traits f) {
-  if (f.bits > 8) return -1;
-  const int b = f.bits == 8 ? 0 : f.bits == 4 ? 1 : 2;
-  return f.fam == family::fp8_e4m3 ? 6 : f.fam == family::sym ? 3 + b : b;
-}
 
 // S^T of S consecutive staged slabs (sk: the stage as a `rows`-row page, row0 the first slab's
 // row) for one kind of K format; slab s's scores in sc[4s..4s+3].
@@ -1688,7 +1697,7 @@ __device__ __forceinline__ void values_kind(const slab_ref& sk, uint16_t group, 
 template <int D, int Cap, int S>
 __device__ __forceinline__ void scores_staged(format_traits fk, const slab_ref& sk, int rows, int window, int g, int t,
                                               const uint32_t (&qb)[D / 8], float (&sc)[4 * S], float (&rs)[2 * S], int valid) {
-  switch (kind_of(fk)) {
+  switch (sk.kk) {
     case 0: scores_kind<D, Cap, family::kivi, 8, S>(sk, fk.group, rows, window, g, t, qb, sc, rs, valid); break;
     case 1: scores_kind<D, Cap, family::kivi, 4, S>(sk, fk.group, rows, window, g, t, qb, sc, rs, valid); break;
     case 2: scores_kind<D, Cap, family::kivi, 2, S>(sk, fk.group, rows, window, g, t, qb, sc, rs, valid); break;
@@ -1701,7 +1710,7 @@ __device__ __forceinline__ void scores_staged(format_traits fk, const slab_ref& 
 template <int D, int Cap, int S>
 __device__ __forceinline__ void values_staged(format_traits fv, const slab_ref& sk, int rows, int window, int g, int t,
                                               float (&pv)[4 * S], int valid, float (&acc)[D / 16][4]) {
-  switch (kind_of(fv)) {
+  switch (sk.kv) {
     case 0: values_kind<D, Cap, family::kivi, 8, S>(sk, fv.group, rows, window, g, t, pv, valid, acc); break;
     case 1: values_kind<D, Cap, family::kivi, 4, S>(sk, fv.group, rows, window, g, t, pv, valid, acc); break;
     case 2: values_kind<D, Cap, family::kivi, 2, S>(sk, fv.group, rows, window, g, t, pv, valid, acc); break;
@@ -1830,6 +1839,7 @@ __global__ void __launch_bounds__(dec_warps * 32, staged_blocks) decode_kernel(c
   int cur_st = 0, cur_e = -1;
   uint32_t phases = 0;  // bit s: parity of stage s's next phase
   format_traits pk{}, pv_fmt{};  // the current page's formats (kept across its slabs)
+  int8_t pkk = -1, pvk = -1;     // and their kinds
   for (int j = s0; j < s1; ++j) {
     if (issue_j < issue_end) {  // refill the stage the previous slab freed
       issue_chunk<D>(p, sm.pages, sm.sect, issue_j, false, lane, my_stages_s + issue_st * st_bytes, my_bars + issue_st * 8);
@@ -1840,8 +1850,8 @@ __global__ void __launch_bounds__(dec_warps * 32, staged_blocks) decode_kernel(c
     if (j < page_slabs) {  // the page's formats are read only when the page changes
       cur.tok0 = j * slab;
       const int e = (cur.tok0 >> log2i(P)) - sm.pages.first_page;
-      if (e != cur_e) cur_e = e, pk = sm.pages.fk[e], pv_fmt = sm.pages.fv[e];
-      cur.fk = pk, cur.fv = pv_fmt;
+      if (e != cur_e) cur_e = e, pk = sm.pages.fk[e], pv_fmt = sm.pages.fv[e], pkk = sm.pages.kk[e], pvk = sm.pages.kv[e];
+      cur.fk = pk, cur.fv = pv_fmt, cur.kk = pkk, cur.kv = pvk;
       cur.k = p.kv.arena + size_t(sm.pages.page16[e]) * 16;  // (used by the unstaged paths only)
       cur.v = cur.k + sm.pages.v_offset[e];
       cur.ring = false;
@@ -1960,7 +1970,7 @@ __global__ void __launch_bounds__(dec_warps * 32, staged_blocks) decode_paged_ke
     const int j = c0 + 2 * u;
     slab_ref cur;
     cur.tok0 = j * slab;
-    cur.fk = sm.pages.fk[e], cur.fv = sm.pages.fv[e];
+    cur.fk = sm.pages.fk[e], cur.fv = sm.pages.fv[e], cur.kk = sm.pages.kk[e], cur.kv = sm.pages.kv[e];
     cur.k = p.kv.arena + size_t(sm.pages.page16[e]) * 16;  // (used by the unstaged paths only)
     cur.v = cur.k + sm.pages.v_offset[e];
     cur.ring = false;
