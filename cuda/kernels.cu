@@ -1038,10 +1038,11 @@ __device__ __forceinline__ void values_int(const v_raw<D, Cap>& vr, bool sym, in
                                            float (&acc)[D / 16][4]) {
   uint32_t sr[4], zr[4];
 #pragma unroll
-  for (int r = 0; r < 4; ++r) {
-    const bool ok = 2 * t + (r & 1) + 8 * (r >> 1) < valid;
-    sr[r] = ok ? vr.s[r] : 0u;
-    zr[r] = ok && !sym ? vr.z[r] : 0u;
+  for (int r = 0; r < 4; ++r) sr[r] = vr.s[r], zr[r] = sym ? 0u : vr.z[r];
+  if (valid < slab) {  // (warp-uniform: a slab's last rows)
+#pragma unroll
+    for (int r = 0; r < 4; ++r)
+      if (2 * t + (r & 1) + 8 * (r >> 1) >= valid) sr[r] = zr[r] = 0u;
   }
   const __half2 s01 = bits_h2(__byte_perm(sr[0], sr[1], 0x5410)), s89 = bits_h2(__byte_perm(sr[2], sr[3], 0x5410));
   const __half2 z01 = bits_h2(__byte_perm(zr[0], zr[1], 0x5410)), z89 = bits_h2(__byte_perm(zr[2], zr[3], 0x5410));
@@ -1230,8 +1231,10 @@ struct column_state {
   float acc[D / 16][4];
   float cz[2] = {0.f, 0.f};
   int last_visible[2];
+  int all_visible;  // the last token every column may see (warp-uniform)
   __device__ column_state(const attend_params& p, const decode_item& item, int t) {
     const int q_first = item.n - item.q_len;
+    all_visible = q_first;
     last_visible[0] = q_first + (2 * t) / p.group;
     last_visible[1] = q_first + (2 * t + 1) / p.group;
 #pragma unroll
@@ -1259,12 +1262,20 @@ __device__ __forceinline__ void softmax_tiles(float (&sc)[4 * S], const float (&
   const float(&cz)[2] = cs.cz;
   const int(&last_visible)[2] = cs.last_visible;
   float tile_max[2] = {-INFINITY, -INFINITY};
+  if (valid >= slab * S && tok0 + slab * S - 1 <= cs.all_visible) {  // (warp-uniform) nothing to mask
 #pragma unroll
-  for (int i = 0; i < 4 * S; ++i) {
-    const int e = i % 4, row = slab * (i / 4) + g + (e / 2) * 8;
-    const float x = (sc[i] * rs[i / 2] + cz[e % 2]) * scale_log2;
-    sc[i] = row < valid && tok0 + row <= last_visible[e % 2] ? x : -INFINITY;
-    tile_max[e % 2] = fmaxf(tile_max[e % 2], sc[i]);
+    for (int i = 0; i < 4 * S; ++i) {
+      sc[i] = (sc[i] * rs[i / 2] + cz[i % 2]) * scale_log2;
+      tile_max[i % 2] = fmaxf(tile_max[i % 2], sc[i]);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4 * S; ++i) {
+      const int e = i % 4, row = slab * (i / 4) + g + (e / 2) * 8;
+      const float x = (sc[i] * rs[i / 2] + cz[e % 2]) * scale_log2;
+      sc[i] = row < valid && tok0 + row <= last_visible[e % 2] ? x : -INFINITY;
+      tile_max[e % 2] = fmaxf(tile_max[e % 2], sc[i]);
+    }
   }
   // The running max is raised only when a score exceeds it by more than `slack` (a warp vote
   // instead of a shuffle reduction per step): until then P = 2^(s - m) may reach 2^slack, far
