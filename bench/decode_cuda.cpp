@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -80,11 +81,40 @@ void fill(kvq::KVCache& cache, int n, int context, const void* dk, const void* d
   }
 }
 
+// Pages alternate between two format pairs, page by page: a layer whose precision moved over time
+// (EchoKV's), where every page's formats differ from its neighbours' (the kernels' per-page
+// dispatch, not the loop compiled for one format).
+class striped_policy final : public kvq::policy {
+ public:
+  striped_policy(kvq::format_pair a, kvq::format_pair b) : a_(a), b_(b) {}
+  std::string name() const override { return "striped"; }
+  kvq::status bind(const kvq::cache_shape& shape) override {
+    page_ = shape.page_tokens;
+    return {};
+  }
+  kvq::format_id choose(const kvq::page_request& req) override {
+    const kvq::format_pair& p = (req.first_token / page_) % 2 ? b_ : a_;
+    return req.r == kvq::role::k ? p.k : p.v;
+  }
+  kvq::format_pair current(int, int) const override { return a_; }
+
+ private:
+  kvq::format_pair a_, b_;
+  int64_t page_ = 64;
+};
+
+double pair_bits(const kvq::format_pair& fp) {
+  return 0.5 * (kvq::bits_per_element(kvq::traits_of(fp.k), kvq::role::k, 64, D) +
+                kvq::bits_per_element(kvq::traits_of(fp.v), kvq::role::v, 64, D));
+}
+
+// spec: a format pair, or two joined by '|' (pages alternating between them: `striped_policy`).
 void bm_decode(benchmark::State& state, std::string spec, int batch, int context) {
   // memory: pages for every set + windows
-  const auto fp = kvq::parse_format_pair(spec).value();
-  const double bpe = 0.5 * (kvq::bits_per_element(kvq::traits_of(fp.k), kvq::role::k, 64, D) +
-                            kvq::bits_per_element(kvq::traits_of(fp.v), kvq::role::v, 64, D));
+  const size_t bar = spec.find('|');
+  const auto fp = kvq::parse_format_pair(spec.substr(0, bar)).value();
+  const auto fp2 = bar == std::string::npos ? fp : kvq::parse_format_pair(spec.substr(bar + 1)).value();
+  const double bpe = 0.5 * (pair_bits(fp) + pair_bits(fp2));
   const double set_bytes = double(batch) * context * H * D * 2 * bpe / 8;
   const int sets = int(std::clamp(std::ceil(512e6 / set_bytes), 1.0, 64.0));
   kvq::cache_config cfg;
@@ -93,7 +123,9 @@ void bm_decode(benchmark::State& state, std::string spec, int batch, int context
   cfg.max_sequences = batch * sets;
   cfg.max_tokens = context;
   cfg.budget_bytes = uint64_t(set_bytes * sets * 1.05) + uint64_t(batch) * sets * (H * 2 * 128 * D * 2 + 4096) + (64 << 20);
-  auto pol = std::make_shared<kvq::static_policy>(fp);
+  std::shared_ptr<kvq::policy> pol;
+  if (bar == std::string::npos) pol = std::make_shared<kvq::static_policy>(fp);
+  else pol = std::make_shared<striped_policy>(fp, fp2);
   auto cr = kvq::KVCache::create(cfg, pol);
   if (!cr.ok()) {
     state.SkipWithError(cr.error().to_string().c_str());
@@ -260,7 +292,8 @@ void bm_append_step(benchmark::State& state, std::string spec, int batch, int co
 
 const int registered = [] {
   const char* formats_env = std::getenv("KVQ_BENCH_FORMATS");
-  std::vector<std::string> formats = {"fp16", "sym8", "kivi8/g32", "fp8", "kivi4/g32", "k=kivi4/g32,v=kivi2/g32", "kivi2/g32"};
+  std::vector<std::string> formats = {"fp16",      "sym8", "kivi8/g32", "fp8", "kivi4/g32", "k=kivi4/g32,v=kivi2/g32", "kivi2/g32",
+                                      "kivi4/g32|kivi2/g32"};
   if (formats_env) {
     formats.clear();
     std::string s = formats_env;

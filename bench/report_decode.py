@@ -28,7 +28,7 @@ for b in bench["benchmarks"]:
     m = re.match(r"decode/(.+)/B(\d+)/L(\d+)/", b["name"])
     if not m:
         continue
-    fmt, B, L = m.group(1), int(m.group(2)), int(m.group(3))
+    fmt, B, L = m.group(1).replace("|", " \\| "), int(m.group(2)), int(m.group(3))  # (a striped pair: a|b)
     us = b["median_us"]
     cudnn = peer.get(("cudnn", B, L))
     flash = peer.get(("flash", B, L))
