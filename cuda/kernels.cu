@@ -1649,7 +1649,6 @@ __device__ __forceinline__ void issue_chunk(const attend_params& p, const page_t
   if (lane == 0) mbar_expect_tx(bar, total);
 }
 
-
 // S^T of S consecutive staged slabs (sk: the stage as a `rows`-row page, row0 the first slab's
 // row) for one kind of K format; slab s's scores in sc[4s..4s+3].
 template <int D, int Cap, family Fam, int Bits, int S>
