@@ -194,8 +194,7 @@ void bm_decode(benchmark::State& state, std::string spec, int batch, int context
 // quantity the 5 % goal is about. Each iteration appends 2 tokens per sequence (both paths).
 void bm_append_step(benchmark::State& state, std::string spec, int batch, int context) {
   const auto fp = kvq::parse_format_pair(spec).value();
-  const double bpe = 0.5 * (kvq::bits_per_element(kvq::traits_of(fp.k), kvq::role::k, 64, D) +
-                            kvq::bits_per_element(kvq::traits_of(fp.v), kvq::role::v, 64, D));
+  const double bpe = pair_bits(fp);
   const int steps = 512;  // tokens appended at most (warm-up: two per step; iterations: three)
   kvq::cache_config cfg;
   cfg.shape = {1, Hq, H, D, 64, 128, 64};
