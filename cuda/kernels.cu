@@ -1139,14 +1139,13 @@ __device__ __forceinline__ void fill_page_table(const attend_params& p, const de
     for (int hh = 0; hh < h; ++hh) off += p.kv.k_page_bytes[fm[2 * hh]] + p.kv.v_page_bytes[fm[2 * hh + 1]];
     pc.page16[e] = uint32_t((size_t(p.kv.blocks[row]) * 256 + off) / 16);
     const uint32_t kb = p.kv.k_page_bytes[fm[2 * h]], vb = p.kv.v_page_bytes[fm[2 * h + 1]];
-    const bool k_st = traits_of(fm[2 * h]).bits <= p.stage_cap, v_st = traits_of(fm[2 * h + 1]).bits <= p.stage_cap;
+    const format_traits fk = traits_of(fm[2 * h]), fv = traits_of(fm[2 * h + 1]);
+    const bool k_st = fk.bits <= p.stage_cap, v_st = fv.bits <= p.stage_cap;
     pc.v_offset[e] = p.page_stage && !k_st && v_st ? 0u : kb;
     pc.copy_from[e] = k_st ? 0u : kb;
     pc.copy_bytes[e] = (k_st ? kb : 0u) + (v_st ? vb : 0u);  // (K and V blocks are contiguous)
-    pc.fk[e] = traits_of(fm[2 * h]);
-    pc.fv[e] = traits_of(fm[2 * h + 1]);
-    pc.kk[e] = int8_t(kind_of(pc.fk[e]));
-    pc.kv[e] = int8_t(kind_of(pc.fv[e]));
+    pc.fk[e] = fk, pc.fv[e] = fv;
+    pc.kk[e] = int8_t(kind_of(fk)), pc.kv[e] = int8_t(kind_of(fv));
     pc.kid[e] = fm[2 * h];
     pc.vid[e] = fm[2 * h + 1];
   }
@@ -1621,8 +1620,16 @@ __device__ __forceinline__ void staged_start(const attend_params& p, const decod
                                              int warp, int g, int t, int lane, staged_head<D>& sm, uint32_t (&qb)[D / 8]) {
   fill_page_table<D>(p, item, h, rg.c0, rg.c1, rg.page_slabs, sm.pages);
   load_query<D>(p, item, h, g, t, qb);
-  if (warp == 0) {
-    put_query<D>(sm.qh, lane, qb);
+  // Every warp holds the same fragments: warp w stores row w of the D / 32 rows (warps past them
+  // store nothing). No warp-0-only stores: in the build with per-kind chunk loops, ptxas
+  // predicated those in every warp, and racecheck reported them as a hazard (unexplained).
+  static_assert(D / 32 <= dec_warps, "one query row per warp");
+  if (warp < D / 32) {
+    uint4 v = make_uint4(qb[0], qb[1], qb[2], qb[3]);
+#pragma unroll
+    for (int i = 1; i < D / 32; ++i)
+      if (warp == i) v = make_uint4(qb[4 * i], qb[4 * i + 1], qb[4 * i + 2], qb[4 * i + 3]);
+    sm.qh[warp][lane] = v;
   }
 }
 
@@ -1648,6 +1655,7 @@ __device__ __forceinline__ void issue_chunk(const attend_params& p, const page_t
   }
   if (lane == 0) mbar_expect_tx(bar, total);
 }
+
 
 // S^T of S consecutive staged slabs (sk: the stage as a `rows`-row page, row0 the first slab's
 // row) for one kind of K format; slab s's scores in sc[4s..4s+3].
@@ -1703,10 +1711,19 @@ __device__ __forceinline__ void values_kind(const slab_ref& sk, uint16_t group, 
   }
 }
 
-// The K part and the V part of a step of S staged slabs of one page, compiled per kind of format.
-template <int D, int Cap, int S>
+// The family and bits of a kind (`kind_of`).
+constexpr family kind_family(int k) { return k == 6 ? family::fp8_e4m3 : k >= 3 ? family::sym : family::kivi; }
+constexpr int kind_bits(int k) { return k == 6 ? 8 : 8 >> (k % 3); }
+
+// The K part and the V part of a step of S staged slabs of one page, compiled per kind of format:
+// the kind `Kind` (>= 0: a block whose pages are all of one kind), or a switch over the page's.
+template <int D, int Cap, int S, int Kind = -1>
 __device__ __forceinline__ void scores_staged(format_traits fk, const slab_ref& sk, int rows, int window, int g, int t,
                                               const uint32_t (&qb)[D / 8], float (&sc)[4 * S], float (&rs)[2 * S], int valid) {
+  if constexpr (Kind >= 0) {
+    scores_kind<D, Cap, kind_family(Kind), kind_bits(Kind), S>(sk, fk.group, rows, window, g, t, qb, sc, rs, valid);
+    return;
+  }
   switch (sk.kk) {
     case 0: scores_kind<D, Cap, family::kivi, 8, S>(sk, fk.group, rows, window, g, t, qb, sc, rs, valid); break;
     case 1: scores_kind<D, Cap, family::kivi, 4, S>(sk, fk.group, rows, window, g, t, qb, sc, rs, valid); break;
@@ -1717,9 +1734,13 @@ __device__ __forceinline__ void scores_staged(format_traits fk, const slab_ref& 
     default: scores_kind<D, Cap, family::fp8_e4m3, 8, S>(sk, fk.group, rows, window, g, t, qb, sc, rs, valid); break;
   }
 }
-template <int D, int Cap, int S>
+template <int D, int Cap, int S, int Kind = -1>
 __device__ __forceinline__ void values_staged(format_traits fv, const slab_ref& sk, int rows, int window, int g, int t,
                                               float (&pv)[4 * S], int valid, float (&acc)[D / 16][4]) {
+  if constexpr (Kind >= 0) {
+    values_kind<D, Cap, kind_family(Kind), kind_bits(Kind), S>(sk, fv.group, rows, window, g, t, pv, valid, acc);
+    return;
+  }
   switch (sk.kv) {
     case 0: values_kind<D, Cap, family::kivi, 8, S>(sk, fv.group, rows, window, g, t, pv, valid, acc); break;
     case 1: values_kind<D, Cap, family::kivi, 4, S>(sk, fv.group, rows, window, g, t, pv, valid, acc); break;
@@ -1736,7 +1757,7 @@ __device__ __forceinline__ void values_staged(format_traits fv, const slab_ref& 
 // of a staged chunk (`pair`). cur: the slab(s) in memory; sk: the same rows in their stage, which
 // has the shape of a `rows`-row page (a chunk stage holds one token group's KIVI key parameters, a
 // page stage (`page_stage`) the whole page's).
-template <int D, int Cap>
+template <int D, int Cap, int KK = -1, int KV = -1>
 __device__ __forceinline__ void decode_step(const attend_params& p, const slab_ref& cur, const slab_ref& sk, int rows,
                                             bool page_stage, bool k_st, bool v_st, bool pair, int g, int t, int lane,
                                             const uint4 (&qh)[D / 32][32], uint32_t (&qb)[D / 8], int& q_key,
@@ -1764,15 +1785,15 @@ __device__ __forceinline__ void decode_step(const attend_params& p, const slab_r
   const int wnd = p.kv.window;
   if (pair) {
     float sc[8], rs[4] = {1.f, 1.f, 1.f, 1.f}, pv[8];
-    scores_staged<D, Cap, 2>(fk, sk, rows, wnd, g, t, qb, sc, rs, cur.valid);
+    scores_staged<D, Cap, 2, KK>(fk, sk, rows, wnd, g, t, qb, sc, rs, cur.valid);
     softmax_tiles<D, 2>(sc, rs, p.scale_log2, cur.tok0, cur.valid, g, cs, pv);
-    values_staged<D, Cap, 2>(fv, sk, rows, wnd, g, t, pv, cur.valid, cs.acc);
+    values_staged<D, Cap, 2, KV>(fv, sk, rows, wnd, g, t, pv, cur.valid, cs.acc);
   } else {
     // ---- S^T = K Q^T ----
     float sc[4] = {0.f, 0.f, 0.f, 0.f};
     float rs[2] = {1.f, 1.f};  // fp8 keys: per-token scales of rows g, g+8
     if (k_st) {
-      scores_staged<D, Cap, 1>(fk, sk, rows, wnd, g, t, qb, sc, rs, cur.valid);
+      scores_staged<D, Cap, 1, KK>(fk, sk, rows, wnd, g, t, qb, sc, rs, cur.valid);
     } else if (fk.bits == 16) {  // the FP16 ring, a stray 16-bit page
       scores_wide<D>(cur, fk.fam, g, t, wnd, qb, sc);
     } else {  // a page wider than the stages (under a smaller `max_page_bits` hint)
@@ -1792,7 +1813,7 @@ __device__ __forceinline__ void decode_step(const attend_params& p, const slab_r
 
     // ---- O^T += V^T P^T ----
     if (v_st) {
-      values_staged<D, Cap, 1>(fv, sk, rows, wnd, g, t, pv, cur.valid, cs.acc);
+      values_staged<D, Cap, 1, KV>(fv, sk, rows, wnd, g, t, pv, cur.valid, cs.acc);
     } else if (fv.bits == 16) {
       uint32_t pb0, pb1;
       p_frags(pv, pb0, pb1);
@@ -1971,47 +1992,76 @@ __global__ void __launch_bounds__(dec_warps * 32, staged_blocks) decode_paged_ke
   int q_key = -2;  // the KIVI token group (its first token) whose scales qb holds; -1: the plain query
   column_state<D> cs(p, item, t);
   bool worked = false;
-  // The warp's chunk u is in the block's page e = u / cpp, which is in stage st = e % ns, its fill
-  // e / ns: kept as counters (pages advance by at most 4 / cpp <= 2 < ns per step), not divided
-  // anew per chunk (a division by a runtime value is ~20 dependent instructions with a MUFU).
-  const int lg_cpp = log2i(cpp);
-  int e = warp >> lg_cpp, st = e % ns, fill = e / ns;
-  for (int u = warp; u < n_chunks; u += dec_warps) {
-    const int j = c0 + 2 * u;
-    slab_ref cur;
-    cur.tok0 = j * slab;
-    cur.fk = sm.pages.fk[e], cur.fv = sm.pages.fv[e], cur.kk = sm.pages.kk[e], cur.kv = sm.pages.kv[e];
-    cur.k = p.kv.arena + size_t(sm.pages.page16[e]) * 16;  // (used by the unstaged paths only)
-    cur.v = cur.k + sm.pages.v_offset[e];
-    cur.ring = false;
-    cur.row0 = cur.tok0 & (P - 1);
-    mbar_wait(full_bar(st, fill), full_parity(fill));
-    const bool k_st = cur.fk.bits <= p.stage_cap, v_st = cur.fv.bits <= p.stage_cap;
-    slab_ref sk = cur;
-    sk.k = stages + st * st_bytes, sk.v = sk.k + sm.pages.v_offset[e];
-    if (j + 1 < pc_end && k_st && v_st) {  // the chunk's two slabs as one step
-      cur.valid = sk.valid = min(2 * slab, item.from_pages - cur.tok0);
-      decode_step<D, Cap>(p, cur, sk, P, true, k_st, v_st, true, g, t, lane, sm.qh, qb, q_key, cs);
-    } else {
-      for (int i = 0; i < 2 && j + i < pc_end; ++i) {
-        slab_ref c1 = cur, s1 = sk;
-        c1.tok0 = cur.tok0 + slab * i, c1.row0 = s1.row0 = cur.row0 + slab * i;
-        c1.valid = s1.valid = min(slab, item.from_pages - c1.tok0);
-        decode_step<D, Cap>(p, c1, s1, P, true, k_st, v_st, false, g, t, lane, sm.qh, qb, q_key, cs);
+  // The chunks of the block's pages, compiled for one (K kind, V kind) where KK, KV >= 0 (every
+  // page of the block of those kinds, both staged), else dispatching on each page's kinds.
+  const auto chunks = [&]<int KK, int KV>() __attribute__((always_inline)) {
+    // The warp's chunk u is in the block's page e = u / cpp, which is in stage st = e % ns, its fill
+    // e / ns: kept as counters (pages advance by at most 4 / cpp <= 2 < ns per step), not divided
+    // anew per chunk (a division by a runtime value is ~20 dependent instructions with a MUFU).
+    const int lg_cpp = log2i(cpp);
+    int e = warp >> lg_cpp, st = e % ns, fill = e / ns;
+    for (int u = warp; u < n_chunks; u += dec_warps) {
+      const int j = c0 + 2 * u;
+      slab_ref cur;
+      cur.tok0 = j * slab;
+      cur.fk = sm.pages.fk[e], cur.fv = sm.pages.fv[e], cur.kk = sm.pages.kk[e], cur.kv = sm.pages.kv[e];
+      cur.k = p.kv.arena + size_t(sm.pages.page16[e]) * 16;  // (used by the unstaged paths only)
+      cur.v = cur.k + sm.pages.v_offset[e];
+      cur.ring = false;
+      cur.row0 = cur.tok0 & (P - 1);
+      mbar_wait(full_bar(st, fill), full_parity(fill));
+      const bool k_st = KK >= 0 || cur.fk.bits <= p.stage_cap, v_st = KV >= 0 || cur.fv.bits <= p.stage_cap;
+      slab_ref sk = cur;
+      sk.k = stages + st * st_bytes, sk.v = sk.k + sm.pages.v_offset[e];
+      if (j + 1 < pc_end && k_st && v_st) {  // the chunk's two slabs as one step
+        cur.valid = sk.valid = min(2 * slab, item.from_pages - cur.tok0);
+        decode_step<D, Cap, KK, KV>(p, cur, sk, P, true, k_st, v_st, true, g, t, lane, sm.qh, qb, q_key, cs);
+      } else {
+        for (int i = 0; i < 2 && j + i < pc_end; ++i) {
+          slab_ref c1 = cur, s1 = sk;
+          c1.tok0 = cur.tok0 + slab * i, c1.row0 = s1.row0 = cur.row0 + slab * i;
+          c1.valid = s1.valid = min(slab, item.from_pages - c1.tok0);
+          decode_step<D, Cap, KK, KV>(p, c1, s1, P, true, k_st, v_st, false, g, t, lane, sm.qh, qb, q_key, cs);
+        }
       }
-    }
-    worked = true;
-    __syncwarp();  // every lane is done with this chunk's rows of the stage
-    if (e + ns < n_pages) {  // the page's warps release its stage; the warp of its last chunk refills it
-      mbar_arrive(bars_empty + st * 8);  // every lane: an arrive releases its own thread's reads only
-      if ((u & (cpp - 1)) == cpp - 1) {  // u == last_chunk(e) (in warp issuer(e))
-        mbar_wait(bars_empty + st * 8, uint32_t(fill) & 1u);
-        if (lane == 0) issue_page<D>(p, sm.pages, e + ns, stages_s + st * st_bytes, full_bar(st, fill + 1));
+      worked = true;
+      __syncwarp();  // every lane is done with this chunk's rows of the stage
+      if (e + ns < n_pages) {  // the page's warps release its stage; the warp of its last chunk refills it
+        mbar_arrive(bars_empty + st * 8);  // every lane: an arrive releases its own thread's reads only
+        if ((u & (cpp - 1)) == cpp - 1) {  // u == last_chunk(e) (in warp issuer(e))
+          mbar_wait(bars_empty + st * 8, uint32_t(fill) & 1u);
+          if (lane == 0) issue_page<D>(p, sm.pages, e + ns, stages_s + st * st_bytes, full_bar(st, fill + 1));
+        }
       }
+      const int e_next = (u + dec_warps) >> lg_cpp;
+      st += e_next - e, e = e_next;
+      if (st >= ns) st -= ns, ++fill;
     }
-    const int e_next = (u + dec_warps) >> lg_cpp;
-    st += e_next - e, e = e_next;
-    if (st >= ns) st -= ns, ++fill;
+  };
+  // Layers of one format (a static policy's) mostly: a block whose pages all have the same staged
+  // K and V kinds runs the chunk loop compiled for them (no dispatch per step). The rings' common
+  // kinds: 8-bit (two full barriers) kivi8, sym8, fp8; 4/2-bit kivi4, kivi2, sym4, sym2 and KIVI's
+  // K4V2.
+  bool same = true;
+  for (int i = threadIdx.x; i < n_pages; i += dec_warps * 32) same = same && sm.pages.kk[i] == sm.pages.kk[0] && sm.pages.kv[i] == sm.pages.kv[0];
+  const bool uni = __syncthreads_and(same) && n_pages > 0 && sm.pages.fk[0].bits <= p.stage_cap && sm.pages.fv[0].bits <= p.stage_cap;
+  const int combo = uni ? 8 * sm.pages.kk[0] + sm.pages.kv[0] : -1;
+  if constexpr (TwoFull) {
+    switch (combo) {
+      case 8 * 0 + 0: chunks.template operator()<0, 0>(); break;
+      case 8 * 3 + 3: chunks.template operator()<3, 3>(); break;
+      case 8 * 6 + 6: chunks.template operator()<6, 6>(); break;
+      default: chunks.template operator()<-1, -1>(); break;
+    }
+  } else {
+    switch (combo) {
+      case 8 * 1 + 1: chunks.template operator()<1, 1>(); break;
+      case 8 * 2 + 2: chunks.template operator()<2, 2>(); break;
+      case 8 * 1 + 2: chunks.template operator()<1, 2>(); break;
+      case 8 * 4 + 4: chunks.template operator()<4, 4>(); break;
+      case 8 * 5 + 5: chunks.template operator()<5, 5>(); break;
+      default: chunks.template operator()<-1, -1>(); break;
+    }
   }
   for (int j = max(c0, page_slabs) + warp; j < rg.c1; j += dec_warps) {  // the FP16 ring
     const slab_ref cur = locate_slab<D>(p, item, h, j, page_slabs, sm.pages);
