@@ -82,6 +82,8 @@ class cuda_backend final : public cache_backend {
     KVQ_TRY(cuda_ok(cudaDeviceGetAttribute(&sms_, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute"));
     max_pages_ = int((cfg_.max_tokens + sh.page_tokens - 1) / sh.page_tokens);
     layer_bits_.assign(size_t(sh.layers), 2);
+    head_pair_.assign(size_t(sh.layers) * sh.kv_heads, -1);
+    layer_mixed_.assign(size_t(sh.layers), 0);
     KVQ_TRY(arena_.allocate(store_.arena().capacity(), "cache arena"));
     const size_t rows = size_t(cfg_.max_sequences) * sh.layers * max_pages_;
     KVQ_TRY(blocks_.allocate(rows, "device page table"));
@@ -190,7 +192,8 @@ class cuda_backend final : public cache_backend {
   }
 
   // Appends pages [first, first + count) of a plan to the block and format lists of a call (and
-  // notes the widest format for the decode kernel's choice).
+  // notes, for the decode kernel's choice, the widest format and whether each head has kept one
+  // format pair).
   void add_pages(int layer, const append_plan& plan, int first, int count, std::vector<uint32_t>& blocks,
                  std::vector<uint8_t>& fmts) {
     const int per_page = cfg_.shape.kv_heads * 2;
@@ -200,6 +203,12 @@ class cuda_backend final : public cache_backend {
       for (int j = 0; j < per_page; ++j) {
         fmts.push_back(plan.entries[at + size_t(j)].fmt);
         layer_bits_[size_t(layer)] = std::max(layer_bits_[size_t(layer)], traits_of(plan.entries[at + size_t(j)].fmt).bits);
+      }
+      for (int h = 0; h < cfg_.shape.kv_heads; ++h) {
+        const int pair = 256 * int(plan.entries[at + size_t(2 * h)].fmt) + int(plan.entries[at + size_t(2 * h + 1)].fmt);
+        int16_t& hp = head_pair_[size_t(layer) * cfg_.shape.kv_heads + size_t(h)];
+        if (hp == -1) hp = int16_t(pair);
+        else if (hp != pair) hp = -2, layer_mixed_[size_t(layer)] = 1;
       }
     }
   }
@@ -263,6 +272,7 @@ class cuda_backend final : public cache_backend {
     a.scale = softmax_scale();
     a.num_sms = sms_;
     a.max_page_bits = layer_bits_[size_t(layer)];
+    a.one_format_per_head = !layer_mixed_[size_t(layer)];
     const size_t need = cuda::attend_workspace_bytes(a);
     if (need > workspace_.count)  // grows to the largest batch shape seen, then never again
       KVQ_TRY(workspace_.allocate(need, "attention workspace"));
@@ -328,6 +338,8 @@ class cuda_backend final : public cache_backend {
   cuda::paged_view view_;
   std::vector<cuda::decode_item> items_;
   std::vector<uint8_t> layer_bits_;  // [layers] the widest code bits of any page the layer has held
+  std::vector<int16_t> head_pair_;   // [layers][kv_heads] 256 K + V format of every page the head has held; -1 none, -2 several
+  std::vector<uint8_t> layer_mixed_;  // [layers] some head has held pages of two format pairs
   std::vector<cuda::append_seq> batch_items_;  // reused by write_batch
   std::vector<uint32_t> batch_blocks_;
   std::vector<uint8_t> batch_fmts_;

@@ -1605,7 +1605,7 @@ struct staged_head {
   // transaction updates of a barrier at the barrier's address less 0x400 (the reserved shared
   // memory), as a write racing with whatever the block keeps there (it flagged the query rows'
   // stores when the barriers followed them); at offset 0 nothing of the block's lies below them.
-  uint64_t bar[dec_warps][max_stages];
+  uint64_t bar[dec_warps + 2][max_stages];  // (block-staged kernel: full, empty, odd full, 3 more full rows)
   page_table_cache pages;
   uint4 qh[D / 32][32];  // the fp16 query pairs of each lane (for KIVI re-scaling; `put_query`); all warps alike
   uint4 sect[format_count][2][3];  // chunk_section of every (format, role, section), filled per block
@@ -1937,7 +1937,12 @@ __device__ __forceinline__ void issue_page(const attend_params& p, const page_ta
 }
 
 // TwoFull: two full barriers per stage (rings whose warp pairs take a stage's pages in turn; below).
-template <int D, bool TwoFull>
+// Whole: the caller says each kv head's pages have one format pair (`attend_args::
+// one_format_per_head`): blocks of 4/2-bit pages of one pair read whole 64-token units per step
+// (`pages`, below). An instance of its own: compiled into one kernel with the per-page dispatch,
+// it made that dispatch 2-5 % slower (register allocation), and a decode step over mixed layers
+// (EchoKV's tiers over time) 6-7 % slower.
+template <int D, bool TwoFull, bool Whole>
 __global__ void __launch_bounds__(dec_warps * 32, staged_blocks) decode_paged_kernel(const __grid_constant__ attend_params p) {
   constexpr int Cap = 8;
   extern __shared__ __align__(128) uint8_t dsm[];
@@ -1972,15 +1977,49 @@ __global__ void __launch_bounds__(dec_warps * 32, staged_blocks) decode_paged_ke
   const auto full_parity = [](int fill) { return uint32_t(TwoFull ? fill >> 1 : fill) & 1u; };
   uint32_t qb[D / 8];
   staged_start<D>(p, item, h, rg, warp, g, t, lane, sm, qb);
+  // Layers of one format (a static policy's) mostly: a block whose pages all have the same staged
+  // K and V kinds runs code compiled for those kinds (the rings' common kinds: 8-bit (two full
+  // barriers) kivi8, sym8, fp8; 4/2-bit kivi4, kivi2, sym4, sym2 and KIVI's K4V2): whole 64-token
+  // units per step (`pages`, the Whole instance, page_tokens 64 and up), else 32-token chunks
+  // (`chunks`). Other blocks run 32-token chunks that dispatch on each page's kinds.
+  const auto uniform_kinds = [&]() {  // the (K kind, V kind) of every page of the block, both staged; else -1
+    bool same = true;
+    for (int i = threadIdx.x; i < n_pages; i += dec_warps * 32) same = same && sm.pages.kk[i] == sm.pages.kk[0] && sm.pages.kv[i] == sm.pages.kv[0];
+    const bool uni = __syncthreads_and(same) && n_pages > 0 && sm.pages.fk[0].bits <= p.stage_cap && sm.pages.fv[0].bits <= p.stage_cap;
+    return uni ? 8 * sm.pages.kk[0] + sm.pages.kv[0] : -1;
+  };
+  int combo = -1;
+  bool whole = false;
+  if constexpr (Whole) {
+    __syncthreads();  // the page table
+    combo = uniform_kinds();
+    // Whole units need a stage in flight beyond the pages the 4 warps hold (4/2-bit rings: 6-8
+    // stages of one page each at page_tokens 64). 8-bit rings (3 stages, two full barriers)
+    // measured 8-10 % slower with them: they run 32-token chunks compiled per kind (`chunks`).
+    whole = P >= 4 * slab && ns * (P / (4 * slab)) > dec_warps &&
+            (combo == 8 * 1 + 1 || combo == 8 * 2 + 2 || combo == 8 * 1 + 2 || combo == 8 * 4 + 4 || combo == 8 * 5 + 5);
+  }
+  // Units per page: 32-token chunks, or 64-token units for `pages`. With 64-token units, the pages
+  // of a stage may go to up to four warps in turn: its fill f has full barrier row f mod 4, each
+  // row's phases belong to one warp (or one pair at page_tokens 128), which waits for them in order.
+  const int upp = whole ? P / (4 * slab) : cpp;
+  const auto quad_bar = [&](int stage, int fill) {
+    const int r = fill & 3;
+    return bars + uint32_t((r == 0 ? 0 : r + 1) * max_stages + stage) * 8;
+  };
   // Lane 0 of the warp of a page's last chunk issues the page's copy and arms its stage's full
   // barrier.
-  const auto last_chunk = [&](int e) { return (e + 1) * cpp - 1; };
+  const auto last_chunk = [&](int e) { return (e + 1) * upp - 1; };
   const auto issuer = [&](int e) { return last_chunk(e) % dec_warps; };
   if (warp == 0) {  // (a warp-uniform branch first: the init's loop over lanes must not run in other warps)
     if (lane < ns) {
       mbar_init(bars + lane * 8, 1);
-      if (TwoFull) mbar_init(bars_odd + lane * 8, 1);
-      mbar_init(bars_empty + lane * 8, uint32_t(32 * cpp));
+      if (TwoFull || whole) mbar_init(bars_odd + lane * 8, 1);
+      if (whole) {
+        mbar_init(bars + (3 * max_stages + lane) * 8, 1);
+        mbar_init(bars + (4 * max_stages + lane) * 8, 1);
+      }
+      mbar_init(bars_empty + lane * 8, uint32_t(32 * upp));
     }
   }
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -2038,29 +2077,85 @@ __global__ void __launch_bounds__(dec_warps * 32, staged_blocks) decode_paged_ke
       if (st >= ns) st -= ns, ++fill;
     }
   };
-  // Layers of one format (a static policy's) mostly: a block whose pages all have the same staged
-  // K and V kinds runs the chunk loop compiled for them (no dispatch per step). The rings' common
-  // kinds: 8-bit (two full barriers) kivi8, sym8, fp8; 4/2-bit kivi4, kivi2, sym4, sym2 and KIVI's
-  // K4V2.
-  bool same = true;
-  for (int i = threadIdx.x; i < n_pages; i += dec_warps * 32) same = same && sm.pages.kk[i] == sm.pages.kk[0] && sm.pages.kv[i] == sm.pages.kv[0];
-  const bool uni = __syncthreads_and(same) && n_pages > 0 && sm.pages.fk[0].bits <= p.stage_cap && sm.pages.fv[0].bits <= p.stage_cap;
-  const int combo = uni ? 8 * sm.pages.kk[0] + sm.pages.kv[0] : -1;
-  if constexpr (TwoFull) {
-    switch (combo) {
-      case 8 * 0 + 0: chunks.template operator()<0, 0>(); break;
-      case 8 * 3 + 3: chunks.template operator()<3, 3>(); break;
-      case 8 * 6 + 6: chunks.template operator()<6, 6>(); break;
-      default: chunks.template operator()<-1, -1>(); break;
+  // Whole 64-token units of a block whose pages all have one (K kind, V kind), both staged: one
+  // online-softmax update per unit (four slabs), half the per-step work of 32-token chunks. Warp w
+  // takes units w, w + 4, ...; at page_tokens 64 a unit is its page.
+  const auto pages = [&]<int KK, int KV>() __attribute__((always_inline)) {
+    constexpr family FK = kind_family(KK), FV = kind_family(KV);
+    constexpr int BK = kind_bits(KK), BV = kind_bits(KV);
+    const int lg_upp = log2i(upp), n_units = ceil_div(pc_end - c0, 4), wnd = p.kv.window;
+    int e = warp >> lg_upp, st = e % ns, fill = e / ns;
+    cs.cz[0] = cs.cz[1] = 0.f;  // (KIVI: each half's zero-point offsets go into its scores)
+    for (int u = warp; u < n_units; u += dec_warps) {
+      const int tok0 = (c0 + 4 * u) * slab, valid = min(4 * slab, item.from_pages - tok0);
+      mbar_wait(quad_bar(st, fill), uint32_t(fill >> 2) & 1u);
+      const format_traits fk = sm.pages.fk[e];
+      slab_ref sk;
+      sk.k = stages + st * st_bytes, sk.v = sk.k + sm.pages.v_offset[e];
+      sk.tok0 = tok0, sk.row0 = tok0 & (P - 1), sk.valid = valid, sk.ring = false;
+      float sc[16], rs[8], pv[16];
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {  // two 32-token halves (KIVI g32: a token group each)
+        slab_ref sh = sk;
+        sh.row0 = sk.row0 + 2 * slab * hf;
+        float part[8], prs[4] = {1.f, 1.f, 1.f, 1.f}, cz[2] = {0.f, 0.f};
+        if constexpr (FK == family::kivi) {
+          const int lgk = log2i(fk.group);
+          const uint8_t* ks = sk.k + P * (uint32_t(D * BK) >> 3) + uint32_t(sh.row0 >> lgk) * D * 2;
+          fold_kivi<D>(ks, ks + uint32_t(P >> lgk) * D * 2, BK, sm.qh, lane, t, qb, cz);
+        }
+        scores_kind<D, Cap, FK, BK, 2>(sh, fk.group, P, wnd, g, t, qb, part, prs, valid - 2 * slab * hf);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) sc[8 * hf + i] = part[i] + cz[i % 2];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) rs[4 * hf + i] = prs[i];
+      }
+      softmax_tiles<D, 4>(sc, rs, p.scale_log2, tok0, valid, g, cs, pv);
+      values_kind<D, Cap, FV, BV, 4>(sk, sm.pages.fv[e].group, P, wnd, g, t, pv, valid, cs.acc);
+      worked = true;
+      __syncwarp();  // every lane is done with this unit's rows of the stage
+      if (e + ns < n_pages) {  // the page's warps release its stage; the warp of its last unit refills it
+        mbar_arrive(bars_empty + st * 8);
+        if ((u & (upp - 1)) == upp - 1) {
+          mbar_wait(bars_empty + st * 8, uint32_t(fill) & 1u);
+          if (lane == 0) issue_page<D>(p, sm.pages, e + ns, stages_s + st * st_bytes, quad_bar(st, fill + 1));
+        }
+      }
+      const int e_next = (u + dec_warps) >> lg_upp;
+      st += e_next - e, e = e_next;
+      while (st >= ns) st -= ns, ++fill;
+    }
+    q_key = -2;  // qb holds a token group's fold
+  };
+  if constexpr (Whole) {
+    switch (whole ? combo : -1) {
+      case 8 * 1 + 1: pages.template operator()<1, 1>(); break;
+      case 8 * 2 + 2: pages.template operator()<2, 2>(); break;
+      case 8 * 1 + 2: pages.template operator()<1, 2>(); break;
+      case 8 * 4 + 4: pages.template operator()<4, 4>(); break;
+      case 8 * 5 + 5: pages.template operator()<5, 5>(); break;
+      default: chunks.template operator()<-1, -1>(); break;  // (a block of mixed pages: the hint was wrong)
     }
   } else {
-    switch (combo) {
-      case 8 * 1 + 1: chunks.template operator()<1, 1>(); break;
-      case 8 * 2 + 2: chunks.template operator()<2, 2>(); break;
-      case 8 * 1 + 2: chunks.template operator()<1, 2>(); break;
-      case 8 * 4 + 4: chunks.template operator()<4, 4>(); break;
-      case 8 * 5 + 5: chunks.template operator()<5, 5>(); break;
-      default: chunks.template operator()<-1, -1>(); break;
+    // A block whose pages all have the same staged K and V kinds runs the chunk loop compiled for
+    // them (no dispatch per step).
+    combo = uniform_kinds();
+    if constexpr (TwoFull) {
+      switch (combo) {
+        case 8 * 0 + 0: chunks.template operator()<0, 0>(); break;
+        case 8 * 3 + 3: chunks.template operator()<3, 3>(); break;
+        case 8 * 6 + 6: chunks.template operator()<6, 6>(); break;
+        default: chunks.template operator()<-1, -1>(); break;
+      }
+    } else {
+      switch (combo) {
+        case 8 * 1 + 1: chunks.template operator()<1, 1>(); break;
+        case 8 * 2 + 2: chunks.template operator()<2, 2>(); break;
+        case 8 * 1 + 2: chunks.template operator()<1, 2>(); break;
+        case 8 * 4 + 4: chunks.template operator()<4, 4>(); break;
+        case 8 * 5 + 5: chunks.template operator()<5, 5>(); break;
+        default: chunks.template operator()<-1, -1>(); break;
+      }
     }
   }
   for (int j = max(c0, page_slabs) + warp; j < rg.c1; j += dec_warps) {  // the FP16 ring
@@ -2164,6 +2259,7 @@ struct launch_plan {
   int stages, stage_cap, smem, per_sm;  // the staged decode kernel's stages and occupancy
   uint32_t page_stage;                         // > 0: the block-staged kernel, bytes of a page stage
   bool two_full;                               // its stage x chunks per page not a multiple of 4: two full barriers per stage
+  bool whole;                                  // the caller's `one_format_per_head` on a ring without two_full
 };
 
 // Stages of a layer of at most 8 bits. cap: the bits a stage holds (the layer's widest format,
@@ -2172,7 +2268,7 @@ struct launch_plan {
 // formats the stages hold each (8-bit page-heads: 18 KB at page_tokens 64, 3 stages); else the
 // per-warp staged kernel, one slab per stage, as many stages as fit, 2 at least.
 template <int D>
-void plan_stages(const paged_view& kv, int max_bits, launch_plan& lp) {
+void plan_stages(const paged_view& kv, int max_bits, bool one_format, launch_plan& lp) {
   constexpr int sm_bytes = 227 * 1024, reserved = 1024;
   lp.stage_cap = max_bits <= 2 ? 2 : max_bits <= 4 ? 4 : 8;
   const int room = sm_bytes / staged_blocks - reserved - int(staged_head_bytes<D>);
@@ -2188,6 +2284,7 @@ void plan_stages(const paged_view& kv, int max_bits, launch_plan& lp) {
   if (pns >= 3) {
     lp.page_stage = uint32_t(ps), st = ps, ring = 1, lp.stages = pns;
     lp.two_full = (pns * (kv.page_tokens / (2 * slab))) % dec_warps != 0;
+    lp.whole = one_format && !lp.two_full && kv.page_tokens >= 4 * slab && pns * (kv.page_tokens / (4 * slab)) > dec_warps;
   } else {
     lp.page_stage = 0, st = int(stage_bytes(D, lp.stage_cap)), ring = dec_warps;
     lp.stages = std::clamp(room / (ring * st), 2, max_stages);
@@ -2222,8 +2319,8 @@ launch_plan plan_for(const attend_args& a) {
     // at most max_cta_slabs per block (the page table cache).
     lp.wide = a.max_page_bits > 8;
     if (!lp.wide) {
-      if (a.kv.head_dim == 128) plan_stages<128>(a.kv, a.max_page_bits, lp);
-      else plan_stages<64>(a.kv, a.max_page_bits, lp);
+      if (a.kv.head_dim == 128) plan_stages<128>(a.kv, a.max_page_bits, a.one_format_per_head, lp);
+      else plan_stages<64>(a.kv, a.max_page_bits, a.one_format_per_head, lp);
     }
     const int64_t wave = int64_t(a.num_sms) * (lp.wide ? 2 : lp.per_sm);
     const int64_t base = int64_t(std::max<size_t>(1, a.items.size())) * a.kv.kv_heads;
@@ -2260,7 +2357,10 @@ status launch_attend(const attend_params& p, const launch_plan& lp, int kv_heads
     if (lp.wide) {
       decode_wide_kernel<D><<<grid, dec_warps * 32, 0, st>>>(p);
     } else {
-      const auto kernel = !lp.page_stage ? decode_kernel<D> : lp.two_full ? decode_paged_kernel<D, true> : decode_paged_kernel<D, false>;
+      const auto kernel = !lp.page_stage ? decode_kernel<D>
+                          : lp.two_full  ? decode_paged_kernel<D, true, false>
+                          : lp.whole     ? decode_paged_kernel<D, false, true>
+                                         : decode_paged_kernel<D, false, false>;
       KVQ_TRY(cuda_status(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, lp.smem), "cudaFuncSetAttribute"));
       kernel<<<grid, dec_warps * 32, lp.smem, st>>>(p);
     }
@@ -2310,6 +2410,7 @@ result<attend_plan_info> attend_plan(const attend_args& a) {
   info.stage_bytes = lp.page_stage ? lp.page_stage : stage_bytes(a.kv.head_dim, lp.stage_cap);
   info.smem_bytes = lp.smem;
   info.blocks_per_sm = lp.per_sm;
+  info.whole_units = lp.decode && !lp.wide && lp.page_stage && lp.whole;
   return info;
 }
 

@@ -170,6 +170,26 @@ TEST_CASE("gpu: long sequences refill every page stage many times", "[gpu][decod
   REQUIRE(attend_both(c, items, 0, rng) < nmse_bound);
 }
 
+TEST_CASE("gpu: pages of 128 tokens (two warps per page in whole-page steps)", "[gpu][decode]") {
+  // A block whose pages share one format steps through 64-token units: at page_tokens 128 two warps
+  // share each page (and its stage's barriers); lengths end mid-page and mid-unit.
+  const std::string spec = GENERATE("kivi4/g32", "kivi2/g32", "int8", "fp8", "kivi8/g32", "sym4/g32");
+  const int d = GENERATE(64, 128);
+  CAPTURE(spec, d);
+  auto c = make(spec, 1, 8, 2, d, 128);
+  std::mt19937 rng(uint32_t(spec.size() * 31 + d));
+  const std::vector<int64_t> lens = small() ? std::vector<int64_t>{100, 1000} : std::vector<int64_t>{1, 100, 129, 1000, 3000};
+  std::vector<attend_item> items;
+  for (size_t i = 0; i < lens.size(); ++i) {
+    check(c.cpu.create_sequence(int64_t(i)));
+    check(c.gpu.create_sequence(int64_t(i)));
+    auto k = randn_h(rng, size_t(lens[i]) * 2 * d), v = randn_h(rng, size_t(lens[i]) * 2 * d);
+    append_both(c, int64_t(i), 0, k, v, lens[i], 2, d);
+    items.push_back({int64_t(i), 1});
+  }
+  REQUIRE(attend_both(c, items, 0, rng) < nmse_bound);
+}
+
 TEST_CASE("gpu: mixed formats within one sequence (temporal striping)", "[gpu][decode]") {
   // with 16-bit pages (the wide decode kernel) and without (the staged one)
   const bool wide = GENERATE(true, false);

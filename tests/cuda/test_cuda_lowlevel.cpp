@@ -3,7 +3,8 @@
 // `max_page_bits` picks the decode kernel and the size of its staging; the header promises that a
 // page wider than the hint is still read correctly (only slower), so every hint is run over the
 // same pages: 16 (the wide kernel), 8 (a stray 16-bit page), 4 and 2 (8- and 4-bit pages wider than
-// the stages, read from global memory).
+// the stages, read from global memory). Each runs with and without `one_format_per_head`, which
+// these mixed pages break: the promise may be wrong, the result may not.
 #include "gpu_test.hpp"
 
 #include <kvq/attention/reference.hpp>
@@ -146,17 +147,19 @@ void check_hints(int P, const std::vector<std::string>& specs, std::initializer_
   int dev = 0;
   REQUIRE(cudaGetDevice(&dev) == cudaSuccess);
   REQUIRE(cudaDeviceGetAttribute(&args.num_sms, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess);
-  for (int hint : hints) {
-    CAPTURE(hint);
-    args.max_page_bits = hint;
-    REQUIRE(cuda::attend_can_implement(args).ok());
-    dev_mem ws(std::max<size_t>(16, cuda::attend_workspace_bytes(args)));
-    std::vector<float> got(qh.size(), std::nanf(""));
-    upload(dout, got);  // poisoned: every element must be written
-    REQUIRE(cuda::attend_run(args, ws.p, cuda::attend_workspace_bytes(args), nullptr).ok());
-    REQUIRE(cudaMemcpy(got.data(), dout.p, got.size() * 4, cudaMemcpyDeviceToHost) == cudaSuccess);
-    CHECK(nmse(got, want) < 2e-5);
-  }
+  for (int hint : hints)
+    for (bool one_format : {false, true}) {  // true: a wrong promise here (mixed pages), still correct
+      CAPTURE(hint, one_format);
+      args.max_page_bits = hint;
+      args.one_format_per_head = one_format;
+      REQUIRE(cuda::attend_can_implement(args).ok());
+      dev_mem ws(std::max<size_t>(16, cuda::attend_workspace_bytes(args)));
+      std::vector<float> got(qh.size(), std::nanf(""));
+      upload(dout, got);  // poisoned: every element must be written
+      REQUIRE(cuda::attend_run(args, ws.p, cuda::attend_workspace_bytes(args), nullptr).ok());
+      REQUIRE(cudaMemcpy(got.data(), dout.p, got.size() * 4, cudaMemcpyDeviceToHost) == cudaSuccess);
+      CHECK(nmse(got, want) < 2e-5);
+    }
 }
 
 }  // namespace

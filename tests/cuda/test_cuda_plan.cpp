@@ -31,7 +31,8 @@ cuda::paged_view view(int head_dim, int page_tokens) {
 }
 
 // A decode batch: `batch` sequences of `n` tokens, one query each (GQA 4).
-cuda::attend_plan_info plan(int head_dim, int page_tokens, int max_bits, int batch, int n, int q_len = 1) {
+cuda::attend_plan_info plan(int head_dim, int page_tokens, int max_bits, int batch, int n, int q_len = 1,
+                            bool one_format = false) {
   std::vector<cuda::decode_item> items;
   const int ring = page_tokens / 2;  // tokens not yet in pages
   for (int i = 0; i < batch; ++i) items.push_back({i, q_len, n, n - ring, 0, i * q_len});
@@ -40,6 +41,7 @@ cuda::attend_plan_info plan(int head_dim, int page_tokens, int max_bits, int bat
   a.q_heads = 32;
   a.items = items;
   a.max_page_bits = max_bits;
+  a.one_format_per_head = one_format;
   return cuda::attend_plan(a).value_or_throw();
 }
 
@@ -81,6 +83,20 @@ TEST_CASE("attention plan: block-staged rings have at least 3 page stages that f
   const auto p8 = plan(128, 64, 8, 8, 32768);
   CHECK(p8.stages == 3);
   CHECK(p8.stage_bytes == 18432);
+}
+
+TEST_CASE("attention plan: one format pair per head runs 64-token units on 4- and 2-bit rings", "[cuda][plan]") {
+  for (int d : {64, 128}) {
+    CAPTURE(d);
+    CHECK(plan(d, 64, 4, 8, 32768, 1, true).whole_units);
+    CHECK(plan(d, 64, 2, 8, 32768, 1, true).whole_units);
+    CHECK(plan(d, 128, 4, 1, 131072, 1, true).whole_units);  // two warps per page
+    CHECK_FALSE(plan(d, 64, 4, 8, 32768).whole_units);        // no hint: any mix of formats
+  }
+  // 8-bit rings: 3 stages of 18 KB, fewer than the block's warps need (they hold 4 pages)
+  CHECK_FALSE(plan(128, 64, 8, 8, 32768, 1, true).whole_units);
+  CHECK_FALSE(plan(128, 64, 16, 8, 32768, 1, true).whole_units);     // the wide kernel
+  CHECK_FALSE(plan(128, 64, 4, 2, 4096, 4, true).whole_units);       // the tile kernel
 }
 
 TEST_CASE("attention plan: unsupported page sizes are refused with the reason", "[cuda][plan]") {
