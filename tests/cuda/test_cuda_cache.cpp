@@ -79,6 +79,20 @@ void require_same_store(pair_of_caches& c, seq_id s, int layer) {
   REQUIRE(c.cpu.stats().page_bytes == c.gpu.stats().page_bytes);
 }
 
+// Sequences 0, 1, ... of the given lengths on both caches (layer 0, 2 kv heads of head_dim d, the
+// same random tokens): one decode query each.
+std::vector<attend_item> fill_sequences(pair_of_caches& c, const std::vector<int64_t>& lens, int d, std::mt19937& rng) {
+  std::vector<attend_item> items;
+  for (size_t i = 0; i < lens.size(); ++i) {
+    check(c.cpu.create_sequence(int64_t(i)));
+    check(c.gpu.create_sequence(int64_t(i)));
+    auto k = randn_h(rng, size_t(lens[i]) * 2 * d), v = randn_h(rng, size_t(lens[i]) * 2 * d);
+    append_both(c, int64_t(i), 0, k, v, lens[i], 2, d);
+    items.push_back({int64_t(i), 1});
+  }
+  return items;
+}
+
 // Runs one attention batch on both backends; returns the NMSE of GPU against CPU.
 double attend_both(pair_of_caches& c, const std::vector<attend_item>& items, int layer, std::mt19937& rng) {
   const auto& sh = c.cpu.config().shape;
@@ -132,14 +146,7 @@ TEST_CASE("gpu: decode attention matches the CPU reference over formats and leng
   std::mt19937 rng(uint32_t(spec.size() * 7 + d + gqa));
   const std::vector<int64_t> lens = small() ? std::vector<int64_t>{1, 65, 130}
                                             : std::vector<int64_t>{1, 3, 63, 64, 65, 96, 97, 127, 128, 129, 200, 1000};
-  std::vector<attend_item> items;
-  for (size_t i = 0; i < lens.size(); ++i) {
-    check(c.cpu.create_sequence(int64_t(i)));
-    check(c.gpu.create_sequence(int64_t(i)));
-    auto k = randn_h(rng, size_t(lens[i]) * 2 * d), v = randn_h(rng, size_t(lens[i]) * 2 * d);
-    append_both(c, int64_t(i), 0, k, v, lens[i], 2, d);
-    items.push_back({int64_t(i), 1});
-  }
+  const std::vector<attend_item> items = fill_sequences(c, lens, d, rng);
   // the whole batch of unequal lengths in one launch, then one sequence at a time
   REQUIRE(attend_both(c, items, 0, rng) < nmse_bound);
   for (const auto& it : items) {
@@ -179,14 +186,7 @@ TEST_CASE("gpu: pages of 128 tokens (two warps per page in whole-page steps)", "
   auto c = make(spec, 1, 8, 2, d, 128);
   std::mt19937 rng(uint32_t(spec.size() * 31 + d));
   const std::vector<int64_t> lens = small() ? std::vector<int64_t>{100, 1000} : std::vector<int64_t>{1, 100, 129, 1000, 3000};
-  std::vector<attend_item> items;
-  for (size_t i = 0; i < lens.size(); ++i) {
-    check(c.cpu.create_sequence(int64_t(i)));
-    check(c.gpu.create_sequence(int64_t(i)));
-    auto k = randn_h(rng, size_t(lens[i]) * 2 * d), v = randn_h(rng, size_t(lens[i]) * 2 * d);
-    append_both(c, int64_t(i), 0, k, v, lens[i], 2, d);
-    items.push_back({int64_t(i), 1});
-  }
+  const std::vector<attend_item> items = fill_sequences(c, lens, d, rng);
   REQUIRE(attend_both(c, items, 0, rng) < nmse_bound);
 }
 
