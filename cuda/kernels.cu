@@ -658,11 +658,14 @@ __global__ void __launch_bounds__(threads, 2) attend_kernel(const __grid_constan
 // - per-token scales (fp8 K) scale S rows, per-token V scales (fp8) scale P, KIVI key scales
 //   fold into the query (q' = q s per token group) and their zeros (centered) into one score
 //   offset per column, itself an MMA of the zero row with q;
-// - two kernels by the widest page of the layer (`attend_args::max_page_bits`): the staged
-//   `decode_kernel` (pages of at most 8 bits copied into per-warp shared-memory stages by the
-//   bulk-copy engine; its own section below) and `decode_wide_kernel` (K codes of up to 16 bits
-//   loaded into registers one slab ahead, V and KIVI key scales through two cp.async slots per
-//   warp; 2 blocks per SM). Both read the FP16 ring, and the staged one a page wider than its
+// - three kernels by the widest page of the layer (`attend_args::max_page_bits`): the
+//   block-staged `decode_paged_kernel` (pages of at most 8 bits copied whole into page stages
+//   shared by the block's warps; instances with two full barriers per stage for 8-bit rings, and
+//   with whole 64-token steps for layers of one format pair per head, `one_format_per_head`),
+//   the per-warp staged `decode_kernel` (8-bit layers whose page-heads leave room for fewer than 3
+//   page stages; one slab per stage) and `decode_wide_kernel` (K codes of up to 16 bits loaded
+//   into registers one slab ahead, V and KIVI key scales through two cp.async slots per warp;
+//   2 blocks per SM). All read the FP16 ring, and the staged ones a page wider than their
 //   stages, from global memory where used.
 constexpr int slab = 16;
 constexpr int dec_warps = 4;
