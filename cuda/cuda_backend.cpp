@@ -205,7 +205,8 @@ class cuda_backend final : public cache_backend {
         layer_bits_[size_t(layer)] = std::max(layer_bits_[size_t(layer)], traits_of(plan.entries[at + size_t(j)].fmt).bits);
       }
       for (int h = 0; h < cfg_.shape.kv_heads; ++h) {
-        const int pair = 256 * int(plan.entries[at + size_t(2 * h)].fmt) + int(plan.entries[at + size_t(2 * h + 1)].fmt);
+        const int pair =
+            256 * int(plan.entries[at + size_t(2 * h)].fmt) + int(plan.entries[at + size_t(2 * h + 1)].fmt);
         int16_t& hp = head_pair_[size_t(layer) * cfg_.shape.kv_heads + size_t(h)];
         if (hp == -1) hp = int16_t(pair);
         else if (hp != pair) hp = -2, layer_mixed_[size_t(layer)] = 1;
@@ -338,7 +339,7 @@ class cuda_backend final : public cache_backend {
   cuda::paged_view view_;
   std::vector<cuda::decode_item> items_;
   std::vector<uint8_t> layer_bits_;  // [layers] the widest code bits of any page the layer has held
-  std::vector<int16_t> head_pair_;   // [layers][kv_heads] 256 K + V format of every page the head has held; -1 none, -2 several
+  std::vector<int16_t> head_pair_;   // [layers][kv_heads] 256 K + V of the head's pages; -1 none yet, -2 several
   std::vector<uint8_t> layer_mixed_;  // [layers] some head has held pages of two format pairs
   std::vector<cuda::append_seq> batch_items_;  // reused by write_batch
   std::vector<uint32_t> batch_blocks_;

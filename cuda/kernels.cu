@@ -1987,8 +1987,10 @@ __global__ void __launch_bounds__(dec_warps * 32, staged_blocks) decode_paged_ke
   // (`chunks`). Other blocks run 32-token chunks that dispatch on each page's kinds.
   const auto uniform_kinds = [&]() {  // the (K kind, V kind) of every page of the block, both staged; else -1
     bool same = true;
-    for (int i = threadIdx.x; i < n_pages; i += dec_warps * 32) same = same && sm.pages.kk[i] == sm.pages.kk[0] && sm.pages.kv[i] == sm.pages.kv[0];
-    const bool uni = __syncthreads_and(same) && n_pages > 0 && sm.pages.fk[0].bits <= p.stage_cap && sm.pages.fv[0].bits <= p.stage_cap;
+    for (int i = threadIdx.x; i < n_pages; i += dec_warps * 32)
+      same = same && sm.pages.kk[i] == sm.pages.kk[0] && sm.pages.kv[i] == sm.pages.kv[0];
+    const bool uni = __syncthreads_and(same) && n_pages > 0 && sm.pages.fk[0].bits <= p.stage_cap &&
+                     sm.pages.fv[0].bits <= p.stage_cap;
     return uni ? 8 * sm.pages.kk[0] + sm.pages.kv[0] : -1;
   };
   int combo = -1;
@@ -2000,7 +2002,8 @@ __global__ void __launch_bounds__(dec_warps * 32, staged_blocks) decode_paged_ke
     // stages of one page each at page_tokens 64). 8-bit rings (3 stages, two full barriers)
     // measured 8-10 % slower with them: they run 32-token chunks compiled per kind (`chunks`).
     whole = P >= 4 * slab && ns * (P / (4 * slab)) > dec_warps &&
-            (combo == 8 * 1 + 1 || combo == 8 * 2 + 2 || combo == 8 * 1 + 2 || combo == 8 * 4 + 4 || combo == 8 * 5 + 5);
+            (combo == 8 * 1 + 1 || combo == 8 * 2 + 2 || combo == 8 * 1 + 2 || combo == 8 * 4 + 4 ||
+             combo == 8 * 5 + 5);
   }
   // Units per page: 32-token chunks, or 64-token units for `pages`. With 64-token units, the pages
   // of a stage may go to up to four warps in turn: its fill f has full barrier row f mod 4, each
@@ -2287,7 +2290,8 @@ void plan_stages(const paged_view& kv, int max_bits, bool one_format, launch_pla
   if (pns >= 3) {
     lp.page_stage = uint32_t(ps), st = ps, ring = 1, lp.stages = pns;
     lp.two_full = (pns * (kv.page_tokens / (2 * slab))) % dec_warps != 0;
-    lp.whole = one_format && !lp.two_full && kv.page_tokens >= 4 * slab && pns * (kv.page_tokens / (4 * slab)) > dec_warps;
+    lp.whole = one_format && !lp.two_full && kv.page_tokens >= 4 * slab &&
+               pns * (kv.page_tokens / (4 * slab)) > dec_warps;
   } else {
     lp.page_stage = 0, st = int(stage_bytes(D, lp.stage_cap)), ring = dec_warps;
     lp.stages = std::clamp(room / (ring * st), 2, max_stages);
