@@ -3,7 +3,10 @@
 markdown table of docs/results: kvq time, cuDNN BF16 time, their ratio, achieved TB/s and the
 fraction of the copy-bandwidth floor.
 
-usage: report_decode.py bench.json peer.csv > table.md
+usage: report_decode.py bench.json peer.csv [--svg chart.svg] > table.md
+
+--svg also draws kvq / cuDNN per format and shape (8 x 32K, 32 x 32K, 1 x 128K) as a bar chart,
+with the issue's targets marked (plain SVG, no dependencies).
 
 A second table lists the append-step benchmarks (one token appended to each of 64 sequences by one
 append_batch call and by 64 append calls, against the same batch's attention, all timed in the
@@ -17,6 +20,7 @@ import re
 import sys
 
 bench = json.load(open(sys.argv[1]))
+svg_path = sys.argv[sys.argv.index("--svg") + 1] if "--svg" in sys.argv else None
 peer = {}
 for row in csv.reader(line for line in open(sys.argv[2]) if line.startswith("peer,") and "backend" not in line):
     _, backend, B, L, *_rest = row
@@ -48,3 +52,59 @@ if steps:
         print(f"| {m.group(1)} | {m.group(2)} | {m.group(3)} | {b['append_us']:.1f} | {b.get('append_busy_us', nan):.1f} | "
               f"{b['attend_us']:.1f} | {b['append_frac']:.3f} | {b.get('append_busy_frac', nan):.3f} | "
               f"{b.get('append_each_us', nan):.1f} | {b.get('append_each_frac', nan):.3f} |")
+
+
+# Targets of the issue (kvq / cuDNN BF16): (format, B, L) -> goal.
+TARGETS = {("kivi4/g32", 8, 32768): 0.33, ("kivi4/g32", 1, 131072): 0.4, ("kivi2/g32", 8, 32768): 0.22,
+           ("sym8", 8, 32768): 0.6, ("kivi8/g32", 8, 32768): 0.6, ("fp8", 8, 32768): 0.6, ("fp16", 8, 32768): 1.1}
+SHAPES = [(8, 32768, "8 x 32K", "#4C78A8"), (32, 32768, "32 x 32K", "#72B7B2"), (1, 131072, "1 x 128K", "#F58518")]
+
+
+def svg_chart(path):
+    rows = {}  # format -> {(B, L): ratio}
+    for b in bench["benchmarks"]:
+        m = re.match(r"decode/(.+)/B(\d+)/L(\d+)/", b["name"])
+        if not m:
+            continue
+        key = (int(m.group(2)), int(m.group(3)))
+        cudnn = peer.get(("cudnn",) + key)
+        if cudnn and any(key == s[:2] for s in SHAPES):
+            rows.setdefault(m.group(1), {})[key] = b["median_us"] / cudnn
+    left, bar, gap, width, xmax = 190, 11, 10, 480, 1.3
+    x = lambda r: left + width * min(r, xmax) / xmax
+    height = 60 + len(rows) * (len(SHAPES) * bar + gap) + 40
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + width + 40}" height="{height}" '
+           'font-family="sans-serif" font-size="11">',
+           f'<text x="{left}" y="18" font-size="13">kvq decode time / cuDNN BF16 (H200, 32 q heads, 8 kv heads, '
+           'head_dim 128)</text>']
+    for i, (_, _, label, color) in enumerate(SHAPES):
+        out.append(f'<rect x="{left + 110 * i}" y="28" width="10" height="10" fill="{color}"/>'
+                   f'<text x="{left + 110 * i + 14}" y="37">{label}</text>')
+    out.append('<rect x="{0}" y="28" width="3" height="10" fill="#D62728"/><text x="{1}" y="37">target</text>'
+               .format(left + 340, left + 347))
+    y = 50
+    for fmt, shapes in rows.items():
+        y0 = y
+        for (B, L, _, color) in SHAPES:
+            r = shapes.get((B, L))
+            if r is not None:
+                goal = TARGETS.get((fmt, B, L))
+                end = max(x(r), x(goal) + 2 if goal else 0)  # the value's label right of the bar and its target
+                out.append(f'<rect x="{left}" y="{y}" width="{x(r) - left:.1f}" height="{bar - 1}" fill="{color}"/>'
+                           f'<text x="{end + 3:.1f}" y="{y + bar - 2}">{r:.2f}</text>')
+                if goal:
+                    out.append(f'<rect x="{x(goal) - 1:.1f}" y="{y - 1}" width="3" height="{bar + 1}" fill="#D62728"/>')
+            y += bar
+        out.append(f'<text x="{left - 6}" y="{(y0 + y) / 2 + 4:.0f}" text-anchor="end">{fmt}</text>')
+        y += gap
+    for t in [0, 0.25, 0.5, 0.75, 1.0, 1.25]:
+        out.append(f'<line x1="{x(t):.1f}" y1="46" x2="{x(t):.1f}" y2="{y}" stroke="#999" stroke-width="{1 if t == 1.0 else 0.3}"/>'
+                   f'<text x="{x(t):.1f}" y="{y + 14}" text-anchor="middle">{t:g}</text>')
+    out.append(f'<text x="{left + width / 2}" y="{y + 30}" text-anchor="middle">kvq / cuDNN BF16 (lower is faster; '
+               '1 = the peer)</text></svg>')
+    with open(path, "w") as f:
+        f.write("\n".join(out) + "\n")
+
+
+if svg_path:
+    svg_chart(svg_path)
