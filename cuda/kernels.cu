@@ -1188,14 +1188,21 @@ __device__ __forceinline__ void get_query(const uint4 (&qh)[D / 32][32], int lan
 // The query for a KIVI key slab: the token group's channel scales fold into q (q' = q s) and the
 // centered zeros (z + s 2^(b-1)) into one score offset per column, itself an MMA of the zero row
 // with q. `scales`/`zeros`: the group's D halves each (any memory).
-template <int D>
+//
+// Sub (keys read as subnormal codes, `k_frags_sub<D, Bits>`): q' takes the keys' pair order, and
+// the codes are not centered, so the offset also takes -2^(b-1) sum_c q'_c, the sum of the fp16
+// q' the keys' MMAs use (one more MMA per k-step): the scores then equal the centered ones up to
+// fp32 rounding. (Without it, the fp16 rounding errors of q' meet codes 0..2^b - 1 instead of
+// -2^(b-1)..2^(b-1) - 1: the kivi4 d64 NMSE of the GPU tests rose about 3x, past the bound.)
+template <int D, int Sub = 0>
 __device__ __forceinline__ void fold_kivi(const uint8_t* scales, const uint8_t* zeros, int bits, const uint4 (&qh)[D / 32][32],
                                           int lane, int t, uint32_t (&qb)[D / 8], float (&cz_col)[2]) {
   uint32_t sw[D / 8], zw[D / 8];
   ldg_words<D / 2, false>(scales + t * (D / 4) * 2, sw);
   ldg_words<D / 2, false>(zeros + t * (D / 4) * 2, zw);
   const __half2 mid = __float2half2_rn(float(1 << (bits - 1)));
-  float cz[4] = {0.f, 0.f, 0.f, 0.f};
+  float cz[4] = {0.f, 0.f, 0.f, 0.f}, cq[4] = {0.f, 0.f, 0.f, 0.f};
+  const uint32_t neg_mid = h2_bits(__hneg2(mid));
 #pragma unroll
   for (int ks = 0; ks < D / 16; ++ks) {
     const uint32_t z0 = h2_bits(__hfma2(bits_h2(sw[2 * ks]), mid, bits_h2(zw[2 * ks])));
@@ -1205,13 +1212,59 @@ __device__ __forceinline__ void fold_kivi(const uint8_t* scales, const uint8_t* 
     mma16816(cz, z0, 0u, z1, 0u, q0, q1);  // (rows g + 8 unused)
     qb[2 * ks] = h2_bits(__hmul2(bits_h2(q0), bits_h2(sw[2 * ks])));
     qb[2 * ks + 1] = h2_bits(__hmul2(bits_h2(q1), bits_h2(sw[2 * ks + 1])));
+    if constexpr (Sub > 0) mma16816(cq, neg_mid, 0u, neg_mid, 0u, qb[2 * ks], qb[2 * ks + 1]);
+  }
+  if constexpr (Sub > 0) cz[0] += cq[0], cz[1] += cq[1];
+  if constexpr (Sub > 0) {  // plain pairs (2k, 2k + 1) of a word's n channels -> (c, c + n / 2), `k_frags_sub`
+    constexpr int np = 16 / Sub;  // plain pairs per word
+#pragma unroll
+    for (int w = 0; w < D * Sub / 128; ++w) {
+      uint32_t pp[np];
+#pragma unroll
+      for (int k = 0; k < np; ++k) pp[k] = qb[np * w + k];
+#pragma unroll
+      for (int b = 0; b < np / 4; ++b) {
+        qb[np * w + 4 * b] = __byte_perm(pp[2 * b], pp[2 * b + np / 2], 0x5410);
+        qb[np * w + 4 * b + 1] = __byte_perm(pp[2 * b + 1], pp[2 * b + 1 + np / 2], 0x5410);
+        qb[np * w + 4 * b + 2] = __byte_perm(pp[2 * b], pp[2 * b + np / 2], 0x7632);
+        qb[np * w + 4 * b + 3] = __byte_perm(pp[2 * b + 1], pp[2 * b + 1 + np / 2], 0x7632);
+      }
+    }
   }
   cz_col[0] = cz[0], cz_col[1] = cz[1];
 }
 
+// 4- and 2-bit KIVI keys as fp16 subnormals: a code c in the low bits of a half with exponent
+// field 0 is c 2^-24, exactly, so one lop3 (a mask) turns two channels of a word into a half2 with
+// no magic to remove and no fma (the fp32 accumulators' exponent range keeps the sums exact). A
+// word of n channels gives pairs (c, c + n / 2), c's code at bit Bits c of each half: shifted down
+// by 2 Bits k, the mask of the lowest code takes channels (2k, 2k + n / 2), the mask of the next
+// one channels (2k + 1, ...) as 2^Bits c. The pairs go to the MMA k-steps so that even steps hold
+// the first and odd steps the second (`scores_mma<D, Bits>` adds the odd chain / 2^Bits); the
+// query takes the same order (`fold_kivi<D, Bits>`); the scores come out in units of 2^-24.
+template <int D, int Bits>
+__device__ __forceinline__ void k_frags_sub(const uint32_t (&w)[2][D / 16], uint32_t (&kg)[D / 8], uint32_t (&kg8)[D / 8]) {
+  constexpr int np = 16 / Bits;  // pairs per word
+  constexpr uint32_t lo = ((1u << Bits) - 1) * 0x00010001u, hi = lo << Bits;
+  const auto split = [](const uint32_t* ws, uint32_t* out) {
+#pragma unroll
+    for (int i = 0; i < D * Bits / 128; ++i)
+#pragma unroll
+      for (int b = 0; b < np / 4; ++b) {
+        const uint32_t x = ws[i] >> (4 * Bits * b), y = ws[i] >> (4 * Bits * b + 2 * Bits);
+        out[np * i + 4 * b] = x & lo;
+        out[np * i + 4 * b + 1] = y & lo;
+        out[np * i + 4 * b + 2] = x & hi;
+        out[np * i + 4 * b + 3] = y & hi;
+      }
+  };
+  split(w[0], kg);
+  split(w[1], kg8);
+}
+
 // S^T = K Q^T of one slab from this lane's K fragments (rows g, g + 8): two accumulators, half
-// the dependency chain each.
-template <int D>
+// the dependency chain each (Sub: the odd one holds 2^Sub x codes).
+template <int D, int Sub = 0>
 __device__ __forceinline__ void scores_mma(const uint32_t (&kg)[D / 8], const uint32_t (&kg8)[D / 8], const uint32_t (&qb)[D / 8],
                                            float (&sc)[4]) {
   float sd[4] = {0.f, 0.f, 0.f, 0.f};
@@ -1221,7 +1274,7 @@ __device__ __forceinline__ void scores_mma(const uint32_t (&kg)[D / 8], const ui
     mma16816(sd, kg[2 * ks + 2], kg8[2 * ks + 2], kg[2 * ks + 3], kg8[2 * ks + 3], qb[2 * ks + 2], qb[2 * ks + 3]);
   }
 #pragma unroll
-  for (int e = 0; e < 4; ++e) sc[e] += sd[e];
+  for (int e = 0; e < 4; ++e) sc[e] = Sub ? fmaf(sd[e], 1.f / float(1 << Sub), sc[e]) : sc[e] + sd[e];
 }
 
 // A warp's running state of its query columns 2t, 2t+1: online-softmax max and sum, the output
@@ -1263,22 +1316,26 @@ __device__ __forceinline__ void softmax_tiles(float (&sc)[4 * S], const float (&
   float(&acc)[D / 16][4] = cs.acc;
   const float(&cz)[2] = cs.cz;
   const int(&last_visible)[2] = cs.last_visible;
+  // The scores stay unscaled (the softmax scale is positive: the max commutes with it); the scale
+  // goes into the exponent's fma, and into the two columns' maxima.
   float tile_max[2] = {-INFINITY, -INFINITY};
   if (valid >= slab * S && tok0 + slab * S - 1 <= cs.all_visible) {  // (warp-uniform) nothing to mask
 #pragma unroll
     for (int i = 0; i < 4 * S; ++i) {
-      sc[i] = (sc[i] * rs[i / 2] + cz[i % 2]) * scale_log2;
+      sc[i] = sc[i] * rs[i / 2] + cz[i % 2];
       tile_max[i % 2] = fmaxf(tile_max[i % 2], sc[i]);
     }
   } else {
 #pragma unroll
     for (int i = 0; i < 4 * S; ++i) {
       const int e = i % 4, row = slab * (i / 4) + g + (e / 2) * 8;
-      const float x = (sc[i] * rs[i / 2] + cz[e % 2]) * scale_log2;
+      const float x = sc[i] * rs[i / 2] + cz[e % 2];
       sc[i] = row < valid && tok0 + row <= last_visible[e % 2] ? x : -INFINITY;
       tile_max[e % 2] = fmaxf(tile_max[e % 2], sc[i]);
     }
   }
+  tile_max[0] *= scale_log2;
+  tile_max[1] *= scale_log2;
   // The running max is raised only when a score exceeds it by more than `slack` (a warp vote
   // instead of a shuffle reduction per step): until then P = 2^(s - m) may reach 2^slack, far
   // inside fp16 P and fp32 sums, and the sums and accumulators keep their scale.
@@ -1298,7 +1355,7 @@ __device__ __forceinline__ void softmax_tiles(float (&sc)[4 * S], const float (&
   float sum[2] = {0.f, 0.f};
 #pragma unroll
   for (int i = 0; i < 4 * S; ++i) {
-    pv[i] = m_col[i % 2] == -INFINITY ? 0.f : ex2(sc[i] - m_col[i % 2]);
+    pv[i] = m_col[i % 2] == -INFINITY ? 0.f : ex2(fmaf(sc[i], scale_log2, -m_col[i % 2]));
     sum[i % 2] += pv[i];
   }
   l_col[0] = l_col[0] * alpha[0] + sum[0];
@@ -1661,10 +1718,13 @@ __device__ __forceinline__ void issue_chunk(const attend_params& p, const page_t
 
 
 // S^T of S consecutive staged slabs (sk: the stage as a `rows`-row page, row0 the first slab's
-// row) for one kind of K format; slab s's scores in sc[4s..4s+3].
-template <int D, int Cap, family Fam, int Bits, int S>
+// row) for one kind of K format; slab s's scores in sc[4s..4s+3], each column's accumulators
+// starting from `init` (KIVI: the score offsets of the token group's zeros).
+template <int D, int Cap, family Fam, int Bits, int S, bool Sub = false>  // Sub: `k_frags_sub`
 __device__ __forceinline__ void scores_kind(const slab_ref& sk, uint16_t group, int rows, int window, int g, int t,
-                                            const uint32_t (&qb)[D / 8], float (&sc)[4 * S], float (&rs)[2 * S], int valid) {
+                                            const uint32_t (&qb)[D / 8], float (&sc)[4 * S], float (&rs)[2 * S], int valid,
+                                            float2 init = make_float2(0.f, 0.f)) {
+  static_assert(!Sub || (Fam == family::kivi && Bits <= 4), "subnormal codes: 4- and 2-bit KIVI keys");
   const format_traits f{Fam, uint8_t(Bits), group};
 #pragma unroll
   for (int s = 0; s < S; ++s) {
@@ -1673,9 +1733,10 @@ __device__ __forceinline__ void scores_kind(const slab_ref& sk, uint16_t group, 
     k_raw<D, Cap> kr;
     load_k<D, Cap, false>(ss, f, rows, window, g, t, kr);
     uint32_t kg[D / 8], kg8[D / 8];
-    k_frags<D, Bits, Cap>(kr.w, Fam, kr.ps, kg, kg8);
-    float part[4] = {0.f, 0.f, 0.f, 0.f};
-    scores_mma<D>(kg, kg8, qb, part);
+    if constexpr (Sub) k_frags_sub<D, Bits>(kr.w, kg, kg8);
+    else k_frags<D, Bits, Cap>(kr.w, Fam, kr.ps, kg, kg8);
+    float part[4] = {init.x, init.y, init.x, init.y};
+    scores_mma<D, Sub ? Bits : 0>(kg, kg8, qb, part);
 #pragma unroll
     for (int e = 0; e < 4; ++e) sc[4 * s + e] = part[e];
     if constexpr (Fam == family::fp8_e4m3) {
@@ -2089,9 +2150,12 @@ __global__ void __launch_bounds__(dec_warps * 32, staged_blocks) decode_paged_ke
   const auto pages = [&]<int KK, int KV>() __attribute__((always_inline)) {
     constexpr family FK = kind_family(KK), FV = kind_family(KV);
     constexpr int BK = kind_bits(KK), BV = kind_bits(KV);
+    constexpr bool Sub = FK == family::kivi && BK <= 4;  // keys as subnormal codes (`k_frags_sub`): scores x 2^-24
+    const float scale_log2 = Sub ? p.scale_log2 * 0x1p24f : p.scale_log2;
     const int lg_upp = log2i(upp), n_units = ceil_div(pc_end - c0, 4), wnd = p.kv.window;
     int e = warp >> lg_upp, st = e % ns, fill = e / ns;
-    cs.cz[0] = cs.cz[1] = 0.f;  // (KIVI: each half's zero-point offsets go into its scores)
+    // (KIVI: each half's zero-point offsets start its score accumulators; -0 adds as nothing)
+    cs.cz[0] = cs.cz[1] = -0.f;
     for (int u = warp; u < n_units; u += dec_warps) {
       const int tok0 = (c0 + 4 * u) * slab, valid = min(4 * slab, item.from_pages - tok0);
       mbar_wait(quad_bar(st, fill), uint32_t(fill >> 2) & 1u);
@@ -2108,15 +2172,17 @@ __global__ void __launch_bounds__(dec_warps * 32, staged_blocks) decode_paged_ke
         if constexpr (FK == family::kivi) {
           const int lgk = log2i(fk.group);
           const uint8_t* ks = sk.k + P * (uint32_t(D * BK) >> 3) + uint32_t(sh.row0 >> lgk) * D * 2;
-          fold_kivi<D>(ks, ks + uint32_t(P >> lgk) * D * 2, BK, sm.qh, lane, t, qb, cz);
+          fold_kivi<D, Sub ? BK : 0>(ks, ks + uint32_t(P >> lgk) * D * 2, BK, sm.qh, lane, t, qb, cz);
         }
-        scores_kind<D, Cap, FK, BK, 2>(sh, fk.group, P, wnd, g, t, qb, part, prs, valid - 2 * slab * hf);
+        const float czs = Sub ? 0x1p-24f : 1.f;
+        scores_kind<D, Cap, FK, BK, 2, Sub>(sh, fk.group, P, wnd, g, t, qb, part, prs, valid - 2 * slab * hf,
+                                            make_float2(cz[0] * czs, cz[1] * czs));
 #pragma unroll
-        for (int i = 0; i < 8; ++i) sc[8 * hf + i] = part[i] + cz[i % 2];
+        for (int i = 0; i < 8; ++i) sc[8 * hf + i] = part[i];
 #pragma unroll
         for (int i = 0; i < 4; ++i) rs[4 * hf + i] = prs[i];
       }
-      softmax_tiles<D, 4>(sc, rs, p.scale_log2, tok0, valid, g, cs, pv);
+      softmax_tiles<D, 4>(sc, rs, scale_log2, tok0, valid, g, cs, pv);
       values_kind<D, Cap, FV, BV, 4>(sk, sm.pages.fv[e].group, P, wnd, g, t, pv, valid, cs.acc);
       worked = true;
       __syncwarp();  // every lane is done with this unit's rows of the stage
