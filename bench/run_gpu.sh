@@ -29,8 +29,9 @@ for s in $steps; do
       KVQ_GPU_TEST_SMALL=1 "$cs" --tool racecheck --error-exitcode 3 ./.gpu/kvq_cuda_tests "gpu: mixed formats*" \
         > "$OUT/racecheck.log" 2>&1; r=$?; tail -3 "$OUT/racecheck.log"; rc=$((rc | r))
       # [lowlevel]: both staged kernels (hints 8, 4, 2), page_tokens 64 and 128; long sequences:
-      # every page stage refilled several times (8-bit rings with two full barriers per stage)
-      for f in "[lowlevel]" "gpu: long sequences*"; do
+      # every page stage refilled several times (8-bit rings with two full barriers per stage);
+      # pages of 128 tokens: whole-unit steps with two warps per page
+      for f in "[lowlevel]" "gpu: long sequences*" "gpu: pages of 128*"; do
         KVQ_GPU_TEST_SMALL=1 "$cs" --tool racecheck --error-exitcode 3 ./.gpu/kvq_cuda_tests "$f" \
           > "$OUT/racecheck_one.log" 2>&1; r=$?; echo "racecheck $f: $(tail -1 "$OUT/racecheck_one.log")" | tee -a "$OUT/racecheck.log"
         rm -f "$OUT/racecheck_one.log"; rc=$((rc | r))

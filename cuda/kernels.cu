@@ -45,6 +45,22 @@ __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / 
 // integer division costs dozens of instructions in the per-tile path).
 __device__ __forceinline__ int log2i(int x) { return 31 - __clz(x); }
 
+// Programmatic dependent launch (sm_90+): an attention kernel lets the split merge that follows it
+// launch at once (`pdl_trigger`, first thing), so that the merge's launch and block scheduling
+// overlap the attention's last wave; the merge waits for the attention grid's completion and
+// memory (`pdl_wait`) before it touches any. Elsewhere both are no-ops and the launch attribute
+// is ignored (plain stream order).
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 // ---------------------------------------------------------------------------------------------
 // attention
 // ---------------------------------------------------------------------------------------------
@@ -416,6 +432,7 @@ struct attend_smem {
 
 template <int D>
 __global__ void __launch_bounds__(threads, 2) attend_kernel(const __grid_constant__ attend_params p) {
+  pdl_trigger();
   extern __shared__ __align__(16) uint8_t smem_raw[];
   attend_smem<D>& sm = *reinterpret_cast<attend_smem<D>*>(smem_raw);
   const int split = blockIdx.x, h = blockIdx.y / p.mtiles, mt = blockIdx.y % p.mtiles;
@@ -1488,6 +1505,7 @@ __device__ __forceinline__ slab_range block_slabs(const attend_params& p, const 
 // to 8 bits and the KIVI key scales go through two cp.async staging slots per warp (2 blocks/SM).
 template <int D>
 __global__ void __launch_bounds__(dec_warps * 32, 2) decode_wide_kernel(const __grid_constant__ attend_params p) {
+  pdl_trigger();
   constexpr int Cap = 16;
   __shared__ decode_smem<D> sm;
   const int h = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -1901,6 +1919,7 @@ __device__ __forceinline__ void decode_step(const attend_params& p, const slab_r
 // in, this path measured 3-10 % slower (one register allocation for both).
 template <int D>
 __global__ void __launch_bounds__(dec_warps * 32, staged_blocks) decode_kernel(const __grid_constant__ attend_params p) {
+  pdl_trigger();
   constexpr int Cap = 8;
   extern __shared__ __align__(128) uint8_t dsm[];
   staged_head<D>& sm = *reinterpret_cast<staged_head<D>*>(dsm);
@@ -2008,6 +2027,7 @@ __device__ __forceinline__ void issue_page(const attend_params& p, const page_ta
 // (EchoKV's tiers over time) 6-7 % slower.
 template <int D, bool TwoFull, bool Whole>
 __global__ void __launch_bounds__(dec_warps * 32, staged_blocks) decode_paged_kernel(const __grid_constant__ attend_params p) {
+  pdl_trigger();
   constexpr int Cap = 8;
   extern __shared__ __align__(128) uint8_t dsm[];
   staged_head<D>& sm = *reinterpret_cast<staged_head<D>*>(dsm);
@@ -2248,6 +2268,7 @@ __global__ void __launch_bounds__(dec_warps * 32, staged_blocks) decode_paged_ke
 constexpr int merge_threads = 256;
 template <int D>
 __global__ void __launch_bounds__(merge_threads) merge_kernel(const __grid_constant__ attend_params p) {
+  pdl_wait();  // the attention grid's partials
   constexpr int warps = merge_threads / 32, per_lane = D / 32;
   using vec = std::conditional_t<per_lane == 4, float4, float2>;
   __shared__ float red[warps], f_s[merge_threads];
@@ -2443,8 +2464,17 @@ status launch_attend(const attend_params& p, const launch_plan& lp, int kv_heads
                         "cudaFuncSetAttribute"));
     attend_kernel<D><<<dim3(unsigned(lp.max_splits), unsigned(kv_heads * lp.mtiles), unsigned(items)), threads, smem, st>>>(p);
   }
-  merge_kernel<D><<<mgrid, merge_threads, 0, st>>>(p);
-  return cuda_status(cudaGetLastError(), "attention launch");
+  KVQ_TRY(cuda_status(cudaGetLastError(), "attention launch"));
+  cudaLaunchConfig_t mc = {};
+  mc.gridDim = mgrid;
+  mc.blockDim = dim3(merge_threads);
+  mc.stream = st;
+  cudaLaunchAttribute pdl[1];
+  pdl[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;  // `pdl_trigger` / `pdl_wait`
+  pdl[0].val.programmaticStreamSerializationAllowed = 1;
+  mc.attrs = pdl;
+  mc.numAttrs = 1;
+  return cuda_status(cudaLaunchKernelEx(&mc, merge_kernel<D>, p), "merge launch");
 }
 
 }  // namespace
