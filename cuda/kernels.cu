@@ -48,8 +48,8 @@ __device__ __forceinline__ int log2i(int x) { return 31 - __clz(x); }
 // Programmatic dependent launch (sm_90+): an attention kernel lets the split merge that follows it
 // launch at once (`pdl_trigger`, first thing), so that the merge's launch and block scheduling
 // overlap the attention's last wave; the merge waits for the attention grid's completion and
-// memory (`pdl_wait`) before it touches any. Elsewhere both are no-ops and the launch attribute
-// is ignored (plain stream order).
+// memory (`pdl_wait`) before it touches any. Below sm_90 both compile to nothing and the merge
+// is launched without the attribute (plain stream order).
 __device__ __forceinline__ void pdl_trigger() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
@@ -2472,8 +2472,11 @@ status launch_attend(const attend_params& p, const launch_plan& lp, int kv_heads
   cudaLaunchAttribute pdl[1];
   pdl[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;  // `pdl_trigger` / `pdl_wait`
   pdl[0].val.programmaticStreamSerializationAllowed = 1;
+  int dev = 0, major = 0;  // (sm_90+ only: elsewhere the merge is launched in plain stream order)
+  KVQ_TRY(cuda_status(cudaGetDevice(&dev), "cudaGetDevice"));
+  KVQ_TRY(cuda_status(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), "cudaDeviceGetAttribute"));
   mc.attrs = pdl;
-  mc.numAttrs = 1;
+  mc.numAttrs = major >= 9 ? 1 : 0;
   return cuda_status(cudaLaunchKernelEx(&mc, merge_kernel<D>, p), "merge launch");
 }
 

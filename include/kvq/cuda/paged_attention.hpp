@@ -119,6 +119,9 @@ KVQ_EXPORT result<attend_plan_info> attend_plan(const attend_args& a);
 /// Device workspace the call needs (partial results of the split sequence).
 KVQ_EXPORT size_t attend_workspace_bytes(const attend_args& a);
 /// Runs decode/extend attention on `stream`; `workspace` holds `attend_workspace_bytes(a)`.
+/// Two launches: the attention kernel, then the split merge, which on sm_90+ is a programmatic
+/// dependent launch of the first (it starts during the attention's last wave and waits for its
+/// grid before reading the workspace; in a captured graph this is a programmatic edge).
 KVQ_EXPORT status attend_run(const attend_args& a, void* workspace, size_t workspace_bytes, void* stream);
 
 /// New pages of one append call, over all its sequences.
