@@ -1253,14 +1253,16 @@ __device__ __forceinline__ void fold_kivi(const uint8_t* scales, const uint8_t* 
 
 // 4- and 2-bit KIVI keys as fp16 subnormals: a code c in the low bits of a half with exponent
 // field 0 is c 2^-24, exactly, so one lop3 (a mask) turns two channels of a word into a half2 with
-// no magic to remove and no fma (the fp32 accumulators' exponent range keeps the sums exact). A
+// no magic to remove and no fma (the tensor cores take subnormal operands exactly, and products
+// of about 2^-24 q' are far inside the fp32 accumulators' normal range). A
 // word of n channels gives pairs (c, c + n / 2), c's code at bit Bits c of each half: shifted down
 // by 2 Bits k, the mask of the lowest code takes channels (2k, 2k + n / 2), the mask of the next
 // one channels (2k + 1, ...) as 2^Bits c. The pairs go to the MMA k-steps so that even steps hold
 // the first and odd steps the second (`scores_mma<D, Bits>` adds the odd chain / 2^Bits); the
 // query takes the same order (`fold_kivi<D, Bits>`); the scores come out in units of 2^-24.
 template <int D, int Bits>
-__device__ __forceinline__ void k_frags_sub(const uint32_t (&w)[2][D / 16], uint32_t (&kg)[D / 8], uint32_t (&kg8)[D / 8]) {
+__device__ __forceinline__ void k_frags_sub(const uint32_t (&w)[2][D / 16], uint32_t (&kg)[D / 8],
+                                            uint32_t (&kg8)[D / 8]) {
   constexpr int np = 16 / Bits;  // pairs per word
   constexpr uint32_t lo = ((1u << Bits) - 1) * 0x00010001u, hi = lo << Bits;
   const auto split = [](const uint32_t* ws, uint32_t* out) {
@@ -1740,8 +1742,8 @@ __device__ __forceinline__ void issue_chunk(const attend_params& p, const page_t
 // starting from `init` (KIVI: the score offsets of the token group's zeros).
 template <int D, int Cap, family Fam, int Bits, int S, bool Sub = false>  // Sub: `k_frags_sub`
 __device__ __forceinline__ void scores_kind(const slab_ref& sk, uint16_t group, int rows, int window, int g, int t,
-                                            const uint32_t (&qb)[D / 8], float (&sc)[4 * S], float (&rs)[2 * S], int valid,
-                                            float2 init = make_float2(0.f, 0.f)) {
+                                            const uint32_t (&qb)[D / 8], float (&sc)[4 * S], float (&rs)[2 * S],
+                                            int valid, float2 init = make_float2(0.f, 0.f)) {
   static_assert(!Sub || (Fam == family::kivi && Bits <= 4), "subnormal codes: 4- and 2-bit KIVI keys");
   const format_traits f{Fam, uint8_t(Bits), group};
 #pragma unroll
@@ -2474,7 +2476,8 @@ status launch_attend(const attend_params& p, const launch_plan& lp, int kv_heads
   pdl[0].val.programmaticStreamSerializationAllowed = 1;
   int dev = 0, major = 0;  // (sm_90+ only: elsewhere the merge is launched in plain stream order)
   KVQ_TRY(cuda_status(cudaGetDevice(&dev), "cudaGetDevice"));
-  KVQ_TRY(cuda_status(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), "cudaDeviceGetAttribute"));
+  KVQ_TRY(cuda_status(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev),
+                      "cudaDeviceGetAttribute"));
   mc.attrs = pdl;
   mc.numAttrs = major >= 9 ? 1 : 0;
   return cuda_status(cudaLaunchKernelEx(&mc, merge_kernel<D>, p), "merge launch");
