@@ -83,7 +83,6 @@ class cuda_backend final : public cache_backend {
     max_pages_ = int((cfg_.max_tokens + sh.page_tokens - 1) / sh.page_tokens);
     layer_bits_.assign(size_t(sh.layers), 2);
     head_pair_.assign(size_t(sh.layers) * sh.kv_heads, -1);
-    layer_mixed_.assign(size_t(sh.layers), 0);
     KVQ_TRY(arena_.allocate(store_.arena().capacity(), "cache arena"));
     const size_t rows = size_t(cfg_.max_sequences) * sh.layers * max_pages_;
     KVQ_TRY(blocks_.allocate(rows, "device page table"));
@@ -209,7 +208,7 @@ class cuda_backend final : public cache_backend {
             256 * int(plan.entries[at + size_t(2 * h)].fmt) + int(plan.entries[at + size_t(2 * h + 1)].fmt);
         int16_t& hp = head_pair_[size_t(layer) * cfg_.shape.kv_heads + size_t(h)];
         if (hp == -1) hp = int16_t(pair);
-        else if (hp != pair) hp = -2, layer_mixed_[size_t(layer)] = 1;
+        else if (hp != pair) hp = -2;
       }
     }
   }
@@ -273,7 +272,8 @@ class cuda_backend final : public cache_backend {
     a.scale = softmax_scale();
     a.num_sms = sms_;
     a.max_page_bits = layer_bits_[size_t(layer)];
-    a.one_format_per_head = !layer_mixed_[size_t(layer)];
+    const auto heads = head_pair_.begin() + ptrdiff_t(layer) * cfg_.shape.kv_heads;
+    a.one_format_per_head = std::find(heads, heads + cfg_.shape.kv_heads, int16_t(-2)) == heads + cfg_.shape.kv_heads;
     const size_t need = cuda::attend_workspace_bytes(a);
     if (need > workspace_.count)  // grows to the largest batch shape seen, then never again
       KVQ_TRY(workspace_.allocate(need, "attention workspace"));
@@ -340,7 +340,6 @@ class cuda_backend final : public cache_backend {
   std::vector<cuda::decode_item> items_;
   std::vector<uint8_t> layer_bits_;  // [layers] the widest code bits of any page the layer has held
   std::vector<int16_t> head_pair_;   // [layers][kv_heads] 256 K + V of the head's pages; -1 none yet, -2 several
-  std::vector<uint8_t> layer_mixed_;  // [layers] some head has held pages of two format pairs
   std::vector<cuda::append_seq> batch_items_;  // reused by write_batch
   std::vector<uint32_t> batch_blocks_;
   std::vector<uint8_t> batch_fmts_;
