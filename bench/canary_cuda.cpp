@@ -42,7 +42,7 @@ enum mode { frozen, quiet, live, one, all, modes };
 const char* const mode_names[modes] = {"frozen", "quiet", "live", "one", "all"};
 
 // EchoKV behind a switch that decides which steps are canaries; everything else is EchoKV's.
-class switched_policy final : public kvq::policy {
+class switched_policy final : public kvq::policy, public kvq::canary_protocol {
  public:
   explicit switched_policy(std::shared_ptr<kvq::echokv_policy> p) : p_(std::move(p)) {}
   std::string name() const override { return "switched(" + p_->name() + ")"; }
@@ -50,6 +50,7 @@ class switched_policy final : public kvq::policy {
   kvq::format_id choose(const kvq::page_request& r) override { return p_->choose(r); }
   kvq::format_pair current(int l, int h) const override { return p_->current(l, h); }
   bool wants_queries() const override { return true; }
+  kvq::canary_protocol* canary() override { return this; }
   const kvq::canary_spec* device_canary() const override { return p_->device_canary(); }
   bool canary_due(kvq::seq_id s, int64_t n) const override {
     switch (m_) {

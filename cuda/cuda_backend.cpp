@@ -66,7 +66,8 @@ class cuda_backend final : public cache_backend {
   status init() {
     const auto& sh = cfg_.shape;
     if (pol_->wants_queries()) {
-      const canary_spec* spec = pol_->device_canary();
+      canary_protocol* proto = pol_->canary();
+      const canary_spec* spec = proto ? proto->device_canary() : nullptr;
       if (!spec)
         return {errc::unsupported,
                 fmt::format("policy {} observes queries on the host and has no device canary; the CUDA backend feeds "
@@ -403,11 +404,11 @@ class cuda_backend final : public cache_backend {
       const attend_item& it = items[i];
       const sequence_state& s = *store_.find(it.seq);
       const int64_t n = s.layers[size_t(layer)].n;
-      pol_->note_observation();
-      if (!pol_->canary_due(it.seq, n)) continue;
+      pol_->canary()->note_observation();
+      if (!pol_->canary()->canary_due(it.seq, n)) continue;
       const canary_keys keys(canary_.align, std::max<int64_t>(0, n - sh.window), n);
       if (keys.count() < canary_.align) {
-        pol_->note_skipped();
+        pol_->canary()->note_skipped();
         continue;
       }
       const auto* ring = reinterpret_cast<const uint16_t*>(arena_.ptr + store_.window_offset(s, layer, 0, role::k));
@@ -530,7 +531,7 @@ class cuda_backend final : public cache_backend {
               for (size_t t = 0; t < T; ++t) m.delta[t] += sums[size_t(h) * T + t];
             for (double& x : m.delta) x /= double(en.rows) * sh.q_heads;
           }
-          if (status s = pol_->ingest(m); !s.ok() && first.ok()) first = s;
+          if (status s = pol_->canary()->ingest(m); !s.ok() && first.ok()) first = s;
         }
       }
       free_slots_.push_back(l.slot);

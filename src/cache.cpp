@@ -67,6 +67,24 @@ status check_capacity(const cache_config& cfg, const char* call, seq_id id, int 
                                              layer, n + tokens, cfg.max_tokens)};
   return {};
 }
+// Asks the policy for the formats of the pages an append of m tokens to (s, layer) creates and
+// has the store allocate them; the store knows formats, not policies.
+result<append_plan> plan_pages(page_store& store, policy& pol, sequence_state& s, int layer, int64_t m) {
+  const cache_shape& sh = store.shape();
+  const int pages = store.new_pages(s, layer, m);
+  const int64_t first_token = s.layers[size_t(layer)].e;
+  std::vector<format_id> formats;
+  formats.reserve(size_t(pages) * sh.kv_heads * 2);
+  for (int i = 0; i < pages; ++i)
+    for (int h = 0; h < sh.kv_heads; ++h)
+      for (role r : {role::k, role::v})
+        formats.push_back(pol.choose({s.id, layer, h, r, first_token + int64_t(i) * sh.page_tokens}));
+  auto plan = store.plan_append(s, layer, m, formats);
+  if (!plan && plan.error().code() == errc::invalid_argument)
+    return status{errc::invalid_argument,
+                  fmt::format("policy {} chose an unusable format: {}", pol.name(), plan.error().message())};
+  return plan;
+}
 }  // namespace
 
 result<KVCache> KVCache::create(const cache_config& cfg, std::shared_ptr<policy> pol) {
@@ -112,7 +130,7 @@ status KVCache::append(seq_id id, int layer, const tensor_view& k, const tensor_
   KVQ_TRY(check_append("append", layer, k, v, impl_->cfg_.shape));
   KVQ_TRY(check_capacity(impl_->cfg_, "append", id, layer, s->layers[size_t(layer)].n, k.tokens));
   impl_->poll_policy();  // decisions of finished canaries reach the pages planned now
-  auto plan = impl_->store_.plan_append(*s, layer, k.tokens, *impl_->pol_);
+  auto plan = plan_pages(impl_->store_, *impl_->pol_, *s, layer, k.tokens);
   if (!plan) return plan.error();
   if (status st = impl_->write(*s, layer, k, v, *plan); !st.ok()) {
     impl_->store_.abandon(std::move(plan).value());  // nothing was committed: give the pages back
@@ -156,7 +174,7 @@ status KVCache::append_batch(std::span<const append_item> items, int layer, cons
     for (auto& pl : plans) impl_->store_.abandon(std::move(pl));
   };
   for (const auto& e : entries) {
-    auto plan = impl_->store_.plan_append(*e.s, layer, e.tokens, *impl_->pol_);
+    auto plan = plan_pages(impl_->store_, *impl_->pol_, *e.s, layer, e.tokens);
     if (!plan) {
       abandon_all();
       return plan.error();

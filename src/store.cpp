@@ -99,40 +99,43 @@ int64_t page_store::pages_after(int64_t n, int64_t e, int64_t m) const {
   return u >= shape_.page_tokens ? u / shape_.page_tokens : 0;
 }
 
-result<append_plan> page_store::plan_append(sequence_state& s, int layer, int64_t m, policy& pol) {
+result<append_plan> page_store::plan_append(sequence_state& s, int layer, int64_t m,
+                                            std::span<const format_id> formats) {
   layer_state& ls = s.layers[size_t(layer)];
   append_plan plan;
-  plan.pages = int(pages_after(ls.n, ls.e, m));
+  plan.pages = new_pages(s, layer, m);
   plan.first_page = int64_t(ls.pages.size()) / (2 * shape_.kv_heads);
-  plan.entries.reserve(size_t(plan.pages) * shape_.kv_heads * 2);
+  const size_t per_page = size_t(shape_.kv_heads) * 2;
+  if (formats.size() != size_t(plan.pages) * per_page)
+    return status{errc::invalid_argument,
+                  fmt::format("append of {} tokens to sequence {} layer {} creates {} pages per (kv head, role): {} formats "
+                              "needed, {} given",
+                              m, s.id, layer, plan.pages, size_t(plan.pages) * per_page, formats.size())};
+  for (size_t j = 0; j < formats.size(); ++j) {
+    const int h = int(j / 2 % size_t(shape_.kv_heads));
+    const role r = j % 2 == 0 ? role::k : role::v;
+    if (status st = check_shape(formats[j], r, shape_.page_tokens, shape_.head_dim); !st.ok())
+      return status{errc::invalid_argument, fmt::format("sequence {} layer {} page {} head {} {}: {}", s.id, layer,
+                                                        plan.first_page + int64_t(j / per_page), h, role_name(r),
+                                                        st.message())};
+  }
+  plan.entries.reserve(formats.size());
   uint64_t need = 0;
-  auto rollback = [&] { abandon(std::move(plan)); };
   // One block per page index holds the pages of every (kv head, role), back to back in the order
   // of the page list: one allocation instead of 2*kv_heads, and one block offset per page for the
   // device tables.
   for (int i = 0; i < plan.pages; ++i) {
     const size_t first = plan.entries.size();
     uint64_t block = 0;
-    for (int h = 0; h < shape_.kv_heads; ++h) {
-      for (role r : {role::k, role::v}) {
-        const page_request req{s.id, layer, h, r, ls.e + int64_t(i) * shape_.page_tokens};
-        const format_id f = pol.choose(req);
-        if (status st = check_shape(f, r, shape_.page_tokens, shape_.head_dim); !st.ok()) {
-          plan.entries.resize(first);
-          rollback();
-          return status{errc::invalid_argument,
-                        fmt::format("policy {} chose an unusable format for sequence {} layer {} head {} {}: {}",
-                                    pol.name(), s.id, layer, h, role_name(r), st.message())};
-        }
-        plan.entries.push_back({block, f});  // offset within the block for now
-        block += page_bytes_of(f, r);
-      }
+    for (size_t j = first; j < first + per_page; ++j) {
+      plan.entries.push_back({block, formats[j]});  // offset within the block for now
+      block += page_bytes_of(formats[j], j % 2 == 0 ? role::k : role::v);
     }
     need += arena_allocator::rounded(block);
     auto off = arena_.allocate(block);
     if (!off) {
       plan.entries.resize(first);
-      rollback();
+      abandon(std::move(plan));
       return status{errc::out_of_budget,
                     fmt::format("append of {} tokens to sequence {} layer {} needs {} new pages (at least {} bytes); "
                                 "{} of {} budget bytes free, largest block {}; nothing was stored",

@@ -473,8 +473,9 @@ TEST_CASE("echokv device canary: spec, due steps, counters as observe keeps them
   p.note_observation();
   CHECK(p.counters().observations == 1);
   p.unfreeze();
-  policy& base = p;  // the backend's view: ingest through the interface
-  check(base.ingest({0, 1, 100, std::vector<double>(2 * 3, 0.0)}));
+  policy& base = p;  // the backend's view: ingest through the policy's canary protocol
+  REQUIRE(base.canary() == &p);
+  check(base.canary()->ingest({0, 1, 100, std::vector<double>(2 * 3, 0.0)}));
   CHECK(p.counters().canary_evaluations == 1);
 
   // the window cut: whole groups at multiples of align inside [window_first, context)

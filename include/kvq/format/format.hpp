@@ -32,6 +32,7 @@
 /// the low nibble of byte i; for 2 bits, channel 4i is bits 0-1 of byte i.
 
 #include <kvq/config.hpp>
+#include <kvq/core.hpp>
 #include <kvq/status.hpp>
 
 #include <array>
@@ -41,11 +42,6 @@
 #include <string_view>
 
 KVQ_NAMESPACE_BEGIN
-
-/// Which tensor of the cache a page holds.
-enum class role : uint8_t { k = 0, v = 1 };
-
-constexpr const char* role_name(role r) { return r == role::k ? "K" : "V"; }
 
 /// Format families of DESIGN.md section 3.
 enum class family : uint8_t { fp16, bf16, fp8_e4m3, sym, kivi, rolealign };

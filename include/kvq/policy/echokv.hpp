@@ -35,7 +35,7 @@
 /// **Forward-only.** The policy only answers `choose` for new pages; stored pages keep the
 /// format they were written in (temporal striping).
 ///
-/// **Device canary.** `device_canary` describes the same measurement for a backend that runs it
+/// **Device canary** (`canary_protocol`). `device_canary` describes the same measurement for a backend that runs it
 /// itself (the CUDA backend: a kernel over the device ring, results ingested a step or more
 /// later, in step order); `canary_due`, `note_observation`, `note_skipped` and `ingest` keep the
 /// counters and state exactly as `observe` does on the host.
@@ -151,7 +151,7 @@ struct echokv_control {
 };
 
 /// The EchoKV controller.
-class KVQ_EXPORT echokv_policy final : public policy {
+class KVQ_EXPORT echokv_policy final : public policy, public canary_protocol {
  public:
   /// Keeps the options; they are validated by `bind`.
   explicit echokv_policy(echokv_options opt = {});
@@ -173,6 +173,8 @@ class KVQ_EXPORT echokv_policy final : public policy {
   bool wants_queries() const override { return true; }
   /// Runs the canary on the chosen steps: `measure`, then `ingest`. Does nothing while frozen.
   void observe(const query_observation& obs) override;
+  /// This policy's canary protocol (itself).
+  canary_protocol* canary() override { return this; }
   /// The measurement of `measure` for a backend to run (tiers, alignment, scale, granularity);
   /// nullptr before `bind`.
   const canary_spec* device_canary() const override { return bound_ ? &spec_ : nullptr; }

@@ -12,12 +12,13 @@
 
 #include <kvq/config.hpp>
 #include <kvq/format/format.hpp>
-#include <kvq/policy/policy.hpp>
+#include <kvq/core.hpp>
 #include <kvq/status.hpp>
 #include <kvq/store/arena.hpp>
 
 #include <array>
 #include <cstdint>
+#include <span>
 #include <unordered_map>
 #include <vector>
 
@@ -71,9 +72,17 @@ class KVQ_EXPORT page_store {
   /// e are encoded.
   int64_t pages_after(int64_t n, int64_t e, int64_t m) const;
 
-  /// Asks the policy for the formats of the pages an append of m tokens creates and allocates
-  /// them. On failure nothing is allocated and the status names the request.
-  result<append_plan> plan_append(sequence_state& s, int layer, int64_t m, policy& pol);
+  /// New pages per (kv head, role) that an append of m tokens to (s, layer) creates.
+  int new_pages(const sequence_state& s, int layer, int64_t m) const {
+    const layer_state& ls = s.layers[size_t(layer)];
+    return int(pages_after(ls.n, ls.e, m));
+  }
+
+  /// Allocates the pages an append of m tokens to (s, layer) creates, in the formats the caller
+  /// chose: `formats` is [new_pages(s, layer, m)][kv_heads][2 roles] (K then V). A wrong count or
+  /// a format that cannot store this shape is `invalid_argument`, a full budget `out_of_budget`;
+  /// on failure nothing is allocated and the status names the page.
+  result<append_plan> plan_append(sequence_state& s, int layer, int64_t m, std::span<const format_id> formats);
   /// Returns the planned pages to the budget (the backend rejected the data).
   void abandon(append_plan&& plan);
   /// Records the planned pages and the new token count (after the backend wrote the bytes).

@@ -240,12 +240,8 @@ kvq::result<std::shared_ptr<kvq::policy>> make_echokv(std::string_view text, con
     kvq::format_pair current(int l, int h) const override { return inner.current(l, h); }
     bool wants_queries() const override { return true; }
     void observe(const kvq::query_observation& o) override { inner.observe(o); }
-    // the device canary (CUDA backend) goes through these; forward them all
-    const kvq::canary_spec* device_canary() const override { return inner.device_canary(); }
-    bool canary_due(kvq::seq_id seq, int64_t context) const override { return inner.canary_due(seq, context); }
-    void note_observation() override { inner.note_observation(); }
-    void note_skipped() override { inner.note_skipped(); }
-    status ingest(const kvq::canary_measurement& m) override { return inner.ingest(m); }
+    // the device canary (CUDA backend) is EchoKV's own protocol
+    kvq::canary_protocol* canary() override { return &inner; }
   };
   return std::shared_ptr<kvq::policy>(std::make_shared<targeted>(opt, target_bits));
 }
