@@ -1,9 +1,12 @@
 #!/usr/bin/env python3
 """Turns the decode benchmark's JSON and the peer's CSV (same GPU, same session) into the
-markdown table of docs/results: kvq time, cuDNN BF16 time, their ratio, achieved TB/s and the
-fraction of the copy-bandwidth floor.
+markdown table of docs/performance.md: kvq time, cuDNN BF16 time, their ratio, achieved TB/s and
+the fraction of the copy-bandwidth floor.
 
-usage: report_decode.py bench.json peer.csv [--svg chart.svg] > table.md
+usage: report_decode.py out/gpu/bench.json out/gpu/peer.csv [--svg out/gpu/decode.svg]
+                        [--csv docs/data/decode_h200.csv] > out/gpu/decode.md
+
+--csv also writes the decode table's numbers as CSV (the compact data file docs/ keeps).
 
 --svg also draws kvq / cuDNN per format and shape (8 x 32K, 32 x 32K, 1 x 128K) as a bar chart,
 with the issue's targets marked (plain SVG, no dependencies).
@@ -21,6 +24,8 @@ import sys
 
 bench = json.load(open(sys.argv[1]))
 svg_path = sys.argv[sys.argv.index("--svg") + 1] if "--svg" in sys.argv else None
+csv_path = sys.argv[sys.argv.index("--csv") + 1] if "--csv" in sys.argv else None
+csv_rows = []
 peer = {}
 for row in csv.reader(line for line in open(sys.argv[2]) if line.startswith("peer,") and "backend" not in line):
     _, backend, B, L, *_rest = row
@@ -37,8 +42,17 @@ for b in bench["benchmarks"]:
     cudnn = peer.get(("cudnn", B, L))
     flash = peer.get(("flash", B, L))
     ratio = f"{us / cudnn:.2f}" if cudnn else "n/a"
-    print(f"| {fmt} | {b['bits']:.2f} | {B} | {L} | {us:.1f} | {cudnn if cudnn else 'n/a'} | {ratio} | "
-          f"{flash if flash else 'n/a'} | {b['TBps']:.2f} | {b['floor_frac']:.3f} |")
+    row = [f"{b['bits']:.2f}", B, L, f"{us:.1f}", cudnn if cudnn else "n/a", ratio, flash if flash else "n/a",
+           f"{b['TBps']:.2f}", f"{b['floor_frac']:.3f}"]
+    print(f"| {fmt} | " + " | ".join(str(x) for x in row) + " |")
+    csv_rows.append([m.group(1)] + row)
+
+if csv_path:
+    with open(csv_path, "w", newline="") as f:
+        w = csv.writer(f, lineterminator="\n")
+        w.writerow(["format", "bits_per_elem", "batch", "context", "kvq_us", "cudnn_bf16_us", "kvq_over_cudnn",
+                    "flash_us", "kvq_tbps", "floor_fraction"])
+        w.writerows(csv_rows)
 
 steps = [b for b in bench["benchmarks"] if b["name"].startswith("append_step/")]
 if steps:

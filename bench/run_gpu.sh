@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine over the files scripts/gpu-stage put in .gpu/: GPU tests, compute-
 # sanitizer (memcheck + racecheck on reduced sizes), the decode benchmark and the FP16 peer, in
-# one session so that ratios compare like with like. Logs go to $OUT.
+# one session so that ratios compare like with like. Logs and raw results go to $OUT (default
+# out/gpu, git-ignored).
 #   bash bench/run_gpu.sh [tests] [sanitize] [bench] [peer] [canary]  (default: the first four)
 # canary: EchoKV's device-canary overhead on a Llama-8B-like decode step (canary.log, canary.json).
 set -uo pipefail
-OUT=${OUT:-/tmp/kvq-out}
+OUT=${OUT:-$PWD/out/gpu}
 mkdir -p "$OUT"
 export LD_LIBRARY_PATH="$PWD/.gpu/lib:${LD_LIBRARY_PATH:-}"
 steps=${*:-tests sanitize bench peer}

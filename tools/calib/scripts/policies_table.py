@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Tables of docs/results/policies_smollm2.md from the kvq-eval JSON of policies_smollm2.sh.
+"""Tables of docs/quality.md (policies at matched bytes) from the kvq-eval JSON of policies_smollm2.sh.
 
-usage: policies_table.py docs/results/policies_smollm2.json
+usage: policies_table.py out/policies_smollm2.json
 
 Bits are the formats' own bits per K/V element of the pages (scales and zeros included):
 `nominal` for the final format map, `pages` for the pages actually written (the two differ only

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""EchoKV budget-mode (target_bits) table of docs/results/policies_smollm2.md from a kvq-eval JSON.
+"""EchoKV budget-mode (target_bits) table of docs/quality.md from a kvq-eval JSON.
 
 usage: echokv_budget_table.py <kvq-eval.json>
 
