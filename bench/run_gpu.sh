@@ -3,7 +3,10 @@
 # sanitizer (memcheck + racecheck on reduced sizes), the decode benchmark and the FP16 peer, in
 # one session so that ratios compare like with like. Logs and raw results go to $OUT (default
 # out/gpu, git-ignored).
-#   bash bench/run_gpu.sh [tests] [sanitize] [bench] [peer] [canary]  (default: the first four)
+#   bash bench/run_gpu.sh [tests] [sanitize] [bench] [peer] [canary] [ab]  (default: the first four)
+# ab: the decode benchmark of another build (KVQ_AB_BASE, default out/gpu-base/, staged the same
+# way from the commit to compare against) and of .gpu/, KVQ_AB_ROUNDS (default 2) rounds each,
+# interleaved; ab.md is bench/ab_compare.py's table, ab_json.tar.gz the raw results.
 # canary: EchoKV's device-canary overhead on a Llama-8B-like decode step (canary.log, canary.json).
 set -uo pipefail
 OUT=${OUT:-$PWD/out/gpu}
@@ -45,6 +48,18 @@ for s in $steps; do
     canary)
       ./.gpu/kvq_bench_canary_cuda --steps 1280 --json "$OUT/canary.json" 2>&1 | tee "$OUT/canary.log" | grep -vE "filled|round"
       rc=$((rc | ${PIPESTATUS[0]})) ;;
+    ab)
+      base=${KVQ_AB_BASE:-out/gpu-base}
+      mkdir -p "$OUT/ab"
+      for r in $(seq "${KVQ_AB_ROUNDS:-2}"); do
+        for who in base new; do
+          bin=$([ $who = base ] && echo "$base" || echo .gpu)/kvq_bench_decode_cuda
+          "$bin" --benchmark_out="$OUT/ab/${who}_$r.json" --benchmark_out_format=json >/dev/null 2>&1
+          rc=$((rc | $?)); echo "ab: round $r $who done"
+        done
+      done
+      python3 bench/ab_compare.py "$OUT"/ab/base_*.json -- "$OUT"/ab/new_*.json | tee "$OUT/ab.md" | tail -3
+      tar -czf "$OUT/ab_json.tar.gz" -C "$OUT" ab && rm -rf "$OUT/ab" ;;
   esac
 done
 exit $rc
