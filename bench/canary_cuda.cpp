@@ -12,7 +12,7 @@
 // The canary alone costs (one - frozen) per canary step; at rate r the expected overhead is
 // P(a step has a canary) x that / frozen step time, with P = 1 - (1 - r)^batch (= r at batch 1),
 // printed beside the direct (live - frozen) difference and its standard error, against the
-// 0.1 % target of DESIGN.md section 6. The step here is attention and append only: a real model
+// 0.1 % target (docs/performance.md). The step here is attention and append only: a real model
 // step (weights, GEMMs) is several times longer, so the real overhead is lower still.
 //   kvq_bench_canary_cuda [--batches 1,8] [--context 32768] [--steps 640] [--block 16] [--json PATH]
 #include <kvq/cache/cache.hpp>

@@ -1,7 +1,7 @@
 #pragma once
 /// \file
 /// The CPU reference attention: plain, readable, obviously right. Every other backend is tested
-/// against it (DESIGN.md section 5). Library code, not test-only: the CPU backend runs it.
+/// against it. Library code, not test-only: the CPU backend runs it.
 
 #include <kvq/config.hpp>
 

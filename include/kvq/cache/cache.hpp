@@ -1,6 +1,6 @@
 #pragma once
 /// \file
-/// `kvq::KVCache`: the one interface an engine talks to (DESIGN.md section 2).
+/// `kvq::KVCache`: the one interface an engine talks to (docs/architecture.md).
 ///
 /// Per layer and step, an engine calls `append` with the K and V of the new tokens of a sequence,
 /// then `attend` with the queries of a batch of sequences. The cache quantizes on write into
@@ -54,7 +54,7 @@ struct cache_config {
   bool check_values = true;
 };
 
-/// Statistics at any moment (DESIGN.md section 4).
+/// Statistics at any moment.
 struct cache_stats {
   uint64_t budget_bytes = 0;
   uint64_t used_bytes = 0;    ///< pages + windows, as allocated (256-byte aligned blocks)
@@ -173,7 +173,7 @@ class KVQ_EXPORT KVCache {
   std::unique_ptr<detail::cache_backend> impl_;
 };
 
-/// STYLE.md's snake_case spelling of the same type.
+/// The snake_case spelling of the same type.
 using kv_cache = KVCache;
 
 KVQ_NAMESPACE_END

@@ -1,9 +1,9 @@
 #pragma once
 /// \file
 /// The calibrator: measures, from the queries, keys and values of real text, how much each
-/// candidate format damages each (layer, kv head), and picks the `rolealign` clip ratios
-/// (DESIGN.md section 6). Engine-agnostic: it sees only tensors, so any engine (or the model
-/// runner of tools/llama, through `kvq-calibrate`) feeds it.
+/// candidate format damages each (layer, kv head), and picks the `rolealign` clip ratios.
+/// Engine-agnostic: it sees only tensors, so any engine (or the model runner of tools/llama,
+/// through `kvq-calibrate`) feeds it.
 ///
 /// **What one `observe` measures.** A *chunk* is T consecutive tokens of one sequence starting at
 /// position 0 of what the calibrator sees: queries attend causally to the chunk's own keys (query

@@ -1,7 +1,6 @@
 #pragma once
 /// \file
-/// `autok` policy: protect the fewest layers that hold a share φ of the measured sensitivity
-/// (DESIGN.md section 6).
+/// `autok` policy: protect the fewest layers that hold a share φ of the measured sensitivity.
 ///
 /// Layers are sorted by sensitivity, largest first (ties: lower layer first), and taken until
 /// their cumulative sensitivity reaches φ of the total; those layers get the `high` format pair,

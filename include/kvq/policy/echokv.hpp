@@ -1,6 +1,6 @@
 #pragma once
 /// \file
-/// `echokv` policy: the online closed loop of DESIGN.md section 6. While the model generates,
+/// `echokv` policy: the online closed loop (docs/architecture.md, "Policies"). While the model generates,
 /// it measures the attention KL that quantizing the keys would cause on live queries and moves
 /// each layer's (or each kv head's) tier up or down.
 ///
@@ -98,7 +98,7 @@ struct echokv_pid {
   double max_log_scale = 12.0;  ///< bound of |c| and of the integrator (anti-windup), nats
 };
 
-/// Parameters of `echokv_policy`. The defaults are DESIGN.md section 6's.
+/// Parameters of `echokv_policy`. The defaults are the measured ones of docs/decisions.md.
 struct echokv_options {
   /// K format of each tier, lowest precision first (strictly increasing K bytes per page).
   std::vector<format_id> tiers = {format_id(find_format(family::kivi, 2, 32)),
@@ -212,7 +212,7 @@ class KVQ_EXPORT echokv_policy final : public policy, public canary_protocol {
   /// streaks; EMAs are kept. Errors name a wrong length or a tier out of range.
   status restore(std::span<const uint8_t> tiers);
   /// Per unit, the tier most of the snapshots hold; a tie goes to the highest of the tied tiers
-  /// (the safer precision). What tensor-parallel ranks exchange (DESIGN.md section 8). Errors: no
+  /// (the safer precision). What tensor-parallel ranks exchange. Errors: no
   /// snapshots, or snapshots of different lengths.
   static result<std::vector<uint8_t>> majority_vote(std::span<const std::vector<uint8_t>> snapshots);
 

@@ -1,7 +1,6 @@
 #pragma once
 /// \file
-/// `kl_budget` policy: a per-(layer, kv head) allocation by a greedy over the damage per byte
-/// (DESIGN.md section 6).
+/// `kl_budget` policy: a per-(layer, kv head) allocation by a greedy over the damage per byte.
 ///
 /// Every (layer, kv head, role) has a *ladder*: the candidate formats of the profile that can
 /// store the cache's pages, ordered by page bytes for that role (scales and zeros included, from

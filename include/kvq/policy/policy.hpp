@@ -1,7 +1,7 @@
 #pragma once
 /// \file
 /// The policy interface: which format each new page gets. A policy returns formats and may
-/// observe each step's queries; it never touches stored bytes (DESIGN.md section 6). Decisions
+/// observe each step's queries; it never touches stored bytes. Decisions
 /// apply to pages created after them (forward-only tier changes).
 
 #include <kvq/config.hpp>

@@ -1,6 +1,6 @@
 #pragma once
 /// \file
-/// `random` policy: the control every allocation claim needs (DESIGN.md section 6). It takes any
+/// `random` policy: the control every allocation claim needs. It takes any
 /// allocation (a `format_map`, e.g. `format_map::of(autok, layers, heads)`) and places the same
 /// multiset of (K, V) format pairs on the (layer, kv head) grid in a random order, so the page
 /// bytes are exactly those of the original.

@@ -4,7 +4,7 @@
 ///
 /// - `sensitivity_profile`: a measured damage number per (layer, kv head, role, candidate
 ///   format). For K it is the attention KL a quantization of that head's keys causes, for V the
-///   perturbation of the attention output (DESIGN.md section 6). Calibration fills it; the
+///   perturbation of the attention output. Calibration fills it; the
 ///   artifact (`kvq/calib/artifact.hpp`) stores it.
 /// - `format_map`: a table of one `format_pair` per (layer, kv head): what an allocation policy
 ///   decided, and what `random_policy` permutes.

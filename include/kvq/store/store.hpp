@@ -3,7 +3,7 @@
 /// Host-side bookkeeping of the paged store, shared by every backend: the byte budget, the
 /// sequences, their per-(layer, kv head, role) page lists and the recent-window placement. It
 /// knows offsets and formats, never bytes: the backend owns the memory (host or device) the
-/// offsets point into (DESIGN.md section 4).
+/// offsets point into.
 ///
 /// Window layout of one sequence: [layers][kv_heads][2 roles][window][head_dim] fp16, one block.
 /// Page list of (layer): entry (page i, kv head h, role r) at index (i*kv_heads + h)*2 + r.

@@ -1,5 +1,5 @@
-// kvq-calibrate: runs a model over calibration text and writes the calibration artifact (DESIGN.md
-// section 6): per (layer, kv head, format) K attention KL and V output perturbation, and rolealign
+// kvq-calibrate: runs a model over calibration text and writes the calibration artifact
+// (docs/architecture.md, "Calibration artifacts"): per (layer, kv head, format) K attention KL and V output perturbation, and rolealign
 // clip ratios, measured by kvq::calib::calibrator on the model's own q, k, v.
 #include <fmt/format.h>
 
@@ -65,7 +65,7 @@ COST
 
 EXAMPLE
   kvq-calibrate -m models/SmolLM2-135M-Instruct.Q4_1.gguf -t data/eval/calib_emma.txt \
-    --tokens 2048 --segment 512 -o docs/results/calib_smollm2.json
+    --tokens 2048 --segment 512 -o docs/data/calib_smollm2.json
 )";
 
 kvq::result<std::string> read_file(const std::string& path) {

@@ -1,4 +1,4 @@
-// kvq-eval: compares KV-cache configurations on one model and one text (DESIGN.md section 7).
+// kvq-eval: compares KV-cache configurations on one model and one text (docs/architecture.md).
 #include <fmt/format.h>
 
 #include <CLI/CLI.hpp>
@@ -27,7 +27,7 @@ CONFIGURATIONS (--config, repeatable; default: fp16 int8 kivi4/g32 kivi2/g32 ra4
   s += R"(  Policy parameters are key=value pairs separated by commas; an unknown key is an error.
   artifact=PATH is a calibration artifact written by kvq-calibrate (tools/calib) for this model.
   random's like= takes the rest of the string (commas included), so it comes last, e.g.
-  random:seed=2,like=kl_budget:bits=4,artifact=docs/results/calib_smollm2.json
+  random:seed=2,like=kl_budget:bits=4,artifact=docs/data/calib_smollm2.json
 )";
   s += R"(  Format specs: fp16, bf16, fp8, int8 (= sym8), int4 (= sym4/g32), int2, sym<b>[/g<G>],
   kivi<b>/g<G>, ra<b>/g<G> (rolealign: clips by the ratios of --clip-ratios; without them it

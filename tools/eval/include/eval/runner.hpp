@@ -1,7 +1,7 @@
 #pragma once
 /// \file
 /// The evaluation itself: one model, one text, several cache configurations, the same positions
-/// for all (DESIGN.md section 7).
+/// for all (docs/architecture.md).
 ///
 /// **Teacher forcing.** The text is tokenized once. Every configuration gets its own cache and
 /// reads the same tokens: the first `prefill` tokens as a prefill (chunks of at most the window R,
