@@ -50,7 +50,7 @@ struct device_buffer {
 
 class cuda_backend final : public cache_backend {
  public:
-  cuda_backend(const cache_config& cfg, std::shared_ptr<policy> pol) : cache_backend(cfg, std::move(pol)) {}
+  explicit cuda_backend(const cache_state& st) : cache_backend(st) {}
 
   ~cuda_backend() override {
     for (canary_slot& c : canary_slots_) {
@@ -564,10 +564,11 @@ class cuda_backend final : public cache_backend {
 
 }  // namespace
 
-result<std::unique_ptr<cache_backend>> make_cuda_backend(const cache_config& cfg, std::shared_ptr<policy> pol) {
+result<std::unique_ptr<cache_backend>> make_cuda_backend(const cache_state& st) {
+  const cache_config& cfg = st.cfg;
   if (cfg.max_tokens <= 0 || cfg.max_tokens > (int64_t(1) << 30))
     return status{errc::invalid_argument, fmt::format("cache_config: max_tokens {} must be in [1, 2^30]", cfg.max_tokens)};
-  auto b = std::make_unique<cuda_backend>(cfg, std::move(pol));
+  auto b = std::make_unique<cuda_backend>(st);
   KVQ_TRY(b->init());
   return std::unique_ptr<cache_backend>(std::move(b));
 }

@@ -10,10 +10,6 @@
 
 KVQ_NAMESPACE_BEGIN
 
-float detail::cache_backend::softmax_scale() const {
-  return cfg_.softmax_scale > 0.f ? cfg_.softmax_scale : 1.0f / std::sqrt(float(cfg_.shape.head_dim));
-}
-
 namespace {
 status validate_config(const cache_config& c) {
   const auto& s = c.shape;
@@ -91,71 +87,77 @@ result<KVCache> KVCache::create(const cache_config& cfg, std::shared_ptr<policy>
   KVQ_TRY(validate_config(cfg));
   if (!pol) return status{errc::invalid_argument, "KVCache::create: policy is null"};
   if (status s = pol->bind(cfg.shape); !s.ok()) return s;
-  if (cfg.where == backend::cpu) return KVCache(detail::make_cpu_backend(cfg, std::move(pol)));
-  auto b = detail::make_cuda_backend(cfg, std::move(pol));
+  auto st = std::make_unique<detail::cache_state>(cfg, std::move(pol));
+  if (cfg.where == backend::cpu) {
+    auto b = detail::make_cpu_backend(*st);
+    if (!b) return b.error();
+    return KVCache(std::move(st), std::move(b).value());
+  }
+  auto b = detail::make_cuda_backend(*st);
   if (!b) return b.error();
-  return KVCache(std::move(b).value());
+  return KVCache(std::move(st), std::move(b).value());
 }
 
-KVCache::KVCache(std::unique_ptr<detail::cache_backend> b) : impl_(std::move(b)) {}
+KVCache::KVCache(std::unique_ptr<detail::cache_state> st, std::unique_ptr<detail::cache_backend> b)
+    : state_(std::move(st)), impl_(std::move(b)) {}
 KVCache::KVCache(KVCache&&) noexcept = default;
 KVCache& KVCache::operator=(KVCache&&) noexcept = default;
 KVCache::~KVCache() = default;
 
 status KVCache::create_sequence(seq_id id) {
-  auto s = impl_->store_.create(id);
+  auto s = state_->store.create(id);
   if (!s) return s.error();
   impl_->on_sequence_change(**s, true);
   return {};
 }
 
 status KVCache::release_sequence(seq_id id) {
-  const sequence_state* s = impl_->store_.find(id);
+  const sequence_state* s = state_->store.find(id);
   if (!s) return {errc::not_found, fmt::format("release_sequence: unknown sequence {}", id)};
   impl_->on_sequence_change(*s, false);
-  return impl_->store_.release(id);
+  return state_->store.release(id);
 }
 
-bool KVCache::has_sequence(seq_id id) const { return impl_->store_.find(id) != nullptr; }
+bool KVCache::has_sequence(seq_id id) const { return state_->store.find(id) != nullptr; }
 
 int64_t KVCache::length(seq_id id, int layer) const {
-  const sequence_state* s = impl_->store_.find(id);
-  if (!s || layer < 0 || layer >= impl_->cfg_.shape.layers) return -1;
+  const sequence_state* s = state_->store.find(id);
+  if (!s || layer < 0 || layer >= state_->cfg.shape.layers) return -1;
   return s->layers[size_t(layer)].n;
 }
 
 status KVCache::append(seq_id id, int layer, const tensor_view& k, const tensor_view& v) {
-  sequence_state* s = impl_->store_.find(id);
+  sequence_state* s = state_->store.find(id);
   if (!s) return {errc::not_found, fmt::format("append: unknown sequence {}", id)};
-  KVQ_TRY(check_append("append", layer, k, v, impl_->cfg_.shape));
-  KVQ_TRY(check_capacity(impl_->cfg_, "append", id, layer, s->layers[size_t(layer)].n, k.tokens));
+  KVQ_TRY(check_append("append", layer, k, v, state_->cfg.shape));
+  KVQ_TRY(check_capacity(state_->cfg, "append", id, layer, s->layers[size_t(layer)].n, k.tokens));
   impl_->poll_policy();  // decisions of finished canaries reach the pages planned now
-  auto plan = plan_pages(impl_->store_, *impl_->pol_, *s, layer, k.tokens);
+  auto plan = plan_pages(state_->store, *state_->pol, *s, layer, k.tokens);
   if (!plan) return plan.error();
   if (status st = impl_->write(*s, layer, k, v, *plan); !st.ok()) {
-    impl_->store_.abandon(std::move(plan).value());  // nothing was committed: give the pages back
+    state_->store.abandon(std::move(plan).value());  // nothing was committed: give the pages back
     return st;
   }
-  impl_->store_.commit_append(*s, layer, k.tokens, std::move(plan).value());
+  state_->store.commit_append(*s, layer, k.tokens, std::move(plan).value());
   return {};
 }
 
 status KVCache::append_batch(std::span<const append_item> items, int layer, const tensor_view& k,
                              const tensor_view& v) {
   if (items.empty()) return {errc::invalid_argument, "append_batch: empty batch"};
-  KVQ_TRY(check_append("append_batch", layer, k, v, impl_->cfg_.shape));
+  KVQ_TRY(check_append("append_batch", layer, k, v, state_->cfg.shape));
   std::vector<detail::cache_backend::batch_entry> entries;
   entries.reserve(items.size());
   std::vector<seq_id> ids;
   ids.reserve(items.size());
   int64_t rows = 0;
   for (const auto& it : items) {
-    sequence_state* s = impl_->store_.find(it.seq);
+    sequence_state* s = state_->store.find(it.seq);
     if (!s) return {errc::not_found, fmt::format("append_batch: unknown sequence {}", it.seq)};
     if (it.tokens < 1)
       return {errc::invalid_argument,
               fmt::format("append_batch: sequence {} appends {} tokens; need at least 1", it.seq, it.tokens)};
-    KVQ_TRY(check_capacity(impl_->cfg_, "append_batch", it.seq, layer, s->layers[size_t(layer)].n, it.tokens));
+    KVQ_TRY(check_capacity(state_->cfg, "append_batch", it.seq, layer, s->layers[size_t(layer)].n, it.tokens));
     entries.push_back({s, nullptr, rows, it.tokens});
     ids.push_back(it.seq);
     rows += it.tokens;
@@ -171,10 +173,10 @@ status KVCache::append_batch(std::span<const append_item> items, int layer, cons
   std::vector<append_plan> plans;
   plans.reserve(entries.size());
   auto abandon_all = [&] {
-    for (auto& pl : plans) impl_->store_.abandon(std::move(pl));
+    for (auto& pl : plans) state_->store.abandon(std::move(pl));
   };
   for (const auto& e : entries) {
-    auto plan = plan_pages(impl_->store_, *impl_->pol_, *e.s, layer, e.tokens);
+    auto plan = plan_pages(state_->store, *state_->pol, *e.s, layer, e.tokens);
     if (!plan) {
       abandon_all();
       return plan.error();
@@ -187,18 +189,18 @@ status KVCache::append_batch(std::span<const append_item> items, int layer, cons
     return st;
   }
   for (size_t i = 0; i < entries.size(); ++i)
-    impl_->store_.commit_append(*entries[i].s, layer, entries[i].tokens, std::move(plans[i]));
+    state_->store.commit_append(*entries[i].s, layer, entries[i].tokens, std::move(plans[i]));
   return {};
 }
 
 status KVCache::attend(std::span<const attend_item> items, int layer, const tensor_view& q, const tensor_mut& o) {
-  const auto& sh = impl_->cfg_.shape;
+  const auto& sh = state_->cfg.shape;
   if (layer < 0 || layer >= sh.layers)
     return {errc::invalid_argument, fmt::format("attend: layer {} out of range [0, {})", layer, sh.layers)};
   if (items.empty()) return {errc::invalid_argument, "attend: empty batch"};
   int64_t total = 0;
   for (const auto& it : items) {
-    const sequence_state* s = impl_->store_.find(it.seq);
+    const sequence_state* s = state_->store.find(it.seq);
     if (!s) return {errc::not_found, fmt::format("attend: unknown sequence {}", it.seq)};
     const int64_t n = s->layers[size_t(layer)].n;
     if (it.q_len < 1 || it.q_len > n || it.q_len > sh.window)
@@ -224,8 +226,8 @@ status KVCache::attend(std::span<const attend_item> items, int layer, const tens
 }
 
 status KVCache::read(seq_id id, int layer, role r, std::span<float> out) const {
-  const auto& sh = impl_->cfg_.shape;
-  const sequence_state* s = impl_->store_.find(id);
+  const auto& sh = state_->cfg.shape;
+  const sequence_state* s = state_->store.find(id);
   if (!s) return {errc::not_found, fmt::format("read: unknown sequence {}", id)};
   if (layer < 0 || layer >= sh.layers) return {errc::invalid_argument, fmt::format("read: layer {} out of range", layer)};
   const size_t need = size_t(s->layers[size_t(layer)].n) * sh.kv_heads * sh.head_dim;
@@ -235,7 +237,7 @@ status KVCache::read(seq_id id, int layer, role r, std::span<float> out) const {
 }
 
 status KVCache::set_clip_ratios(std::span<const float> ratios) {
-  const auto& sh = impl_->cfg_.shape;
+  const auto& sh = state_->cfg.shape;
   const size_t need = size_t(sh.layers) * sh.kv_heads * 2;
   if (ratios.size() != need)
     return {errc::invalid_argument, fmt::format("set_clip_ratios: got {} ratios, need layers*kv_heads*2 = {}", ratios.size(), need)};
@@ -243,7 +245,7 @@ status KVCache::set_clip_ratios(std::span<const float> ratios) {
     if (!(ratios[i] > 0.f && ratios[i] <= 1.f))
       return {errc::invalid_argument, fmt::format("set_clip_ratios: ratio {} at index {} (layer {}, head {}, {}) is not in (0, 1]",
                                                   ratios[i], i, i / (2 * sh.kv_heads), (i / 2) % sh.kv_heads, i % 2 ? "V" : "K")};
-  impl_->clip_.assign(ratios.begin(), ratios.end());
+  state_->clip.assign(ratios.begin(), ratios.end());
   return {};
 }
 
@@ -252,7 +254,7 @@ status KVCache::sync_policy() { return impl_->sync_policy(); }
 status KVCache::flush_policy() { return impl_->flush_policy(); }
 
 cache_stats KVCache::stats() const {
-  const auto& st = impl_->store_;
+  const auto& st = state_->store;
   const auto& t = st.totals();
   cache_stats out;
   out.budget_bytes = st.arena().capacity();
@@ -265,14 +267,14 @@ cache_stats KVCache::stats() const {
   out.encoded_elements = t.encoded_elements;
   out.bytes_by_format = t.bytes_by_format;
   out.pages_by_format = t.pages_by_format;
-  const auto& sh = impl_->cfg_.shape;
+  const auto& sh = state_->cfg.shape;
   out.format_map.reserve(size_t(sh.layers) * sh.kv_heads);
   for (int l = 0; l < sh.layers; ++l)
-    for (int h = 0; h < sh.kv_heads; ++h) out.format_map.push_back(impl_->pol_->current(l, h));
+    for (int h = 0; h < sh.kv_heads; ++h) out.format_map.push_back(state_->pol->current(l, h));
   return out;
 }
 
-const cache_config& KVCache::config() const { return impl_->cfg_; }
-policy& KVCache::active_policy() const { return *impl_->pol_; }
+const cache_config& KVCache::config() const { return state_->cfg; }
+policy& KVCache::active_policy() const { return *state_->pol; }
 
 KVQ_NAMESPACE_END

@@ -7,7 +7,9 @@
 #include <fmt/format.h>
 
 #include <cmath>
+#include <cstdint>
 #include <cstring>
+#include <new>
 #include <vector>
 
 KVQ_NAMESPACE_BEGIN
@@ -33,8 +35,7 @@ void store_out(void* base, dtype t, int64_t idx, float x) {
 
 class cpu_backend final : public cache_backend {
  public:
-  cpu_backend(const cache_config& cfg, std::shared_ptr<policy> pol)
-      : cache_backend(cfg, std::move(pol)), bytes_(new uint8_t[store_.arena().capacity()]) {}
+  cpu_backend(const cache_state& st, std::unique_ptr<uint8_t[]> bytes) : cache_backend(st), bytes_(std::move(bytes)) {}
 
   uint16_t* ring(const sequence_state& s, int layer, int h, role r) const {
     return reinterpret_cast<uint16_t*>(bytes_.get() + store_.window_offset(s, layer, h, r));
@@ -169,8 +170,14 @@ void gather(const cache_shape& sh, const layer_state& ls, role r, int q_len,
   }
 }
 
-std::unique_ptr<cache_backend> make_cpu_backend(const cache_config& cfg, std::shared_ptr<policy> pol) {
-  return std::make_unique<cpu_backend>(cfg, std::move(pol));
+result<std::unique_ptr<cache_backend>> make_cpu_backend(const cache_state& st) {
+  const uint64_t n = st.store.arena().capacity();
+  std::unique_ptr<uint8_t[]> bytes(n <= SIZE_MAX ? new (std::nothrow) uint8_t[size_t(n)] : nullptr);
+  if (!bytes)
+    return status{errc::out_of_budget,
+                  fmt::format("cache_config.budget_bytes {}: the CPU backend could not allocate its arena of that size",
+                              n)};
+  return std::unique_ptr<cache_backend>(std::make_unique<cpu_backend>(st, std::move(bytes)));
 }
 
 }  // namespace detail

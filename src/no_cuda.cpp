@@ -3,7 +3,7 @@
 
 KVQ_NAMESPACE_BEGIN
 namespace detail {
-result<std::unique_ptr<cache_backend>> make_cuda_backend(const cache_config&, std::shared_ptr<policy>) {
+result<std::unique_ptr<cache_backend>> make_cuda_backend(const cache_state&) {
   return status{errc::unsupported, "this kvq was built without CUDA (no nvcc at configure time); use backend::cpu"};
 }
 }  // namespace detail

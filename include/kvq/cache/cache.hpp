@@ -91,8 +91,9 @@ struct append_item {
 };
 
 namespace detail {
+struct cache_state;
 class cache_backend;
-}
+}  // namespace detail
 
 /// The cache. Move-only; create with `KVCache::create`.
 class KVQ_EXPORT KVCache {
@@ -169,8 +170,9 @@ class KVQ_EXPORT KVCache {
   policy& active_policy() const;
 
  private:
-  explicit KVCache(std::unique_ptr<detail::cache_backend> b);
-  std::unique_ptr<detail::cache_backend> impl_;
+  KVCache(std::unique_ptr<detail::cache_state> st, std::unique_ptr<detail::cache_backend> b);
+  std::unique_ptr<detail::cache_state> state_;    ///< bookkeeping: config, policy, store, clip ratios
+  std::unique_ptr<detail::cache_backend> impl_;   ///< the data plane; reads `state_`
 };
 
 /// The snake_case spelling of the same type.

@@ -7,6 +7,7 @@
 #include <kvq/cache/cache.hpp>
 #include <kvq/store/store.hpp>
 
+#include <cmath>
 #include <functional>
 #include <memory>
 #include <vector>
@@ -14,13 +15,26 @@
 KVQ_NAMESPACE_BEGIN
 namespace detail {
 
+/// What `KVCache` keeps for every backend: the configuration, the policy, the bookkeeping of the
+/// store and the rolealign clip ratios. The cache validates requests and updates it; a backend
+/// reads it and owns nothing of it.
+struct cache_state {
+  cache_state(const cache_config& c, std::shared_ptr<policy> p)
+      : cfg(c), pol(std::move(p)), store(c.shape, c.budget_bytes, c.max_sequences),
+        clip(size_t(c.shape.layers) * c.shape.kv_heads * 2, 1.0f) {}
+  cache_config cfg;
+  std::shared_ptr<policy> pol;
+  page_store store;
+  std::vector<float> clip;  ///< [layers][kv_heads][2]
+};
+
+/// The data plane of a cache: it owns the bytes (host or device) and runs append and attention
+/// over the bookkeeping of `cache_state`, which it only reads. Its own state is private to it.
 class cache_backend {
  public:
-  cache_backend(const cache_config& cfg, std::shared_ptr<policy> pol)
-      : cfg_(cfg),
-        pol_(std::move(pol)),
-        store_(cfg.shape, cfg.budget_bytes, cfg.max_sequences),
-        clip_(size_t(cfg.shape.layers) * cfg.shape.kv_heads * 2, 1.0f) {}
+  explicit cache_backend(const cache_state& st) : cfg_(st.cfg), pol_(st.pol), store_(st.store), clip_(st.clip) {}
+  cache_backend(const cache_backend&) = delete;
+  cache_backend& operator=(const cache_backend&) = delete;
   virtual ~cache_backend() = default;
 
   /// Converts, validates (finite, within fp16 range) and stores m tokens; encodes the planned
@@ -53,12 +67,15 @@ class cache_backend {
   /// Launches the deferred canaries without waiting (`KVCache::flush_policy`).
   virtual status flush_policy() { return {}; }
 
-  cache_config cfg_;
-  std::shared_ptr<policy> pol_;
-  page_store store_;
-  std::vector<float> clip_;  ///< [layers][kv_heads][2]
+ protected:
+  const cache_config& cfg_;
+  const std::shared_ptr<policy>& pol_;
+  const page_store& store_;
+  const std::vector<float>& clip_;  ///< [layers][kv_heads][2]
 
-  float softmax_scale() const;
+  float softmax_scale() const {
+    return cfg_.softmax_scale > 0.f ? cfg_.softmax_scale : 1.0f / std::sqrt(float(cfg_.shape.head_dim));
+  }
   float clip_of(int layer, int kv_head, role r) const {
     return clip_[(size_t(layer) * cfg_.shape.kv_heads + kv_head) * 2 + (r == role::k ? 0 : 1)];
   }
@@ -80,10 +97,10 @@ void gather(const cache_shape& sh, const layer_state& ls, role r, int q_len,
             const std::function<const uint8_t*(const page_entry&)>& page_at,
             const std::function<const uint16_t*(int kv_head)>& ring_at, float* out);
 
-/// The CPU reference backend.
-std::unique_ptr<cache_backend> make_cpu_backend(const cache_config& cfg, std::shared_ptr<policy> pol);
+/// The CPU reference backend, or an `out_of_budget` status when its arena cannot be allocated.
+result<std::unique_ptr<cache_backend>> make_cpu_backend(const cache_state& st);
 /// The CUDA backend, or an `unsupported` status when kvq was built without CUDA.
-result<std::unique_ptr<cache_backend>> make_cuda_backend(const cache_config& cfg, std::shared_ptr<policy> pol);
+result<std::unique_ptr<cache_backend>> make_cuda_backend(const cache_state& st);
 
 }  // namespace detail
 KVQ_NAMESPACE_END
