@@ -86,8 +86,10 @@ class io_buffers {
       p = dev_[i];
     }
 #endif
+    (void)i;
     return {p, kvq::dtype::f32, rows, heads, d};
   }
+  // The output buffer for `rows` query rows; `fetch` brings it into `h` after the call.
   kvq::tensor_mut out(std::vector<float>& h, int64_t rows) {
     void* p = h.data();
 #if KVQ_WITH_CUDA
