@@ -73,7 +73,10 @@ struct engine {
   std::vector<uint32_t> blocks = std::vector<uint32_t>(size_t(slots) * layers * max_pages);
   std::vector<uint8_t> fmts = std::vector<uint8_t>(blocks.size() * kv_heads * 2);
   uint32_t next_unit = 0;  // bump allocator over the arena, in 256-byte units
-  kvq::cuda::paged_view view;
+  uint8_t* arena = nullptr;  // device: the arena and the page tables, as append writes them
+  uint32_t* table_blocks = nullptr;
+  uint8_t* table_fmts = nullptr;
+  kvq::cuda::paged_view view;  // the same memory, as attention reads it
 
   uint32_t allocate(uint64_t bytes) {
     const uint32_t unit = next_unit;
@@ -141,9 +144,9 @@ void append_layer(engine& eng, std::vector<sequence>& seqs, int layer, int32_t m
   cuda_ok(cudaMemcpyAsync(dv, v.data(), v.size() * 2, cudaMemcpyHostToDevice, stream), "upload V");
   kvq::cuda::append_args a;
   a.kv = eng.view;
-  a.arena = const_cast<uint8_t*>(eng.view.arena);
-  a.blocks = const_cast<uint32_t*>(eng.view.blocks);
-  a.fmts = const_cast<uint8_t*>(eng.view.fmts);
+  a.arena = eng.arena;
+  a.blocks = eng.table_blocks;
+  a.fmts = eng.table_fmts;
   a.layer = layer;
   a.items = items;
   a.k = {dk, kvq::dtype::f16, rows, kv_heads, d};
@@ -169,9 +172,9 @@ int main() {
   }
   // The engine's memory, page tables and stream.
   engine eng;
-  uint8_t* arena = device_alloc<uint8_t>(arena_bytes);
-  uint32_t* blocks = device_alloc<uint32_t>(eng.blocks.size());
-  uint8_t* fmts = device_alloc<uint8_t>(eng.fmts.size());
+  uint8_t* arena = eng.arena = device_alloc<uint8_t>(arena_bytes);
+  uint32_t* blocks = eng.table_blocks = device_alloc<uint32_t>(eng.blocks.size());
+  uint8_t* fmts = eng.table_fmts = device_alloc<uint8_t>(eng.fmts.size());
   uint16_t* dk = device_alloc<uint16_t>(size_t(slots) * 200 * kv_heads * d);  // the largest append: the prefill
   uint16_t* dv = device_alloc<uint16_t>(size_t(slots) * 200 * kv_heads * d);
   uint16_t* dq = device_alloc<uint16_t>(slots * q_heads * d);
