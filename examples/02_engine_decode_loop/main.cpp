@@ -159,8 +159,9 @@ int serve(kvq::backend where) {
   size_t peak_batch = 0;
   double err = 0, norm = 0;
 
-  // Appends rows [pos, pos + rows) of each item's sequence for one layer, then attends with the
-  // last `q_len` rows of each item, on both caches; accumulates the output error.
+  // For one layer, on both caches: appends `app[i].tokens` tokens of each item's sequence from
+  // position `first[i]` on, then attends with the queries of the last `q_len` of them; accumulates
+  // the output error.
   auto step_layer = [&](std::span<const kvq::append_item> app, std::span<const kvq::attend_item> att,
                         std::span<const int> req_of, std::span<const int64_t> first, int layer) {
     int64_t rows = 0, qrows = 0;
