@@ -3,7 +3,9 @@
 # sanitizer (memcheck + racecheck on reduced sizes), the decode benchmark and the FP16 peer, in
 # one session so that ratios compare like with like. Logs and raw results go to $OUT (default
 # out/gpu, git-ignored).
-#   bash bench/run_gpu.sh [tests] [sanitize] [bench] [peer] [canary] [ab]  (default: the first four)
+#   bash bench/run_gpu.sh [tests] [sanitize] [examples] [bench] [peer] [canary] [ab]
+#   (default: tests sanitize bench peer)
+# examples: the examples that run the CUDA backend or the low-level CUDA API (examples.log).
 # ab: the decode benchmark of another build (KVQ_AB_BASE, default out/gpu-base/, staged the same
 # way from the commit to compare against) and of .gpu/, KVQ_AB_ROUNDS (default 2) rounds each,
 # interleaved; ab.md is bench/ab_compare.py's table, ab_json.tar.gz the raw results.
@@ -40,6 +42,15 @@ for s in $steps; do
           > "$OUT/racecheck_one.log" 2>&1; r=$?; echo "racecheck $f: $(tail -1 "$OUT/racecheck_one.log")" | tee -a "$OUT/racecheck.log"
         rm -f "$OUT/racecheck_one.log"; rc=$((rc | r))
       done ;;
+    examples)
+      for e in .gpu/kvq_example_*; do
+        echo "== $e" >> "$OUT/examples.log"; "$e" >> "$OUT/examples.log" 2>&1; r=$?
+        echo "$e: exit $r" | tee -a "$OUT/examples.log"; rc=$((rc | r))
+      done
+      cs=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+      "$cs" --tool memcheck --error-exitcode 3 .gpu/kvq_example_lowlevel_paged_attention > "$OUT/memcheck_one.log" 2>&1
+      r=$?; echo "memcheck example 03: $(tail -1 "$OUT/memcheck_one.log")" | tee -a "$OUT/examples.log"
+      rm -f "$OUT/memcheck_one.log"; rc=$((rc | r)) ;;
     bench)
       ./.gpu/kvq_bench_decode_cuda --benchmark_out="$OUT/bench.json" --benchmark_out_format=json \
         --benchmark_counters_tabular=true 2>&1 | tee "$OUT/bench.log" | grep -E "decode/|append_step/" | awk '{print $1, $2, $NF}' | head -80 ;;
