@@ -1,11 +1,11 @@
 // The CUDA backend's device canary scheduling (canary_runner.hpp).
 #include "canary_runner.hpp"
 
-#include "status.hpp"
-
 #include <fmt/format.h>
 
 #include <algorithm>
+
+#include "status.hpp"
 
 KVQ_NAMESPACE_BEGIN
 namespace detail {
@@ -71,7 +71,8 @@ status canary_runner::pick(std::span<const attend_item> items, int layer, const 
       continue;
     }
     const auto* ring = reinterpret_cast<const uint16_t*>(arena + store_.window_offset(s, layer, 0, role::k));
-    due_.push_back({i, {ring, rows, it.q_len, int32_t(n), int32_t(keys.first), int32_t(keys.count())},
+    due_.push_back({i,
+                    {ring, rows, it.q_len, int32_t(n), int32_t(keys.first), int32_t(keys.count())},
                     {it.seq, layer, n, keys.rows_seeing(it.q_len, n)}});
     rows += it.q_len;
   }
@@ -130,7 +131,8 @@ status canary_runner::flush() {
     free_slots_.push_back(l.slot);
     return s;
   }
-  if (status s = cuda_status(cudaEventRecord(c.done, static_cast<cudaStream_t>(cfg_.stream)), "cudaEventRecord"); !s.ok()) {
+  if (status s = cuda_status(cudaEventRecord(c.done, static_cast<cudaStream_t>(cfg_.stream)), "cudaEventRecord");
+      !s.ok()) {
     free_slots_.push_back(l.slot);
     return s;
   }

@@ -2,18 +2,17 @@
 // The CUDA backend's scheduling of the device canary (a policy's online measurement, EchoKV's):
 // which attend items are due, the staging of their queries, one launch per decode step, and the
 // hand-over of finished measurements to the policy in step order.
+#include <cuda_runtime.h>
+
+#include <deque>
 #include <kvq/cache/cache.hpp>
 #include <kvq/cuda/canary.hpp>
 #include <kvq/cuda/paged_attention.hpp>
 #include <kvq/store/store.hpp>
-
-#include "device_buffer.hpp"
-
-#include <cuda_runtime.h>
-
-#include <deque>
 #include <span>
 #include <vector>
+
+#include "device_buffer.hpp"
 
 KVQ_NAMESPACE_BEGIN
 namespace detail {
@@ -43,7 +42,8 @@ class canary_runner {
   /// Picks the items of an attend call whose step is due (the policy's host RNG, as on the CPU)
   /// and gives each a row of the query staging buffer: sets `launch_items[i].stage_row` of each.
   /// `arena`: the device arena (the canary reads the rings in it).
-  status pick(std::span<const attend_item> items, int layer, const uint8_t* arena, std::span<cuda::decode_item> launch_items);
+  status pick(std::span<const attend_item> items, int layer, const uint8_t* arena,
+              std::span<cuda::decode_item> launch_items);
   /// Where the attend launch copies the picked items' queries; null when none is due.
   float* q_stage() const { return due_.empty() ? nullptr : q_stage_.ptr; }
   /// After the attend launch that staged their queries: the picked items wait for the step's flush.
@@ -86,9 +86,9 @@ class canary_runner {
   canary_spec spec_;
   std::vector<cuda::canary_item> deferred_items_;  // staged, not yet launched (this step's layers)
   std::vector<entry> deferred_entries_;
-  std::vector<uint8_t> deferred_layer_;            // [layers] 1 while the layer has staged items
-  std::vector<due_item> due_;                      // this attend call's due items
-  device_buffer<float> q_stage_;                   // staged queries, [rows][q_heads * head_dim]
+  std::vector<uint8_t> deferred_layer_;  // [layers] 1 while the layer has staged items
+  std::vector<due_item> due_;            // this attend call's due items
+  device_buffer<float> q_stage_;         // staged queries, [rows][q_heads * head_dim]
   int32_t staged_rows_ = 0;
   std::deque<slot> slots_;  // deque: slots never move (the destructor walks them)
   std::vector<size_t> free_slots_;

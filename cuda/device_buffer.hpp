@@ -1,11 +1,10 @@
 #pragma once
 // An owned, growable device allocation of the CUDA backend (the arena, tables, workspaces).
-#include <kvq/status.hpp>
-
 #include <cuda_runtime.h>
 #include <fmt/format.h>
 
 #include <cstddef>
+#include <kvq/status.hpp>
 
 KVQ_NAMESPACE_BEGIN
 namespace detail {

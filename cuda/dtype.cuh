@@ -1,12 +1,11 @@
 #pragma once
 // Device loads and stores of tensors of any `dtype` (f32, f16, bf16): the one switch over the
 // element type (`with_dtype`), and the conversions to and from float built on it.
-#include <kvq/tensor.hpp>
-
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <kvq/tensor.hpp>
 #include <type_traits>
 
 KVQ_NAMESPACE_BEGIN
@@ -17,9 +16,12 @@ namespace cuda::detail {
 template <class F>
 __device__ __forceinline__ decltype(auto) with_dtype(dtype t, F&& f) {
   switch (t) {
-    case dtype::f32: return f(float{});
-    case dtype::f16: return f(__half{});
-    default: return f(__nv_bfloat16{});
+    case dtype::f32:
+      return f(float{});
+    case dtype::f16:
+      return f(__half{});
+    default:
+      return f(__nv_bfloat16{});
   }
 }
 
@@ -36,9 +38,12 @@ __device__ __forceinline__ float load_any(const void* base, dtype t, int64_t i) 
 __device__ __forceinline__ void store_any(void* base, dtype t, int64_t i, float x) {
   with_dtype(t, [&](auto z) {
     using T = decltype(z);
-    if constexpr (std::is_same_v<T, float>) static_cast<float*>(base)[i] = x;
-    else if constexpr (std::is_same_v<T, __half>) static_cast<__half*>(base)[i] = __float2half_rn(x);
-    else static_cast<__nv_bfloat16*>(base)[i] = __float2bfloat16_rn(x);
+    if constexpr (std::is_same_v<T, float>)
+      static_cast<float*>(base)[i] = x;
+    else if constexpr (std::is_same_v<T, __half>)
+      static_cast<__half*>(base)[i] = __float2half_rn(x);
+    else
+      static_cast<__nv_bfloat16*>(base)[i] = __float2bfloat16_rn(x);
   });
 }
 

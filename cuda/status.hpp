@@ -1,10 +1,9 @@
 #pragma once
 // Host helpers of the CUDA sources of kvq: a `status` from a CUDA error, and messages built with a
 // stream.
-#include <kvq/status.hpp>
-
 #include <cuda_runtime.h>
 
+#include <kvq/status.hpp>
 #include <sstream>
 #include <string>
 

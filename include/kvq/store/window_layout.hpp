@@ -3,9 +3,8 @@
 /// Layout facts of the arena shared by the host store and the CUDA kernels: the block unit, and
 /// where the FP16 ring of one (layer, kv head, role) lies in a sequence's window block.
 
-#include <kvq/config.hpp>
-
 #include <cstdint>
+#include <kvq/config.hpp>
 
 KVQ_NAMESPACE_BEGIN
 
