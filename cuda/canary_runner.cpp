@@ -1,11 +1,13 @@
 // The CUDA backend's device canary scheduling (canary_runner.hpp).
 #include "canary_runner.hpp"
 
+#include <kvq/store/window_layout.hpp>
+
+#include "status.hpp"
+
 #include <fmt/format.h>
 
 #include <algorithm>
-
-#include "status.hpp"
 
 KVQ_NAMESPACE_BEGIN
 namespace detail {
@@ -42,7 +44,7 @@ cuda::canary_args canary_runner::args(std::span<const cuda::canary_item> items) 
   a.kv_heads = sh.kv_heads;
   a.head_dim = sh.head_dim;
   a.window = sh.window;
-  a.ring_head_stride = int64_t(2) * sh.window * sh.head_dim;  // store layout: [kv_heads][K, V][window][d]
+  a.ring_head_stride = int64_t(ring_halves(0, sh.kv_heads, 1, 0, sh.window, sh.head_dim));  // kv head h + 1 less h
   a.tiers = spec_.tiers;
   a.align = spec_.align;
   a.scale = spec_.softmax_scale;
