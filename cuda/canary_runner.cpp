@@ -44,7 +44,7 @@ cuda::canary_args canary_runner::args(std::span<const cuda::canary_item> items) 
   a.kv_heads = sh.kv_heads;
   a.head_dim = sh.head_dim;
   a.window = sh.window;
-  a.ring_head_stride = int64_t(ring_halves(0, sh.kv_heads, 1, 0, sh.window, sh.head_dim));  // kv head h + 1 less h
+  a.ring_head_stride = int64_t(ring_halves(0, sh.kv_heads, 1, 0, sh.window, sh.head_dim));  // halves from kv head h's K ring to h + 1's
   a.tiers = spec_.tiers;
   a.align = spec_.align;
   a.scale = spec_.softmax_scale;
