@@ -22,7 +22,8 @@
 #include <kvq/codec/codec.hpp>
 #include <kvq/cuda/canary.hpp>
 
-#include "common.cuh"
+#include "dtype.cuh"
+#include "status.hpp"
 
 KVQ_NAMESPACE_BEGIN
 namespace cuda {

@@ -20,8 +20,7 @@ uint64_t page_store::window_bytes_per_sequence() const {
 }
 
 uint64_t page_store::window_offset(const sequence_state& s, int layer, int kv_head, role r) const {
-  const uint64_t ring = uint64_t(shape_.window) * shape_.head_dim * 2;
-  return s.window_offset + ((uint64_t(layer) * shape_.kv_heads + kv_head) * 2 + (r == role::k ? 0 : 1)) * ring;
+  return s.window_offset + ring_offset(layer, shape_.kv_heads, kv_head, r == role::k ? 0 : 1, shape_.window, shape_.head_dim);
 }
 
 result<sequence_state*> page_store::create(seq_id id) {

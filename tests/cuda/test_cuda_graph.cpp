@@ -7,7 +7,7 @@
 // A captured step is good for that one step only. Replaying it later does not advance the cache:
 // - attention's per-sequence descriptors (slot, q_len, n = tokens held, from_pages = tokens read
 //   from pages, window block, query row) are copied by value into the kernel parameters
-//   (`attend_params::items` in cuda/kernels.cu, a __grid_constant__ argument), and the launch
+//   (`attend_params::items` in cuda/attention/params.cuh, a __grid_constant__ argument), and the launch
 //   shape (splits, from the longest sequence) and workspace layout are fixed from them on the
 //   host. The page tables themselves (`paged_view::blocks` / `fmts`) are device memory read at
 //   run time, but a replay still attends over the lengths of the captured step.

@@ -110,3 +110,28 @@ TEST_CASE("attention plan: unsupported page sizes are refused with the reason", 
   CHECK(r.error().code() == errc::unsupported);
   CHECK_THAT(std::string(r.error().message()), Catch::Contains("page_tokens") && Catch::Contains("192"));
 }
+
+// `attend_run` checks its arguments and the workspace against the call's plan before any device
+// work, so these refusals need no device. A batch of more than 256 items (the launch limit) runs
+// in parts under one plan: the workspace `attend_workspace_bytes` reports is what it needs.
+TEST_CASE("attend_run refuses bad arguments and a short workspace before any launch", "[cuda][plan]") {
+  for (const int batch : {8, 300}) {
+    CAPTURE(batch);
+    std::vector<cuda::decode_item> items;
+    for (int i = 0; i < batch; ++i) items.push_back({i, 1, 4096, 4064, 0, i});
+    cuda::attend_args a;
+    a.kv = view(128, 64);
+    a.q_heads = 32;
+    a.items = items;
+    a.max_page_bits = 4;
+    const size_t need = cuda::attend_workspace_bytes(a);
+    REQUIRE(need > 0);
+    const status short_ws = cuda::attend_run(a, nullptr, need - 1, nullptr);
+    CHECK(short_ws.code() == errc::invalid_argument);
+    CHECK_THAT(short_ws.message(), Catch::Contains("need " + std::to_string(need)));
+    items[1].from_pages = 4096;  // q_len 1 from the ring: none left
+    const status bad = cuda::attend_run(a, nullptr, need, nullptr);
+    CHECK(bad.code() == errc::invalid_argument);
+    CHECK_THAT(bad.message(), Catch::Contains("inconsistent item (slot 1"));
+  }
+}

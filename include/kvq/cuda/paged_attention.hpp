@@ -103,7 +103,7 @@ enum class attend_kernel {
 /// How `attend_run` runs a call, seen from the host (no device work): the kernel, its stages and
 /// shared memory, and how each sequence splits across thread blocks. For engines that size or log
 /// their launches, and for tests of the plan's rules. (A batch longer than the launch limit is run
-/// in parts planned the same way.)
+/// in parts, each under this plan of the whole batch.)
 struct attend_plan_info {
   attend_kernel kernel = attend_kernel::tile;
   int stages = 0;            ///< staged kernels: stages per warp (staged) or per block (block-staged)

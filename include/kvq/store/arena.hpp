@@ -8,6 +8,7 @@
 /// Not thread-safe; owned by one cache.
 
 #include <kvq/config.hpp>
+#include <kvq/store/window_layout.hpp>
 
 #include <cstdint>
 #include <map>
@@ -20,7 +21,7 @@ KVQ_NAMESPACE_BEGIN
 class arena_allocator {
  public:
   /// Every block starts at a multiple of this many bytes (16-byte loads, 128-byte lines).
-  static constexpr uint64_t alignment = 256;
+  static constexpr uint64_t alignment = block_unit;
 
   arena_allocator() = default;
   explicit arena_allocator(uint64_t capacity) : capacity_(capacity / alignment * alignment) {

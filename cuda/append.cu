@@ -1,0 +1,172 @@
+// Quantize-on-append: each new page's fp16 rows (old tokens from the sequence's ring, new ones from
+// the input) encoded with the shared codec, so the bytes equal the CPU's, and the new tokens that
+// stay in the window written to the FP16 ring.
+#include <kvq/codec/codec.hpp>
+#include <kvq/cuda/paged_attention.hpp>
+#include <kvq/store/window_layout.hpp>
+
+#include "attention/layout.hpp"
+#include "dtype.cuh"
+#include "status.hpp"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+
+KVQ_NAMESPACE_BEGIN
+namespace cuda {
+namespace {
+
+using detail::cuda_status;
+using detail::max_kv_heads;
+using detail::msg;
+using detail::threads;
+
+struct append_params {
+  paged_view kv;
+  uint8_t* arena;  // writable aliases of kv's
+  uint32_t* blocks;
+  uint8_t* fmts;
+  int layer;
+  const void* src[2];
+  dtype src_type[2];
+  int64_t src_stride[2];
+  int n_items, pages;
+  struct item {
+    int slot;
+    int32_t n, e, m;
+    uint32_t window_unit;
+    int32_t src_row;  // the item's first row in src
+    int first_page;   // page index of its first new page
+    int page0;        // its first new page in page_blocks / page_fmts
+  } items[max_append_items];
+  uint32_t page_blocks[max_append_pages];
+  uint8_t page_item[max_append_pages];
+  uint8_t page_fmts[max_append_pages][max_kv_heads * 2];
+  float clip[max_kv_heads * 2];
+};
+static_assert(max_append_items <= 256, "page_item is one byte");
+
+__device__ __forceinline__ uint16_t src_half(const append_params& p, int r, int64_t row, int h, int c) {
+  const int64_t i = row * p.src_stride[r] + int64_t(h) * p.kv.head_dim + c;
+  return detail::with_dtype(p.src_type[r], [&](auto z) -> uint16_t {  // the codec's conversions (bytes as the CPU's)
+    using T = decltype(z);
+    if constexpr (std::is_same_v<T, float>) return float_to_half(static_cast<const float*>(p.src[r])[i]);
+    else if constexpr (std::is_same_v<T, __half>) return static_cast<const uint16_t*>(p.src[r])[i];
+    else return float_to_half(bf16_to_float(static_cast<const uint16_t*>(p.src[r])[i]));
+  });
+}
+
+__device__ __forceinline__ uint16_t* ring_of(const append_params& p, const append_params::item& it, int h, int r) {
+  return reinterpret_cast<uint16_t*>(p.arena + size_t(it.window_unit) * block_unit) +
+         ring_halves(p.layer, p.kv.kv_heads, h, r, p.kv.window, p.kv.head_dim);
+}
+
+// One block per (new page of any item, kv head, role): stage the page's fp16 rows (old tokens
+// from the item's ring, new ones from the input) in shared memory, then encode every unit with
+// the shared codec.
+__global__ void __launch_bounds__(threads) encode_kernel(const __grid_constant__ append_params p) {
+  extern __shared__ __align__(16) uint8_t smem_raw[];
+  uint16_t* src = reinterpret_cast<uint16_t*>(smem_raw);
+  const int pg = blockIdx.x, h = blockIdx.y, r = blockIdx.z, d = p.kv.head_dim, P = p.kv.page_tokens;
+  const append_params::item& it = p.items[p.page_item[pg]];
+  const uint16_t* ring = ring_of(p, it, h, r);
+  const int first_tok = it.e + (pg - it.page0) * P;
+  for (int idx = threadIdx.x; idx < P * d; idx += threads) {
+    const int row = idx / d, c = idx % d, j = first_tok + row;
+    src[idx] = j < it.n ? ring[size_t(j % p.kv.window) * d + c] : src_half(p, r, it.src_row + (j - it.n), h, c);
+  }
+  const uint8_t* fm = p.page_fmts[pg];
+  uint32_t off = 0;
+  for (int hh = 0; hh < h; ++hh) off += p.kv.k_page_bytes[fm[2 * hh]] + p.kv.v_page_bytes[fm[2 * hh + 1]];
+  if (r == 1) off += p.kv.k_page_bytes[fm[2 * h]];
+  const format_id f = fm[2 * h + r];
+  const codec::page_geom g = codec::make_geom(f, r == 0 ? role::k : role::v, P, d);
+  uint8_t* page = p.arena + size_t(p.page_blocks[pg]) * block_unit + off;
+  for (uint32_t i = threadIdx.x * 16; i < g.lay.total(); i += threads * 16) *reinterpret_cast<uint4*>(page + i) = make_uint4(0, 0, 0, 0);
+  __syncthreads();
+  const float clip = p.clip[2 * h + r];
+  for (int u = threadIdx.x; u < g.unit_count(); u += threads) codec::encode_unit(g, src, d, u, page, clip);
+  if (h == 0 && r == 0) {
+    const size_t row = (size_t(it.slot) * p.kv.layers + p.layer) * p.kv.max_pages + it.first_page + (pg - it.page0);
+    if (threadIdx.x == 0) p.blocks[row] = p.page_blocks[pg];
+    for (int i = threadIdx.x; i < p.kv.kv_heads * 2; i += threads) p.fmts[row * p.kv.kv_heads * 2 + i] = fm[i];
+  }
+}
+
+// The ring keeps the last `window` tokens: write each item's new tokens that remain among them
+// (grid y: the item). A thread writes 8 channels of one (token, head, role) row with one 16-byte
+// store; 32-bit index math (a row count times d fits easily).
+__global__ void ring_kernel(const __grid_constant__ append_params p) {
+  const append_params::item& it = p.items[blockIdx.y];
+  const int32_t first = max(it.n, it.n + it.m - p.kv.window);
+  const int d8 = p.kv.head_dim / 8, rows = (it.n + it.m - first) * p.kv.kv_heads * 2;
+  for (int idx = blockIdx.x * blockDim.x + threadIdx.x; idx < rows * d8; idx += gridDim.x * blockDim.x) {
+    const int c = (idx % d8) * 8, row = idx / d8;
+    const int r = row % 2, h = (row / 2) % p.kv.kv_heads;
+    const int32_t j = first + row / (2 * p.kv.kv_heads);
+    const int64_t src_row = it.src_row + (j - it.n);
+    uint16_t x[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) x[i] = src_half(p, r, src_row, h, c + i);
+    *reinterpret_cast<uint4*>(ring_of(p, it, h, r) + size_t(j % p.kv.window) * p.kv.head_dim + c) =
+        make_uint4(x[0] | uint32_t(x[1]) << 16, x[2] | uint32_t(x[3]) << 16, x[4] | uint32_t(x[5]) << 16,
+                   x[6] | uint32_t(x[7]) << 16);
+  }
+}
+}  // namespace
+
+status append_run(const append_args& a, void* stream) {
+  const auto& kv = a.kv;
+  if (kv.kv_heads > max_kv_heads) return {errc::unsupported, msg("append: kv_heads ", kv.kv_heads, " above ", max_kv_heads)};
+  if (a.items.size() > size_t(max_append_items))
+    return {errc::invalid_argument, msg("append: ", a.items.size(), " sequences in one call, at most ", max_append_items)};
+  int pages = 0, rows = 0, max_m = 0;
+  for (const append_seq& it : a.items) pages += it.pages, rows += it.m, max_m = std::max(max_m, int(it.m));
+  if (pages > max_append_pages)
+    return {errc::invalid_argument, msg("append: ", pages, " new pages in one call, at most ", max_append_pages)};
+  if (rows != a.k.tokens || rows != a.v.tokens)
+    return {errc::invalid_argument, msg("append: the items append ", rows, " tokens, K has ", a.k.tokens, " and V ", a.v.tokens)};
+  if (a.items.empty()) return {};
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  append_params p{};
+  p.arena = a.arena;
+  p.blocks = a.blocks;
+  p.fmts = a.fmts;
+  p.kv = kv;
+  p.layer = a.layer;
+  p.src[0] = a.k.data;
+  p.src[1] = a.v.data;
+  p.src_type[0] = a.k.type;
+  p.src_type[1] = a.v.type;
+  p.src_stride[0] = a.k.stride();
+  p.src_stride[1] = a.v.stride();
+  p.n_items = int(a.items.size());
+  p.pages = pages;
+  int row = 0, page = 0;
+  for (size_t i = 0; i < a.items.size(); ++i) {
+    const append_seq& it = a.items[i];
+    p.items[i] = {it.slot, it.n, it.e, it.m, it.window_unit, row, it.first_page, page};
+    for (int k = 0; k < it.pages; ++k) p.page_item[page + k] = uint8_t(i);
+    row += it.m;
+    page += it.pages;
+  }
+  for (int i = 0; i < pages; ++i) {
+    p.page_blocks[i] = a.page_blocks[i];
+    for (int j = 0; j < kv.kv_heads * 2; ++j) p.page_fmts[i][j] = a.page_fmts[i * kv.kv_heads * 2 + j];
+  }
+  for (int j = 0; j < kv.kv_heads * 2; ++j) p.clip[j] = a.clip ? a.clip[j] : 1.0f;
+  if (pages > 0) {  // before the ring kernel: pages read ring slots that the new tokens overwrite
+    const int smem = kv.page_tokens * kv.head_dim * 2;
+    KVQ_TRY(cuda_status(cudaFuncSetAttribute(encode_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+                        "cudaFuncSetAttribute"));
+    encode_kernel<<<dim3(unsigned(pages), unsigned(kv.kv_heads), 2), threads, smem, st>>>(p);
+  }
+  const int64_t ring_chunks = int64_t(std::min(max_m, kv.window)) * kv.kv_heads * 2 * (kv.head_dim / 8);
+  const int blocks = int(std::min<int64_t>(1024, (ring_chunks + 255) / 256));
+  ring_kernel<<<dim3(unsigned(std::max(1, blocks)), unsigned(a.items.size())), 256, 0, st>>>(p);
+  return cuda_status(cudaGetLastError(), "append launch");
+}
+
+}  // namespace cuda
+KVQ_NAMESPACE_END

@@ -1,0 +1,113 @@
+// Launch glue of the attention kernels: the launch parameters of a planned call
+// (launch_plan.hpp), the attention kernel its plan names, then the split merge as a
+// programmatic dependent launch. The kernels, by concept: cuda/README.md.
+#include "attention/attend_tile.cuh"
+#include "attention/decode_paged.cuh"
+#include "attention/decode_staged.cuh"
+#include "attention/decode_wide.cuh"
+#include "attention/merge.cuh"
+#include "launch_plan.hpp"
+#include "status.hpp"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+
+KVQ_NAMESPACE_BEGIN
+namespace cuda {
+namespace detail {
+namespace {
+
+template <int D>
+status launch_attend(const attend_params& p, const launch_plan& lp, int kv_heads, int items, cudaStream_t st) {
+  const dim3 mgrid(unsigned(items), unsigned(kv_heads * lp.mtiles), unsigned(lp.rows));
+  if (lp.decode) {
+    const dim3 grid(unsigned(lp.max_splits), unsigned(kv_heads), unsigned(items));
+    if (lp.wide) {
+      decode_wide_kernel<D><<<grid, dec_warps * 32, 0, st>>>(p);
+    } else {
+      const auto kernel = !lp.page_stage ? decode_kernel<D>
+                          : lp.two_full  ? decode_paged_kernel<D, true, false>
+                          : lp.whole     ? decode_paged_kernel<D, false, true>
+                                         : decode_paged_kernel<D, false, false>;
+      KVQ_TRY(cuda_status(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, lp.smem), "cudaFuncSetAttribute"));
+      kernel<<<grid, dec_warps * 32, lp.smem, st>>>(p);
+    }
+  } else {
+    const int smem = int(sizeof(attend_smem<D>));
+    KVQ_TRY(cuda_status(cudaFuncSetAttribute(attend_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+                        "cudaFuncSetAttribute"));
+    attend_kernel<D><<<dim3(unsigned(lp.max_splits), unsigned(kv_heads * lp.mtiles), unsigned(items)), threads, smem, st>>>(p);
+  }
+  KVQ_TRY(cuda_status(cudaGetLastError(), "attention launch"));
+  cudaLaunchConfig_t mc = {};
+  mc.gridDim = mgrid;
+  mc.blockDim = dim3(merge_threads);
+  mc.stream = st;
+  cudaLaunchAttribute pdl[1];
+  pdl[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;  // `pdl_trigger` / `pdl_wait`
+  pdl[0].val.programmaticStreamSerializationAllowed = 1;
+  int dev = 0, major = 0;  // (sm_90+ only: elsewhere the merge is launched in plain stream order)
+  KVQ_TRY(cuda_status(cudaGetDevice(&dev), "cudaGetDevice"));
+  KVQ_TRY(cuda_status(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev),
+                      "cudaDeviceGetAttribute"));
+  mc.attrs = pdl;
+  mc.numAttrs = major >= 9 ? 1 : 0;
+  return cuda_status(cudaLaunchKernelEx(&mc, merge_kernel<D>, p), "merge launch");
+}
+
+}  // namespace
+
+status launch_planned(const attend_args& a, const launch_plan& lp, void* workspace, size_t workspace_bytes_given,
+                      void* stream) {
+  const size_t need = workspace_bytes(a, lp);
+  if (workspace_bytes_given < need)
+    return {errc::invalid_argument, msg("attend: workspace of ", workspace_bytes_given, " bytes, need ", need)};
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  for (size_t first = 0; first < a.items.size(); first += max_items) {
+    const std::span<const decode_item> items = a.items.subspan(first, std::min<size_t>(max_items, a.items.size() - first));
+    attend_params p{};
+    p.kv = a.kv;
+    p.layer = a.layer;
+    p.q_heads = a.q_heads;
+    p.group = a.q_heads / a.kv.kv_heads;
+    p.mtiles = lp.mtiles;
+    p.q = a.q;
+    p.q_type = a.q_type;
+    p.q_stride = a.q_stride ? a.q_stride : int64_t(a.q_heads) * a.kv.head_dim;
+    p.o = a.o;
+    p.o_type = a.o_type;
+    p.o_stride = a.o_stride ? a.o_stride : int64_t(a.q_heads) * a.kv.head_dim;
+    const float scale = a.scale > 0.f ? a.scale : 1.0f / std::sqrt(float(a.kv.head_dim));
+    p.scale_log2 = scale * 1.4426950408889634f;
+    p.tiles_per_split = lp.tiles_per_split;
+    p.max_splits = lp.max_splits;
+    const size_t parts = items.size() * a.kv.kv_heads * lp.mtiles * lp.max_splits;
+    p.ws_o = static_cast<float*>(workspace);
+    p.ws_ml = p.ws_o + parts * 16 * a.kv.head_dim;
+    p.q_stage = a.q_stage;
+    p.n_items = int(items.size());
+    std::copy(items.begin(), items.end(), p.items);
+    p.unit_tokens = lp.unit;
+    p.stages = lp.stages;
+    p.stage_cap = lp.stage_cap;
+    p.page_stage = lp.page_stage;
+    if (a.kv.head_dim == 128)
+      KVQ_TRY(launch_attend<128>(p, lp, a.kv.kv_heads, int(items.size()), st));
+    else
+      KVQ_TRY(launch_attend<64>(p, lp, a.kv.kv_heads, int(items.size()), st));
+  }
+  return {};
+}
+
+}  // namespace detail
+
+status attend_run(const attend_args& a, void* workspace, size_t workspace_bytes, void* stream) {
+  const result<detail::launch_plan> lp = detail::checked_plan(a);
+  if (!lp) return lp.error();
+  return detail::launch_planned(a, *lp, workspace, workspace_bytes, stream);
+}
+
+}  // namespace cuda
+KVQ_NAMESPACE_END

@@ -1,0 +1,197 @@
+#pragma once
+// The MMAs of one decode slab (operands swapped: S^T = K Q^T with tokens as M, queries as N) and
+// the per-lane fragments they take: lane (g, t) owns the K channels [(D/4) t, (D/4)(t+1)) of rows
+// g and g+8; lane g reads the V channels [(D/8) g, (D/8)(g+1)) of tokens 2t, 2t+1, 2t+8, 2t+9, so
+// that the A fragments of O^T = V^T P^T pair two tokens per channel; P^T comes from the S^T
+// accumulators by movmatrix (register transpose).
+#include "attention/slabs.cuh"
+
+KVQ_NAMESPACE_BEGIN
+namespace cuda::detail {
+
+// Raw K words -> this lane's A fragments (pairs in channel order). KIVI keys: centered codes (their
+// scales are folded into q); sym: values; fp8: values (the token scale multiplies the scores).
+template <int D, int Bits, int Cap>
+__device__ __forceinline__ void k_frags(const uint32_t (&w)[2][D * Cap / 128], family fam, const uint32_t (&ps)[2],
+                                        uint32_t (&kg)[D / 8], uint32_t (&kg8)[D / 8]) {
+  to_pairs<Bits, D / 8>(w[0], fam, kg);
+  to_pairs<Bits, D / 8>(w[1], fam, kg8);
+  if constexpr (Bits != 16) {
+    if (fam == family::fp8_e4m3) return;
+    // centered code c - 2^(b-1) = m * mul - (1024 mul + 2^(b-1)), one exact fma per pair
+    const float mid = float(1 << (Bits - 1));
+    const auto center = [&](uint32_t m, int i) {
+      const __half2 mul = magic_mul<Bits>(i);
+      const __half2 bias = __floats2half2_rn(-(1024.f * __low2float(mul) + mid), -(1024.f * __high2float(mul) + mid));
+      return __hfma2(bits_h2(m), mul, bias);
+    };
+    if (fam == family::sym) {
+      const __half2 s0 = __half2half2(__ushort_as_half(uint16_t(ps[0]))), s8 = __half2half2(__ushort_as_half(uint16_t(ps[1])));
+#pragma unroll
+      for (int i = 0; i < D / 8; ++i) {
+        kg[i] = h2_bits(__hmul2(center(kg[i], i), s0));
+        kg8[i] = h2_bits(__hmul2(center(kg8[i], i), s8));
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < D / 8; ++i) {
+        kg[i] = h2_bits(center(kg[i], i));
+        kg8[i] = h2_bits(center(kg8[i], i));
+      }
+    }
+  }
+}
+
+// Raw V words of the lane's four rows -> half2 channel pairs of each (fp8: unscaled, the token
+// scale multiplies P; 16 bits: the values).
+template <int D, int Bits, int Cap>
+__device__ __forceinline__ void v_all(const v_raw<D, Cap>& vr, family fam, uint32_t (&va)[D / 16], uint32_t (&vb)[D / 16],
+                                      uint32_t (&vc)[D / 16], uint32_t (&vd)[D / 16]) {
+  to_pairs<Bits, D / 16>(vr.w[0], fam, va);
+  to_pairs<Bits, D / 16>(vr.w[1], fam, vb);
+  to_pairs<Bits, D / 16>(vr.w[2], fam, vc);
+  to_pairs<Bits, D / 16>(vr.w[3], fam, vd);
+}
+
+// O^T += V^T P^T for a slab of integer V codes (sym, kivi, rolealign): each A fragment is built from
+// its token pair's raw words and dequantized with the two tokens' scales and zeros (exact: subtract
+// the magic, then one fma); rows at or beyond `valid` (stale bytes) get scale and zero 0.
+template <int D, int Bits, int Cap>
+__device__ __forceinline__ void values_int(const v_raw<D, Cap>& vr, bool sym, int valid, int t, uint32_t pb0, uint32_t pb1,
+                                           float (&acc)[D / 16][4]) {
+  uint32_t sr[4], zr[4];
+#pragma unroll
+  for (int r = 0; r < 4; ++r) sr[r] = vr.s[r], zr[r] = sym ? 0u : vr.z[r];
+  if (valid < slab) {  // (warp-uniform: a slab's last rows)
+#pragma unroll
+    for (int r = 0; r < 4; ++r)
+      if (2 * t + (r & 1) + 8 * (r >> 1) >= valid) sr[r] = zr[r] = 0u;
+  }
+  const __half2 s01 = bits_h2(__byte_perm(sr[0], sr[1], 0x5410)), s89 = bits_h2(__byte_perm(sr[2], sr[3], 0x5410));
+  const __half2 z01 = bits_h2(__byte_perm(zr[0], zr[1], 0x5410)), z89 = bits_h2(__byte_perm(zr[2], zr[3], 0x5410));
+  const float mid = sym ? float(1 << (Bits - 1)) : 0.f;
+  uint32_t magic;  // 0x64006400 in a register (opaque, so that it is not folded back into an immediate)
+  asm("mov.b32 %0, 0x64006400;\n" : "=r"(magic));
+  const auto deq = [&](uint32_t x, int c, __half2 sc, __half2 z) {
+    const float mul = code_mul<Bits>(c);  // compile-time after unrolling
+    const __half2 v = __hsub2(bits_h2(x), __float2half2_rn(1024.f + mid / mul));  // (code - mid) / mul, exact
+    return h2_bits(__hfma2(v, mul == 1.f ? sc : __hmul2(sc, __float2half2_rn(mul)), z));
+  };
+#pragma unroll
+  for (int m = 0; m < D / 16; ++m)
+    mma16816(acc[m], deq(pair_codes<Bits>(vr.w[0], vr.w[1], 2 * m, magic), 2 * m, s01, z01),
+             deq(pair_codes<Bits>(vr.w[0], vr.w[1], 2 * m + 1, magic), 2 * m + 1, s01, z01),
+             deq(pair_codes<Bits>(vr.w[2], vr.w[3], 2 * m, magic), 2 * m, s89, z89),
+             deq(pair_codes<Bits>(vr.w[2], vr.w[3], 2 * m + 1, magic), 2 * m + 1, s89, z89), pb0, pb1);
+}
+
+// The narrow decode kernel's path for 16-bit slabs (fp16/bf16 pages, the FP16 ring): read where
+// used, in two halves of the lane's channels so that at most 16 raw words per row are live.
+template <int D>
+__device__ __forceinline__ void scores_wide(const slab_ref& s, family fam, int g, int t, int window,
+                                            const uint32_t (&qb)[D / 8], float (&sc)[4]) {
+  constexpr uint32_t row_bytes = D * 2;
+  const uint8_t* r0 = slab_row<D>(s, s.k, g, row_bytes, window) + t * (D / 2);
+  const uint8_t* r8 = slab_row<D>(s, s.k, g + 8, row_bytes, window) + t * (D / 2);
+#pragma unroll
+  for (int hs = 0; hs < 2; ++hs) {
+    uint32_t w0[D / 16], w8[D / 16], a0[D / 16], a8[D / 16];
+    ldg_words<D / 4>(r0 + hs * (D / 4), w0);
+    ldg_words<D / 4>(r8 + hs * (D / 4), w8);
+    to_pairs<16, D / 16>(w0, fam, a0);
+    to_pairs<16, D / 16>(w8, fam, a8);
+#pragma unroll
+    for (int ks = 0; ks < D / 32; ++ks)
+      mma16816(sc, a0[2 * ks], a8[2 * ks], a0[2 * ks + 1], a8[2 * ks + 1], qb[hs * (D / 16) + 2 * ks],
+               qb[hs * (D / 16) + 2 * ks + 1]);
+  }
+}
+
+template <int D>
+__device__ __forceinline__ void values_wide(const slab_ref& s, family fam, int g, int t, int window, uint32_t pb0,
+                                            uint32_t pb1, float (&acc)[D / 16][4]) {
+  constexpr uint32_t row_bytes = D * 2;
+  const int rows[4] = {2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9};
+#pragma unroll
+  for (int hs = 0; hs < 2; ++hs) {
+    uint32_t v[4][D / 32];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      uint32_t w[D / 32];
+      ldg_words<D / 8>(slab_row<D>(s, s.v, rows[r], row_bytes, window) + g * (D / 4) + hs * (D / 8), w);
+      to_pairs<16, D / 32>(w, fam, v[r]);
+      if (rows[r] >= s.valid) {
+#pragma unroll
+        for (int i = 0; i < D / 32; ++i) v[r][i] = 0u;
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < D / 32; ++i)
+      mma16816(acc[hs * (D / 32) + i], __byte_perm(v[0][i], v[1][i], 0x5410), __byte_perm(v[0][i], v[1][i], 0x7632),
+               __byte_perm(v[2][i], v[3][i], 0x5410), __byte_perm(v[2][i], v[3][i], 0x7632), pb0, pb1);
+  }
+}
+
+// S^T = K Q^T of one slab from this lane's K fragments (rows g, g + 8): two accumulators, half
+// the dependency chain each (Sub: the odd one holds 2^Sub x codes).
+template <int D, int Sub = 0>
+__device__ __forceinline__ void scores_mma(const uint32_t (&kg)[D / 8], const uint32_t (&kg8)[D / 8], const uint32_t (&qb)[D / 8],
+                                           float (&sc)[4]) {
+  float sd[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ks += 2) {
+    mma16816(sc, kg[2 * ks], kg8[2 * ks], kg[2 * ks + 1], kg8[2 * ks + 1], qb[2 * ks], qb[2 * ks + 1]);
+    mma16816(sd, kg[2 * ks + 2], kg8[2 * ks + 2], kg[2 * ks + 3], kg8[2 * ks + 3], qb[2 * ks + 2], qb[2 * ks + 3]);
+  }
+#pragma unroll
+  for (int e = 0; e < 4; ++e) sc[e] = Sub ? fmaf(sd[e], 1.f / float(1 << Sub), sc[e]) : sc[e] + sd[e];
+}
+
+// P^T as B fragments of O^T += V^T P^T, from the S^T accumulators by register transpose.
+__device__ __forceinline__ void p_frags(const float (&pv)[4], uint32_t& pb0, uint32_t& pb1) {
+  pb0 = movmatrix_t(h2_bits(__floats2half2_rn(pv[0], pv[1])));
+  pb1 = movmatrix_t(h2_bits(__floats2half2_rn(pv[2], pv[3])));
+}
+
+// O^T += V^T P^T from this lane's V halves of tokens 2t, 2t+1, 2t+8, 2t+9 (va..vd): A fragments
+// pair two tokens per channel. Rows at or beyond `valid` hold stale bytes and are zeroed (P is 0
+// there, but 0 x NaN is not).
+template <int D>
+__device__ __forceinline__ void values_mma(uint32_t (&va)[D / 16], uint32_t (&vb)[D / 16], uint32_t (&vc)[D / 16],
+                                           uint32_t (&vd)[D / 16], int valid, int t, uint32_t pb0, uint32_t pb1,
+                                           float (&acc)[D / 16][4]) {
+  if (valid < slab) {
+    const bool za = 2 * t < valid, zb = 2 * t + 1 < valid, zc = 2 * t + 8 < valid, zd = 2 * t + 9 < valid;
+#pragma unroll
+    for (int i = 0; i < D / 16; ++i) {
+      va[i] = za ? va[i] : 0u, vb[i] = zb ? vb[i] : 0u, vc[i] = zc ? vc[i] : 0u, vd[i] = zd ? vd[i] : 0u;
+    }
+  }
+#pragma unroll
+  for (int mtile = 0; mtile < D / 16; ++mtile)
+    mma16816(acc[mtile], __byte_perm(va[mtile], vb[mtile], 0x5410), __byte_perm(va[mtile], vb[mtile], 0x7632),
+             __byte_perm(vc[mtile], vd[mtile], 0x5410), __byte_perm(vc[mtile], vd[mtile], 0x7632), pb0, pb1);
+}
+
+// O^T += V^T P^T for one slab from the lane's raw V words (any format the kernel holds in
+// registers: up to Cap bits).
+template <int D, int Cap>
+__device__ __forceinline__ void values_slab(const v_raw<D, Cap>& vr, format_traits fv, int valid, int t, uint32_t pb0,
+                                            uint32_t pb1, float (&acc)[D / 16][4]) {
+  if (fv.is_integer()) {
+    const bool sym = fv.fam == family::sym;
+    switch (fv.bits) {
+      case 8: values_int<D, 8, Cap>(vr, sym, valid, t, pb0, pb1, acc); break;
+      case 4: values_int<D, 4, Cap>(vr, sym, valid, t, pb0, pb1, acc); break;
+      default: values_int<D, 2, Cap>(vr, sym, valid, t, pb0, pb1, acc); break;
+    }
+    return;
+  }
+  uint32_t va[D / 16], vb[D / 16], vc[D / 16], vd[D / 16];
+  if (Cap >= 16 && fv.bits == 16) v_all<D, Cap >= 16 ? 16 : 8, Cap>(vr, fv.fam, va, vb, vc, vd);
+  else v_all<D, 8, Cap>(vr, fv.fam, va, vb, vc, vd);  // fp8
+  values_mma<D>(va, vb, vc, vd, valid, t, pb0, pb1, acc);
+}
+
+}  // namespace cuda::detail
+KVQ_NAMESPACE_END

@@ -1,0 +1,232 @@
+#pragma once
+// The decode inner loop of every page format: one step of the staged decode kernels (query fold,
+// scores, online softmax, P V) compiled per kind of K and V format (`scores_kind`, `values_kind`;
+// kinds in kinds.cuh), and the staged kernels' common start and per-warp bulk copies.
+#include "attention/decode_mma.cuh"
+#include "attention/query.cuh"
+#include "attention/softmax.cuh"
+
+KVQ_NAMESPACE_BEGIN
+namespace cuda::detail {
+
+// The staged kernels' common start: the block's page lookups, this lane's query fragments, and
+// the fp16 query pairs in shared memory (for KIVI re-scaling; warp 0 stores them).
+template <int D>
+__device__ __forceinline__ void staged_start(const attend_params& p, const decode_item& item, int h, const slab_range& rg,
+                                             int warp, int g, int t, int lane, staged_head<D>& sm, uint32_t (&qb)[D / 8]) {
+  fill_page_table<D>(p, item, h, rg.c0, rg.c1, rg.page_slabs, sm.pages);
+  load_query<D>(p, item, h, g, t, qb);
+  // Every warp holds the same fragments: warp w stores row w of the D / 32 rows (warps past them
+  // store nothing). No warp-0-only stores: in the build with per-kind chunk loops, ptxas
+  // predicated those in every warp, and racecheck reported them as a hazard (unexplained).
+  static_assert(D / 32 <= dec_warps, "one query row per warp");
+  if (warp < D / 32) {
+    uint4 v = make_uint4(qb[0], qb[1], qb[2], qb[3]);
+#pragma unroll
+    for (int i = 1; i < D / 32; ++i)
+      if (warp == i) v = make_uint4(qb[4 * i], qb[4 * i + 1], qb[4 * i + 2], qb[4 * i + 3]);
+    sm.qh[warp][lane] = v;
+  }
+}
+
+// Issues the bulk copies of page slab j into a per-warp stage (lane
+// l < 6 copies one section: K codes, K scales, K zeros, V codes, V scales, V zeros, as described by
+// `chunk_section`) and arms the stage's barrier with their bytes. KIVI key scales and zeros are
+// copied only when the warp enters their token group (`first`: the warp's first slab).
+template <int D>
+__device__ __forceinline__ void issue_chunk(const attend_params& p, const page_table_cache& pc, const uint4 (*sect)[2][3], int j,
+                                            bool first, int lane, uint32_t stage, uint32_t bar) {
+  const int P = p.kv.page_tokens;
+  const int tok0 = j * slab, e = (tok0 >> log2i(P)) - pc.first_page;
+  const uint32_t row0 = uint32_t(tok0 & (P - 1));
+  const bool is_v = lane >= 3;
+  const uint4 d = sect[is_v ? pc.vid[e] : pc.kid[e]][is_v][lane % 3];
+  const uint32_t shift = (d.y >> 16) & 0xffu;
+  uint32_t bytes = lane < 6 ? d.z : 0u;
+  if ((d.y >> 24) && !first && (row0 & ((1u << shift) - 1u))) bytes = 0;
+  const uint32_t total = __reduce_add_sync(0xffffffffu, bytes);
+  if (bytes) {
+    const uint8_t* src = p.kv.arena + size_t(pc.page16[e]) * 16 + (is_v ? pc.v_offset[e] : 0u) + d.x + (row0 >> shift) * (d.y & 0xffffu);
+    bulk_copy(stage + (is_v ? stage_k_bytes(D, p.stage_cap) : 0u) + d.w, src, bytes, bar);
+  }
+  if (lane == 0) mbar_expect_tx(bar, total);
+}
+
+
+// S^T of S consecutive staged slabs (sk: the stage as a `rows`-row page, row0 the first slab's
+// row) for one kind of K format; slab s's scores in sc[4s..4s+3], each column's accumulators
+// starting from `init` (KIVI: the score offsets of the token group's zeros).
+template <int D, int Cap, family Fam, int Bits, int S, bool Sub = false>  // Sub: `k_frags_sub`
+__device__ __forceinline__ void scores_kind(const slab_ref& sk, uint16_t group, int rows, int window, int g, int t,
+                                            const uint32_t (&qb)[D / 8], float (&sc)[4 * S], float (&rs)[2 * S],
+                                            int valid, float2 init = make_float2(0.f, 0.f)) {
+  static_assert(!Sub || (Fam == family::kivi && Bits <= 4), "subnormal codes: 4- and 2-bit KIVI keys");
+  const format_traits f{Fam, uint8_t(Bits), group};
+#pragma unroll
+  for (int s = 0; s < S; ++s) {
+    slab_ref ss = sk;
+    ss.row0 = sk.row0 + slab * s;
+    k_raw<D, Cap> kr;
+    load_k<D, Cap, false>(ss, f, rows, window, g, t, kr);
+    uint32_t kg[D / 8], kg8[D / 8];
+    if constexpr (Sub) k_frags_sub<D, Bits>(kr.w, kg, kg8);
+    else k_frags<D, Bits, Cap>(kr.w, Fam, kr.ps, kg, kg8);
+    float part[4] = {init.x, init.y, init.x, init.y};
+    scores_mma<D, Sub ? Bits : 0>(kg, kg8, qb, part);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) sc[4 * s + e] = part[e];
+    if constexpr (Fam == family::fp8_e4m3) {
+      const float2 r = fp8_scales(kr.ps[0], kr.ps[1], g, valid - slab * s);
+      rs[2 * s] = r.x, rs[2 * s + 1] = r.y;
+    }
+  }
+}
+
+// O^T += V^T P^T for S consecutive staged slabs for one kind of V format (slab s's P in
+// pv[4s..4s+3]).
+template <int D, int Cap, family Fam, int Bits, int S>
+__device__ __forceinline__ void values_kind(const slab_ref& sk, uint16_t group, int rows, int window, int g, int t,
+                                            float (&pv)[4 * S], int valid, float (&acc)[D / 16][4]) {
+  const format_traits f{Fam, uint8_t(Bits), group};
+#pragma unroll
+  for (int s = 0; s < S; ++s) {
+    slab_ref ss = sk;
+    ss.row0 = sk.row0 + slab * s;
+    const int vs = valid - slab * s;
+    v_raw<D, Cap> vr;
+    load_v<D, Cap, false>(ss, f, rows, window, g, t, vr);
+    float ps[4] = {pv[4 * s], pv[4 * s + 1], pv[4 * s + 2], pv[4 * s + 3]};
+    uint32_t pb0, pb1;
+    if constexpr (Fam == family::fp8_e4m3) {  // per-token V scales fold into P
+      const float2 v = fp8_scales(vr.s[0], vr.s[1], g, vs);
+      ps[0] *= v.x, ps[1] *= v.x, ps[2] *= v.y, ps[3] *= v.y;
+      p_frags(ps, pb0, pb1);
+      uint32_t va[D / 16], vb[D / 16], vc[D / 16], vd[D / 16];
+      v_all<D, 8, Cap>(vr, Fam, va, vb, vc, vd);
+      values_mma<D>(va, vb, vc, vd, min(vs, slab), t, pb0, pb1, acc);
+    } else {
+      p_frags(ps, pb0, pb1);
+      values_int<D, Bits, Cap>(vr, Fam == family::sym, min(vs, slab), t, pb0, pb1, acc);
+    }
+  }
+}
+
+// The K part and the V part of a step of S staged slabs of one page, compiled per kind of format:
+// the kind `Kind` (not `kind::dispatch`: a block whose pages are all of one kind), or a switch over the page's.
+template <int D, int Cap, int S, int Kind = kind::dispatch>
+__device__ __forceinline__ void scores_staged(format_traits fk, const slab_ref& sk, int rows, int window, int g, int t,
+                                              const uint32_t (&qb)[D / 8], float (&sc)[4 * S], float (&rs)[2 * S], int valid) {
+  if constexpr (Kind != kind::dispatch) {
+    scores_kind<D, Cap, kind_family(Kind), kind_bits(Kind), S>(sk, fk.group, rows, window, g, t, qb, sc, rs, valid);
+    return;
+  }
+  switch (sk.kk) {
+    case kind::kivi8: scores_kind<D, Cap, family::kivi, 8, S>(sk, fk.group, rows, window, g, t, qb, sc, rs, valid); break;
+    case kind::kivi4: scores_kind<D, Cap, family::kivi, 4, S>(sk, fk.group, rows, window, g, t, qb, sc, rs, valid); break;
+    case kind::kivi2: scores_kind<D, Cap, family::kivi, 2, S>(sk, fk.group, rows, window, g, t, qb, sc, rs, valid); break;
+    case kind::sym8: scores_kind<D, Cap, family::sym, 8, S>(sk, fk.group, rows, window, g, t, qb, sc, rs, valid); break;
+    case kind::sym4: scores_kind<D, Cap, family::sym, 4, S>(sk, fk.group, rows, window, g, t, qb, sc, rs, valid); break;
+    case kind::sym2: scores_kind<D, Cap, family::sym, 2, S>(sk, fk.group, rows, window, g, t, qb, sc, rs, valid); break;
+    default: scores_kind<D, Cap, family::fp8_e4m3, 8, S>(sk, fk.group, rows, window, g, t, qb, sc, rs, valid); break;
+  }
+}
+template <int D, int Cap, int S, int Kind = kind::dispatch>
+__device__ __forceinline__ void values_staged(format_traits fv, const slab_ref& sk, int rows, int window, int g, int t,
+                                              float (&pv)[4 * S], int valid, float (&acc)[D / 16][4]) {
+  if constexpr (Kind != kind::dispatch) {
+    values_kind<D, Cap, kind_family(Kind), kind_bits(Kind), S>(sk, fv.group, rows, window, g, t, pv, valid, acc);
+    return;
+  }
+  switch (sk.kv) {
+    case kind::kivi8: values_kind<D, Cap, family::kivi, 8, S>(sk, fv.group, rows, window, g, t, pv, valid, acc); break;
+    case kind::kivi4: values_kind<D, Cap, family::kivi, 4, S>(sk, fv.group, rows, window, g, t, pv, valid, acc); break;
+    case kind::kivi2: values_kind<D, Cap, family::kivi, 2, S>(sk, fv.group, rows, window, g, t, pv, valid, acc); break;
+    case kind::sym8: values_kind<D, Cap, family::sym, 8, S>(sk, fv.group, rows, window, g, t, pv, valid, acc); break;
+    case kind::sym4: values_kind<D, Cap, family::sym, 4, S>(sk, fv.group, rows, window, g, t, pv, valid, acc); break;
+    case kind::sym2: values_kind<D, Cap, family::sym, 2, S>(sk, fv.group, rows, window, g, t, pv, valid, acc); break;
+    default: values_kind<D, Cap, family::fp8_e4m3, 8, S>(sk, fv.group, rows, window, g, t, pv, valid, acc); break;
+  }
+}
+
+// One step of a staged decode kernel: the query for the step's K format (KIVI keys: their token
+// group's scales folded in), then scores, online softmax and P V for one slab, or for the two slabs
+// of a staged chunk (`pair`). cur: the slab(s) in memory; sk: the same rows in their stage, which
+// has the shape of a `rows`-row page (a chunk stage holds one token group's KIVI key parameters, a
+// page stage (`page_stage`) the whole page's).
+template <int D, int Cap, int KK = kind::dispatch, int KV = kind::dispatch>
+__device__ __forceinline__ void decode_step(const attend_params& p, const slab_ref& cur, const slab_ref& sk, int rows,
+                                            bool page_stage, bool k_st, bool v_st, bool pair, int g, int t, int lane,
+                                            const uint4 (&qh)[D / 32][32], uint32_t (&qb)[D / 8], int& q_key,
+                                            column_state<D>& cs) {
+  const int P = p.kv.page_tokens;
+  const format_traits fk = cur.fk, fv = cur.fv;
+  // ---- the query for this slab's K format ----
+  const bool k_codes = !cur.ring && fk.k_along_tokens();
+  const int lgk = k_codes ? log2i(fk.group) : 0;
+  const int key = k_codes ? cur.tok0 & ~(int(fk.group) - 1) : -1;
+  if (key != q_key) {
+    const uint32_t rbk = uint32_t(D * fk.bits) >> 3;
+    if (!k_codes) {
+      get_query<D>(qh, lane, qb);
+      cs.cz[0] = cs.cz[1] = 0.f;
+    } else if (k_st) {  // a chunk stage holds its token group's scales and zeros; a page stage, all groups
+      const uint8_t* ks = sk.k + rows * rbk + (page_stage ? uint32_t(sk.row0 >> lgk) * D * 2 : 0u);
+      fold_kivi<D>(ks, ks + (page_stage ? uint32_t(rows >> lgk) * D * 2 : uint32_t(D * 2)), fk.bits, qh, lane, t, qb, cs.cz);
+    } else {
+      const uint8_t* sc = cur.k + uint32_t(P) * rbk + uint32_t(cur.row0 >> lgk) * D * 2;
+      fold_kivi<D>(sc, sc + uint32_t(P >> lgk) * D * 2, fk.bits, qh, lane, t, qb, cs.cz);
+    }
+    q_key = key;
+  }
+  const int wnd = p.kv.window;
+  if (pair) {
+    float sc[8], rs[4] = {1.f, 1.f, 1.f, 1.f}, pv[8];
+    scores_staged<D, Cap, 2, KK>(fk, sk, rows, wnd, g, t, qb, sc, rs, cur.valid);
+    softmax_tiles<D, 2>(sc, rs, p.scale_log2, cur.tok0, cur.valid, g, cs, pv);
+    values_staged<D, Cap, 2, KV>(fv, sk, rows, wnd, g, t, pv, cur.valid, cs.acc);
+  } else {
+    // ---- S^T = K Q^T ----
+    float sc[4] = {0.f, 0.f, 0.f, 0.f};
+    float rs[2] = {1.f, 1.f};  // fp8 keys: per-token scales of rows g, g+8
+    if (k_st) {
+      scores_staged<D, Cap, 1, KK>(fk, sk, rows, wnd, g, t, qb, sc, rs, cur.valid);
+    } else if (fk.bits == 16) {  // the FP16 ring, a stray 16-bit page
+      scores_wide<D>(cur, fk.fam, g, t, wnd, qb, sc);
+    } else {  // a page wider than the stages (under a smaller `max_page_bits` hint)
+      k_raw<D, Cap> kr;
+      load_k<D, Cap, true>(cur, fk, P, wnd, g, t, kr);
+      uint32_t kg[D / 8], kg8[D / 8];
+      if (fk.bits == 8) k_frags<D, 8, Cap>(kr.w, fk.fam, kr.ps, kg, kg8);
+      else k_frags<D, 4, Cap>(kr.w, fk.fam, kr.ps, kg, kg8);  // (a 2-bit page is never wider)
+      scores_mma<D>(kg, kg8, qb, sc);
+      if (fk.fam == family::fp8_e4m3) {
+        const float2 r = fp8_scales(kr.ps[0], kr.ps[1], g, cur.valid);
+        rs[0] = r.x, rs[1] = r.y;
+      }
+    }
+    float pv[4];
+    softmax_tiles<D, 1>(sc, rs, p.scale_log2, cur.tok0, cur.valid, g, cs, pv);
+
+    // ---- O^T += V^T P^T ----
+    if (v_st) {
+      values_staged<D, Cap, 1, KV>(fv, sk, rows, wnd, g, t, pv, cur.valid, cs.acc);
+    } else if (fv.bits == 16) {
+      uint32_t pb0, pb1;
+      p_frags(pv, pb0, pb1);
+      values_wide<D>(cur, fv.fam, g, t, wnd, pb0, pb1, cs.acc);
+    } else {  // a page wider than the stages
+      v_raw<D, Cap> vr;
+      load_v<D, Cap, true>(cur, fv, P, wnd, g, t, vr);
+      if (fv.fam == family::fp8_e4m3) {
+        const float2 v = fp8_scales(vr.s[0], vr.s[1], g, cur.valid);
+        pv[0] *= v.x, pv[1] *= v.x, pv[2] *= v.y, pv[3] *= v.y;
+      }
+      uint32_t pb0, pb1;
+      p_frags(pv, pb0, pb1);
+      values_slab<D, Cap>(vr, fv, cur.valid, t, pb0, pb1, cs.acc);
+    }
+  }
+}
+
+}  // namespace cuda::detail
+KVQ_NAMESPACE_END

@@ -1,0 +1,192 @@
+#pragma once
+// Dequantization: integer and float codes -> fp16 MMA operands, by byte-permute / magic-number bit
+// tricks. The tile kernel dequantizes 16-byte chunks into swizzled shared-memory tiles
+// (`dequant_int_chunk`, `tile_from_raw`); the decode kernels turn a lane's raw words into half2
+// channel pairs (`to_pairs`, `pair_codes`), KIVI keys also into fp16 subnormal codes
+// (`k_frags_sub`).
+#include <kvq/format/format.hpp>
+
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include "ptx.cuh"
+
+KVQ_NAMESPACE_BEGIN
+namespace cuda::detail {
+
+// Shared-memory tiles are [rows][D] halves with 16-byte chunks XOR-swizzled by row, so that
+// ldmatrix's 8 row addresses hit 8 different bank groups.
+template <int D>
+__device__ __forceinline__ int swz(int row, int chunk) {
+  return row * D + ((chunk ^ (row & 7)) << 3);
+}
+
+// Codes -> halves (1024 + code) by bit tricks. `out` receives channel pairs in order.
+// 8-bit: one byte-permute per pair. 4-bit: split even/odd nibbles once per word, then one
+// permute + one lop3 per pair. 2-bit likewise with four phases.
+template <int Bits>
+__device__ __forceinline__ void codes_to_magic(const uint32_t (&w)[4], uint32_t (&out)[64 / Bits]) {
+  if constexpr (Bits == 8) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      out[2 * i] = __byte_perm(w[i], 0x64646464u, 0x5140);
+      out[2 * i + 1] = __byte_perm(w[i], 0x64646464u, 0x7342);
+    }
+  } else if constexpr (Bits == 4) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint32_t ev = w[i] & 0x0F0F0F0Fu, od = (w[i] >> 4) & 0x0F0F0F0Fu;
+#pragma unroll
+      for (int k = 0; k < 4; ++k)
+        out[4 * i + k] = (__byte_perm(ev, od, k | (k << 4) | ((4 + k) << 8) | ((4 + k) << 12)) & 0x00FF00FFu) | 0x64006400u;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint32_t c0 = w[i] & 0x03030303u, c1 = (w[i] >> 2) & 0x03030303u, c2 = (w[i] >> 4) & 0x03030303u,
+                     c3 = (w[i] >> 6) & 0x03030303u;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const uint32_t sel = k | (k << 4) | ((4 + k) << 8) | ((4 + k) << 12);
+        out[8 * i + 2 * k] = (__byte_perm(c0, c1, sel) & 0x00FF00FFu) | 0x64006400u;
+        out[8 * i + 2 * k + 1] = (__byte_perm(c2, c3, sel) & 0x00FF00FFu) | 0x64006400u;
+      }
+    }
+  }
+}
+
+// One 16-byte chunk of integer codes (128/Bits channels of one token) -> halves in the tile.
+template <int D, int Bits>
+__device__ __forceinline__ void dequant_int_chunk(const uint32_t (&w)[4], format_traits f, bool k_codes,
+                                                  const uint16_t* scales, const uint16_t* zeros, int tok, int ch0, int g,
+                                                  uint4* out, int row) {
+  constexpr int elems = 128 / Bits, pairs = elems / 2;
+  uint32_t m[pairs];
+  codes_to_magic<Bits>(w, m);
+  if (k_codes) {  // centered codes: smaller terms to cancel against q . z
+    const __half2 bias = __float2half2_rn(1024.f + float(1 << (Bits - 1)));
+#pragma unroll
+    for (int i = 0; i < pairs; ++i) m[i] = h2_bits(__hsub2(bits_h2(m[i]), bias));
+  } else {
+    const int lg = log2i(g), ng = D >> lg;
+    const bool sym = f.fam == family::sym;
+    const __half2 bias = __float2half2_rn(sym ? 1024.f + float(1 << (Bits - 1)) : 1024.f);
+    // a chunk spans at most two groups (g >= 32); scales change only at 8-channel boundaries
+#pragma unroll
+    for (int q = 0; q < elems / 8; ++q) {
+      const int gi = tok * ng + ((ch0 + 8 * q) >> lg);
+      const __half2 s = __half2half2(__ushort_as_half(scales[gi]));
+      const __half2 z = sym ? __float2half2_rn(0.f) : __half2half2(__ushort_as_half(zeros[gi]));
+#pragma unroll
+      for (int i = 4 * q; i < 4 * q + 4; ++i) m[i] = h2_bits(__hfma2(__hsub2(bits_h2(m[i]), bias), s, z));
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < elems / 8; ++k) out[swz<D>(row, ch0 / 8 + k) / 8] = make_uint4(m[4 * k], m[4 * k + 1], m[4 * k + 2], m[4 * k + 3]);
+}
+
+// Codes of `Pairs` channel pairs (in channel order) -> half2 words holding 1024 + code (8-bit
+// integer families), 1024 + code / magic_mul (4 and 2 bits: one byte-permute and one lop3 per pair,
+// no shifts), or the values (fp16; bf16 and fp8 converted).
+template <int Bits, int Pairs>
+__device__ __forceinline__ void to_pairs(const uint32_t* w, family fam, uint32_t (&out)[Pairs]) {
+  if constexpr (Bits == 16) {
+    if (fam == family::fp16) {
+#pragma unroll
+      for (int i = 0; i < Pairs; ++i) out[i] = w[i];
+    } else {  // bf16 (a warp-uniform branch: a per-element select would convert fp16 pages too)
+#pragma unroll
+      for (int i = 0; i < Pairs; ++i)
+        out[i] = h2_bits(__floats2half2_rn(__uint_as_float(w[i] << 16), __uint_as_float(w[i] & 0xffff0000u)));
+    }
+  } else if constexpr (Bits == 8) {
+    if (fam == family::fp8_e4m3) {
+#pragma unroll
+      for (int i = 0; i < Pairs; ++i) {
+        const __half2_raw hr = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t((w[i / 2] >> (16 * (i % 2))) & 0xffffu), __NV_E4M3);
+        out[i] = uint32_t(hr.x) | (uint32_t(hr.y) << 16);
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < Pairs; ++i) out[i] = __byte_perm(w[i / 2], 0x64646464u, (i % 2) ? 0x7342 : 0x5140);
+    }
+  } else if constexpr (Bits == 4) {  // [byte j, 0x64, byte j, 0x64], then one mask per pair
+#pragma unroll
+    for (int i = 0; i < Pairs; ++i) out[i] = __byte_perm(w[i / 4], 0x64646464u, (i % 4) * 0x0101u + 0x4040u) & 0xFFF0FF0Fu;
+  } else {
+#pragma unroll
+    for (int b = 0; b < Pairs / 2; ++b) {  // byte b holds channels 4b .. 4b+3
+      const uint32_t x = __byte_perm(w[b / 4], 0x64646464u, (b % 4) * 0x0101u + 0x4040u);
+      out[2 * b] = x & 0xFF0CFF03u;
+      out[2 * b + 1] = x & 0xFFC0FF30u;
+    }
+  }
+}
+
+// Codes read in place within their byte (4 bits: the high nibble 16x; 2 bits: 1x, 4x, 16x, 64x)
+// hold 1024 + code / mul in fp16, exact, with mul = code_mul(c) for channel c of the word.
+template <int Bits>
+__host__ __device__ constexpr float code_mul(int c) {
+  return Bits == 8 ? 1.f : 1.f / float(1 << (Bits * (c % (8 / Bits))));
+}
+// The multipliers of the two halves of pair i of `to_pairs` (channels 2i, 2i + 1).
+template <int Bits>
+__device__ __forceinline__ __half2 magic_mul(int i) {
+  return __floats2half2_rn(code_mul<Bits>(2 * i), code_mul<Bits>(2 * i + 1));
+}
+
+// The codes of channel c (of the lane's D/8) of two tokens, as the half2 (1024 + c_a / mul, 1024 +
+// c_b / mul) with mul = code_mul<Bits>(c): one byte permute places the two tokens' bytes of the
+// channel in bytes 0 and 2 (shared by the channels of that byte), one lop3 masks the code in place
+// and inserts the magic exponent, so that V^T's A fragments (token pairs) come straight from the
+// raw words. (The permute's selector is an immediate and the magic a register: a permute that
+// inserted the magic itself took its selector from a register, rematerialized at every use.)
+template <int Bits>
+__device__ __forceinline__ uint32_t pair_codes(const uint32_t* wa, const uint32_t* wb, int c, uint32_t magic) {
+  constexpr int per_word = 32 / Bits, per_byte = 8 / Bits;
+  constexpr uint32_t mask = ((1u << Bits) - 1) * 0x00010001u;
+  const int wi = c / per_word, j = (c % per_word) / per_byte, k = c % per_byte;
+  const uint32_t x = __byte_perm(wa[wi], wb[wi], uint32_t(j * 0x11 + (4 + j) * 0x1100));  // a_j, a_j, b_j, b_j
+  uint32_t d;  // (x & mask) | magic in one lop3 (written as and + or, it compiles to two)
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(d) : "r"(x), "r"(mask << (Bits * k)), "r"(magic));
+  return d;
+}
+
+// fp8: the float token scales of rows g and g + 8 of a slab. Rows at or beyond `valid` hold stale
+// bytes: their scale is 0, so that a masked score or P = 0 never meets a NaN.
+__device__ __forceinline__ float2 fp8_scales(uint32_t s0, uint32_t s8, int g, int valid) {
+  return make_float2(g < valid ? __uint_as_float(s0) : 0.f, g + 8 < valid ? __uint_as_float(s8) : 0.f);
+}
+
+// 4- and 2-bit KIVI keys as fp16 subnormals: a code c in the low bits of a half with exponent
+// field 0 is c 2^-24, exactly, so one lop3 (a mask) turns two channels of a word into a half2 with
+// no magic to remove and no fma (the tensor cores take subnormal operands exactly, and products
+// of about 2^-24 q' are far inside the fp32 accumulators' normal range). A
+// word of n channels gives pairs (c, c + n / 2), c's code at bit Bits c of each half: shifted down
+// by 2 Bits k, the mask of the lowest code takes channels (2k, 2k + n / 2), the mask of the next
+// one channels (2k + 1, ...) as 2^Bits c. The pairs go to the MMA k-steps so that even steps hold
+// the first and odd steps the second (`scores_mma<D, Bits>` adds the odd chain / 2^Bits); the
+// query takes the same order (`fold_kivi<D, Bits>`); the scores come out in units of 2^-24.
+template <int D, int Bits>
+__device__ __forceinline__ void k_frags_sub(const uint32_t (&w)[2][D / 16], uint32_t (&kg)[D / 8],
+                                            uint32_t (&kg8)[D / 8]) {
+  constexpr int np = 16 / Bits;  // pairs per word
+  constexpr uint32_t lo = ((1u << Bits) - 1) * 0x00010001u, hi = lo << Bits;
+  const auto split = [](const uint32_t* ws, uint32_t* out) {
+#pragma unroll
+    for (int i = 0; i < D * Bits / 128; ++i)
+#pragma unroll
+      for (int b = 0; b < np / 4; ++b) {
+        const uint32_t x = ws[i] >> (4 * Bits * b), y = ws[i] >> (4 * Bits * b + 2 * Bits);
+        out[np * i + 4 * b] = x & lo;
+        out[np * i + 4 * b + 1] = y & lo;
+        out[np * i + 4 * b + 2] = x & hi;
+        out[np * i + 4 * b + 3] = y & hi;
+      }
+  };
+  split(w[0], kg);
+  split(w[1], kg8);
+}
+
+}  // namespace cuda::detail
+KVQ_NAMESPACE_END

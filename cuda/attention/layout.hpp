@@ -1,0 +1,83 @@
+#pragma once
+// Launch constants and shared-memory layouts of the attention kernels that the host launch plan
+// (launch_plan.cpp) sizes as well: host-readable, so that the plan is computed and tested without
+// a device.
+#include <kvq/config.hpp>
+#include <kvq/format/format.hpp>
+
+#include <cuda_runtime.h>  // uint4
+
+#include <cstdint>
+
+KVQ_NAMESPACE_BEGIN
+namespace cuda::detail {
+
+// ---- the tile kernel ---------------------------------------------------------------------------
+constexpr int tile_tokens = 64;     // tokens of a tile
+constexpr int threads = 128;        // threads of a tile-kernel (and append-kernel) block
+constexpr int max_items = 256;      // sequences of one launch (`attend_params::items`)
+constexpr int max_kv_heads = 32;
+constexpr int pipeline_tiles = 8;   // tiles in flight at most (cp.async groups)
+constexpr int max_split_tiles = 256;  // tiles of one block's split (its page lookup table)
+
+KVQ_HOST_DEVICE constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+// ---- the decode kernels (16-token slabs, 4 warps a block) ------------------------------------
+
+constexpr int slab = 16;
+constexpr int dec_warps = 4;
+constexpr int max_cta_slabs = 1024;
+
+constexpr int max_stages = 8;
+// Blocks per SM of the staged kernel: 168 registers. (128 registers for 4 blocks spill ~220 bytes and
+// measured 13-30 % slower.)
+constexpr int staged_blocks = 3;
+
+// A per-warp stage holds one slab (16 rows) of each role. Its room for one role: the code rows of
+// `cap` bits plus the largest parameter section (K: KIVI scales and zeros, 4 D bytes; V: scale and
+// zero rows, at most 16 D / 8 bytes).
+KVQ_HOST_DEVICE constexpr uint32_t stage_k_bytes(int d, int cap) { return uint32_t(slab * d * cap / 8 + 4 * d); }
+KVQ_HOST_DEVICE constexpr uint32_t stage_bytes(int d, int cap) {
+  return stage_k_bytes(d, cap) + uint32_t(slab * d * cap / 8 + slab * d / 8);
+}
+
+// The pages of one thread block's slabs, looked up once: the K block's offset in 16-byte units,
+// the V block's offset from it, and both formats' traits (no per-slab table decoding). For the
+// block-staged kernel, also the part of the page-head its page stage holds (`issue_page`). There,
+// a page whose V the stages hold and whose K they do not has V offset 0: its V sits at the start
+// of its page stage, and is never read from the page.
+struct page_table_cache {
+  int first_page;
+  uint32_t page16[max_cta_slabs * slab / 64 + 2];
+  uint32_t v_offset[max_cta_slabs * slab / 64 + 2];
+  uint32_t copy_from[max_cta_slabs * slab / 64 + 2], copy_bytes[max_cta_slabs * slab / 64 + 2];
+  format_traits fk[max_cta_slabs * slab / 64 + 2];
+  format_traits fv[max_cta_slabs * slab / 64 + 2];
+  format_id kid[max_cta_slabs * slab / 64 + 2];
+  int8_t kk[max_cta_slabs * slab / 64 + 2], kv[max_cta_slabs * slab / 64 + 2];  // kind_of(fk), kind_of(fv)
+  format_id vid[max_cta_slabs * slab / 64 + 2];
+};
+
+// The warps' partial outputs and (max, sum) per column, merged after the slab loop.
+template <int D>
+struct merge_area {
+  float wo[dec_warps][8][D];   // [warp][column][channel]
+  float wml[dec_warps][8][2];  // [warp][column] running max and sum
+};
+
+template <int D>
+struct staged_head {
+  // The barriers first: compute-sanitizer's racecheck (CUDA 13.0) reported the bulk copies'
+  // transaction updates of a barrier at the barrier's address less 0x400 (the reserved shared
+  // memory), as a write racing with whatever the block keeps there (it flagged the query rows'
+  // stores when the barriers followed them); at offset 0 nothing of the block's lies below them.
+  uint64_t bar[dec_warps + 2][max_stages];  // (block-staged kernel: full, empty, odd full, 3 more full rows)
+  page_table_cache pages;
+  uint4 qh[D / 32][32];  // the fp16 query pairs of each lane (for KIVI re-scaling; `put_query`); all warps alike
+  uint4 sect[format_count][2][3];  // chunk_section of every (format, role, section), filled per block
+};
+template <int D>
+constexpr uint32_t staged_head_bytes = (sizeof(staged_head<D>) + 127) / 128 * 128;
+
+}  // namespace cuda::detail
+KVQ_NAMESPACE_END

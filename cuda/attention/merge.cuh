@@ -1,0 +1,95 @@
+#pragma once
+// The split merge `merge_kernel`: the log-sum-exp merge of every split's partial result into the
+// output rows.
+#include "attention/params.cuh"
+#include "ptx.cuh"
+
+#include <cub/block/block_reduce.cuh>
+
+#include <cmath>
+#include <type_traits>
+
+KVQ_NAMESPACE_BEGIN
+namespace cuda::detail {
+
+// The split merge: one block per output row (blockIdx.z: the row within its 16-row m-tile), two
+// dependent rounds of loads: every split's max and sum at once (a thread per split), then the
+// partial outputs, the warps taking the splits in turn and the lanes D / 32 channels each, with
+// up to 8 loads in flight per lane; the warps' sums meet in shared memory. (A thread per output
+// element walking the splits one dependent load at a time took 21 us of a 1 x 128K step: 49
+// splits on 8 blocks.)
+constexpr int merge_threads = 256;
+template <int D>
+__global__ void __launch_bounds__(merge_threads) merge_kernel(const __grid_constant__ attend_params p) {
+  pdl_wait();  // the attention grid's partials
+  constexpr int warps = merge_threads / 32, per_lane = D / 32;
+  using vec = std::conditional_t<per_lane == 4, float4, float2>;
+  using block_reduce_t = cub::BlockReduce<float, merge_threads>;
+  __shared__ typename block_reduce_t::TempStorage red;
+  __shared__ float red_out, f_s[merge_threads];
+  __shared__ __align__(16) float wo_sum[warps][D];
+  const int h = blockIdx.y / p.mtiles, mt = blockIdx.y % p.mtiles, r = blockIdx.z;
+  const decode_item item = p.items[blockIdx.x];
+  const int rows_used = p.group * item.q_len;
+  if (mt * 16 + r >= rows_used) return;
+  if (r == 0 && p.q_stage && item.stage_row >= 0) {  // the canary's copy of this m-tile's query rows
+    const int width = p.q_heads * D;
+    for (int idx = threadIdx.x; idx < 16 * D; idx += merge_threads) {
+      const int mm = mt * 16 + idx / D, c = idx % D;
+      if (mm >= rows_used) break;
+      const int i = mm / p.group, qh = h * p.group + mm % p.group;
+      p.q_stage[int64_t(item.stage_row + i) * width + qh * D + c] =
+          load_any(p.q, p.q_type, int64_t(item.q_row + i) * p.q_stride + int64_t(qh) * D + c);
+    }
+  }
+  const int T = ceil_div(item.from_pages, p.unit_tokens) + ceil_div(item.n - item.from_pages, p.unit_tokens);
+  const int splits = ceil_div(T, p.tiles_per_split);
+  const size_t part0 = ((size_t(blockIdx.x) * p.kv.kv_heads + h) * p.mtiles + mt) * p.max_splits;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const float2* ml = reinterpret_cast<const float2*>(p.ws_ml + (part0 * 16 + r) * 2);  // split s: ml[s * 16] (max, sum)
+  const auto block_reduce = [&](float x, bool is_max) {  // the block's max or sum, in every thread
+    __syncthreads();  // red's and red_out's previous readers are done
+    x = is_max ? block_reduce_t(red).Reduce(x, [](float a, float b) { return fmaxf(a, b); }) : block_reduce_t(red).Sum(x);
+    if (threadIdx.x == 0) red_out = x;
+    __syncthreads();
+    return red_out;
+  };
+  // (more than merge_threads splits: the maxima in a loop, then the splits in chunks)
+  const float2 first = threadIdx.x < splits ? ml[size_t(threadIdx.x) * 16] : make_float2(-INFINITY, 0.f);
+  float m = first.x;
+  for (int s = threadIdx.x + merge_threads; s < splits; s += merge_threads) m = fmaxf(m, ml[size_t(s) * 16].x);
+  m = block_reduce(m, true);
+  float l = 0.f, acc[per_lane] = {};
+  const float* wo = p.ws_o + (part0 * 16 + r) * D + lane * per_lane;  // split s: wo[s * 16 * D]
+  for (int base = 0; base < splits; base += merge_threads) {
+    const float2 e = base == 0 ? first : base + threadIdx.x < splits ? ml[size_t(base + threadIdx.x) * 16] : make_float2(-INFINITY, 0.f);
+    const float f = e.x == -INFINITY ? 0.f : exp2f(e.x - m);
+    l += f * e.y;
+    if (base > 0) __syncthreads();  // f_s's previous readers are done
+    f_s[threadIdx.x] = f;
+    __syncthreads();
+    const int n = min(merge_threads, splits - base);
+#pragma unroll 8
+    for (int s = warp; s < n; s += warps) {
+      const float fs = f_s[s];
+      const vec x = *reinterpret_cast<const vec*>(wo + size_t(base + s) * 16 * D);
+      acc[0] += fs * x.x, acc[1] += fs * x.y;
+      if constexpr (per_lane == 4) acc[2] += fs * x.z, acc[3] += fs * x.w;
+    }
+  }
+  l = block_reduce(l, false);
+#pragma unroll
+  for (int c = 0; c < per_lane; ++c) wo_sum[warp][lane * per_lane + c] = acc[c];
+  __syncthreads();
+  const int mm = mt * 16 + r, i = mm / p.group, qh = h * p.group + mm % p.group;
+  const int64_t out = int64_t(item.q_row + i) * p.o_stride + int64_t(qh) * D;
+  for (int c = threadIdx.x; c < D; c += merge_threads) {
+    float o = 0.f;
+#pragma unroll
+    for (int w = 0; w < warps; ++w) o += wo_sum[w][c];
+    store_any(p.o, p.o_type, out + c, o / l);
+  }
+}
+
+}  // namespace cuda::detail
+KVQ_NAMESPACE_END

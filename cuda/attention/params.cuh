@@ -1,0 +1,36 @@
+#pragma once
+// The launch parameters of every attention kernel (one `__grid_constant__` struct: the layer's
+// paged view, the query and output, the split plan and the batch's items).
+#include <kvq/cuda/paged_attention.hpp>
+
+#include "attention/layout.hpp"
+#include "dtype.cuh"
+#include "ptx.cuh"
+
+KVQ_NAMESPACE_BEGIN
+namespace cuda::detail {
+
+struct attend_params {
+  paged_view kv;
+  int layer, q_heads, group, mtiles;
+  const void* q;
+  int64_t q_stride;
+  void* o;
+  int64_t o_stride;
+  dtype q_type, o_type;
+  float scale_log2;
+  int tiles_per_split, max_splits;
+  int unit_tokens;  // tokens of a work unit: 64 (tile kernel) or 16 (decode kernel slabs)
+  int stages, stage_cap;  // staged decode kernels: stages (per warp or per block), code bits
+  uint32_t page_stage;           // block-staged decode kernel: bytes of a stage (a page-head's K and V), 0: not used
+  float* ws_o;   // [partials][16][D]
+  float* ws_ml;  // [partials][16][2]
+  float* q_stage;  // optional: items' query rows copied here as fp32 (decode_item::stage_row)
+  int n_items;
+  decode_item items[max_items];
+};
+
+static_assert(sizeof(attend_params) <= 32764, "kernel parameters of at most 32764 bytes (sm_70+, CUDA 12.1+)");
+
+}  // namespace cuda::detail
+KVQ_NAMESPACE_END

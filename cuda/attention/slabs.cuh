@@ -1,0 +1,297 @@
+#pragma once
+// Page access and staging of the decode kernels: 16-token slabs (`slab_ref`), the block's page
+// table cache, per-lane raw loads of a slab's K and V words (from a page, the FP16 ring or a
+// stage in shared memory), the cp.async staging slots of the wide kernel and the bulk-copy
+// sections of the staged kernels' stages.
+#include "attention/dequant.cuh"
+#include "attention/kinds.cuh"
+#include "attention/params.cuh"
+
+#include <kvq/store/window_layout.hpp>
+
+KVQ_NAMESPACE_BEGIN
+namespace cuda::detail {
+
+// One warp's staging slot for a slab: 16 V code rows of up to 8 bits, the rows' V parameters (at
+// most two halves per 32-channel group per row, or one float per row), then the KIVI key scales
+// and zeros of the slab's token group (D halves each).
+template <int D>
+constexpr uint32_t slot_kpar = 16 * D + 2 * 16 * (D / 32) * 2;
+template <int D>
+constexpr uint32_t slot_bytes = slot_kpar<D> + 2 * D * 2;
+
+template <int D>
+struct decode_smem {
+  page_table_cache pages;
+  uint4 qh[dec_warps][D / 32][32];  // each lane's fp16 query pairs (for KIVI re-scaling; `put_query`)
+  union {
+    __align__(16) uint8_t vslot[dec_warps][2][slot_bytes<D>];  // staging, two slabs per warp
+    merge_area<D> m;                                             // after the loop
+  };
+};
+
+// One 16-token slab: the K and V page-head blocks it lies in (or the two FP16 rings).
+struct slab_ref {
+  const uint8_t* k;
+  const uint8_t* v;
+  int tok0, valid, row0;
+  format_traits fk, fv;
+  int8_t kk, kv;  // kind_of(fk), kind_of(fv) (page slabs)
+  bool ring;
+};
+
+template <int D>
+__device__ __forceinline__ slab_ref locate_slab(const attend_params& p, const decode_item& item, int h, int j,
+                                                int page_slabs, const page_table_cache& pc) {
+  slab_ref s;
+  if (j < page_slabs) {
+    s.ring = false;
+    s.tok0 = j * slab;
+    s.valid = min(slab, item.from_pages - s.tok0);
+    s.row0 = s.tok0 & (p.kv.page_tokens - 1);
+    const int e = (s.tok0 >> log2i(p.kv.page_tokens)) - pc.first_page;
+    s.fk = pc.fk[e];
+    s.fv = pc.fv[e];
+    s.kk = pc.kk[e];
+    s.kv = pc.kv[e];
+    s.k = p.kv.arena + size_t(pc.page16[e]) * 16;
+    s.v = s.k + pc.v_offset[e];
+  } else {
+    s.ring = true;
+    s.tok0 = item.from_pages + (j - page_slabs) * slab;
+    s.valid = min(slab, item.n - s.tok0);
+    s.row0 = 0;
+    s.fk = s.fv = traits_of(fp16_format);
+    s.kk = s.kv = kind::wide;
+    s.k = ring_base<D>(p, item, h);
+    s.v = s.k + size_t(p.kv.window) * D * 2;
+  }
+  return s;
+}
+
+// Row r of a slab in one role: page row row0 + r, or the ring slot of token tok0 + r. Rows at or
+// beyond `valid` are in bounds (a slab never leaves its page; ring slots wrap) but hold stale
+// bytes: scores of such rows are selected away and their V zeroed.
+template <int D>
+__device__ __forceinline__ const uint8_t* slab_row(const slab_ref& s, const uint8_t* base, int r, uint32_t row_bytes,
+                                                   int window) {
+  return s.ring ? base + size_t((s.tok0 + r) % window) * (D * 2) : base + uint32_t(s.row0 + r) * row_bytes;
+}
+
+// Loads of global memory through the read-only path, or of any memory (Global = false: the
+// staged V slabs in shared memory).
+template <bool Global, class T>
+__device__ __forceinline__ T ld(const T* p) {
+  if constexpr (Global) return __ldg(p);
+  else return *p;
+}
+
+// Reads `Bytes` bytes (4-byte multiples 16-byte aligned as they come, or 2).
+template <int Bytes, bool Global = true>
+__device__ __forceinline__ void ldg_words(const uint8_t* src, uint32_t* w) {
+  if constexpr (Bytes % 16 == 0) {
+#pragma unroll
+    for (int i = 0; i < Bytes / 16; ++i) {
+      const uint4 v = ld<Global>(reinterpret_cast<const uint4*>(src) + i);
+      w[4 * i] = v.x, w[4 * i + 1] = v.y, w[4 * i + 2] = v.z, w[4 * i + 3] = v.w;
+    }
+  } else if constexpr (Bytes == 8) {
+    const uint2 v = ld<Global>(reinterpret_cast<const uint2*>(src));
+    w[0] = v.x, w[1] = v.y;
+  } else if constexpr (Bytes == 4) {
+    w[0] = ld<Global>(reinterpret_cast<const unsigned int*>(src));
+  } else {
+    w[0] = ld<Global>(reinterpret_cast<const unsigned short*>(src));
+  }
+}
+
+// Raw K words of one slab for lane (g, t): rows g and g + 8, the lane's D/4 channels, plus the
+// per-row parameter (sym: the half scale of the lane's channel group; fp8: the float token scale).
+// Sized for formats of up to `Cap` bits; wider slabs are read where they are used.
+template <int D, int Cap>
+struct k_raw {
+  uint32_t w[2][D * Cap / 128];
+  uint32_t ps[2];
+};
+// Raw V words of one slab for lane (g, t): rows 2t, 2t+1, 2t+8, 2t+9, the lane's D/8 channels,
+// and their scales and zeros (sym, kivi) or the float token scales of rows g, g + 8 (fp8).
+template <int D, int Cap>
+struct v_raw {
+  uint32_t w[4][(D * Cap + 255) / 256];
+  uint32_t s[4], z[4];
+};
+
+template <int D, int Bits, int Cap, bool Global>
+__device__ __forceinline__ void load_k_rows(const slab_ref& s, int g, int t, int window, uint32_t (&w)[2][D * Cap / 128]) {
+  constexpr int lane_bytes = (D / 4) * Bits / 8;
+  constexpr uint32_t row_bytes = D * Bits / 8;
+  ldg_words<lane_bytes, Global>(slab_row<D>(s, s.k, g, row_bytes, window) + t * lane_bytes, w[0]);
+  ldg_words<lane_bytes, Global>(slab_row<D>(s, s.k, g + 8, row_bytes, window) + t * lane_bytes, w[1]);
+}
+
+// K of a slab for lane (g, t), from its page (Global) or from its staged copy in shared memory
+// (a 16-row page: P = 16, row0 = 0).
+template <int D, int Cap, bool Global = true>
+__device__ __forceinline__ void load_k(const slab_ref& s, format_traits f, int P, int window, int g, int t, k_raw<D, Cap>& kr) {
+  switch (f.bits) {
+    case 16:
+      if constexpr (Cap >= 16) load_k_rows<D, 16, Cap, Global>(s, g, t, window, kr.w);
+      break;
+    case 8: load_k_rows<D, 8, Cap, Global>(s, g, t, window, kr.w); break;
+    case 4: load_k_rows<D, 4, Cap, Global>(s, g, t, window, kr.w); break;
+    default: load_k_rows<D, 2, Cap, Global>(s, g, t, window, kr.w); break;
+  }
+  if (s.ring) return;
+  const uint32_t code_bytes = uint32_t(P) * ((D * f.bits) >> 3);
+  if (f.fam == family::sym) {
+    const int lg = log2i(f.group == 0 ? D : f.group), ng = D >> lg, grp = (t * (D / 4)) >> lg;
+    const uint16_t* sc = reinterpret_cast<const uint16_t*>(s.k + code_bytes);
+    kr.ps[0] = ld<Global>(sc + (s.row0 + g) * ng + grp);
+    kr.ps[1] = ld<Global>(sc + (s.row0 + g + 8) * ng + grp);
+  } else if (f.fam == family::fp8_e4m3) {
+    const uint32_t* sc = reinterpret_cast<const uint32_t*>(s.k + code_bytes);
+    kr.ps[0] = ld<Global>(sc + s.row0 + g);
+    kr.ps[1] = ld<Global>(sc + s.row0 + g + 8);
+  }
+}
+
+template <int D, int Bits, int Cap, bool Global>
+__device__ __forceinline__ void load_v_rows(const slab_ref& s, int g, int t, int window, uint32_t (&w)[4][(D * Cap + 255) / 256]) {
+  constexpr int lane_bytes = (D / 8) * Bits / 8;
+  constexpr uint32_t row_bytes = D * Bits / 8;
+  const int rows[4] = {2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9};
+#pragma unroll
+  for (int r = 0; r < 4; ++r)
+    ldg_words<lane_bytes, Global>(slab_row<D>(s, s.v, rows[r], row_bytes, window) + g * lane_bytes, w[r]);
+}
+
+// V of a slab for lane (g, t), from its page (Global) or from its staged copy in shared memory,
+// which has the shape of a 16-row page (P = 16, row0 = 0).
+template <int D, int Cap, bool Global>
+__device__ __forceinline__ void load_v(const slab_ref& s, format_traits f, int P, int window, int g, int t, v_raw<D, Cap>& vr) {
+  switch (f.bits) {
+    case 16:
+      if constexpr (Cap >= 16) load_v_rows<D, 16, Cap, Global>(s, g, t, window, vr.w);
+      break;
+    case 8: load_v_rows<D, 8, Cap, Global>(s, g, t, window, vr.w); break;
+    case 4: load_v_rows<D, 4, Cap, Global>(s, g, t, window, vr.w); break;
+    default: load_v_rows<D, 2, Cap, Global>(s, g, t, window, vr.w); break;
+  }
+  if (s.ring) return;
+  const uint32_t code_bytes = uint32_t(P) * ((D * f.bits) >> 3);
+  if (f.fam == family::fp8_e4m3) {
+    const uint32_t* sc = reinterpret_cast<const uint32_t*>(s.v + code_bytes);
+    vr.s[0] = ld<Global>(sc + s.row0 + g);
+    vr.s[1] = ld<Global>(sc + s.row0 + g + 8);
+  } else if (f.is_integer()) {
+    const int lg = log2i(f.group == 0 ? D : f.group), ng = D >> lg, grp = (g * (D / 8)) >> lg;
+    const uint16_t* sc = reinterpret_cast<const uint16_t*>(s.v + code_bytes);
+    const uint16_t* zr = sc + P * ng;
+    const int rows[4] = {2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9};
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int gi = (s.row0 + rows[r]) * ng + grp;
+      vr.s[r] = ld<Global>(sc + gi);
+      if (f.has_zero()) vr.z[r] = ld<Global>(zr + gi);
+    }
+  }
+}
+
+// Copies what a page slab needs from memory besides its K codes into a staging slot, with
+// cp.async, so that the copy is in flight while the previous slab is computed: V (code rows and
+// their parameter rows, laid out as a 16-row page) when V has at most 8 bits, and the KIVI key
+// scales and zeros of the slab's token group.
+template <int D>
+__device__ __forceinline__ void stage_slab(const slab_ref& s, int P, int lane, uint32_t slot) {
+  if (s.fk.has_zero()) {
+    const int lg = log2i(s.fk.group);
+    const uint8_t* sc = s.k + uint32_t(P) * ((D * s.fk.bits) >> 3) + uint32_t(s.row0 >> lg) * D * 2;
+    if (lane < D / 8) cp_async16(slot + slot_kpar<D> + lane * 16, sc + lane * 16);
+    else if (lane >= 16 && lane - 16 < D / 8)
+      cp_async16(slot + slot_kpar<D> + D * 2 + (lane - 16) * 16, sc + uint32_t(P >> lg) * D * 2 + (lane - 16) * 16);
+  }
+  const format_traits f = s.fv;
+  if (f.bits > 8) return;
+  const uint32_t row_bytes = (D * f.bits) >> 3, code_bytes = uint32_t(P) * row_bytes;
+  const uint8_t* src = s.v + uint32_t(s.row0) * row_bytes;
+  for (uint32_t c = lane; c < row_bytes; c += 32) cp_async16(slot + c * 16, src + c * 16);  // 16 rows: row_bytes chunks
+  const uint32_t dst = slot + 16 * row_bytes;
+  if (f.fam == family::fp8_e4m3) {
+    if (lane < 4) cp_async16(dst + lane * 16, s.v + code_bytes + uint32_t(s.row0) * 4 + lane * 16);
+  } else if (f.is_integer()) {
+    const uint32_t ng = uint32_t(D >> log2i(f.group == 0 ? D : f.group)), chunks = 2 * ng;  // 16 rows x ng halves
+    const uint8_t* sc = s.v + code_bytes + uint32_t(s.row0) * ng * 2;
+    if (lane < int(chunks)) cp_async16(dst + lane * 16, sc + lane * 16);
+    if (f.has_zero() && lane >= 16 && lane - 16 < int(chunks))
+      cp_async16(dst + 32 * ng + (lane - 16) * 16, sc + uint32_t(P) * ng * 2 + (lane - 16) * 16);
+  }
+}
+
+// Page lookups of the block's slabs [c0, c1), once per block (threads of the block in parallel).
+template <int D>
+__device__ __forceinline__ void fill_page_table(const attend_params& p, const decode_item& item, int h, int c0, int c1,
+                                                int page_slabs, page_table_cache& pc) {
+  const int lg = log2i(p.kv.page_tokens);
+  const int first = (c0 * slab) >> lg;
+  const int last_slab = min(c1, page_slabs) - 1;
+  const int npages = last_slab >= c0 ? ((last_slab * slab) >> lg) - first + 1 : 0;
+  if (threadIdx.x == 0) pc.first_page = first;
+  for (int e = threadIdx.x; e < npages; e += dec_warps * 32) {
+    const size_t row = (size_t(item.slot) * p.kv.layers + p.layer) * p.kv.max_pages + first + e;
+    const uint8_t* fm = p.kv.fmts + row * p.kv.kv_heads * 2;
+    uint32_t off = 0;
+    for (int hh = 0; hh < h; ++hh) off += p.kv.k_page_bytes[fm[2 * hh]] + p.kv.v_page_bytes[fm[2 * hh + 1]];
+    pc.page16[e] = uint32_t((size_t(p.kv.blocks[row]) * block_unit + off) / 16);
+    const uint32_t kb = p.kv.k_page_bytes[fm[2 * h]], vb = p.kv.v_page_bytes[fm[2 * h + 1]];
+    const format_traits fk = traits_of(fm[2 * h]), fv = traits_of(fm[2 * h + 1]);
+    const bool k_st = fk.bits <= p.stage_cap, v_st = fv.bits <= p.stage_cap;
+    pc.v_offset[e] = p.page_stage && !k_st && v_st ? 0u : kb;
+    pc.copy_from[e] = k_st ? 0u : kb;
+    pc.copy_bytes[e] = (k_st ? kb : 0u) + (v_st ? vb : 0u);  // (K and V blocks are contiguous)
+    pc.fk[e] = fk, pc.fv[e] = fv;
+    pc.kk[e] = int8_t(kind_of(fk)), pc.kv[e] = int8_t(kind_of(fv));
+    pc.kid[e] = fm[2 * h];
+    pc.vid[e] = fm[2 * h + 1];
+  }
+}
+
+// The block's slab range and this warp's part of it (whole slabs; the block-staged kernel deals
+// its 32-token chunks itself).
+struct slab_range {
+  int page_slabs, c0, c1, s0, s1;
+};
+__device__ __forceinline__ slab_range block_slabs(const attend_params& p, const decode_item& item, int warp) {
+  slab_range r;
+  r.page_slabs = ceil_div(item.from_pages, slab);
+  const int S = r.page_slabs + ceil_div(item.n - item.from_pages, slab);
+  r.c0 = blockIdx.x * p.tiles_per_split;  // a multiple of dec_warps (x 2: block-staged)
+  r.c1 = min(S, r.c0 + p.tiles_per_split);
+  const int per_warp = ceil_div(r.c1 - r.c0, dec_warps);
+  r.s0 = r.c0 + warp * per_warp;
+  r.s1 = min(r.c1, r.s0 + per_warp);
+  return r;
+}
+
+// The bulk copy of one section (0 codes, 1 scales, 2 zeros) of a format's page in one role, for
+// one slab (16 rows): x = offset in the page's role block of row 0 (group 0), y = bytes per row
+// (low 16 bits) | row shift (bits 16-23: rows >> shift) | "KIVI key group" flag (bit 24), z = bytes
+// (0: nothing to copy, or a format wider than the stages), w = offset in the stage's role region.
+__device__ __forceinline__ uint4 chunk_section(format_id f, int r, int part, uint32_t D, uint32_t P, int cap) {
+  constexpr uint32_t rows = slab;
+  const format_traits t = traits_of(f);
+  if (t.bits > cap) return make_uint4(0, 0, 0, 0);
+  const uint32_t rb = D * t.bits / 8, code = P * rb;
+  if (part == 0) return make_uint4(0, rb, rows * rb, 0);
+  if (t.fam == family::fp8_e4m3) return part == 1 ? make_uint4(code, 4, rows * 4, rows * rb) : make_uint4(0, 0, 0, 0);
+  if (r == 0 && t.has_zero()) {  // KIVI keys: the chunk's token group, scales then zeros
+    const uint32_t lg = uint32_t(log2i(t.group)), y = D * 2 | lg << 16 | 1u << 24;
+    return part == 1 ? make_uint4(code, y, D * 2, rows * rb) : make_uint4(code + (P >> lg) * D * 2, y, D * 2, rows * rb + D * 2);
+  }
+  if (!t.is_integer() || (part == 2 && !t.has_zero())) return make_uint4(0, 0, 0, 0);
+  const uint32_t ng = D >> log2i(group_of(t, int(D)));  // per-row scales (and zeros)
+  return part == 1 ? make_uint4(code, ng * 2, rows * ng * 2, rows * rb)
+                   : make_uint4(code + P * ng * 2, ng * 2, rows * ng * 2, rows * rb + rows * ng * 2);
+}
+
+}  // namespace cuda::detail
+KVQ_NAMESPACE_END

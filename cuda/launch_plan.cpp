@@ -1,0 +1,165 @@
+// The host launch plan of attention calls (launch_plan.hpp) and the public planning API of
+// include/kvq/cuda/paged_attention.hpp: `attend_can_implement`, `attend_plan`,
+// `attend_workspace_bytes`.
+#include "launch_plan.hpp"
+
+#include "attention/layout.hpp"
+#include "status.hpp"
+
+#include <algorithm>
+#include <climits>
+
+KVQ_NAMESPACE_BEGIN
+namespace cuda {
+namespace detail {
+namespace {
+
+// Stages of a layer of at most 8 bits. cap: the bits a stage holds (the layer's widest format,
+// rounded up to 2/4/8). The block-staged kernel (page stages shared by the block's warps) when at
+// least 3 page stages fit with `staged_blocks` blocks per SM, a page-head of the largest K and V
+// formats the stages hold each (8-bit page-heads: 18 KB at page_tokens 64, 3 stages); else the
+// per-warp staged kernel, one slab per stage, as many stages as fit, 2 at least.
+template <int D>
+void plan_stages(const paged_view& kv, int max_bits, bool one_format, launch_plan& lp) {
+  constexpr int sm_bytes = 227 * 1024, reserved = 1024;
+  lp.stage_cap = max_bits <= 2 ? 2 : max_bits <= 4 ? 4 : 8;
+  const int room = sm_bytes / staged_blocks - reserved - int(staged_head_bytes<D>);
+  uint32_t kb = 0, vb = 0;  // the largest K and V page-heads the stages hold
+  for (int f = 0; f < int(format_count); ++f)
+    if (traits_of(format_id(f)).bits <= lp.stage_cap) kb = std::max(kb, kv.k_page_bytes[f]), vb = std::max(vb, kv.v_page_bytes[f]);
+  const int ps = int((kb + vb + 127) / 128 * 128);
+  // Page stages: any count of at least 3. Where stages x chunks per page is not a multiple of the
+  // block's 4 warps, warp pairs take a stage's pages in turn, and the kernel instance with one
+  // full barrier per fill parity runs (two_full).
+  const int pns = ps > 0 ? std::min(room / ps, max_stages) : 0;
+  int st, ring;  // stage bytes; rings of stages (one per warp, or one per block)
+  if (pns >= 3) {
+    lp.page_stage = uint32_t(ps), st = ps, ring = 1, lp.stages = pns;
+    lp.two_full = (pns * (kv.page_tokens / (2 * slab))) % dec_warps != 0;
+    lp.whole = one_format && !lp.two_full && kv.page_tokens >= 4 * slab &&
+               pns * (kv.page_tokens / (4 * slab)) > dec_warps;
+  } else {
+    lp.page_stage = 0, st = int(stage_bytes(D, lp.stage_cap)), ring = dec_warps;
+    lp.stages = std::clamp(room / (ring * st), 2, max_stages);
+  }
+  lp.smem = int(staged_head_bytes<D>) + std::max(ring * lp.stages * st, int(sizeof(merge_area<D>)));
+  lp.per_sm = std::min(staged_blocks, sm_bytes / (lp.smem + reserved));
+}
+
+}  // namespace
+
+launch_plan plan_for(const attend_args& a) {
+  launch_plan lp{};
+  const int group = a.q_heads / a.kv.kv_heads;
+  int max_q = 1;
+  for (const auto& it : a.items) max_q = std::max(max_q, int(it.q_len));
+  lp.decode = group * max_q <= 8;
+  lp.rows = std::min(16, group * max_q);
+  lp.unit = lp.decode ? slab : tile_tokens;
+  lp.max_tiles = 1;
+  int64_t total = 0;
+  for (const auto& it : a.items) {
+    const int units = ceil_div(it.from_pages, lp.unit) + ceil_div(it.n - it.from_pages, lp.unit);
+    lp.max_tiles = std::max(lp.max_tiles, units);
+    total += units;
+  }
+  if (lp.decode) {
+    // Whole waves: the blocks resident at once are num_sms x (2 wide, 3 narrow: the launch
+    // bounds). A split count s costs waves(s) x (slabs per block(s) + a block's fixed cost, about
+    // 8 slabs: page lookups, query, warp merge, its share of the split merge) for the longest
+    // item; a partial last wave is paid in full (ncu showed 2.1 waves costing up to a third of the
+    // time), so take the s of least cost, the fewest splits on a tie. At least 4 slabs per warp,
+    // at most max_cta_slabs per block (the page table cache).
+    lp.wide = a.max_page_bits > 8;
+    if (!lp.wide) {
+      if (a.kv.head_dim == 128) plan_stages<128>(a.kv, a.max_page_bits, a.one_format_per_head, lp);
+      else plan_stages<64>(a.kv, a.max_page_bits, a.one_format_per_head, lp);
+    }
+    const int64_t wave = int64_t(a.num_sms) * (lp.wide ? 2 : lp.per_sm);
+    const int64_t base = int64_t(std::max<size_t>(1, a.items.size())) * a.kv.kv_heads;
+    const int s_min = ceil_div(lp.max_tiles, max_cta_slabs);
+    const int s_max = std::max(s_min, ceil_div(lp.max_tiles, 4 * dec_warps));
+    int64_t best_cost = INT64_MAX;
+    int best = s_min;
+    for (int sp = s_min; sp <= s_max; ++sp) {
+      const int64_t cost = ((base * sp + wave - 1) / wave) * (ceil_div(lp.max_tiles, sp) + 8);
+      if (cost < best_cost) best_cost = cost, best = sp;
+    }
+    lp.mtiles = 1;
+    const int quantum = dec_warps * (lp.page_stage ? 2 : 1);  // whole slabs (block-staged: 32-token chunks) per warp
+    lp.tiles_per_split = ceil_div(ceil_div(lp.max_tiles, best), quantum) * quantum;
+    lp.max_splits = ceil_div(lp.max_tiles, lp.tiles_per_split);
+    (void)total;
+    return lp;
+  }
+  lp.mtiles = ceil_div(group * max_q, 16);
+  const int64_t base = int64_t(std::max<size_t>(1, a.items.size())) * a.kv.kv_heads * lp.mtiles;
+  const int64_t want = int64_t(a.num_sms) * 4;
+  int splits = int(std::clamp<int64_t>((want + base - 1) / base, 1, lp.max_tiles));
+  splits = std::max(splits, ceil_div(lp.max_tiles, max_split_tiles));
+  lp.tiles_per_split = ceil_div(lp.max_tiles, splits);
+  lp.max_splits = ceil_div(lp.max_tiles, lp.tiles_per_split);
+  return lp;
+}
+
+result<launch_plan> checked_plan(const attend_args& a) {
+  KVQ_TRY(attend_can_implement(a));
+  return plan_for(a);
+}
+
+size_t workspace_bytes(const attend_args& a, const launch_plan& lp) {
+  const size_t batch = std::min<size_t>(a.items.size(), max_items);
+  const size_t parts = batch * a.kv.kv_heads * lp.mtiles * lp.max_splits;
+  return parts * 16 * (size_t(a.kv.head_dim) + 2) * sizeof(float);
+}
+
+}  // namespace detail
+
+using detail::msg;
+using detail::max_kv_heads;
+using detail::stage_bytes;
+using detail::tile_tokens;
+
+status attend_can_implement(const attend_args& a) {
+  const auto& kv = a.kv;
+  if (kv.head_dim != 64 && kv.head_dim != 128)
+    return {errc::unsupported, msg("CUDA attention supports head_dim 64 and 128, not ", kv.head_dim)};
+  if (kv.page_tokens % tile_tokens != 0 || (kv.page_tokens & (kv.page_tokens - 1)) != 0)
+    return {errc::unsupported, msg("CUDA attention needs page_tokens a power of two and a multiple of 64, not ", kv.page_tokens)};
+  if (kv.kv_heads <= 0 || kv.kv_heads > max_kv_heads || a.q_heads % kv.kv_heads != 0 || a.q_heads / kv.kv_heads > 16)
+    return {errc::unsupported, msg("CUDA attention supports kv_heads <= ", max_kv_heads, " and a GQA group of at most 16; got ",
+                                   a.q_heads, " query heads over ", kv.kv_heads, " kv heads")};
+  if (a.items.empty()) return {errc::invalid_argument, "attend: empty batch"};
+  for (const auto& it : a.items)
+    if (it.q_len < 1 || it.q_len > it.n || it.from_pages < 0 || it.from_pages > it.n - it.q_len ||
+        it.n - it.from_pages > kv.window)
+      return {errc::invalid_argument, msg("attend: inconsistent item (slot ", it.slot, ", q_len ", it.q_len, ", n ", it.n,
+                                          ", from_pages ", it.from_pages, ")")};
+  return {};
+}
+
+result<attend_plan_info> attend_plan(const attend_args& a) {
+  const result<detail::launch_plan> planned = detail::checked_plan(a);
+  if (!planned) return planned.error();
+  const detail::launch_plan& lp = *planned;
+  attend_plan_info info;
+  info.max_splits = lp.max_splits;
+  info.tokens_per_split = lp.tiles_per_split * lp.unit;
+  if (!lp.decode) return info;
+  if (lp.wide) {
+    info.kernel = attend_kernel::decode_wide;
+    return info;
+  }
+  info.kernel = lp.page_stage ? attend_kernel::decode_block_staged : attend_kernel::decode_staged;
+  info.stages = lp.stages;
+  info.stage_bytes = lp.page_stage ? lp.page_stage : stage_bytes(a.kv.head_dim, lp.stage_cap);
+  info.smem_bytes = lp.smem;
+  info.blocks_per_sm = lp.per_sm;
+  info.whole_units = lp.decode && !lp.wide && lp.page_stage && lp.whole;
+  return info;
+}
+
+size_t attend_workspace_bytes(const attend_args& a) { return detail::workspace_bytes(a, detail::plan_for(a)); }
+
+}  // namespace cuda
+KVQ_NAMESPACE_END

@@ -1,0 +1,25 @@
+#pragma once
+/// \file
+/// Layout facts of the arena shared by the host store and the CUDA kernels: the block unit, and
+/// where the FP16 ring of one (layer, kv head, role) lies in a sequence's window block.
+
+#include <cstdint>
+#include <kvq/config.hpp>
+
+KVQ_NAMESPACE_BEGIN
+
+/// Every arena block (page-head, window) starts at a multiple of this many bytes (16-byte loads,
+/// 128-byte lines); device page tables and window offsets count in this unit.
+inline constexpr uint32_t block_unit = 256;
+
+/// Offset in halves of the FP16 ring of (`layer`, `kv_head`, role `r`: 0 K, 1 V) from the start of
+/// a sequence's window block. Rings are laid out [layers][kv_heads][K, V][window][head_dim] halves.
+KVQ_HOST_DEVICE constexpr uint64_t ring_halves(int layer, int kv_heads, int kv_head, int r, int window, int head_dim) {
+  return ((uint64_t(layer) * kv_heads + kv_head) * 2 + r) * uint64_t(window) * head_dim;
+}
+/// The same offset in bytes.
+KVQ_HOST_DEVICE constexpr uint64_t ring_offset(int layer, int kv_heads, int kv_head, int r, int window, int head_dim) {
+  return ring_halves(layer, kv_heads, kv_head, r, window, head_dim) * 2;
+}
+
+KVQ_NAMESPACE_END
