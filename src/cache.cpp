@@ -73,8 +73,8 @@ result<KVCache> KVCache::create(const cache_config& cfg, std::shared_ptr<policy>
   KVQ_TRY(validate_config(cfg));
   if (!pol) return status{errc::invalid_argument, "KVCache::create: policy is null"};
   if (status s = pol->bind(cfg.shape); !s.ok()) return s;
-  if (cfg.where == backend::cpu) return KVCache(detail::make_cpu_backend(cfg, std::move(pol)));
-  auto b = detail::make_cuda_backend(cfg, std::move(pol));
+  auto b = cfg.where == backend::cpu ? detail::make_cpu_backend(cfg, std::move(pol))
+                                     : detail::make_cuda_backend(cfg, std::move(pol));
   if (!b) return b.error();
   return KVCache(std::move(b).value());
 }

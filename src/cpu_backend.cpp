@@ -8,6 +8,8 @@
 
 #include <cmath>
 #include <cstring>
+#include <limits>
+#include <new>
 #include <vector>
 
 KVQ_NAMESPACE_BEGIN
@@ -33,8 +35,17 @@ void store_out(void* base, dtype t, int64_t idx, float x) {
 
 class cpu_backend final : public cache_backend {
  public:
-  cpu_backend(const cache_config& cfg, std::shared_ptr<policy> pol)
-      : cache_backend(cfg, std::move(pol)), bytes_(new uint8_t[store_.arena().capacity()]) {}
+  cpu_backend(const cache_config& cfg, std::shared_ptr<policy> pol) : cache_backend(cfg, std::move(pol)) {}
+
+  // Allocates the arena's host memory: out_of_budget naming the bytes when the host cannot.
+  status allocate() {
+    const uint64_t n = store_.arena().capacity();
+    if (n <= std::numeric_limits<size_t>::max()) bytes_.reset(new (std::nothrow) uint8_t[size_t(n)]);
+    if (!bytes_)
+      return {errc::out_of_budget,
+              fmt::format("KVCache::create: cannot allocate the CPU budget of {} bytes in host memory", n)};
+    return {};
+  }
 
   uint16_t* ring(const sequence_state& s, int layer, int h, role r) const {
     return reinterpret_cast<uint16_t*>(bytes_.get() + store_.window_offset(s, layer, h, r));
@@ -169,8 +180,10 @@ void gather(const cache_shape& sh, const layer_state& ls, role r, int q_len,
   }
 }
 
-std::unique_ptr<cache_backend> make_cpu_backend(const cache_config& cfg, std::shared_ptr<policy> pol) {
-  return std::make_unique<cpu_backend>(cfg, std::move(pol));
+result<std::unique_ptr<cache_backend>> make_cpu_backend(const cache_config& cfg, std::shared_ptr<policy> pol) {
+  auto b = std::make_unique<cpu_backend>(cfg, std::move(pol));
+  KVQ_TRY(b->allocate());
+  return std::unique_ptr<cache_backend>(std::move(b));
 }
 
 }  // namespace detail

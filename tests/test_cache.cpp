@@ -430,6 +430,21 @@ TEST_CASE("configuration and policy errors name the problem", "[cache][errors]")
 #endif
 }
 
+TEST_CASE("a budget the host cannot allocate is an out_of_budget status naming the bytes", "[cache][errors]") {
+  // NOTE: under AddressSanitizer this needs ASAN_OPTIONS=allocator_may_return_null=1 (scripts/test
+  // sets it); otherwise ASan stops the process at an allocation above its 1 TiB limit.
+  cache_config cfg;
+  cfg.shape = {2, 8, 2, 64, 64, 128, 32};
+  cfg.budget_bytes = 1ull << 60;
+  auto pol = std::make_shared<static_policy>(*parse_format_pair("kivi4/g32"));
+  auto r = KVCache::create(cfg, pol);  // an exception escaping fails the test case
+  REQUIRE_FALSE(r.ok());
+  CHECK(r.error().code() == errc::out_of_budget);
+  CHECK_THAT(r.error().message(), Catch::Contains(std::to_string(1ull << 60) + " bytes"));
+  cfg.budget_bytes = 1 << 20;  // the same configuration with a budget that fits
+  CHECK(KVCache::create(cfg, pol).ok());
+}
+
 TEST_CASE("soak: 100,000 random appends and releases leak no bytes", "[cache][soak]") {
   shape_args a;
   a.layers = 2;

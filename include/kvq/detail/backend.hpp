@@ -80,8 +80,8 @@ void gather(const cache_shape& sh, const layer_state& ls, role r, int q_len,
             const std::function<const uint8_t*(const page_entry&)>& page_at,
             const std::function<const uint16_t*(int kv_head)>& ring_at, float* out);
 
-/// The CPU reference backend.
-std::unique_ptr<cache_backend> make_cpu_backend(const cache_config& cfg, std::shared_ptr<policy> pol);
+/// The CPU reference backend, or an `out_of_budget` status when the host cannot hold the budget.
+result<std::unique_ptr<cache_backend>> make_cpu_backend(const cache_config& cfg, std::shared_ptr<policy> pol);
 /// The CUDA backend, or an `unsupported` status when kvq was built without CUDA.
 result<std::unique_ptr<cache_backend>> make_cuda_backend(const cache_config& cfg, std::shared_ptr<policy> pol);
 
