@@ -34,6 +34,11 @@ namespace {
 
 constexpr uint64_t default_alignment = 32;
 constexpr int max_array_depth = 8;  // nested arrays deeper than this are rejected, not recursed
+// Memory the parsed metadata may take beyond the file's own size. A one-byte array element takes
+// a whole `gguf_value` in memory (tens of bytes), so checking counts against the bytes left
+// alone would let a file make the reader allocate many times its size. Real metadata (a 256k
+// vocabulary with scores and types) takes well under this.
+constexpr uint64_t metadata_memory_floor = uint64_t(64) << 20;
 
 /// Bounds-checked little-endian cursor over the file. Each read either succeeds or returns an
 /// io_error naming the file, the byte offset and what was being read.
@@ -43,6 +48,18 @@ class reader {
 
   uint64_t pos() const { return pos_; }
   uint64_t left() const { return size_ - pos_; }
+
+  /// Accounts `bytes` of memory for metadata `what` (`count` items of it); an io_error naming
+  /// both once the metadata would take more than the file's size plus `metadata_memory_floor`.
+  status charge(uint64_t bytes, const std::string& what, uint64_t count) {
+    const uint64_t limit = size_ + metadata_memory_floor;
+    if (bytes > limit - charged_)
+      return error(fmt::format("{} of {} elements would take the metadata's memory to over {} bytes, the limit for "
+                               "a file of {} bytes",
+                               what, count, limit, size_));
+    charged_ += bytes;
+    return {};
+  }
 
   /// io_error "<path>: <message>".
   status error(const std::string& message) const { return {errc::io_error, fmt::format("{}: {}", path_, message)}; }
@@ -73,6 +90,7 @@ class reader {
   const uint8_t* p_;
   uint64_t size_;
   uint64_t pos_ = 0;
+  uint64_t charged_ = 0;  // memory accounted by `charge`
   const std::string& path_;
 };
 
@@ -175,6 +193,7 @@ status read_value(reader& r, gguf_value_type t, gguf_value& out, const std::stri
     case gguf_value_type::string: {
       std::string s;
       KVQ_TRY(r.read_string(s, what));
+      KVQ_TRY(r.charge(s.size(), what, s.size()));
       out.scalar = std::move(s);
       return {};
     }
@@ -191,6 +210,7 @@ status read_value(reader& r, gguf_value_type t, gguf_value& out, const std::stri
       if (n > r.left() / min_bytes)
         return r.error(fmt::format("{} claims {} elements of type {} but only {} bytes are left", what, n,
                                    gguf_value_type_name(out.elem_type), r.left()));
+      KVQ_TRY(r.charge(n * sizeof(gguf_value), what, n));  // n <= the file's size: no overflow
       out.items.resize(size_t(n));
       for (uint64_t i = 0; i < n; ++i)
         KVQ_TRY(read_value(r, out.elem_type, out.items[size_t(i)], fmt::format("{} element {}", what, i), depth + 1));
@@ -324,6 +344,7 @@ result<gguf_file> gguf_file::parse(std::shared_ptr<const detail::gguf_storage> s
                                               path, n_kv, r.left())};
 
   // Metadata.
+  KVQ_TRY(r.charge(n_kv * sizeof(gguf_kv), "the metadata table", n_kv));
   f.kv_.reserve(size_t(n_kv));
   for (uint64_t i = 0; i < n_kv; ++i) {
     gguf_kv kv;
