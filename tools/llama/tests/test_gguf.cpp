@@ -4,6 +4,7 @@
 #include <cmath>
 #include <llama/gguf.hpp>
 
+#include "catch_skip.hpp"
 #include "test_util.hpp"
 
 using namespace kvq::llama;
@@ -61,10 +62,7 @@ TEST_CASE("stories260K parses: header, metadata, tensor infos, data", "[gguf]") 
 }
 
 TEST_CASE("SmolLM2-135M-Instruct Q4_1 parses and dequantizes", "[gguf][smollm2]") {
-  if (!test::have_smollm2()) {
-    WARN("SKIPPED: " << test::smollm2_path() << " is missing (the setup script puts it there)");
-    return;
-  }
+  if (!test::have_smollm2()) KVQ_SKIP(test::smollm2_path() << " is missing (scripts/setup puts it there)");
   auto f = gguf_file::open(test::smollm2_path());
   REQUIRE(f.ok());
   CHECK(f->version() == 3);
