@@ -391,8 +391,8 @@ result<artifact> artifact::parse(std::string_view text, std::string_view source,
   } catch (const json::exception& e) {
     return status{errc::invalid_argument, fmt::format("artifact '{}': malformed JSON: {}", source, e.what())};
   } catch (const std::bad_alloc&) {
-    return status{errc::out_of_budget, fmt::format("artifact '{}': out of memory parsing {} bytes of JSON", source,
-                                                   text.size())};
+    return status{errc::out_of_budget,
+                  fmt::format("artifact '{}': out of memory parsing {} bytes of JSON", source, text.size())};
   }
   try {
     return read_artifact(j, source, expected);

@@ -49,16 +49,17 @@ class reader {
   uint64_t pos() const { return pos_; }
   uint64_t left() const { return size_ - pos_; }
 
-  /// Accounts `bytes` of memory for metadata `what` (`count` items of it); an io_error naming
-  /// both once the metadata would take more than the file's size plus `metadata_memory_floor`.
-  status charge(uint64_t bytes, const std::string& what, uint64_t count) {
-    const uint64_t limit = size_ + metadata_memory_floor;
-    if (bytes > limit - charged_)
-      return error(fmt::format("{} of {} elements would take the metadata's memory to over {} bytes, the limit for "
-                               "a file of {} bytes",
-                               what, count, limit, size_));
+  /// Accounts `bytes` more of metadata memory; false (nothing accounted) when that would take the
+  /// metadata past the file's size plus `metadata_memory_floor`.
+  bool charge(uint64_t bytes) {
+    if (bytes > size_ + metadata_memory_floor - charged_) return false;
     charged_ += bytes;
-    return {};
+    return true;
+  }
+  /// io_error for the metadata `what` (with its count) whose `charge` failed.
+  status over_limit(const std::string& what) const {
+    return error(fmt::format("{} would take the metadata's memory past {} bytes, the limit for a file of {} bytes",
+                             what, size_ + metadata_memory_floor, size_));
   }
 
   /// io_error "<path>: <message>".
@@ -193,7 +194,7 @@ status read_value(reader& r, gguf_value_type t, gguf_value& out, const std::stri
     case gguf_value_type::string: {
       std::string s;
       KVQ_TRY(r.read_string(s, what));
-      KVQ_TRY(r.charge(s.size(), what, s.size()));
+      if (!r.charge(s.size())) return r.over_limit(fmt::format("{} ({} bytes)", what, s.size()));
       out.scalar = std::move(s);
       return {};
     }
@@ -210,7 +211,8 @@ status read_value(reader& r, gguf_value_type t, gguf_value& out, const std::stri
       if (n > r.left() / min_bytes)
         return r.error(fmt::format("{} claims {} elements of type {} but only {} bytes are left", what, n,
                                    gguf_value_type_name(out.elem_type), r.left()));
-      KVQ_TRY(r.charge(n * sizeof(gguf_value), what, n));  // n <= the file's size: no overflow
+      if (!r.charge(n * sizeof(gguf_value)))  // n <= the file's size: no overflow
+        return r.over_limit(fmt::format("{} ({} elements)", what, n));
       out.items.resize(size_t(n));
       for (uint64_t i = 0; i < n; ++i)
         KVQ_TRY(read_value(r, out.elem_type, out.items[size_t(i)], fmt::format("{} element {}", what, i), depth + 1));
@@ -344,7 +346,7 @@ result<gguf_file> gguf_file::parse(std::shared_ptr<const detail::gguf_storage> s
                                               path, n_kv, r.left())};
 
   // Metadata.
-  KVQ_TRY(r.charge(n_kv * sizeof(gguf_kv), "the metadata table", n_kv));
+  if (!r.charge(n_kv * sizeof(gguf_kv))) return r.over_limit(fmt::format("the metadata table ({} entries)", n_kv));
   f.kv_.reserve(size_t(n_kv));
   for (uint64_t i = 0; i < n_kv; ++i) {
     gguf_kv kv;

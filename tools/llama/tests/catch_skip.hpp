@@ -34,11 +34,11 @@ inline void record_skip() { skipped_cases().insert(Catch::getResultCapture().get
 }  // namespace kvq::test
 
 /// Leaves the running test case as skipped, printing `reason` (a stream expression).
-#define KVQ_SKIP(reason)                  \
-  do {                                    \
-    WARN("SKIPPED: " << reason);          \
-    ::kvq::test::record_skip();           \
-    return;                               \
+#define KVQ_SKIP(reason)         \
+  do {                           \
+    WARN("SKIPPED: " << reason); \
+    ::kvq::test::record_skip();  \
+    return;                      \
   } while (false)
 
 #ifdef CATCH_CONFIG_RUNNER
