@@ -9,6 +9,7 @@
 #include <cmath>
 #include <fstream>
 #include <limits>
+#include <new>
 #include <sstream>
 #include <string>
 
@@ -243,16 +244,11 @@ result<artifact> artifact::load(const std::string& path, const model_shape& expe
   return parse(ss.str(), path, expected);
 }
 
-result<artifact> artifact::parse(std::string_view text, std::string_view source, const model_shape& expected) {
+namespace {
+
+// The artifact in the parsed document `j`, validated field by field.
+result<artifact> read_artifact(const json& j, std::string_view source, const model_shape& expected) {
   const reader rd{source};
-  json j;
-  try {
-    j = json::parse(text.begin(), text.end());
-  } catch (const json::parse_error& e) {
-    return status{errc::invalid_argument,
-                  fmt::format("artifact '{}': malformed JSON at byte {}: {} (NaN and Inf are not JSON numbers)", source,
-                              e.byte, e.what())};
-  }
   if (!j.is_object()) return rd.fail("<root>", fmt::format("must be an object, is {}", j.type_name()));
 
   artifact a;
@@ -262,8 +258,8 @@ result<artifact> artifact::parse(std::string_view text, std::string_view source,
     if (kind_s != artifact_kind) return rd.fail("kind", fmt::format("is '{}', expected '{}'", kind_s, artifact_kind));
     KVQ_ASSIGN(ver, rd.member(j, "", "version"));
     KVQ_ASSIGN(v, rd.integer(*ver, "version", std::numeric_limits<int>::min(), std::numeric_limits<int>::max()));
-    if (v != current_version)
-      return rd.fail("version", fmt::format("is {}, this build reads version {}", v, current_version));
+    if (v != artifact::current_version)
+      return rd.fail("version", fmt::format("is {}, this build reads version {}", v, artifact::current_version));
     a.version = int(v);
   }
   {
@@ -378,6 +374,31 @@ result<artifact> artifact::parse(std::string_view text, std::string_view source,
   }
   if (status s = a.validate(); !s.ok()) return status{s.code(), fmt::format("artifact '{}': {}", source, s.message())};
   return a;
+}
+
+}  // namespace
+
+result<artifact> artifact::parse(std::string_view text, std::string_view source, const model_shape& expected) {
+  // Every exception of the JSON library becomes a status naming the source: parse errors, numbers
+  // out of range (1e400), and any type or access error the field checks above might have missed.
+  json j;
+  try {
+    j = json::parse(text.begin(), text.end());
+  } catch (const json::parse_error& e) {
+    return status{errc::invalid_argument,
+                  fmt::format("artifact '{}': malformed JSON at byte {}: {} (NaN and Inf are not JSON numbers)", source,
+                              e.byte, e.what())};
+  } catch (const json::exception& e) {
+    return status{errc::invalid_argument, fmt::format("artifact '{}': malformed JSON: {}", source, e.what())};
+  } catch (const std::bad_alloc&) {
+    return status{errc::out_of_budget,
+                  fmt::format("artifact '{}': out of memory parsing {} bytes of JSON", source, text.size())};
+  }
+  try {
+    return read_artifact(j, source, expected);
+  } catch (const json::exception& e) {
+    return status{errc::invalid_argument, fmt::format("artifact '{}': {}", source, e.what())};
+  }
 }
 
 #undef KVQ_ASSIGN

@@ -175,8 +175,7 @@ result<std::unique_ptr<cache_backend>> make_cpu_backend(const cache_state& st) {
   std::unique_ptr<uint8_t[]> bytes(n <= SIZE_MAX ? new (std::nothrow) uint8_t[size_t(n)] : nullptr);
   if (!bytes)
     return status{errc::out_of_budget,
-                  fmt::format("cache_config.budget_bytes {}: the CPU backend could not allocate its arena of that size",
-                              n)};
+                  fmt::format("KVCache::create: cannot allocate the CPU budget of {} bytes in host memory", n)};
   return std::unique_ptr<cache_backend>(std::make_unique<cpu_backend>(st, std::move(bytes)));
 }
 

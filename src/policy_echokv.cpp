@@ -50,16 +50,24 @@ std::string echokv_policy::name() const {
   std::string tiers;
   for (size_t t = 0; t < opt_.tiers.size(); ++t) {
     if (t) tiers += '|';
-    tiers += opt_.v_tiers.empty() ? format_name(opt_.tiers[t]) : format_pair_name(tier_formats(int(t)));
+    tiers += opt_.v_tiers.empty() ? format_name(opt_.tiers[t]) : format_pair_name(pair_of_tier(t));
   }
   return fmt::format("echokv({},rate={},seed={},{},k={},h={})", tiers, opt_.rate, opt_.seed,
                      opt_.granularity == echokv_granularity::per_layer ? "per_layer" : "per_head",
                      opt_.hysteresis_steps, opt_.hysteresis_margin);
 }
 
-format_pair echokv_policy::tier_formats(int t) const {
-  const format_id k = opt_.tiers.at(size_t(t));
-  return {k, opt_.v_tiers.empty() ? k : opt_.v_tiers.at(size_t(t))};
+result<format_pair> echokv_policy::tier_formats(int t) const {
+  if (t < 0 || size_t(t) >= opt_.tiers.size())
+    return status{errc::invalid_argument, fmt::format("echokv: tier {} outside [0, {})", t, opt_.tiers.size())};
+  return pair_of_tier(size_t(t));
+}
+
+// Also called on options `bind` has not validated (`describe`, `current` before `bind`): a tier
+// past the lists reads as fp16, a missing V format as the K format.
+format_pair echokv_policy::pair_of_tier(size_t t) const {
+  const format_id k = t < opt_.tiers.size() ? opt_.tiers[t] : format_pair{}.k;
+  return {k, t < opt_.v_tiers.size() ? opt_.v_tiers[t] : k};
 }
 
 status echokv_policy::bind(const cache_shape& shape) {
@@ -113,7 +121,7 @@ status echokv_policy::bind(const cache_shape& shape) {
                                                                   : size_t(shape.layers) * size_t(shape.kv_heads);
   tier_bits_.resize(T);
   for (size_t t = 0; t < T; ++t) {
-    const format_pair p = tier_formats(int(t));
+    const format_pair p = pair_of_tier(t);
     tier_bits_[t] = 0.5 * (bits_per_element(traits_of(p.k), role::k, shape.page_tokens, shape.head_dim) +
                            bits_per_element(traits_of(p.v), role::v, shape.page_tokens, shape.head_dim));
   }
@@ -133,8 +141,8 @@ status echokv_policy::bind(const cache_shape& shape) {
 
 format_pair echokv_policy::current(int layer, int kv_head) const {
   if (!bound_ || layer < 0 || layer >= shape_.layers || kv_head < 0 || kv_head >= shape_.kv_heads)
-    return tier_formats(int(opt_.tiers.size()) - 1);
-  return tier_formats(tiers_[size_t(unit_of(layer, kv_head))]);
+    return pair_of_tier(opt_.tiers.size() - 1);
+  return pair_of_tier(tiers_[size_t(unit_of(layer, kv_head))]);
 }
 
 bool echokv_policy::is_canary(seq_id seq, int64_t context) const {

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
 #include <random>
 #include <sstream>
 #include <string>
@@ -305,4 +306,98 @@ TEST_CASE("artifact save validates first and never writes NaN", "[artifact]") {
   CHECK_THAT(a.save(p).message(), Catch::Contains("output_kl tokens 0 must be >= 1"));
   a = make_artifact();
   CHECK_THAT(a.save(dir.file("no/such/dir/x.json")).message(), Catch::Contains("cannot open for writing"));
+}
+
+TEST_CASE("artifact parse turns every JSON library exception into a status naming the source", "[artifact]") {
+  const std::string good = make_artifact_with_output_kl().to_json().value_or_throw();
+  const auto parse_error = [](const std::string& text) {
+    auto r = artifact::parse(text, "mem.json", tiny);  // an escaping exception fails the test case
+    REQUIRE_FALSE(r.ok());
+    CHECK(r.error().code() == errc::invalid_argument);
+    CHECK_THAT(r.error().message(), Catch::StartsWith("artifact 'mem.json': "));
+    return r.error().message();
+  };
+  // numbers the library cannot hold (out_of_range.406 from the parser)
+  CHECK_THAT(parse_error(edit(good, "\"tokens\": 96", "\"tokens\": 1e400")), Catch::Contains("1e400"));
+  CHECK_THAT(parse_error(edit(good, "\"version\": 1", "\"version\": -1e400")), Catch::Contains("-1e400"));
+  CHECK_THAT(parse_error("{\"kind\": 1e999999999999}"), Catch::Contains("malformed JSON"));
+  // integers past 64 bits parse as doubles: a type error naming the field
+  CHECK_THAT(parse_error(edit(good, "\"tokens\": 4096", "\"tokens\": 18446744073709551616")),
+             Catch::Contains("'calibration.tokens' must be an integer"));
+  CHECK_THAT(parse_error(edit(good, "\"version\": 1", "\"version\": 1.5")),
+             Catch::Contains("'version' must be an integer"));
+  // wrong types where objects and arrays are expected
+  CHECK_THAT(parse_error(edit(good, "\"model\": {", "\"model\": 3, \"x\": {")),
+             Catch::Contains("field 'model' must be an object, is number"));
+  CHECK_THAT(parse_error(edit(good, "\"calibration\": {", "\"calibration\": [], \"x\": {")),
+             Catch::Contains("field 'calibration' must be an object, is array"));
+  CHECK_THAT(parse_error(edit(good, "\"sensitivity\": {", "\"sensitivity\": \"s\", \"x\": {")),
+             Catch::Contains("field 'sensitivity' must be an object, is string"));
+  CHECK_THAT(parse_error(edit(good, "\"name\": \"tiny-test\"", "\"name\": [1]")),
+             Catch::Contains("'model.name' must be a string, is array"));
+  CHECK_THAT(parse_error(edit(good, "\"formats\": [\n  \"kivi2/g32\"", "\"formats\": [\n  {}")),
+             Catch::Contains("'formats[0]' must be a string, is object"));
+}
+
+TEST_CASE("2000 seeded corruptions of an artifact: an error naming the source or a valid artifact", "[artifact]") {
+  const std::string good = make_artifact_with_output_kl().to_json().value_or_throw();
+  REQUIRE(artifact::parse(good, "good.json", tiny).ok());
+  const uint64_t seed = 0x61727466;  // printed so a failure can be replayed
+  std::cerr << "artifact corruption test: seed " << seed << ", 2000 mutations\n";
+  std::mt19937_64 rng(seed);
+  const auto below = [&](size_t n) { return n ? size_t(rng() % n) : size_t(0); };
+  // Tokens that reach the parser's and the reader's edge cases.
+  const std::vector<std::string> tokens = {"1e400", "-1e400", "18446744073709551616", "-0", "1.5", "null", "true",
+                                           "\"\"", "[]", "{}", "[", "{", "}", "]", ",", ":", "\"", "\\u0000",
+                                           "\\ud800", "\xff", "NaN", "0e-999", "-9223372036854775809", "1e-400"};
+  int rejected = 0, accepted = 0;
+  for (int i = 0; i < 2000; ++i) {
+    std::string text = good;
+    std::string what;
+    switch (i % 4) {
+      case 0: {
+        const size_t n = below(text.size());
+        text.resize(n);
+        what = "truncated to " + std::to_string(n);
+        break;
+      }
+      case 1: {
+        const int flips = 1 + int(below(8));
+        for (int k = 0; k < flips; ++k) text[below(text.size())] ^= char(1u << below(8));
+        what = std::to_string(flips) + " bit flips";
+        break;
+      }
+      case 2: {  // a number, a literal or a token replaces a run of 1..8 bytes
+        const std::string& t = tokens[below(tokens.size())];
+        const size_t at = below(text.size());
+        text.replace(at, std::min<size_t>(1 + below(8), text.size() - at), t);
+        what = "'" + t + "' at " + std::to_string(at);
+        break;
+      }
+      default: {  // a run of bytes deleted or duplicated
+        const size_t at = below(text.size()), n = std::min<size_t>(1 + below(64), text.size() - at);
+        if (rng() & 1) {
+          text.erase(at, n);
+          what = std::to_string(n) + " bytes deleted at " + std::to_string(at);
+        } else {
+          text.insert(at, text.substr(at, n));
+          what = std::to_string(n) + " bytes duplicated at " + std::to_string(at);
+        }
+        break;
+      }
+    }
+    CAPTURE(i, what);
+    result<artifact> r = status{};
+    REQUIRE_NOTHROW(r = artifact::parse(text, "bad.json", tiny));
+    if (r.ok()) {
+      CHECK(r->validate().ok());
+      ++accepted;
+    } else {
+      CHECK(r.error().code() == errc::invalid_argument);
+      CHECK_THAT(r.error().message(), Catch::StartsWith("artifact 'bad.json': "));
+      ++rejected;
+    }
+  }
+  std::cerr << "  rejected " << rejected << ", accepted " << accepted << "\n";
+  CHECK(rejected > 1500);  // nearly every mutation breaks the JSON or a field
 }

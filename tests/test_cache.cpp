@@ -430,6 +430,35 @@ TEST_CASE("configuration and policy errors name the problem", "[cache][errors]")
 #endif
 }
 
+// AddressSanitizer stops the process at an allocation above its limit (1 TiB) unless
+// allocator_may_return_null is set; this default (ASAN_OPTIONS still overrides it) lets the
+// impossible-budget test below run under ASan however the binary is started.
+#if defined(__SANITIZE_ADDRESS__)
+#define KVQ_TEST_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define KVQ_TEST_ASAN 1
+#endif
+#endif
+#ifdef KVQ_TEST_ASAN
+extern "C" __attribute__((visibility("default"))) const char* __asan_default_options() {
+  return "allocator_may_return_null=1";
+}
+#endif
+
+TEST_CASE("a budget the host cannot allocate is an out_of_budget status naming the bytes", "[cache][errors]") {
+  cache_config cfg;
+  cfg.shape = {2, 8, 2, 64, 64, 128, 32};
+  cfg.budget_bytes = 1ull << 60;
+  auto pol = std::make_shared<static_policy>(*parse_format_pair("kivi4/g32"));
+  auto r = KVCache::create(cfg, pol);  // an exception escaping fails the test case
+  REQUIRE_FALSE(r.ok());
+  CHECK(r.error().code() == errc::out_of_budget);
+  CHECK_THAT(r.error().message(), Catch::Contains(std::to_string(1ull << 60) + " bytes"));
+  cfg.budget_bytes = 1 << 20;  // the same configuration with a budget that fits
+  CHECK(KVCache::create(cfg, pol).ok());
+}
+
 TEST_CASE("soak: 100,000 random appends and releases leak no bytes", "[cache][soak]") {
   shape_args a;
   a.layers = 2;

@@ -487,3 +487,39 @@ TEST_CASE("echokv device canary: spec, due steps, counters as observe keeps them
   CHECK(canary_keys(32, 0, 20).count() < 32);
   CHECK(canary_keys(32, 10, 70).rows_seeing(40, 70) == 38);  // keys [32, 64): rows 0, 1 end at 30, 31
 }
+
+TEST_CASE("echokv accessors outside their range give the documented value or a status, never throw", "[echokv]") {
+  auto o = every_step(1, 0.0);
+  o.v_tiers = {F("kivi4/g32"), F("kivi4/g32"), F("kivi8/g32")};
+  echokv_policy p(o);
+  // before bind: no units, no tier bits
+  CHECK(p.tier(0) == -1);
+  CHECK(std::isnan(p.ema(0, 0)));
+  CHECK(std::isnan(p.tier_bits(0)));
+  REQUIRE(p.bind(shape2).ok());
+  REQUIRE(p.units() == 2);
+  REQUIRE(p.tier_count() == 3);
+  feed(p, 4096, {0.001, 0.001, 0.001});
+  for (int bad : {-1, 2, 1 << 30}) {
+    CAPTURE(bad);
+    CHECK(p.tier(bad) == -1);
+    CHECK(std::isnan(p.ema(bad, 0)));
+  }
+  for (int bad : {-1, 3, 1 << 30}) {
+    CAPTURE(bad);
+    CHECK(std::isnan(p.ema(0, bad)));
+    CHECK(std::isnan(p.tier_bits(bad)));
+    auto f = p.tier_formats(bad);
+    REQUIRE_FALSE(f.ok());
+    CHECK(f.error().code() == errc::invalid_argument);
+    CHECK_THAT(f.error().message(), Catch::Contains("tier " + std::to_string(bad) + " outside [0, 3)"));
+  }
+  // ema(0, 3) must not read unit 1's first EMA: the row of (unit 0, tier 3) is not (unit 1, tier 0)
+  CHECK_FALSE(std::isnan(p.ema(1, 0)));
+  // valid indices are unchanged
+  CHECK(p.tier(1) == 0);
+  CHECK(p.ema(0, 0) == 0.001);
+  CHECK(p.tier_formats(0).value() == format_pair{F("kivi2/g32"), F("kivi4/g32")});
+  CHECK(p.tier_formats(2).value() == format_pair{F("kivi8/g32"), F("kivi8/g32")});
+  CHECK(p.tier_bits(0) == Approx((3.0 + 5.0) / 2));
+}

@@ -74,7 +74,7 @@ TEST_CASE("attention plan: block-staged rings have at least 3 page stages that f
           CHECK(info.blocks_per_sm == 3);
           CHECK(info.tokens_per_split % 128 == 0);  // whole 32-token chunks of every warp, whole pages
         }
-  // the measured shapes (docs/results/decode_h200.md): 6 stages of a kivi4 page-head at 64 tokens
+  // the measured shapes (docs/performance.md): 6 stages of a kivi4 page-head at 64 tokens
   const auto p64 = plan(128, 64, 4, 8, 32768);
   CHECK(p64.stages == 6);
   CHECK(p64.stage_bytes == 10240);

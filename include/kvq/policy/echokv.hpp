@@ -47,6 +47,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <limits>
 #include <span>
 #include <vector>
 
@@ -232,22 +233,30 @@ class KVQ_EXPORT echokv_policy final : public policy, public canary_protocol {
   /// rule would settle it in if its EMAs stayed as they are (a promotion target, else the lowest
   /// lower tier below τ·(1-h), else its tier). What the budget controller regulates.
   double projected_bits(int64_t context) const;
-  /// Average bits per K/V page element of tier `t` (mean of its K and V formats).
-  double tier_bits(int t) const { return tier_bits_.at(size_t(t)); }
+  /// Average bits per K/V page element of tier `t` (mean of its K and V formats); NaN for a `t`
+  /// outside [0, tier_count()) or before `bind`.
+  double tier_bits(int t) const {
+    return t >= 0 && size_t(t) < tier_bits_.size() ? tier_bits_[size_t(t)] : std::numeric_limits<double>::quiet_NaN();
+  }
   /// Number of tiers.
   int tier_count() const { return int(opt_.tiers.size()); }
-  /// (K, V) formats of tier `t`.
-  format_pair tier_formats(int t) const;
+  /// (K, V) formats of tier `t`. Errors: `t` outside [0, tier_count()), naming it.
+  result<format_pair> tier_formats(int t) const;
   /// Number of decision units (0 before `bind`).
   int units() const { return int(tiers_.size()); }
   /// Unit of (layer, kv head): the layer in per-layer mode, layer*kv_heads + head in per-head mode.
   int unit_of(int layer, int kv_head) const {
     return opt_.granularity == echokv_granularity::per_layer ? layer : layer * shape_.kv_heads + kv_head;
   }
-  /// Current tier of a unit.
-  int tier(int unit) const { return tiers_.at(size_t(unit)); }
-  /// EMA of δ for (unit, tier); NaN before the unit's first measurement.
-  double ema(int unit, int t) const { return ema_.at(size_t(unit) * opt_.tiers.size() + size_t(t)); }
+  /// Current tier of a unit; -1 for a `unit` outside [0, units()).
+  int tier(int unit) const { return unit >= 0 && size_t(unit) < tiers_.size() ? tiers_[size_t(unit)] : -1; }
+  /// EMA of δ for (unit, tier); NaN before the unit's first measurement, and for a `unit` outside
+  /// [0, units()) or a `t` outside [0, tier_count()).
+  double ema(int unit, int t) const {
+    if (unit < 0 || size_t(unit) >= tiers_.size() || t < 0 || size_t(t) >= opt_.tiers.size())
+      return std::numeric_limits<double>::quiet_NaN();
+    return ema_[size_t(unit) * opt_.tiers.size() + size_t(t)];
+  }
   /// Counters since `bind`.
   const echokv_counters& counters() const { return counters_; }
   /// Tier vectors after each canary step, oldest first (at most `max_history`).
@@ -257,6 +266,7 @@ class KVQ_EXPORT echokv_policy final : public policy, public canary_protocol {
 
  private:
   void decide(int unit, double tau);
+  format_pair pair_of_tier(size_t t) const;  // `tier_formats` without the range check
   void update_controller(int64_t context);
 
   echokv_options opt_;

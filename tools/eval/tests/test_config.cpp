@@ -374,7 +374,7 @@ TEST_CASE("clip ratios: rolealign stores what kivi stores at ratio 1 and differs
     }
   }
 
-  // The SmolLM2 artifact of docs/results clips some heads of layer 0 (K head 1, V head 0 at 0.95).
+  // The SmolLM2 artifact of docs/data clips some heads of layer 0 (K head 1, V head 0 at 0.95).
   if (std::filesystem::exists(KVQ_EVAL_CALIB_ARTIFACT)) {
     auto smol = load_clip_ratios(KVQ_EVAL_CALIB_ARTIFACT, shape);
     REQUIRE(smol.ok());

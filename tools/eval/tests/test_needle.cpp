@@ -5,6 +5,8 @@
 #include <llama/gguf.hpp>
 #include <set>
 
+#include <catch_skip.hpp>
+
 #include "test_util.hpp"
 
 using namespace kvq::eval;
@@ -109,10 +111,7 @@ TEST_CASE("needle prompt: errors", "[needle]") {
 }
 
 TEST_CASE("needle prompt: SmolLM2 chat template", "[needle][smollm2]") {
-  if (!test::have_smollm2()) {
-    WARN("SmolLM2 not found at " << test::smollm2_path() << ": skipping the chat-template needle test");
-    return;
-  }
+  if (!test::have_smollm2()) KVQ_SKIP(test::smollm2_path() << " is missing (scripts/setup puts it there)");
   const auto tok = load_tokenizer(test::smollm2_path());
   const std::string hay = test::read_text(test::own_data("tiny_story.txt"));
   auto p = build_needle_prompt(tok, hay, {256, 0.5, 0, "76497"}, prompt_template::chatml);

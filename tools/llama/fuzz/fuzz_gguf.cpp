@@ -1,7 +1,7 @@
 // libFuzzer target of the GGUF loader, the tokenizers and the model loader: any input must give
 // an error or a file that parses, tokenizes and runs, without a crash, a leak or an
-// out-of-bounds read. Build with clang and -DKVQ_FUZZ=ON, then e.g.
-//   build-fuzz/tools/llama/fuzz_gguf -max_len=65536 corpus/ tests/data/stories260K/
+// out-of-bounds read. Built with clang and -DKVQ_FUZZ=ON (scripts/test does, in build-fuzz/):
+//   build-fuzz/tools/llama/fuzz_gguf -max_total_time=30 -max_len=1100000 corpus/ tests/data/stories260K/
 #include <cstddef>
 #include <cstdint>
 #include <llama/model.hpp>

@@ -34,6 +34,11 @@ namespace {
 
 constexpr uint64_t default_alignment = 32;
 constexpr int max_array_depth = 8;  // nested arrays deeper than this are rejected, not recursed
+// Memory the parsed metadata may take beyond the file's own size. A one-byte array element takes
+// a whole `gguf_value` in memory (tens of bytes), so checking counts against the bytes left
+// alone would let a file make the reader allocate many times its size. Real metadata (a 256k
+// vocabulary with scores and types) takes well under this.
+constexpr uint64_t metadata_memory_floor = uint64_t(64) << 20;
 
 /// Bounds-checked little-endian cursor over the file. Each read either succeeds or returns an
 /// io_error naming the file, the byte offset and what was being read.
@@ -43,6 +48,19 @@ class reader {
 
   uint64_t pos() const { return pos_; }
   uint64_t left() const { return size_ - pos_; }
+
+  /// Accounts `bytes` more of metadata memory; false (nothing accounted) when that would take the
+  /// metadata past the file's size plus `metadata_memory_floor`.
+  bool charge(uint64_t bytes) {
+    if (bytes > size_ + metadata_memory_floor - charged_) return false;
+    charged_ += bytes;
+    return true;
+  }
+  /// io_error for the metadata `what` (with its count) whose `charge` failed.
+  status over_limit(const std::string& what) const {
+    return error(fmt::format("{} would take the metadata's memory past {} bytes, the limit for a file of {} bytes",
+                             what, size_ + metadata_memory_floor, size_));
+  }
 
   /// io_error "<path>: <message>".
   status error(const std::string& message) const { return {errc::io_error, fmt::format("{}: {}", path_, message)}; }
@@ -73,6 +91,7 @@ class reader {
   const uint8_t* p_;
   uint64_t size_;
   uint64_t pos_ = 0;
+  uint64_t charged_ = 0;  // memory accounted by `charge`
   const std::string& path_;
 };
 
@@ -175,6 +194,7 @@ status read_value(reader& r, gguf_value_type t, gguf_value& out, const std::stri
     case gguf_value_type::string: {
       std::string s;
       KVQ_TRY(r.read_string(s, what));
+      if (!r.charge(s.size())) return r.over_limit(fmt::format("{} ({} bytes)", what, s.size()));
       out.scalar = std::move(s);
       return {};
     }
@@ -191,6 +211,8 @@ status read_value(reader& r, gguf_value_type t, gguf_value& out, const std::stri
       if (n > r.left() / min_bytes)
         return r.error(fmt::format("{} claims {} elements of type {} but only {} bytes are left", what, n,
                                    gguf_value_type_name(out.elem_type), r.left()));
+      if (!r.charge(n * sizeof(gguf_value)))  // n <= the file's size: no overflow
+        return r.over_limit(fmt::format("{} ({} elements)", what, n));
       out.items.resize(size_t(n));
       for (uint64_t i = 0; i < n; ++i)
         KVQ_TRY(read_value(r, out.elem_type, out.items[size_t(i)], fmt::format("{} element {}", what, i), depth + 1));
@@ -324,6 +346,7 @@ result<gguf_file> gguf_file::parse(std::shared_ptr<const detail::gguf_storage> s
                                               path, n_kv, r.left())};
 
   // Metadata.
+  if (!r.charge(n_kv * sizeof(gguf_kv))) return r.over_limit(fmt::format("the metadata table ({} entries)", n_kv));
   f.kv_.reserve(size_t(n_kv));
   for (uint64_t i = 0; i < n_kv; ++i) {
     gguf_kv kv;

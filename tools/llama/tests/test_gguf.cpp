@@ -4,6 +4,7 @@
 #include <cmath>
 #include <llama/gguf.hpp>
 
+#include "catch_skip.hpp"
 #include "test_util.hpp"
 
 using namespace kvq::llama;
@@ -61,10 +62,7 @@ TEST_CASE("stories260K parses: header, metadata, tensor infos, data", "[gguf]") 
 }
 
 TEST_CASE("SmolLM2-135M-Instruct Q4_1 parses and dequantizes", "[gguf][smollm2]") {
-  if (!test::have_smollm2()) {
-    WARN("SKIPPED: " << test::smollm2_path() << " is missing (the setup script puts it there)");
-    return;
-  }
+  if (!test::have_smollm2()) KVQ_SKIP(test::smollm2_path() << " is missing (scripts/setup puts it there)");
   auto f = gguf_file::open(test::smollm2_path());
   REQUIRE(f.ok());
   CHECK(f->version() == 3);
@@ -255,6 +253,30 @@ TEST_CASE("bad files are rejected with a message naming file, entry and problem"
     gguf_builder::put<uint64_t>(str, uint64_t(1) << 40);
     l.raw_kv("long", 8, str);
     expect_rejected(l.build(), errc::io_error, {"'long'", "truncated"});
+  }
+  SECTION("one-byte array elements cannot make the metadata take many times the file's size") {
+    // 2 MiB of u8 elements, each of which would be a whole gguf_value in memory (> 64 MiB in all).
+    const size_t n = size_t(2) << 20;
+    gguf_builder b;
+    b.u32("general.alignment", 32).num_array<uint8_t>("evil.bytes", 0, std::vector<uint8_t>(n, 7));
+    expect_rejected(b.build(), errc::io_error, {"metadata 'evil.bytes'", std::to_string(n) + " elements", "limit"});
+    // as elements of a nested array too
+    std::vector<uint8_t> nested;
+    gguf_builder::put<uint32_t>(nested, 9);  // array of arrays
+    gguf_builder::put<uint64_t>(nested, 1);
+    gguf_builder::put<uint32_t>(nested, 7);  // of bools
+    gguf_builder::put<uint64_t>(nested, n);
+    nested.resize(nested.size() + n, 1);
+    gguf_builder c;
+    c.raw_kv("evil.nested", 9, nested);
+    expect_rejected(c.build(), errc::io_error, {"metadata 'evil.nested' element 0", std::to_string(n) + " elements"});
+    // the same count in a file that is large anyway (its tensor data) parses
+    gguf_builder ok;
+    ok.num_array<uint8_t>("fine.bytes", 0, std::vector<uint8_t>(n, 7))
+        .tensor("w", {uint64_t(n) * 12}, 0, std::vector<uint8_t>(n * 48));
+    auto f = gguf_file::from_bytes(ok.build(), "big.gguf");
+    REQUIRE(f.ok());
+    CHECK(f->find("fine.bytes")->items.size() == n);
   }
   SECTION("unknown metadata value type") {
     gguf_builder b;

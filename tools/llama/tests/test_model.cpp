@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 #include <random>
 
+#include "catch_skip.hpp"
 #include "test_util.hpp"
 
 using namespace kvq::llama;
@@ -373,10 +374,7 @@ TEST_CASE("bad model files are rejected with the right message", "[model]") {
 }
 
 TEST_CASE("SmolLM2-135M-Instruct: FP16 cache vs reference, and a chat answer", "[model][smollm2]") {
-  if (!test::have_smollm2()) {
-    WARN("SKIPPED: " << test::smollm2_path() << " is missing (the setup script puts it there)");
-    return;
-  }
+  if (!test::have_smollm2()) KVQ_SKIP(test::smollm2_path() << " is missing (scripts/setup puts it there)");
   std::cerr << "loading " << test::smollm2_path() << " (dequantizing 135M weights)...\n";
   auto f = gguf_file::open(test::smollm2_path());
   REQUIRE(f.ok());

@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 #include <random>
 
+#include "catch_skip.hpp"
 #include "test_util.hpp"
 
 using namespace kvq::llama;
@@ -147,10 +148,7 @@ TEST_CASE("llama (sentencepiece-style) vocabulary of stories260K", "[tokenizer]"
 
 TEST_CASE("gpt2 (byte-level BPE) vocabulary of SmolLM2", "[tokenizer][smollm2]") {
   const tokenizer* tp = smollm2_tokenizer();
-  if (!tp) {
-    WARN("SKIPPED: " << test::smollm2_path() << " is missing (the setup script puts it there)");
-    return;
-  }
+  if (!tp) KVQ_SKIP(test::smollm2_path() << " is missing (scripts/setup puts it there)");
   const tokenizer& t = *tp;
   CHECK(t.kind() == vocab_kind::bpe);
   CHECK(t.n_vocab() == 49152);
