@@ -80,7 +80,7 @@ kvq::KVCache make_cache(std::shared_ptr<kvq::echokv_policy> pol) {
 
 std::string tiers_of(const kvq::echokv_policy& pol) {
   std::string s;
-  for (int u = 0; u < pol.units(); ++u) s += kvq::format_name(pol.tier_formats(pol.tier(u)).k) + " ";
+  for (int u = 0; u < pol.units(); ++u) s += kvq::format_name(pol.tier_formats(pol.tier(u)).value().k) + " ";
   return s;
 }
 
