@@ -171,14 +171,15 @@ struct format_registry<type_list<Ts...>> {
       const format_traits a = traits_of(format_id(i)), b = table[i];
       if (a.fam != b.fam || a.bits != b.bits || a.group != b.group) return false;
     }
-    return find_duplicate() < 0;
+    return true;
   }
-  static constexpr int find_duplicate() {
+  static constexpr bool each_once() {
     for (size_t i = 0; i < count; ++i)
-      if (find(table[i].fam, table[i].bits, table[i].group) != int(i)) return int(i);
-    return -1;
+      if (find(table[i].fam, table[i].bits, table[i].group) != int(i)) return false;
+    return true;
   }
-  static_assert(traits_match_table(), "a format list holds each (family, bits, group) once");
+  static_assert(traits_match_table(), "the packed traits unpack to the table");
+  static_assert(each_once(), "a format list holds each (family, bits, group) once");
 
  public:
   /// Calls `f.template operator()<H>()` for the first type H of family `fam` and returns true,
