@@ -93,6 +93,16 @@ TEST_CASE("kernel kinds: kivi/ra 8, 4, 2 are 0-2, sym 8, 4, 2 are 3-5, fp8 is 6,
     }
   CHECK(whole == 5);
   CHECK_FALSE(has_whole_units(-1));
+  // the pair dispatch calls the loop compiled for the page's pair, and nothing for other pairs
+  int called = -1;
+  const auto loop = [&]<int KK, int KV>() { called = kind_pair(KK, KV); };
+  CHECK(visit_kind_pair(whole_unit_pairs{}, kind_pair(kivi4, kivi2), loop));
+  CHECK(called == kind_pair(kivi4, kivi2));
+  CHECK_FALSE(visit_kind_pair(whole_unit_pairs{}, kind_pair(kivi2, kivi4), loop));
+  CHECK(visit_kind_pair(eight_bit_pairs{}, kind_pair(fp8, fp8), loop));
+  CHECK(called == kind_pair(fp8, fp8));
+  CHECK_FALSE(visit_kind_pair(eight_bit_pairs{}, kind_pair(kivi8, sym8), loop));
+  CHECK(in_kind_pairs(eight_bit_pairs{}, kind_pair(sym8, sym8)));
 }
 
 namespace {

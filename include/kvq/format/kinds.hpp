@@ -109,22 +109,22 @@ struct kernel_kinds<type_list<Ts...>> {
 };
 
 /// The kinds of kvq's formats.
-using kinds = kernel_kinds<format_list>;
+using format_kinds = kernel_kinds<format_list>;
 
 /// Number of kernel kinds.
-inline constexpr int kind_count = kinds::count;
+inline constexpr int kind_count = format_kinds::count;
 
 /// Kind of a format (-1: read unstaged); host and device.
-KVQ_HOST_DEVICE constexpr int kind_of(const format_traits& f) { return kinds::kind_of(f); }
-KVQ_HOST_DEVICE constexpr int kind_of(format_id id) { return kinds::kind_of(traits_of(id)); }
+KVQ_HOST_DEVICE constexpr int kind_of(const format_traits& f) { return format_kinds::kind_of(f); }
+KVQ_HOST_DEVICE constexpr int kind_of(format_id id) { return format_kinds::kind_of(traits_of(id)); }
 /// Decode family of kind k: `family::kivi` (kivi and rolealign), `family::sym` or `family::fp8_e4m3`.
-KVQ_HOST_DEVICE constexpr family kind_family(int k) { return kinds::kind_family(k); }
+KVQ_HOST_DEVICE constexpr family kind_family(int k) { return format_kinds::kind_family(k); }
 /// Bit width of kind k.
-KVQ_HOST_DEVICE constexpr int kind_bits(int k) { return kinds::kind_bits(k); }
+KVQ_HOST_DEVICE constexpr int kind_bits(int k) { return format_kinds::kind_bits(k); }
 
 /// Kind of format type F, usable as a `case` label: `case kind_v<kivi<4, 32>>:`.
 template <class F>
-inline constexpr int kind_v = kinds::kind_of_type<F>;
+inline constexpr int kind_v = format_kinds::kind_of_type<F>;
 
 /// The kinds by name.
 namespace kernel_kind {
@@ -143,20 +143,32 @@ struct kv_types {};
 
 /// The (K, V) kind pairs whose decode kernels have whole 64-token-unit loops (pages whose K and V
 /// kinds are one of these pairs): kivi4/kivi4, kivi2/kivi2, kivi4 K + kivi2 V, sym4/sym4,
-/// sym2/sym2.
+/// sym2/sym2. The 4- and 2-bit rings' chunk loops are compiled for the same pairs.
 using whole_unit_pairs = type_list<kv_types<kivi<4, 32>, kivi<4, 32>>, kv_types<kivi<2, 32>, kivi<2, 32>>,
                                    kv_types<kivi<4, 32>, kivi<2, 32>>, kv_types<sym<4, 32>, sym<4, 32>>,
                                    kv_types<sym<2, 32>, sym<2, 32>>>;
 
-namespace detail {
+/// The (K, V) kind pairs whose 8-bit-ring chunk loops (two full barriers) are compiled for one
+/// pair: kivi8/kivi8, sym8/sym8, fp8/fp8.
+using eight_bit_pairs = type_list<kv_types<kivi<8, 32>, kivi<8, 32>>, kv_types<sym<8, 32>, sym<8, 32>>,
+                                  kv_types<fp8_e4m3, fp8_e4m3>>;
+
+/// Calls `f.template operator()<KK, KV>()` for the pair of `Pairs` (a `type_list` of `kv_types`)
+/// whose `kind_pair` is `combo` and returns true; returns false (calling nothing) when none is.
+template <class... K, class... V, class F>
+KVQ_HOST_DEVICE constexpr bool visit_kind_pair(type_list<kv_types<K, V>...>, int combo, F&& f) {
+  return ((combo == kind_pair(kind_v<K>, kind_v<V>) ? (f.template operator()<kind_v<K>, kind_v<V>>(), true) : false) ||
+          ...);
+}
+
+/// True when the (K kind, V kind) pair `combo` (`kind_pair`) is one of `Pairs`.
 template <class... K, class... V>
-KVQ_HOST_DEVICE constexpr bool in_pairs(int combo, type_list<kv_types<K, V>...>) {
+KVQ_HOST_DEVICE constexpr bool in_kind_pairs(type_list<kv_types<K, V>...>, int combo) {
   return (false || ... || (combo == kind_pair(kind_v<K>, kind_v<V>)));
 }
-}  // namespace detail
 
 /// True when the (K kind, V kind) pair `combo` (`kind_pair`) has whole-unit loops.
-KVQ_HOST_DEVICE constexpr bool has_whole_units(int combo) { return detail::in_pairs(combo, whole_unit_pairs{}); }
+KVQ_HOST_DEVICE constexpr bool has_whole_units(int combo) { return in_kind_pairs(whole_unit_pairs{}, combo); }
 
 static_assert(kind_count == 7 && kernel_kind::kivi8 == 0 && kernel_kind::kivi2 == 2 && kernel_kind::sym8 == 3 &&
                   kernel_kind::sym2 == 5 && kernel_kind::fp8 == 6 && kind_v<rolealign<4, 64>> == kernel_kind::kivi4 &&
