@@ -1,27 +1,17 @@
-// Format names, shape checks and the spec parser (grammar documented in format.hpp).
+// Format names, shape checks and the spec parser (grammar documented in format.hpp), bound to
+// kvq's format list.
 #include <kvq/format/format.hpp>
+#include <kvq/format/spec.hpp>
 
 #include <fmt/format.h>
 
-#include <charconv>
 #include <string>
+#include <string_view>
+#include <utility>
 
 KVQ_NAMESPACE_BEGIN
 
-std::string format_name(format_id id) {
-  if (id >= format_count) return fmt::format("<invalid format id {}>", int(id));
-  const auto& t = format_table[id];
-  switch (t.fam) {
-    case family::fp16:
-    case family::bf16:
-    case family::fp8_e4m3: return family_name(t.fam);
-    case family::sym:
-      return t.group == 0 ? fmt::format("sym{}", t.bits) : fmt::format("sym{}/g{}", t.bits, t.group);
-    case family::kivi:
-    case family::rolealign: return fmt::format("{}{}/g{}", family_name(t.fam), t.bits, t.group);
-  }
-  return "?";
-}
+std::string format_name(format_id id) { return format_name_in<format_list>(id); }
 
 std::string format_pair_name(format_pair p) {
   if (p.k == p.v) return format_name(p.k);
@@ -53,14 +43,10 @@ status check_shape(format_id id, role r, int page_tokens, int head_dim) {
 }
 
 namespace {
-constexpr const char* valid_formats =
-    "fp16, bf16, fp8, sym{8,4,2}[/g{32,64,128}], kivi{8,4,2}[/g{32,64,128}], ra{8,4,2}[/g{32,64,128}], int8, int4, int2";
+// Names that stand for one format of the list.
+constexpr std::pair<std::string_view, std::string_view> aliases[] = {{"int8", "sym8"}, {"int4", "sym4/g32"}, {"int2", "sym2/g32"}};
 
-bool eat(std::string_view& s, std::string_view prefix) {
-  if (s.substr(0, prefix.size()) != prefix) return false;
-  s.remove_prefix(prefix.size());
-  return true;
-}
+bool eat(std::string_view& s, std::string_view prefix) { return detail::eat_prefix(s, prefix); }
 
 std::string_view trim(std::string_view s) {
   while (!s.empty() && (s.front() == ' ' || s.front() == '\t')) s.remove_prefix(1);
@@ -70,38 +56,15 @@ std::string_view trim(std::string_view s) {
 }  // namespace
 
 result<format_id> parse_format(std::string_view spec) {
-  const std::string_view orig = spec = trim(spec);
-  auto bad = [&](std::string_view why) -> status {
-    return {errc::invalid_argument, fmt::format("bad format '{}': {}; valid formats: {}", orig, why, valid_formats)};
-  };
-  if (spec == "fp16" || spec == "f16") return format_id(find_format(family::fp16, 16, 1));
-  if (spec == "bf16") return format_id(find_format(family::bf16, 16, 1));
-  if (spec == "fp8" || spec == "fp8_e4m3") return format_id(find_format(family::fp8_e4m3, 8, 1));
-  if (spec == "int8") return format_id(find_format(family::sym, 8, 0));
-  if (spec == "int4") return format_id(find_format(family::sym, 4, 32));
-  if (spec == "int2") return format_id(find_format(family::sym, 2, 32));
-  family fam;
-  if (eat(spec, "sym"))
-    fam = family::sym;
-  else if (eat(spec, "kivi"))
-    fam = family::kivi;
-  else if (eat(spec, "rolealign") || eat(spec, "ra"))
-    fam = family::rolealign;
-  else
-    return bad("unknown family");
-  int bits = 0;
-  auto [p, ec] = std::from_chars(spec.data(), spec.data() + spec.size(), bits);
-  if (ec != std::errc() || (bits != 8 && bits != 4 && bits != 2)) return bad("bits must be 8, 4 or 2");
-  spec.remove_prefix(size_t(p - spec.data()));
-  int group = fam == family::sym ? 0 : 32;
-  if (!spec.empty()) {
-    if (!eat(spec, "/g")) return bad(fmt::format("unexpected '{}' after the bit width (expected /g<N>)", spec));
-    auto [q, ec2] = std::from_chars(spec.data(), spec.data() + spec.size(), group);
-    if (ec2 != std::errc() || q != spec.data() + spec.size()) return bad(fmt::format("group '{}' is not a number", spec));
-  }
-  const int id = find_format(fam, bits, group);
-  if (id < 0) return bad(fmt::format("group size {} is not supported (32, 64, 128)", group));
-  return format_id(id);
+  static const std::string valid = [] {
+    std::string v = valid_format_names<format_list>();
+    for (const auto& a : aliases) v += ", " + std::string(a.first);
+    return v;
+  }();
+  spec = trim(spec);
+  for (const auto& a : aliases)
+    if (spec == a.first) return parse_format_in<format_list>(a.second, valid);
+  return parse_format_in<format_list>(spec, valid);
 }
 
 result<format_pair> parse_format_pair(std::string_view spec) {

@@ -87,7 +87,7 @@ __global__ void __launch_bounds__(dec_warps * 32, staged_blocks) decode_paged_ke
       same = same && sm.pages.kk[i] == sm.pages.kk[0] && sm.pages.kv[i] == sm.pages.kv[0];
     const bool uni = __syncthreads_and(same) && n_pages > 0 && sm.pages.fk[0].bits <= p.stage_cap &&
                      sm.pages.fv[0].bits <= p.stage_cap;
-    return uni ? combo(sm.pages.kk[0], sm.pages.kv[0]) : no_combo;
+    return uni ? kind_pair(sm.pages.kk[0], sm.pages.kv[0]) : no_combo;
   };
   int kinds = no_combo;
   bool whole = false;
@@ -98,8 +98,7 @@ __global__ void __launch_bounds__(dec_warps * 32, staged_blocks) decode_paged_ke
     // stages of one page each at page_tokens 64). 8-bit rings (3 stages, two full barriers)
     // measured 8-10 % slower with them: they run 32-token chunks compiled per kind (`chunks`).
     whole = P >= 4 * slab && ns * (P / (4 * slab)) > dec_warps &&
-            (kinds == kivi4_kivi4 || kinds == kivi2_kivi2 || kinds == kivi4_kivi2 || kinds == sym4_sym4 ||
-             kinds == sym2_sym2);
+            has_whole_units(kinds);
   }
   // Units per page: 32-token chunks, or 64-token units for `pages`. With 64-token units, the pages
   // of a stage may go to up to four warps in turn: its fill f has full barrier row f mod 4, each
@@ -236,11 +235,11 @@ __global__ void __launch_bounds__(dec_warps * 32, staged_blocks) decode_paged_ke
   };
   if constexpr (Whole) {
     switch (whole ? kinds : no_combo) {
-      case combo(kind::kivi4, kind::kivi4): pages.template operator()<kind::kivi4, kind::kivi4>(); break;
-      case combo(kind::kivi2, kind::kivi2): pages.template operator()<kind::kivi2, kind::kivi2>(); break;
-      case combo(kind::kivi4, kind::kivi2): pages.template operator()<kind::kivi4, kind::kivi2>(); break;
-      case combo(kind::sym4, kind::sym4): pages.template operator()<kind::sym4, kind::sym4>(); break;
-      case combo(kind::sym2, kind::sym2): pages.template operator()<kind::sym2, kind::sym2>(); break;
+      case kind_pair(kind::kivi4, kind::kivi4): pages.template operator()<kind::kivi4, kind::kivi4>(); break;
+      case kind_pair(kind::kivi2, kind::kivi2): pages.template operator()<kind::kivi2, kind::kivi2>(); break;
+      case kind_pair(kind::kivi4, kind::kivi2): pages.template operator()<kind::kivi4, kind::kivi2>(); break;
+      case kind_pair(kind::sym4, kind::sym4): pages.template operator()<kind::sym4, kind::sym4>(); break;
+      case kind_pair(kind::sym2, kind::sym2): pages.template operator()<kind::sym2, kind::sym2>(); break;
       default: chunks.template operator()<kind::dispatch, kind::dispatch>(); break;  // (a block of mixed pages: the hint was wrong)
     }
   } else {
@@ -249,18 +248,18 @@ __global__ void __launch_bounds__(dec_warps * 32, staged_blocks) decode_paged_ke
     kinds = uniform_kinds();
     if constexpr (TwoFull) {
       switch (kinds) {
-        case combo(kind::kivi8, kind::kivi8): chunks.template operator()<kind::kivi8, kind::kivi8>(); break;
-        case combo(kind::sym8, kind::sym8): chunks.template operator()<kind::sym8, kind::sym8>(); break;
-        case combo(kind::fp8, kind::fp8): chunks.template operator()<kind::fp8, kind::fp8>(); break;
+        case kind_pair(kind::kivi8, kind::kivi8): chunks.template operator()<kind::kivi8, kind::kivi8>(); break;
+        case kind_pair(kind::sym8, kind::sym8): chunks.template operator()<kind::sym8, kind::sym8>(); break;
+        case kind_pair(kind::fp8, kind::fp8): chunks.template operator()<kind::fp8, kind::fp8>(); break;
         default: chunks.template operator()<kind::dispatch, kind::dispatch>(); break;
       }
     } else {
       switch (kinds) {
-        case combo(kind::kivi4, kind::kivi4): chunks.template operator()<kind::kivi4, kind::kivi4>(); break;
-        case combo(kind::kivi2, kind::kivi2): chunks.template operator()<kind::kivi2, kind::kivi2>(); break;
-        case combo(kind::kivi4, kind::kivi2): chunks.template operator()<kind::kivi4, kind::kivi2>(); break;
-        case combo(kind::sym4, kind::sym4): chunks.template operator()<kind::sym4, kind::sym4>(); break;
-        case combo(kind::sym2, kind::sym2): chunks.template operator()<kind::sym2, kind::sym2>(); break;
+        case kind_pair(kind::kivi4, kind::kivi4): chunks.template operator()<kind::kivi4, kind::kivi4>(); break;
+        case kind_pair(kind::kivi2, kind::kivi2): chunks.template operator()<kind::kivi2, kind::kivi2>(); break;
+        case kind_pair(kind::kivi4, kind::kivi2): chunks.template operator()<kind::kivi4, kind::kivi2>(); break;
+        case kind_pair(kind::sym4, kind::sym4): chunks.template operator()<kind::sym4, kind::sym4>(); break;
+        case kind_pair(kind::sym2, kind::sym2): chunks.template operator()<kind::sym2, kind::sym2>(); break;
         default: chunks.template operator()<kind::dispatch, kind::dispatch>(); break;
       }
     }

@@ -121,13 +121,13 @@ __device__ __forceinline__ void scores_staged(format_traits fk, const slab_ref& 
     return;
   }
   switch (sk.kk) {
-    case kind::kivi8: scores_kind<D, Cap, family::kivi, 8, S>(sk, fk.group, rows, window, g, t, qb, sc, rs, valid); break;
-    case kind::kivi4: scores_kind<D, Cap, family::kivi, 4, S>(sk, fk.group, rows, window, g, t, qb, sc, rs, valid); break;
-    case kind::kivi2: scores_kind<D, Cap, family::kivi, 2, S>(sk, fk.group, rows, window, g, t, qb, sc, rs, valid); break;
-    case kind::sym8: scores_kind<D, Cap, family::sym, 8, S>(sk, fk.group, rows, window, g, t, qb, sc, rs, valid); break;
-    case kind::sym4: scores_kind<D, Cap, family::sym, 4, S>(sk, fk.group, rows, window, g, t, qb, sc, rs, valid); break;
-    case kind::sym2: scores_kind<D, Cap, family::sym, 2, S>(sk, fk.group, rows, window, g, t, qb, sc, rs, valid); break;
-    default: scores_kind<D, Cap, family::fp8_e4m3, 8, S>(sk, fk.group, rows, window, g, t, qb, sc, rs, valid); break;
+    case kind::kivi8: scores_staged<D, Cap, S, kind::kivi8>(fk, sk, rows, window, g, t, qb, sc, rs, valid); break;
+    case kind::kivi4: scores_staged<D, Cap, S, kind::kivi4>(fk, sk, rows, window, g, t, qb, sc, rs, valid); break;
+    case kind::kivi2: scores_staged<D, Cap, S, kind::kivi2>(fk, sk, rows, window, g, t, qb, sc, rs, valid); break;
+    case kind::sym8: scores_staged<D, Cap, S, kind::sym8>(fk, sk, rows, window, g, t, qb, sc, rs, valid); break;
+    case kind::sym4: scores_staged<D, Cap, S, kind::sym4>(fk, sk, rows, window, g, t, qb, sc, rs, valid); break;
+    case kind::sym2: scores_staged<D, Cap, S, kind::sym2>(fk, sk, rows, window, g, t, qb, sc, rs, valid); break;
+    default: scores_staged<D, Cap, S, kind::fp8>(fk, sk, rows, window, g, t, qb, sc, rs, valid); break;
   }
 }
 template <int D, int Cap, int S, int Kind = kind::dispatch>
@@ -138,13 +138,13 @@ __device__ __forceinline__ void values_staged(format_traits fv, const slab_ref& 
     return;
   }
   switch (sk.kv) {
-    case kind::kivi8: values_kind<D, Cap, family::kivi, 8, S>(sk, fv.group, rows, window, g, t, pv, valid, acc); break;
-    case kind::kivi4: values_kind<D, Cap, family::kivi, 4, S>(sk, fv.group, rows, window, g, t, pv, valid, acc); break;
-    case kind::kivi2: values_kind<D, Cap, family::kivi, 2, S>(sk, fv.group, rows, window, g, t, pv, valid, acc); break;
-    case kind::sym8: values_kind<D, Cap, family::sym, 8, S>(sk, fv.group, rows, window, g, t, pv, valid, acc); break;
-    case kind::sym4: values_kind<D, Cap, family::sym, 4, S>(sk, fv.group, rows, window, g, t, pv, valid, acc); break;
-    case kind::sym2: values_kind<D, Cap, family::sym, 2, S>(sk, fv.group, rows, window, g, t, pv, valid, acc); break;
-    default: values_kind<D, Cap, family::fp8_e4m3, 8, S>(sk, fv.group, rows, window, g, t, pv, valid, acc); break;
+    case kind::kivi8: values_staged<D, Cap, S, kind::kivi8>(fv, sk, rows, window, g, t, pv, valid, acc); break;
+    case kind::kivi4: values_staged<D, Cap, S, kind::kivi4>(fv, sk, rows, window, g, t, pv, valid, acc); break;
+    case kind::kivi2: values_staged<D, Cap, S, kind::kivi2>(fv, sk, rows, window, g, t, pv, valid, acc); break;
+    case kind::sym8: values_staged<D, Cap, S, kind::sym8>(fv, sk, rows, window, g, t, pv, valid, acc); break;
+    case kind::sym4: values_staged<D, Cap, S, kind::sym4>(fv, sk, rows, window, g, t, pv, valid, acc); break;
+    case kind::sym2: values_staged<D, Cap, S, kind::sym2>(fv, sk, rows, window, g, t, pv, valid, acc); break;
+    default: values_staged<D, Cap, S, kind::fp8>(fv, sk, rows, window, g, t, pv, valid, acc); break;
   }
 }
 

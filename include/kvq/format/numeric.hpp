@@ -2,7 +2,7 @@
 /// \file
 /// Bit-exact scalar conversions between float and the 16- and 8-bit storage types of kvq
 /// (IEEE fp16, bfloat16, OCP fp8 e4m3), written once for host and device so that the CPU
-/// reference and the CUDA kernels produce identical bytes (STYLE.md: one codec for both).
+/// reference and the CUDA kernels produce identical bytes.
 /// All conversions round to nearest, ties to even. fp16 and bf16 overflow to Inf (callers
 /// validate range first); fp8 e4m3 saturates to ±448 ("satfinite"), as NVIDIA's cvt does.
 
