@@ -3,7 +3,10 @@
 (base, new, base, new, ...): per benchmark, each build's median of its rounds, the ratio new/base,
 and the run-to-run noise, the largest relative spread between rounds of one build.
 
-usage: ab_compare.py base_1.json [base_2.json ...] -- new_1.json [new_2.json ...] > ab.md
+usage: ab_compare.py [--counters a,b] base_1.json [base_2.json ...] -- new_1.json [...] > ab.md
+
+--counters adds a row per benchmark and named counter that it reports (e.g. the append benchmark's
+per-iteration medians append_us, append_busy_us), compared the same way.
 
 A change is within noise when |new/base - 1| <= the larger of the two builds' spreads.
 """
@@ -14,8 +17,12 @@ import sys
 
 if "--" not in sys.argv:
     sys.exit(__doc__)
-cut = sys.argv.index("--")
-runs = {"base": sys.argv[1:cut], "new": sys.argv[cut + 1:]}
+args = sys.argv[1:]
+counters = []
+if args[0] == "--counters":
+    counters, args = args[1].split(","), args[2:]
+cut = args.index("--")
+runs = {"base": args[:cut], "new": args[cut + 1:]}
 times = {}  # (build, name) -> [real_time per round]
 names = []
 for build, files in runs.items():
@@ -23,10 +30,13 @@ for build, files in runs.items():
         for b in json.load(open(path))["benchmarks"]:
             if b.get("run_type", "iteration") != "iteration":
                 continue
-            key = (build, b["name"])
-            if b["name"] not in names:
-                names.append(b["name"])
-            times.setdefault(key, []).append(b["real_time"])
+            for c in [None] + counters:
+                if c is not None and c not in b:
+                    continue
+                name = b["name"] if c is None else f'{b["name"]} [{c}]'
+                if name not in names:
+                    names.append(name)
+                times.setdefault((build, name), []).append(b["real_time"] if c is None else b[c])
 
 
 def spread(xs):
@@ -48,7 +58,7 @@ for n in names:
     flag = "" if abs(r - 1) <= noise else ("slower" if r > 1 else "faster")
     outside += flag == "slower"
     logs.append(math.log(r))
-    label = n.split("/iterations:")[0].replace("|", "\\|")
+    label = (n.split("/iterations:")[0] + (" [" + n.split(" [")[1] if " [" in n else "")).replace("|", "\\|")
     print(f"| {label} | {ma:.1f} | {mb:.1f} | {r:.3f} | {spread(a):.1%}, {spread(b):.1%} | {flag} |")
 print()
 if logs:

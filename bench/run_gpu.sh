@@ -8,7 +8,8 @@
 # examples: the examples that run the CUDA backend or the low-level CUDA API (examples.log).
 # ab: the decode benchmark of another build (KVQ_AB_BASE, default out/gpu-base/, staged the same
 # way from the commit to compare against) and of .gpu/, KVQ_AB_ROUNDS (default 2) rounds each,
-# interleaved; ab.md is bench/ab_compare.py's table, ab_json.tar.gz the raw results.
+# interleaved (KVQ_AB_FILTER: a --benchmark_filter); ab.md is bench/ab_compare.py's table,
+# ab_json.tar.gz the raw results.
 # canary: EchoKV's device-canary overhead on a Llama-8B-like decode step (canary.log, canary.json).
 set -uo pipefail
 OUT=${OUT:-$PWD/out/gpu}
@@ -65,11 +66,12 @@ for s in $steps; do
       for r in $(seq "${KVQ_AB_ROUNDS:-2}"); do
         for who in base new; do
           bin=$([ $who = base ] && echo "$base" || echo .gpu)/kvq_bench_decode_cuda
-          "$bin" --benchmark_out="$OUT/ab/${who}_$r.json" --benchmark_out_format=json >/dev/null 2>&1
+          "$bin" --benchmark_filter="${KVQ_AB_FILTER:-.}" --benchmark_out="$OUT/ab/${who}_$r.json" \
+            --benchmark_out_format=json >/dev/null 2>&1
           rc=$((rc | $?)); echo "ab: round $r $who done"
         done
       done
-      python3 bench/ab_compare.py "$OUT"/ab/base_*.json -- "$OUT"/ab/new_*.json | tee "$OUT/ab.md" | tail -3
+      python3 bench/ab_compare.py --counters append_us,append_busy_us "$OUT"/ab/base_*.json -- "$OUT"/ab/new_*.json | tee "$OUT/ab.md" | tail -3
       tar -czf "$OUT/ab_json.tar.gz" -C "$OUT" ab && rm -rf "$OUT/ab" ;;
   esac
 done
