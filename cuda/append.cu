@@ -7,6 +7,7 @@
 
 #include "attention/layout.hpp"
 #include "dtype.cuh"
+#include "launch.cuh"
 #include "status.hpp"
 
 #include <cuda_runtime.h>
@@ -18,6 +19,7 @@ namespace cuda {
 namespace {
 
 using detail::cuda_status;
+using detail::launch;
 using detail::max_kv_heads;
 using detail::msg;
 using detail::threads;
@@ -121,8 +123,22 @@ status append_run(const append_args& a, void* stream) {
   if (kv.kv_heads > max_kv_heads) return {errc::unsupported, msg("append: kv_heads ", kv.kv_heads, " above ", max_kv_heads)};
   if (a.items.size() > size_t(max_append_items))
     return {errc::invalid_argument, msg("append: ", a.items.size(), " sequences in one call, at most ", max_append_items)};
+  if (a.layer < 0 || a.layer >= kv.layers)
+    return {errc::invalid_argument, msg("append: layer ", a.layer, " outside [0, ", kv.layers, ")")};
   int pages = 0, rows = 0, max_m = 0;
-  for (const append_seq& it : a.items) pages += it.pages, rows += it.m, max_m = std::max(max_m, int(it.m));
+  for (size_t i = 0; i < a.items.size(); ++i) {
+    const append_seq& it = a.items[i];
+    // Indices the kernels write through: checked here, since a bad one writes outside the tables.
+    if (it.slot < 0 || it.m < 1 || it.n < 0 || it.e < 0 || it.e > it.n || it.e % kv.page_tokens != 0 || it.pages < 0 ||
+        it.first_page != it.e / kv.page_tokens || it.first_page + it.pages > kv.max_pages ||
+        int64_t(it.e) + int64_t(it.pages) * kv.page_tokens > int64_t(it.n) + it.m)
+      return {errc::invalid_argument,
+              msg("append: item ", i, " (slot ", it.slot, ", n ", it.n, ", e ", it.e, ", m ", it.m, ", first_page ",
+                  it.first_page, ", pages ", it.pages, ") is inconsistent: need slot >= 0, m >= 1, 0 <= e <= n, e a ",
+                  "multiple of page_tokens ", kv.page_tokens, ", first_page = e / page_tokens, first_page + pages <= ",
+                  "max_pages ", kv.max_pages, " and the new pages within the n + m tokens")};
+    pages += it.pages, rows += it.m, max_m = std::max(max_m, int(it.m));
+  }
   if (pages > max_append_pages)
     return {errc::invalid_argument, msg("append: ", pages, " new pages in one call, at most ", max_append_pages)};
   if (rows != a.k.tokens || rows != a.v.tokens)
@@ -151,6 +167,10 @@ status append_run(const append_args& a, void* stream) {
     row += it.m;
     page += it.pages;
   }
+  for (int i = 0; i < pages * kv.kv_heads * 2; ++i)
+    if (a.page_fmts[i] >= format_count || (i % 2 == 0 ? kv.k_page_bytes : kv.v_page_bytes)[a.page_fmts[i]] == 0)
+      return {errc::invalid_argument, msg("append: new page ", i / (kv.kv_heads * 2), " has format id ",
+                                          int(a.page_fmts[i]), ", which the paged view cannot store")};
   for (int i = 0; i < pages; ++i) {
     p.page_blocks[i] = a.page_blocks[i];
     for (int j = 0; j < kv.kv_heads * 2; ++j) p.page_fmts[i][j] = a.page_fmts[i * kv.kv_heads * 2 + j];
@@ -160,12 +180,13 @@ status append_run(const append_args& a, void* stream) {
     const int smem = kv.page_tokens * kv.head_dim * 2;
     KVQ_TRY(cuda_status(cudaFuncSetAttribute(encode_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
                         "cudaFuncSetAttribute"));
-    encode_kernel<<<dim3(unsigned(pages), unsigned(kv.kv_heads), 2), threads, smem, st>>>(p);
+    KVQ_TRY(launch(encode_kernel, dim3(unsigned(pages), unsigned(kv.kv_heads), 2), dim3(threads), size_t(smem), st,
+                   "append: encode launch", p));
   }
   const int64_t ring_chunks = int64_t(std::min(max_m, kv.window)) * kv.kv_heads * 2 * (kv.head_dim / 8);
   const int blocks = int(std::min<int64_t>(1024, (ring_chunks + 255) / 256));
-  ring_kernel<<<dim3(unsigned(std::max(1, blocks)), unsigned(a.items.size())), 256, 0, st>>>(p);
-  return cuda_status(cudaGetLastError(), "append launch");
+  return launch(ring_kernel, dim3(unsigned(std::max(1, blocks)), unsigned(a.items.size())), dim3(256), 0, st,
+                "append: ring launch", p);
 }
 
 }  // namespace cuda

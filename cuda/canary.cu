@@ -18,11 +18,11 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <atomic>
 #include <kvq/codec/codec.hpp>
 #include <kvq/cuda/canary.hpp>
 
 #include "dtype.cuh"
+#include "launch.cuh"
 #include "status.hpp"
 
 KVQ_NAMESPACE_BEGIN
@@ -39,6 +39,7 @@ constexpr int max_items = 64;
 constexpr int key_pad = 8, err_pad = 4;  // items per launch (parameter space); more are launched in turn
 
 using detail::cuda_status;
+using detail::launch;
 using detail::load_any;
 using detail::msg;
 
@@ -302,8 +303,6 @@ status canary_run(const canary_args& a, void* stream) {
     p.tier_fmt[t] = a.tiers[size_t(t)];
     p.chunk_stride[t] = uint32_t(chunk_bytes(a.tiers[size_t(t)], a.align, a.head_dim));
   }
-  // The smem opt-in is a host call; do it once per size above the default 48 KiB.
-  static std::atomic<int> opted{48 << 10};
   for (size_t i0 = 0; i0 < a.items.size(); i0 += max_items) {
     const int count = int(std::min<size_t>(max_items, a.items.size() - i0));
     int keys = 0;
@@ -314,14 +313,13 @@ status canary_run(const canary_args& a, void* stream) {
     p.n_items = count;
     p.out = a.out + i0 * size_t(a.kv_heads) * a.tiers.size();
     const size_t smem = canary_smem_bytes(a.tiers, a.align, a.head_dim, keys);
-    if (int(smem) > opted.load()) {
-      KVQ_TRY(cuda_status(cudaFuncSetAttribute(canary_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
-                          "cudaFuncSetAttribute"));
-      opted.store(int(smem));
-    }
-    canary_kernel<<<dim3(unsigned(a.kv_heads), unsigned(count)), threads, smem, st>>>(p);
+    // The opt-in belongs to the current device: set on every launch (a host call), as attend does.
+    KVQ_TRY(cuda_status(cudaFuncSetAttribute(canary_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
+                        "cudaFuncSetAttribute"));
+    KVQ_TRY(launch(canary_kernel, dim3(unsigned(a.kv_heads), unsigned(count)), dim3(threads), smem, st,
+                   "canary launch", p));
   }
-  return cuda_status(cudaGetLastError(), "canary launch");
+  return {};
 }
 
 }  // namespace cuda

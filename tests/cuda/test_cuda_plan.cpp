@@ -135,3 +135,44 @@ TEST_CASE("attend_run refuses bad arguments and a short workspace before any lau
     CHECK_THAT(bad.message(), Catch::Contains("inconsistent item (slot 1"));
   }
 }
+
+// `append_run` checks every index the kernels write through before any device work: a bad slot,
+// page range or format id is a status naming the item, and no launch happens (no device needed).
+TEST_CASE("append_run refuses inconsistent items and unusable page formats before any launch", "[cuda][plan]") {
+  const cuda::paged_view kv = view(128, 64);
+  std::vector<uint16_t> rows(size_t(3) * kv.kv_heads * kv.head_dim);  // never read: refused first
+  std::vector<uint32_t> blocks = {0};
+  std::vector<uint8_t> fmts(size_t(kv.kv_heads) * 2, uint8_t(parse_format("kivi4/g32").value()));
+  auto args = [&](std::vector<cuda::append_seq>& items) {
+    cuda::append_args a;
+    a.kv = kv;
+    a.items = items;
+    a.k = a.v = {rows.data(), dtype::f16, 3, kv.kv_heads, kv.head_dim};
+    a.page_blocks = blocks.data();
+    a.page_fmts = fmts.data();
+    return a;
+  };
+  const cuda::append_seq good{.slot = 0, .n = 93, .e = 0, .m = 3, .window_unit = 0, .first_page = 0, .pages = 1};
+  const std::vector<std::pair<cuda::append_seq, const char*>> bad = {
+      {{.slot = -1, .n = 93, .e = 0, .m = 3, .first_page = 0, .pages = 1}, "slot -1"},
+      {{.slot = 0, .n = 93, .e = 64, .m = 3, .first_page = 0, .pages = 1}, "first_page 0"},
+      {{.slot = 0, .n = 93, .e = 0, .m = 3, .first_page = 0, .pages = 2}, "pages 2"},
+      {{.slot = 0, .n = 93, .e = 0, .m = 0, .first_page = 0, .pages = 1}, "m 0"},
+      {{.slot = 0, .n = 4095 * 64, .e = 4095 * 64, .m = 3, .first_page = 4095, .pages = 2}, "first_page 4095"},
+  };
+  for (const auto& [item, what] : bad) {
+    CAPTURE(what);
+    std::vector<cuda::append_seq> items = {good, item};
+    const status s = cuda::append_run(args(items), nullptr);
+    CHECK(s.code() == errc::invalid_argument);
+    CHECK_THAT(s.message(), Catch::Contains("item 1") && Catch::Contains(what));
+  }
+  std::vector<cuda::append_seq> one = {good};
+  fmts[3] = uint8_t(format_count);  // V of kv head 1: no such format
+  const status f = cuda::append_run(args(one), nullptr);
+  CHECK(f.code() == errc::invalid_argument);
+  CHECK_THAT(f.message(), Catch::Contains("format id " + std::to_string(format_count)));
+  cuda::append_args wrong_layer = args(one);
+  wrong_layer.layer = 1;
+  CHECK_THAT(cuda::append_run(wrong_layer, nullptr).message(), Catch::Contains("layer 1 outside [0, 1)"));
+}
