@@ -229,6 +229,19 @@ TEST_CASE("thread_pool runs every task once, also with runs from two threads at 
   };
   CHECK(runs_ok(1));
   CHECK(runs_ok(1000));
+  // Many short runs back to back: a worker still holding a ticket of the previous run must not
+  // claim a task of the next (a lost or extra task count hangs or skips a task here).
+  {
+    thread_pool two(2);
+    int64_t wrong = 0;
+    for (int rep = 0; rep < 100000; ++rep) {
+      const int64_t n = 2 + rep % 37;
+      std::atomic<int64_t> count{0};
+      two.run(n, [&](int64_t i) { count.fetch_add(i + 1); });
+      wrong += count.load() != n * (n + 1) / 2;
+    }
+    CHECK(wrong == 0);
+  }
   bool other_ok = false;
   std::thread other([&] { other_ok = runs_ok(777); });
   CHECK(runs_ok(333));

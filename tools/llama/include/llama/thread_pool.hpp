@@ -34,18 +34,20 @@ class thread_pool {
 
  private:
   void work_loop();
-  void drain();
+  void drain(uint32_t job);
 
   std::vector<std::thread> workers_;
   std::mutex run_mutex_;  // held by the run in flight
-  std::mutex mutex_;
+  std::mutex mutex_;      // guards the sleeps on wake_ and done_
   std::condition_variable wake_, done_;
+  // The job in flight: fn_ and n_ are written by run() before it publishes the job's ticket
+  // (release) and read by a worker only between a successful claim and that task's end.
   const std::function<void(int64_t)>* fn_ = nullptr;
-  int64_t n_ = 0;
-  std::atomic<int64_t> next_{0};
-  int pending_ = 0;          // workers not yet done with the current job
-  uint64_t generation_ = 0;  // bumped per job
-  bool stop_ = false;
+  std::atomic<int64_t> n_{0};
+  std::atomic<uint64_t> ticket_{UINT32_MAX};  // (job number << 32) | next task to claim (job 0: closed)
+  std::atomic<int64_t> done_tasks_{0};
+  uint32_t job_ = 0;                  // last job number, written by run() only
+  std::atomic<bool> stop_{false};
 };
 
 }  // namespace kvq::llama
