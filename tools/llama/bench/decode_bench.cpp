@@ -28,19 +28,28 @@ int fail(const std::string& message) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc < 3) return fail("usage: kvq_llama_bench MODEL.gguf TEXT.txt [--threads N] [--isa scalar|avx2] "
-                            "[--prefill P] [--tokens N] [--repeat R] [--cache SPEC]");
+  if (argc < 3)
+    return fail(
+        "usage: kvq_llama_bench MODEL.gguf TEXT.txt [--threads N] [--isa scalar|avx2] "
+        "[--prefill P] [--tokens N] [--repeat R] [--cache SPEC]");
   int threads = 0, prefill = 64, tokens = 128, repeat = 3;
   std::string isa = "best", cache_spec = "fp16";
   for (int i = 3; i + 1 < argc; i += 2) {
     const std::string key = argv[i], value = argv[i + 1];
-    if (key == "--threads") threads = std::stoi(value);
-    else if (key == "--isa") isa = value;
-    else if (key == "--prefill") prefill = std::stoi(value);
-    else if (key == "--tokens") tokens = std::stoi(value);
-    else if (key == "--repeat") repeat = std::stoi(value);
-    else if (key == "--cache") cache_spec = value;
-    else return fail("unknown option " + key);
+    if (key == "--threads")
+      threads = std::stoi(value);
+    else if (key == "--isa")
+      isa = value;
+    else if (key == "--prefill")
+      prefill = std::stoi(value);
+    else if (key == "--tokens")
+      tokens = std::stoi(value);
+    else if (key == "--repeat")
+      repeat = std::stoi(value);
+    else if (key == "--cache")
+      cache_spec = value;
+    else
+      return fail("unknown option " + key);
   }
   if (prefill < 1 || tokens < 1 || repeat < 1) return fail("--prefill, --tokens and --repeat must be positive");
   auto f = gguf_file::open(argv[1]);
@@ -62,8 +71,8 @@ int main(int argc, char** argv) {
   const std::string text{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
   const std::vector<token_id> ids = tok->encode(text, true, false);
   if (ids.size() < size_t(prefill + tokens))
-    return fail("the text has " + std::to_string(ids.size()) + " tokens, the run needs prefill + tokens = " +
-                std::to_string(prefill + tokens));
+    return fail("the text has " + std::to_string(ids.size()) +
+                " tokens, the run needs prefill + tokens = " + std::to_string(prefill + tokens));
 
   std::printf("model %s (loaded in %.2f s), isa %s, threads %d, cache %s, prefill %d, decode %d tokens\n",
               model.name().c_str(), load_s, isa_name(model.isa()), model.threads(), cache_spec.c_str(), prefill,

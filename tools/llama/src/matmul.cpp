@@ -19,8 +19,8 @@ result<weight_matrix> weight_matrix::from_bytes(ggml_type type, int64_t rows, in
                                                       rows, cols, info->name, info->block_elems)};
   const size_t row_bytes = size_t(cols / info->block_elems) * info->block_bytes;
   if (bytes.size() != row_bytes * size_t(rows))
-    return status{errc::invalid_argument, fmt::format("weight_matrix: {} x {} of {} needs {} bytes, got {}", rows,
-                                                      cols, info->name, row_bytes * size_t(rows), bytes.size())};
+    return status{errc::invalid_argument, fmt::format("weight_matrix: {} x {} of {} needs {} bytes, got {}", rows, cols,
+                                                      info->name, row_bytes * size_t(rows), bytes.size())};
   weight_matrix m;
   m.type_ = type;
   m.rows_ = rows;
@@ -71,7 +71,8 @@ void matmul(std::span<const matmul_job> jobs, const float* x, int64_t T, thread_
     if (!buf.empty()) continue;
     act_row[size_t(k)] = activation_bytes(k, cols);
     buf.resize(act_row[size_t(k)] * size_t(T));
-    for (int64_t t = 0; t < T; ++t) quantize_activation(k, x + t * cols, cols, buf.data() + size_t(t) * act_row[size_t(k)]);
+    for (int64_t t = 0; t < T; ++t)
+      quantize_activation(k, x + t * cols, cols, buf.data() + size_t(t) * act_row[size_t(k)]);
   }
 
   std::vector<dot_fn> dots(jobs.size());

@@ -142,8 +142,7 @@ result<llama_model> llama_model::load(const gguf_file& f) {
     out.assign(size_t(t->elements), 0.f);
     return f.dequantize_into(*t, out);
   };
-  auto load_matrix = [&](const std::string& name, std::initializer_list<int64_t> shape,
-                         weight_matrix& out) -> status {
+  auto load_matrix = [&](const std::string& name, std::initializer_list<int64_t> shape, weight_matrix& out) -> status {
     const gguf_tensor_info* t = nullptr;
     KVQ_TRY(find_shaped(name, shape, t));
     auto w = weight_matrix::from_gguf(f, *t);

@@ -25,8 +25,10 @@ uint16_t random_f16(std::mt19937_64& rng, float lo, float hi) {
   const float v = std::uniform_real_distribution<float>(lo, hi)(rng);
   uint16_t best = 0;
   for (uint16_t h = 0x0400; h < 0x7c00; h = uint16_t(h + 1))
-    if (f16_to_float(h) <= v) best = h;
-    else break;
+    if (f16_to_float(h) <= v)
+      best = h;
+    else
+      break;
   return best;
 }
 
@@ -121,7 +123,7 @@ TEST_CASE("every dot kernel equals dequantize-then-dot, scalar and AVX2", "[quan
       std::vector<float> x(static_cast<size_t>(n));
       std::normal_distribution<float> nd;
       for (auto& v : x) v = nd(rng);
-      x[size_t(rng() % size_t(n))] *= 20.f;  // a single outlier
+      x[size_t(rng() % size_t(n))] *= 20.f;          // a single outlier
       if (n >= 64) std::fill_n(x.begin(), 32, 0.f);  // an all-zero activation block
 
       std::vector<uint8_t> act(activation_bytes(kind, n));
@@ -159,8 +161,8 @@ TEST_CASE("every dot kernel equals dequantize-then-dot, scalar and AVX2", "[quan
 }
 
 TEST_CASE("types without a kernel have none, and the ISA query is consistent", "[quant][dot]") {
-  for (const ggml_type t : {ggml_type::q5_0, ggml_type::q5_1, ggml_type::q2_k, ggml_type::q3_k, ggml_type::q5_k,
-                            ggml_type::bf16}) {
+  for (const ggml_type t :
+       {ggml_type::q5_0, ggml_type::q5_1, ggml_type::q2_k, ggml_type::q3_k, ggml_type::q5_k, ggml_type::bf16}) {
     CAPTURE(type_name(uint32_t(t)));
     CHECK(activation_of(t) == activation_kind::none);
     CHECK(find_dot(t, cpu_isa::scalar) == nullptr);

@@ -73,10 +73,10 @@ static_assert(sizeof(q16_k_block) == 580, "q16_k_block is 580 bytes");
 
 /// The activation form a weight type's kernel reads.
 enum class activation_kind : uint8_t {
-  f32,   ///< float row
+  f32,    ///< float row
   q16,    ///< `q16_block` per 32 elements
   q16_k,  ///< `q16_k_block` per 256 elements
-  none,  ///< no kernel for this weight type
+  none,   ///< no kernel for this weight type
 };
 
 /// The activation a weight type pairs with (`none` for types without a kernel).

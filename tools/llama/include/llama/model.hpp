@@ -23,12 +23,12 @@
 
 #include <cstdint>
 #include <functional>
-#include <memory>
 #include <kvq/cache/cache.hpp>
 #include <kvq/status.hpp>
 #include <llama/gguf.hpp>
 #include <llama/matmul.hpp>
 #include <llama/tokenizer.hpp>
+#include <memory>
 #include <span>
 #include <string>
 #include <vector>

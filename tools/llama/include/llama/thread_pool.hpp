@@ -46,7 +46,7 @@ class thread_pool {
   std::atomic<int64_t> n_{0};
   std::atomic<uint64_t> ticket_{UINT32_MAX};  // (job number << 32) | next task to claim (job 0: closed)
   std::atomic<int64_t> done_tasks_{0};
-  uint32_t job_ = 0;                  // last job number, written by run() only
+  uint32_t job_ = 0;  // last job number, written by run() only
   std::atomic<bool> stop_{false};
 };
 
