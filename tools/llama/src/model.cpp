@@ -1,6 +1,5 @@
 #include <fmt/format.h>
 
-#include <Eigen/Core>
 #include <algorithm>
 #include <bit>
 #include <cmath>
@@ -11,18 +10,6 @@
 namespace kvq::llama {
 
 namespace {
-
-using row_matrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-using const_map = Eigen::Map<const row_matrix>;
-using mut_map = Eigen::Map<row_matrix>;
-
-/// y[T][out] = x[T][in] * w[out][in]^T
-void matmul_t(const float* x, int64_t T, int64_t in, const std::vector<float>& w, int64_t out, float* y) {
-  const_map X(x, T, in);
-  const_map W(w.data(), out, in);
-  mut_map Y(y, T, out);
-  Y.noalias() = X * W.transpose();
-}
 
 /// y[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w, row by row.
 void rms_norm(const float* x, int64_t T, int64_t n, const std::vector<float>& w, float eps, float* y) {
@@ -130,9 +117,9 @@ result<llama_model> llama_model::load(const gguf_file& f) {
     return status{errc::unsupported, fmt::format("{}: llama.rope.scaling.factor {} is not supported", path, *v)};
   }
 
-  // Tensors: check the shape of each before dequantizing it.
-  auto load_tensor = [&](const std::string& name, std::initializer_list<int64_t> shape,
-                         std::vector<float>& out) -> status {
+  // Tensors: check the shape of each before loading it.
+  auto find_shaped = [&](const std::string& name, std::initializer_list<int64_t> shape,
+                         const gguf_tensor_info*& found) -> status {
     const gguf_tensor_info* t = f.find_tensor(name);
     if (!t) return {errc::not_found, fmt::format("{}: tensor '{}' is missing", path, name)};
     bool same = t->n_dims == int(shape.size());
@@ -145,8 +132,23 @@ result<llama_model> llama_model::load(const gguf_file& f) {
       return {errc::io_error,
               fmt::format("{}: tensor '{}' has shape {}, expected {}", path, name, t->shape_string(), want + "]")};
     }
+    found = t;
+    return {};
+  };
+  auto load_tensor = [&](const std::string& name, std::initializer_list<int64_t> shape,
+                         std::vector<float>& out) -> status {
+    const gguf_tensor_info* t = nullptr;
+    KVQ_TRY(find_shaped(name, shape, t));
     out.assign(size_t(t->elements), 0.f);
     return f.dequantize_into(*t, out);
+  };
+  auto load_matrix = [&](const std::string& name, std::initializer_list<int64_t> shape, weight_matrix& out) -> status {
+    const gguf_tensor_info* t = nullptr;
+    KVQ_TRY(find_shaped(name, shape, t));
+    auto w = weight_matrix::from_gguf(f, *t);
+    if (!w) return w.error();
+    out = std::move(w).value();
+    return {};
   };
 
   const gguf_tensor_info* emb = f.find_tensor("token_embd.weight");
@@ -159,10 +161,10 @@ result<llama_model> llama_model::load(const gguf_file& f) {
     return status{errc::io_error,
                   fmt::format("{}: llama.vocab_size disagrees with token_embd.weight's {} rows", path, hp.n_vocab)};
   const int64_t E = hp.n_embd, Dq = int64_t(hp.n_head) * hp.head_dim, Dkv = int64_t(hp.n_head_kv) * hp.head_dim;
-  KVQ_TRY(load_tensor("token_embd.weight", {E, hp.n_vocab}, m.tok_embd_));
+  KVQ_TRY(load_matrix("token_embd.weight", {E, hp.n_vocab}, m.tok_embd_));
   KVQ_TRY(load_tensor("output_norm.weight", {E}, m.out_norm_));
   if (f.find_tensor("output.weight")) {
-    KVQ_TRY(load_tensor("output.weight", {E, hp.n_vocab}, m.output_));
+    KVQ_TRY(load_matrix("output.weight", {E, hp.n_vocab}, m.output_));
   } else {
     m.tied_output_ = true;
   }
@@ -172,14 +174,14 @@ result<llama_model> llama_model::load(const gguf_file& f) {
     llama_layer& L = m.layers_.emplace_back();
     const std::string p = fmt::format("blk.{}.", l);
     KVQ_TRY(load_tensor(p + "attn_norm.weight", {E}, L.attn_norm));
-    KVQ_TRY(load_tensor(p + "attn_q.weight", {E, Dq}, L.wq));
-    KVQ_TRY(load_tensor(p + "attn_k.weight", {E, Dkv}, L.wk));
-    KVQ_TRY(load_tensor(p + "attn_v.weight", {E, Dkv}, L.wv));
-    KVQ_TRY(load_tensor(p + "attn_output.weight", {Dq, E}, L.wo));
+    KVQ_TRY(load_matrix(p + "attn_q.weight", {E, Dq}, L.wq));
+    KVQ_TRY(load_matrix(p + "attn_k.weight", {E, Dkv}, L.wk));
+    KVQ_TRY(load_matrix(p + "attn_v.weight", {E, Dkv}, L.wv));
+    KVQ_TRY(load_matrix(p + "attn_output.weight", {Dq, E}, L.wo));
     KVQ_TRY(load_tensor(p + "ffn_norm.weight", {E}, L.ffn_norm));
-    KVQ_TRY(load_tensor(p + "ffn_gate.weight", {E, hp.n_ff}, L.w_gate));
-    KVQ_TRY(load_tensor(p + "ffn_up.weight", {E, hp.n_ff}, L.w_up));
-    KVQ_TRY(load_tensor(p + "ffn_down.weight", {hp.n_ff, E}, L.w_down));
+    KVQ_TRY(load_matrix(p + "ffn_gate.weight", {E, hp.n_ff}, L.w_gate));
+    KVQ_TRY(load_matrix(p + "ffn_up.weight", {E, hp.n_ff}, L.w_up));
+    KVQ_TRY(load_matrix(p + "ffn_down.weight", {hp.n_ff, E}, L.w_down));
   }
 
   m.inv_freq_.resize(size_t(hp.n_rot / 2));
@@ -194,6 +196,15 @@ kvq::cache_shape llama_model::cache_shape() const {
   s.kv_heads = hp_.n_head_kv;
   s.head_dim = hp_.head_dim;
   return s;
+}
+
+void llama_model::set_threads(int threads) { pool_ = std::make_shared<thread_pool>(threads); }
+
+status llama_model::set_isa(cpu_isa isa) {
+  if (!isa_available(isa))
+    return {errc::unsupported, fmt::format("set_isa: this CPU (or build) cannot run {} kernels", isa_name(isa))};
+  isa_ = isa;
+  return {};
 }
 
 // ---- shared pieces ------------------------------------------------------------------------------
@@ -217,7 +228,7 @@ status llama_model::check_chunk(std::span<const token_id> tokens, std::span<cons
 void llama_model::embed(std::span<const token_id> tokens, std::vector<float>& x) const {
   const size_t E = size_t(hp_.n_embd);
   x.resize(tokens.size() * E);
-  for (size_t t = 0; t < tokens.size(); ++t) std::copy_n(tok_embd_.data() + size_t(tokens[t]) * E, E, x.data() + t * E);
+  for (size_t t = 0; t < tokens.size(); ++t) tok_embd_.dequantize_row(tokens[t], x.data() + t * E);
 }
 
 void llama_model::rope(float* rows, int64_t T, int heads, int64_t pos0) const {
@@ -246,9 +257,8 @@ void llama_model::attention_inputs(int layer, const std::vector<float>& x, int64
   q.resize(size_t(T * Dq));
   k.resize(size_t(T * Dkv));
   v.resize(size_t(T * Dkv));
-  matmul_t(xn.data(), T, E, L.wq, Dq, q.data());
-  matmul_t(xn.data(), T, E, L.wk, Dkv, k.data());
-  matmul_t(xn.data(), T, E, L.wv, Dkv, v.data());
+  const matmul_job qkv[] = {{&L.wq, q.data()}, {&L.wk, k.data()}, {&L.wv, v.data()}};
+  matmul(qkv, xn.data(), T, *pool_, isa_);
   rope(q.data(), T, hp_.n_head, pos0);
   rope(k.data(), T, hp_.n_head_kv, pos0);
 }
@@ -256,25 +266,27 @@ void llama_model::attention_inputs(int layer, const std::vector<float>& x, int64
 void llama_model::attention_output_and_ffn(int layer, std::vector<float>& x, const std::vector<float>& attn,
                                            int64_t T) const {
   const llama_layer& L = layers_[size_t(layer)];
-  const int64_t E = hp_.n_embd, Dq = int64_t(hp_.n_head) * hp_.head_dim, F = hp_.n_ff;
-  mut_map X(x.data(), T, E);
-  X.noalias() += const_map(attn.data(), T, Dq) * const_map(L.wo.data(), E, Dq).transpose();
+  const int64_t E = hp_.n_embd, F = hp_.n_ff;
+  const matmul_job out_proj[] = {{&L.wo, x.data(), true}};
+  matmul(out_proj, attn.data(), T, *pool_, isa_);
 
   std::vector<float> xn(size_t(T * E)), g(size_t(T * F)), u(size_t(T * F));
   rms_norm(x.data(), T, E, L.ffn_norm, hp_.rms_eps, xn.data());
-  matmul_t(xn.data(), T, E, L.w_gate, F, g.data());
-  matmul_t(xn.data(), T, E, L.w_up, F, u.data());
+  const matmul_job gate_up[] = {{&L.w_gate, g.data()}, {&L.w_up, u.data()}};
+  matmul(gate_up, xn.data(), T, *pool_, isa_);
   for (size_t i = 0; i < g.size(); ++i) g[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
-  X.noalias() += const_map(g.data(), T, F) * const_map(L.w_down.data(), E, F).transpose();
+  const matmul_job down[] = {{&L.w_down, x.data(), true}};
+  matmul(down, g.data(), T, *pool_, isa_);
 }
 
 void llama_model::output_logits(const std::vector<float>& x, int64_t T, std::span<float> logits,
                                 logits_mode mode) const {
-  const int64_t E = hp_.n_embd, V = hp_.n_vocab;
+  const int64_t E = hp_.n_embd;
   const int64_t first = mode == logits_mode::all ? 0 : T - 1, rows = T - first;
   std::vector<float> xn(size_t(rows * E));
   rms_norm(x.data() + first * E, rows, E, out_norm_, hp_.rms_eps, xn.data());
-  matmul_t(xn.data(), rows, E, tied_output_ ? tok_embd_ : output_, V, logits.data());
+  const matmul_job head[] = {{tied_output_ ? &tok_embd_ : &output_, logits.data()}};
+  matmul(head, xn.data(), rows, *pool_, isa_);
 }
 
 // ---- forward through the cache ------------------------------------------------------------------

@@ -153,23 +153,12 @@ void deq_q3_k(const uint8_t* src, float* y) {
   }
 }
 
-// 6-bit scale and min of sub-block s of Q4_K / Q5_K (8 pairs packed in 12 bytes).
-inline void k4_scale_min(const uint8_t* sc, int s, int& scale, int& min) {
-  if (s < 4) {
-    scale = sc[s] & 63;
-    min = sc[s + 4] & 63;
-  } else {
-    scale = (sc[s + 4] & 0xf) | (sc[s - 4] >> 6) << 4;
-    min = (sc[s + 4] >> 4) | (sc[s] >> 6) << 4;
-  }
-}
-
 void deq_q4_k(const uint8_t* src, float* y) {
   const auto b = load_block<block_q4_k>(src);
   const float d = f16_to_float(b.d), dmin = f16_to_float(b.dmin);
   for (int s = 0; s < 8; ++s) {
     int sc, mn;
-    k4_scale_min(b.scales, s, sc, mn);
+    q4_k_scale_min(b.scales, s, sc, mn);
     const float ds = d * float(sc), ms = dmin * float(mn);
     const int c = s / 2;
     const bool high = s % 2;
@@ -186,7 +175,7 @@ void deq_q5_k(const uint8_t* src, float* y) {
   const float d = f16_to_float(b.d), dmin = f16_to_float(b.dmin);
   for (int s = 0; s < 8; ++s) {
     int sc, mn;
-    k4_scale_min(b.scales, s, sc, mn);
+    q4_k_scale_min(b.scales, s, sc, mn);
     const float ds = d * float(sc), ms = dmin * float(mn);
     const int c = s / 2;
     const bool high = s % 2;

@@ -8,8 +8,10 @@
 /// SwiGLU FFN (down(silu(gate(x)) * up(x))) and residual. Then the final RMSNorm and the output
 /// head (tied to `token_embd.weight` when the file has no `output.weight`).
 ///
-/// Weights are dequantized to float at load (fine for the small models kvq evaluates on:
-/// SmolLM2-135M takes about 540 MB). Matrices are stored as in GGUF: [out][in] row-major.
+/// Weight matrices stay in their GGUF quantization (`weight_matrix`, [out][in] row-major as in
+/// GGUF) and the projections run on the quantized blocks over a thread pool (`llama/matmul.hpp`):
+/// the activations of quantized weights are quantized to 8 bits per block first, as llama.cpp
+/// does; F32 and F16 weights take float activations. Norm weights are float.
 ///
 /// Positions: a chunk's first token has position `cache.length(seq, 0)`, so a sequence is fed
 /// chunk after chunk (prefill) and then one token at a time (decode). A chunk holds at most the
@@ -24,7 +26,9 @@
 #include <kvq/cache/cache.hpp>
 #include <kvq/status.hpp>
 #include <llama/gguf.hpp>
+#include <llama/matmul.hpp>
 #include <llama/tokenizer.hpp>
+#include <memory>
 #include <span>
 #include <string>
 #include <vector>
@@ -49,14 +53,14 @@ struct llama_hparams {
 /// One transformer block's weights, [out][in] row-major.
 struct llama_layer {
   std::vector<float> attn_norm;  ///< [n_embd]
-  std::vector<float> wq;         ///< [n_head * head_dim][n_embd]
-  std::vector<float> wk;         ///< [n_head_kv * head_dim][n_embd]
-  std::vector<float> wv;         ///< [n_head_kv * head_dim][n_embd]
-  std::vector<float> wo;         ///< [n_embd][n_head * head_dim]
+  weight_matrix wq;              ///< [n_head * head_dim][n_embd]
+  weight_matrix wk;              ///< [n_head_kv * head_dim][n_embd]
+  weight_matrix wv;              ///< [n_head_kv * head_dim][n_embd]
+  weight_matrix wo;              ///< [n_embd][n_head * head_dim]
   std::vector<float> ffn_norm;   ///< [n_embd]
-  std::vector<float> w_gate;     ///< [n_ff][n_embd]
-  std::vector<float> w_up;       ///< [n_ff][n_embd]
-  std::vector<float> w_down;     ///< [n_embd][n_ff]
+  weight_matrix w_gate;          ///< [n_ff][n_embd]
+  weight_matrix w_up;            ///< [n_ff][n_embd]
+  weight_matrix w_down;          ///< [n_embd][n_ff]
 };
 
 /// K and V of one sequence for the reference path: per layer [tokens][n_head_kv][head_dim].
@@ -83,11 +87,13 @@ enum class logits_mode : uint8_t {
   all,   ///< [tokens][n_vocab]: every token of the chunk
 };
 
-/// A loaded model: hyper-parameters and float weights. Immutable after load; forward calls may
-/// run concurrently on distinct caches.
+/// A loaded model: hyper-parameters, weights and the thread pool of its matrix products.
+/// Immutable after load (but for `set_threads` and `set_isa`, which must not race a forward
+/// call); forward calls may run concurrently on distinct caches: one of them at a time uses the
+/// pool, the others run their products on their own thread.
 class llama_model {
  public:
-  /// Reads hyper-parameters and dequantizes every weight of a GGUF file of architecture
+  /// Reads hyper-parameters and the weights of a GGUF file of architecture
   /// `llama`. Errors name the file and the key or tensor: missing tensor (not_found), wrong
   /// shape or inconsistent hyper-parameters (io_error), unsupported architecture, RoPE scaling
   /// or tensor type (unsupported).
@@ -125,8 +131,17 @@ class llama_model {
   status forward_reference(reference_kv& kv, std::span<const token_id> tokens, std::span<float> logits,
                            logits_mode mode = logits_mode::last, const layer_observer& observer = {}) const;
 
-  /// Raw weights (for tests and analysis).
-  const std::vector<float>& token_embd() const { return tok_embd_; }
+  /// Threads of the matrix products, the caller included (default: hardware_concurrency).
+  int threads() const { return pool_->threads(); }
+  /// Sets the threads of the matrix products (0: hardware_concurrency).
+  void set_threads(int threads);
+  /// Instruction set of the dot products (default: `best_isa()`).
+  cpu_isa isa() const { return isa_; }
+  /// Chooses the instruction set of the dot products. Errors: unsupported when this CPU lacks it.
+  status set_isa(cpu_isa isa);
+
+  /// Weights as stored (for tests and analysis).
+  const weight_matrix& token_embd() const { return tok_embd_; }
   const std::vector<llama_layer>& layers() const { return layers_; }
 
  private:
@@ -144,11 +159,13 @@ class llama_model {
   std::string name_;
   llama_hparams hp_;
   std::vector<double> inv_freq_;  // [n_rot / 2] base^(-2i / n_rot)
-  std::vector<float> tok_embd_;   // [n_vocab][n_embd]
+  weight_matrix tok_embd_;        // [n_vocab][n_embd]
   std::vector<float> out_norm_;   // [n_embd]
-  std::vector<float> output_;     // [n_vocab][n_embd]; empty when tied
+  weight_matrix output_;          // [n_vocab][n_embd]; empty when tied
   bool tied_output_ = false;
   std::vector<llama_layer> layers_;
+  std::shared_ptr<thread_pool> pool_ = std::make_shared<thread_pool>();
+  cpu_isa isa_ = best_isa();
 };
 
 /// Index of the largest logit (the first on ties); -1 for an empty span.

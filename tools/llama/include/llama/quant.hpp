@@ -199,6 +199,18 @@ struct block_q4_k {
 };
 static_assert(sizeof(block_q4_k) == 144, "Q4_K block is 144 bytes");
 
+/// The 6-bit scale and min of sub-block s (0..7) of Q4_K and Q5_K from their 12 packed bytes
+/// `sc` (packing in the comment of `block_q4_k`).
+inline void q4_k_scale_min(const uint8_t* sc, int s, int& scale, int& min) {
+  if (s < 4) {
+    scale = sc[s] & 63;
+    min = sc[s + 4] & 63;
+  } else {
+    scale = (sc[s + 4] & 0xf) | (sc[s - 4] >> 6) << 4;
+    min = (sc[s + 4] >> 4) | (sc[s] >> 6) << 4;
+  }
+}
+
 /// Q5_K: Q4_K plus a fifth bit: q = nibble + 16 * (bit s of qh[r % 32]), with the sub-block s
 /// and r as in Q4_K.
 ///

@@ -1,0 +1,106 @@
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <array>
+#include <cstring>
+#include <llama/matmul.hpp>
+
+namespace kvq::llama {
+
+result<weight_matrix> weight_matrix::from_bytes(ggml_type type, int64_t rows, int64_t cols,
+                                                std::vector<uint8_t> bytes) {
+  const type_info* info = find_type(uint32_t(type));
+  if (!info || activation_of(type) == activation_kind::none)
+    return status{errc::invalid_argument,
+                  fmt::format("weight_matrix: no dot-product kernel for type {}", type_name(uint32_t(type)))};
+  if (rows <= 0 || cols <= 0 || cols % info->block_elems != 0)
+    return status{errc::invalid_argument, fmt::format("weight_matrix: {} x {} of {}: columns must be a positive "
+                                                      "multiple of {}",
+                                                      rows, cols, info->name, info->block_elems)};
+  const size_t row_bytes = size_t(cols / info->block_elems) * info->block_bytes;
+  if (bytes.size() != row_bytes * size_t(rows))
+    return status{errc::invalid_argument, fmt::format("weight_matrix: {} x {} of {} needs {} bytes, got {}", rows, cols,
+                                                      info->name, row_bytes * size_t(rows), bytes.size())};
+  weight_matrix m;
+  m.type_ = type;
+  m.rows_ = rows;
+  m.cols_ = cols;
+  m.row_bytes_ = row_bytes;
+  m.bytes_ = std::move(bytes);
+  return m;
+}
+
+result<weight_matrix> weight_matrix::from_gguf(const gguf_file& f, const gguf_tensor_info& t) {
+  const int64_t cols = t.ne[0], rows = t.rows();
+  const auto type = ggml_type(t.type);
+  if (activation_of(type) != activation_kind::none) {
+    const auto src = f.tensor_bytes(t);
+    auto m = from_bytes(type, rows, cols, std::vector<uint8_t>(src.begin(), src.end()));
+    if (!m) return status{m.error().code(), fmt::format("{}: tensor '{}': {}", f.path(), t.name, m.error().message())};
+    return m;
+  }
+  std::vector<uint8_t> bytes(size_t(t.elements) * sizeof(float));
+  std::vector<float> values(size_t(t.elements));
+  KVQ_TRY(f.dequantize_into(t, values));
+  std::memcpy(bytes.data(), values.data(), bytes.size());
+  return from_bytes(ggml_type::f32, rows, cols, std::move(bytes));
+}
+
+void weight_matrix::dequantize_row(int64_t r, float* out) const {
+  // The size is consistent by construction, so this cannot fail.
+  (void)dequantize(type_, std::span(row(r), row_bytes_), std::span(out, size_t(cols_)));
+}
+
+namespace {
+
+constexpr int64_t rows_per_task = 16;
+constexpr int activation_kinds = 3;  // f32, q8, q8_k
+
+}  // namespace
+
+void matmul(std::span<const matmul_job> jobs, const float* x, int64_t T, thread_pool& pool, cpu_isa isa) {
+  if (jobs.empty() || T <= 0) return;
+  const int64_t cols = jobs[0].w->cols();
+
+  // The activation rows, quantized once per form that some job reads.
+  std::array<std::vector<uint8_t>, activation_kinds> act;
+  std::array<size_t, activation_kinds> act_row{};
+  for (const auto& j : jobs) {
+    const activation_kind k = activation_of(j.w->type());
+    auto& buf = act[size_t(k)];
+    if (!buf.empty()) continue;
+    act_row[size_t(k)] = activation_bytes(k, cols);
+    buf.resize(act_row[size_t(k)] * size_t(T));
+    for (int64_t t = 0; t < T; ++t)
+      quantize_activation(k, x + t * cols, cols, buf.data() + size_t(t) * act_row[size_t(k)]);
+  }
+
+  std::vector<dot_fn> dots(jobs.size());
+  for (size_t i = 0; i < jobs.size(); ++i) dots[i] = find_dot(jobs[i].w->type(), isa);
+
+  // Tasks: runs of rows_per_task rows of one job.
+  std::vector<int64_t> first_task(jobs.size() + 1, 0);
+  for (size_t i = 0; i < jobs.size(); ++i)
+    first_task[i + 1] = first_task[i] + (jobs[i].w->rows() + rows_per_task - 1) / rows_per_task;
+
+  pool.run(first_task.back(), [&](int64_t task) {
+    const size_t j = size_t(std::upper_bound(first_task.begin(), first_task.end(), task) - first_task.begin() - 1);
+    const matmul_job& job = jobs[j];
+    const weight_matrix& w = *job.w;
+    const activation_kind k = activation_of(w.type());
+    const uint8_t* a = act[size_t(k)].data();
+    const size_t stride = act_row[size_t(k)];
+    const dot_fn dot = dots[j];
+    const int64_t r0 = (task - first_task[j]) * rows_per_task, r1 = std::min(w.rows(), r0 + rows_per_task);
+    for (int64_t r = r0; r < r1; ++r) {
+      const uint8_t* wr = w.row(r);
+      for (int64_t t = 0; t < T; ++t) {
+        const float v = dot(wr, a + size_t(t) * stride, cols);
+        float& out = job.y[t * w.rows() + r];
+        out = job.accumulate ? out + v : v;
+      }
+    }
+  });
+}
+
+}  // namespace kvq::llama
