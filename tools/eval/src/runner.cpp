@@ -260,6 +260,13 @@ kvq::result<eval_report> run_eval(const eval_options& given) {
   if (!file) return file.error();
   auto model_r = kvq::llama::llama_model::load(*file);
   if (!model_r) return model_r.error();
+  // The configurations run concurrently on up to rep.threads workers, each forward's matrix
+  // products on the model's own pool: split the cores between them rather than oversubscribe.
+  {
+    const int hw = int(std::max(1u, std::thread::hardware_concurrency()));
+    const int workers = std::max(1, std::min(rep.threads, int(o.configs.size()) + 1));
+    model_r.value().set_threads(std::max(1, hw / workers));
+  }
   auto tok_r = kvq::llama::tokenizer::from_gguf(*file);
   if (!tok_r) return tok_r.error();
   const kvq::llama::llama_model& model = *model_r;

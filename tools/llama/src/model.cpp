@@ -24,23 +24,7 @@ void rms_norm(const float* x, int64_t T, int64_t n, const std::vector<float>& w,
 }
 
 /// Rounds a float to the nearest fp16 value (ties to even) and back; fp16 overflow gives ±inf.
-float round_f16(float f) {
-  const uint32_t x = std::bit_cast<uint32_t>(f);
-  const uint32_t sign = x & 0x80000000u;
-  const uint32_t ax = x & 0x7fffffffu;
-  if (ax >= 0x7f800000u) return f;  // inf / nan
-  const float a = std::bit_cast<float>(ax);
-  if (a >= 65520.f) return std::bit_cast<float>(sign | 0x7f800000u);
-  float r;
-  if (a < 6.103515625e-05f) {  // fp16 subnormal range: quantum 2^-24
-    r = std::nearbyint(a * 16777216.f) / 16777216.f;
-  } else {
-    // Keep 10 mantissa bits: add half an ulp (ties to even) and truncate.
-    const uint32_t lsb = (ax >> 13) & 1;
-    r = std::bit_cast<float>((ax + 0xfffu + lsb) & ~0x1fffu);
-  }
-  return std::bit_cast<float>(sign | std::bit_cast<uint32_t>(r));
-}
+float round_f16(float f) { return half_to_float(float_to_half(f)); }
 
 constexpr int64_t max_dim = 1 << 20;  // sanity bound on every hyper-parameter read from a file
 

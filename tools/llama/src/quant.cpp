@@ -7,31 +7,6 @@
 
 namespace kvq::llama {
 
-float f16_to_float(f16_bits h) {
-  const uint32_t sign = uint32_t(h >> 15) << 31;
-  const uint32_t exp = (h >> 10) & 0x1f;
-  uint32_t mant = h & 0x3ff;
-  uint32_t bits;
-  if (exp == 0x1f) {
-    bits = sign | 0x7f800000u | (mant << 13);  // inf / nan (payload kept)
-  } else if (exp != 0) {
-    bits = sign | ((exp + 112) << 23) | (mant << 13);  // normal: rebias 15 -> 127
-  } else if (mant == 0) {
-    bits = sign;  // signed zero
-  } else {
-    // Subnormal: value = mant * 2^-24; normalise the mantissa.
-    int e = -1;
-    do {
-      ++e;
-      mant <<= 1;
-    } while ((mant & 0x400) == 0);
-    bits = sign | uint32_t(112 - e) << 23 | ((mant & 0x3ff) << 13);
-  }
-  return std::bit_cast<float>(bits);
-}
-
-float bf16_to_float(uint16_t h) { return std::bit_cast<float>(uint32_t(h) << 16); }
-
 namespace {
 
 // One list of known types: names and block sizes as in the GGUF specification.

@@ -13,6 +13,7 @@
 /// Naming within a block: "sub-block" = the group of elements sharing one scale (and min).
 
 #include <cstdint>
+#include <kvq/format/numeric.hpp>
 #include <kvq/status.hpp>
 #include <span>
 #include <string>
@@ -22,10 +23,10 @@ namespace kvq::llama {
 /// Bit pattern of an IEEE binary16 value.
 using f16_bits = uint16_t;
 
-/// IEEE binary16 → float, exact for every pattern (subnormals, infinities, NaN).
-float f16_to_float(f16_bits h);
+/// IEEE binary16 → float, exact for every pattern (kvq's own conversion, `kvq/format/numeric.hpp`).
+inline float f16_to_float(f16_bits h) { return kvq::half_to_float(h); }
 /// bfloat16 → float (exact: the upper half of a float).
-float bf16_to_float(uint16_t h);
+inline float bf16_to_float(uint16_t h) { return kvq::bf16_to_float(h); }
 
 /// Element types of GGML/GGUF, numbered as in the file format. Only the types listed in
 /// `type_table` are known to this loader; the ones with a dequantizer are marked there.
