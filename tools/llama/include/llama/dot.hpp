@@ -18,7 +18,7 @@
 /// NOTE: the codes are 16 bit, not llama.cpp's 8: with 8-bit activations SmolLM2-135M's greedy
 /// answer in tools/llama/tests/test_model.cpp flips (its top two logits are 0.024 apart), while
 /// 16-bit codes (error 1/65534 of a block's largest value) keep it; decode stays bound by the
-/// weight bytes it reads either way (tools/llama/README.md, "Speed").
+/// weight bytes it reads either way (docs/decisions.md, "Policies and evaluation").
 ///
 /// Weight types without a kernel here (Q5_0, Q5_1, Q2_K, Q3_K, Q5_K, BF16) are converted to F32
 /// at load by the model runner.
