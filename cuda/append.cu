@@ -7,7 +7,6 @@
 
 #include "attention/layout.hpp"
 #include "dtype.cuh"
-#include "launch.cuh"
 #include "status.hpp"
 
 #include <cuda_runtime.h>
@@ -19,7 +18,6 @@ namespace cuda {
 namespace {
 
 using detail::cuda_status;
-using detail::launch;
 using detail::max_kv_heads;
 using detail::msg;
 using detail::threads;
@@ -180,13 +178,12 @@ status append_run(const append_args& a, void* stream) {
     const int smem = kv.page_tokens * kv.head_dim * 2;
     KVQ_TRY(cuda_status(cudaFuncSetAttribute(encode_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
                         "cudaFuncSetAttribute"));
-    KVQ_TRY(launch(encode_kernel, dim3(unsigned(pages), unsigned(kv.kv_heads), 2), dim3(threads), size_t(smem), st,
-                   "append: encode launch", p));
+    encode_kernel<<<dim3(unsigned(pages), unsigned(kv.kv_heads), 2), threads, smem, st>>>(p);
   }
   const int64_t ring_chunks = int64_t(std::min(max_m, kv.window)) * kv.kv_heads * 2 * (kv.head_dim / 8);
   const int blocks = int(std::min<int64_t>(1024, (ring_chunks + 255) / 256));
-  return launch(ring_kernel, dim3(unsigned(std::max(1, blocks)), unsigned(a.items.size())), dim3(256), 0, st,
-                "append: ring launch", p);
+  ring_kernel<<<dim3(unsigned(std::max(1, blocks)), unsigned(a.items.size())), 256, 0, st>>>(p);
+  return cuda_status(cudaGetLastError(), "append launch");
 }
 
 }  // namespace cuda

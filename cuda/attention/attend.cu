@@ -7,7 +7,6 @@
 #include "attention/decode_wide.cuh"
 #include "attention/merge.cuh"
 #include "launch_plan.hpp"
-#include "launch.cuh"
 #include "status.hpp"
 
 #include <cuda_runtime.h>
@@ -26,22 +25,22 @@ status launch_attend(const attend_params& p, const launch_plan& lp, int kv_heads
   if (lp.decode) {
     const dim3 grid(unsigned(lp.max_splits), unsigned(kv_heads), unsigned(items));
     if (lp.wide) {
-      KVQ_TRY(launch(decode_wide_kernel<D>, grid, dim3(dec_warps * 32), 0, st, "attention launch", p));
+      decode_wide_kernel<D><<<grid, dec_warps * 32, 0, st>>>(p);
     } else {
       const auto kernel = !lp.page_stage ? decode_kernel<D>
                           : lp.two_full  ? decode_paged_kernel<D, true, false>
                           : lp.whole     ? decode_paged_kernel<D, false, true>
                                          : decode_paged_kernel<D, false, false>;
       KVQ_TRY(cuda_status(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, lp.smem), "cudaFuncSetAttribute"));
-      KVQ_TRY(launch(kernel, grid, dim3(dec_warps * 32), size_t(lp.smem), st, "attention launch", p));
+      kernel<<<grid, dec_warps * 32, lp.smem, st>>>(p);
     }
   } else {
     const int smem = int(sizeof(attend_smem<D>));
     KVQ_TRY(cuda_status(cudaFuncSetAttribute(attend_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
                         "cudaFuncSetAttribute"));
-    KVQ_TRY(launch(attend_kernel<D>, dim3(unsigned(lp.max_splits), unsigned(kv_heads * lp.mtiles), unsigned(items)),
-                   dim3(threads), size_t(smem), st, "attention launch", p));
+    attend_kernel<D><<<dim3(unsigned(lp.max_splits), unsigned(kv_heads * lp.mtiles), unsigned(items)), threads, smem, st>>>(p);
   }
+  KVQ_TRY(cuda_status(cudaGetLastError(), "attention launch"));
   cudaLaunchConfig_t mc = {};
   mc.gridDim = mgrid;
   mc.blockDim = dim3(merge_threads);

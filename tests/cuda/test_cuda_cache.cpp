@@ -311,23 +311,3 @@ TEST_CASE("gpu: a batched append stores what per-sequence CPU appends store", "[
   REQUIRE(c.gpu.stats().used_bytes == before.used_bytes);
   for (int s = 0; s < nseq; ++s) require_same_store(c, s, 0);
 }
-
-// kvq reports the errors of its own launches only: an error the engine's own work left pending on
-// the thread is neither reported as kvq's nor cleared by kvq's calls.
-TEST_CASE("gpu: an engine's pending CUDA error is left to the engine", "[gpu][errors]") {
-  auto c = make("kivi4/g32", 1, 8, 2, 128);
-  std::mt19937 rng(3);
-  const auto items = fill_sequences(c, {200, 70}, 128, rng);
-  void* huge = nullptr;
-  REQUIRE(cudaMalloc(&huge, size_t(1) << 50) == cudaErrorMemoryAllocation);  // the engine's failure, pending
-  auto k = randn_h(rng, 2 * 2 * 128), v = randn_h(rng, 2 * 2 * 128);
-  dev_mem dk(k.size() * 2), dv(v.size() * 2);
-  REQUIRE(cudaMemcpy(dk.p, k.data(), k.size() * 2, cudaMemcpyHostToDevice) == cudaSuccess);
-  REQUIRE(cudaMemcpy(dv.p, v.data(), v.size() * 2, cudaMemcpyHostToDevice) == cudaSuccess);
-  const std::vector<append_item> adds = {{0, 1}, {1, 1}};
-  check(c.gpu.append_batch(adds, 0, {dk.p, dtype::f16, 2, 2, 128}, {dv.p, dtype::f16, 2, 2, 128}));
-  check(c.cpu.append_batch(adds, 0, {k.data(), dtype::f16, 2, 2, 128}, {v.data(), dtype::f16, 2, 2, 128}));
-  CHECK(attend_both(c, items, 0, rng) < 2e-5);
-  CHECK(cudaGetLastError() == cudaErrorMemoryAllocation);  // still the engine's to read
-  CHECK(cudaGetLastError() == cudaSuccess);
-}
