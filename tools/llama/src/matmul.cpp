@@ -54,6 +54,7 @@ void weight_matrix::dequantize_row(int64_t r, float* out) const {
 namespace {
 
 constexpr int64_t rows_per_task = 16;
+constexpr int64_t tokens_per_task = 64;  // activation rows of one task (a prefill chunk is tiled)
 constexpr int activation_kinds = 3;  // f32, q8, q8_k
 
 }  // namespace
@@ -78,23 +79,28 @@ void matmul(std::span<const matmul_job> jobs, const float* x, int64_t T, thread_
   std::vector<dot_fn> dots(jobs.size());
   for (size_t i = 0; i < jobs.size(); ++i) dots[i] = find_dot(jobs[i].w->type(), isa);
 
-  // Tasks: runs of rows_per_task rows of one job.
+  // Tasks: runs of rows_per_task rows of one job times a tile of tokens_per_task activation rows,
+  // token tiles outermost: the tasks that run together share one activation tile (in cache), and
+  // a task reads each of its weight rows once for the whole tile.
   std::vector<int64_t> first_task(jobs.size() + 1, 0);
   for (size_t i = 0; i < jobs.size(); ++i)
     first_task[i + 1] = first_task[i] + (jobs[i].w->rows() + rows_per_task - 1) / rows_per_task;
+  const int64_t row_tasks = first_task.back(), tiles = (T + tokens_per_task - 1) / tokens_per_task;
 
-  pool.run(first_task.back(), [&](int64_t task) {
-    const size_t j = size_t(std::upper_bound(first_task.begin(), first_task.end(), task) - first_task.begin() - 1);
+  pool.run(row_tasks * tiles, [&](int64_t task) {
+    const int64_t tile = task / row_tasks, row_task = task % row_tasks;
+    const size_t j = size_t(std::upper_bound(first_task.begin(), first_task.end(), row_task) - first_task.begin() - 1);
     const matmul_job& job = jobs[j];
     const weight_matrix& w = *job.w;
     const activation_kind k = activation_of(w.type());
     const uint8_t* a = act[size_t(k)].data();
     const size_t stride = act_row[size_t(k)];
     const dot_fn dot = dots[j];
-    const int64_t r0 = (task - first_task[j]) * rows_per_task, r1 = std::min(w.rows(), r0 + rows_per_task);
+    const int64_t r0 = (row_task - first_task[j]) * rows_per_task, r1 = std::min(w.rows(), r0 + rows_per_task);
+    const int64_t t0 = tile * tokens_per_task, t1 = std::min(T, t0 + tokens_per_task);
     for (int64_t r = r0; r < r1; ++r) {
       const uint8_t* wr = w.row(r);
-      for (int64_t t = 0; t < T; ++t) {
+      for (int64_t t = t0; t < t1; ++t) {
         const float v = dot(wr, a + size_t(t) * stride, cols);
         float& out = job.y[t * w.rows() + r];
         out = job.accumulate ? out + v : v;
