@@ -250,6 +250,11 @@ status KVCache::attend(std::span<const attend_item> items, int layer, const tens
               fmt::format("attend: sequence {} layer {} has q_len {}; need 1 <= q_len <= min(appended tokens {}, window {})"
                           " (append the step's tokens first; feed longer prefills in chunks of at most the window)",
                           it.seq, layer, it.q_len, n, sh.window)};
+    if (const int64_t from = s->layers[size_t(layer)].ring_from; n - it.q_len < from)
+      return {errc::invalid_argument,
+              fmt::format("attend: sequence {} layer {} has q_len {}; the ring holds only its last {} tokens since a "
+                          "truncate (a step attends to the tokens appended after the cut)",
+                          it.seq, layer, it.q_len, n - from)};
     total += it.q_len;
   }
   auto check_q = [&](const char* which, const void* data, int64_t tokens, int heads, int d, int64_t stride) -> status {

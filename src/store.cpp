@@ -67,14 +67,13 @@ result<sequence_state*> page_store::fork(seq_id src, seq_id dst) {
 int64_t page_store::kept_encoded(const layer_state& ls, int64_t length) const {
   const int64_t P = shape_.page_tokens;
   const int64_t direct = pages_after(0, 0, length) * P;                       // a direct append's pages
-  const int64_t in_ring = (std::max<int64_t>(0, ls.n - shape_.window) + P - 1) / P * P;  // pages whose tokens the ring holds
+  const int64_t in_ring = (ls.ring_from + P - 1) / P * P;                   // pages whose tokens the ring holds
   const int64_t most = length < ls.e ? length / P * P : ls.e;                 // no page with a dropped token
   return std::min(most, std::max(direct, in_ring));
 }
 
 int64_t page_store::restore_from(const layer_state& ls, int64_t length) const {
-  // Tokens j >= n - window are in the ring; kept unencoded tokens below that left it.
-  return std::min(length, std::max(kept_encoded(ls, length), ls.n - shape_.window));
+  return std::min(length, std::max(kept_encoded(ls, length), ls.ring_from));
 }
 
 void page_store::truncate(sequence_state& s, int64_t length) {
@@ -85,6 +84,7 @@ void page_store::truncate(sequence_state& s, int64_t length) {
     for (size_t i = keep; i < ls.pages.size(); i += per_page) unref_block(ls, i);
     ls.pages.resize(keep);
     ls.e = e;
+    ls.ring_from = std::min(ls.ring_from, e);  // tokens [e, ring_from) were written back
     totals_.tokens -= ls.n - length;
     ls.n = length;
   }
@@ -236,6 +236,7 @@ void page_store::commit_append(sequence_state& s, int layer, int64_t m, append_p
   for (size_t i = first; i < ls.pages.size(); i += size_t(shape_.kv_heads) * 2) ref_block(ls, i);
   ls.n += m;
   ls.e += int64_t(plan.pages) * shape_.page_tokens;
+  ls.ring_from = std::max(ls.ring_from, ls.n - shape_.window);
   totals_.tokens += m;
 }
 

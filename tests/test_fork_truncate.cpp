@@ -108,6 +108,21 @@ KVCache alone(const std::string& spec, const tokens& t) {
   return c;
 }
 
+// Requires each element of `got` (read_all of a sequence of `n` tokens) to equal
+// want(layer, role index, i), i indexing that layer and role's [token][kv_heads][head_dim].
+template <class Want>
+void require_reads(const std::vector<float>& got, int64_t n, Want want) {
+  REQUIRE(got.size() == size_t(n) * kvh * d * layers * 2);
+  size_t at = 0;
+  for (int l = 0; l < layers; ++l)
+    for (int ri = 0; ri < 2; ++ri)
+      for (size_t i = 0; i < size_t(n) * kvh * d; ++i, ++at)
+        if (got[at] != want(l, ri, i)) {
+          CAPTURE(l, ri, i / (kvh * d));
+          REQUIRE(got[at] == want(l, ri, i));
+        }
+}
+
 // The fields of stats() that sequence management changes.
 auto summary(const cache_stats& s) {
   return std::make_tuple(s.used_bytes, s.free_bytes, s.page_bytes, s.window_bytes, s.pages, s.shared_pages,
@@ -136,9 +151,7 @@ TEST_CASE("a forked sequence diverges: each equals a cache fed that sequence alo
   CAPTURE(spec, prefix, more, seed);
   std::mt19937 rng(seed);
   const tokens base = random_tokens(rng, prefix), a = random_tokens(rng, more), b = random_tokens(rng, more + 5);
-  KVCache c = make(spec);
-  check(c.create_sequence(1));
-  feed(c, 1, base, 0, prefix);
+  KVCache c = alone(spec, base);
   const cache_stats before = c.stats();
   check(c.fork(1, 2));
   const cache_stats forked = c.stats();
@@ -171,9 +184,7 @@ TEST_CASE("releasing either sharer first frees only what the other does not use"
   CAPTURE(src_first);
   std::mt19937 rng(11);
   const tokens base = random_tokens(rng, 150), extra = random_tokens(rng, 60);
-  KVCache c = make("kivi4/g32");
-  check(c.create_sequence(1));
-  feed(c, 1, base, 0, 150);
+  KVCache c = alone("kivi4/g32", base);
   check(c.fork(1, 2));
   check(c.fork(2, 3));  // a fork of a fork shares the same pages
   CHECK(c.stats().shared_saved_bytes == 2 * c.stats().page_bytes);
@@ -245,9 +256,7 @@ TEST_CASE("append, truncate, append equals appending the kept tokens directly", 
   CAPTURE(spec, keep, more);
   std::mt19937 rng(uint32_t(20 + keep + more));
   const tokens all = random_tokens(rng, n), extra = random_tokens(rng, more);
-  KVCache c = make(spec);
-  check(c.create_sequence(1));
-  feed(c, 1, all, 0, n, 30);
+  KVCache c = alone(spec, all);
   const cache_stats full = c.stats();
   check(c.truncate(1, keep));
   for (int l = 0; l < layers; ++l) CHECK(c.length(1, l) == keep);
@@ -273,27 +282,61 @@ TEST_CASE("a page whose tokens left the ring stays encoded until a direct append
   CAPTURE(spec);
   std::mt19937 rng(71);
   const tokens all = random_tokens(rng, 90), extra = random_tokens(rng, 30);
-  KVCache c = make(spec);
-  check(c.create_sequence(1));
-  feed(c, 1, all, 0, 90);
+  KVCache c = alone(spec, all);
   const std::vector<float> stored = read_all(c, 1);
   const uint64_t pages_per_index = c.stats().pages / 2;
   check(c.truncate(1, 40));
   CHECK(c.stats().pages == pages_per_index);
-  const std::vector<float> got = read_all(c, 1);
-  for (int l = 0, at = 0; l < layers; ++l)
-    for (int ri = 0; ri < 2; ++ri)
-      for (size_t i = 0; i < size_t(40) * kvh * d; ++i, ++at) {
-        const size_t t = i / (kvh * d), before = size_t(l * 2 + ri) * 90 * kvh * d + i;
-        const float input = (ri == 0 ? all.k : all.v)[size_t(l)][i];
-        REQUIRE(got[size_t(at)] == (t < 32 ? stored[before] : half_to_float(float_to_half(input))));
-      }
+  require_reads(read_all(c, 1), 40, [&](int l, int ri, size_t i) {
+    const float input = (ri == 0 ? all.k : all.v)[size_t(l)][i];
+    return i / (kvh * d) < 32 ? stored[size_t(l * 2 + ri) * 90 * kvh * d + i] : half_to_float(float_to_half(input));
+  });
   const tokens direct = concat(all, 40, extra);
   KVCache ref = alone(spec, prefix_of(all, 40));
   feed(c, 1, direct, 40, direct.count());
   feed(ref, 1, direct, 40, direct.count());
   CHECK(read_all(c, 1) == read_all(ref, 1));
   CHECK(attend_all(c, 1, 30) == attend_all(ref, 1, 30));
+}
+
+TEST_CASE("repeated truncations never read ring slots that dropped tokens overwrote", "[truncate]") {
+  // After 90 -> 40 the ring holds tokens [26, 40) only (page 0 stays encoded); cutting again at
+  // 40 or 35 keeps page 0, at 30 (inside it) restores its lost tokens from codes, never from
+  // the slots dropped tokens overwrote.
+  std::mt19937 rng(81);
+  const tokens all = random_tokens(rng, 90);
+  KVCache c = alone("kivi4/g32", all);
+  check(c.truncate(1, 40));
+  const std::vector<float> at40 = read_all(c, 1);
+  check(c.truncate(1, 40));
+  CHECK(read_all(c, 1) == at40);
+  const uint64_t pages = c.stats().pages;
+  check(c.truncate(1, 35));
+  CHECK(c.stats().pages == pages);
+  check(c.truncate(1, 30));
+  CHECK(c.stats().pages == 0);  // the cut falls in page 0: its kept tokens go back to the ring
+  // Tokens 0..25 come back decoded (rounded to fp16), 26..29 are the ring's exact values.
+  require_reads(read_all(c, 1), 30, [&](int l, int ri, size_t i) {
+    const float input = (ri == 0 ? all.k : all.v)[size_t(l)][i];
+    return half_to_float(float_to_half(i / (kvh * d) < 26 ? at40[size_t(l * 2 + ri) * 40 * kvh * d + i] : input));
+  });
+  const attend_item whole{1, 30};  // the ring holds all 30 again
+  std::vector<float> q(size_t(30) * hq * d, 0.5f), o(q.size());
+  check(c.attend({&whole, 1}, 0, {q.data(), dtype::f32, 30, hq, d}, {o.data(), dtype::f32, 30, hq, d}));
+}
+
+TEST_CASE("a step may not reach back to tokens the ring lost in a truncation", "[truncate][errors]") {
+  std::mt19937 rng(82);
+  const tokens all = random_tokens(rng, 90);
+  KVCache c = alone("int8", all);
+  check(c.truncate(1, 40));  // the ring holds tokens [26, 40)
+  std::vector<float> q(size_t(20) * hq * d, 0.5f), o(q.size());
+  const attend_item back{1, 15}, ok{1, 14};
+  const status st = c.attend({&back, 1}, 0, {q.data(), dtype::f32, 15, hq, d}, {o.data(), dtype::f32, 15, hq, d});
+  CAPTURE(st.message());
+  CHECK(st.code() == errc::invalid_argument);
+  CHECK(st.message().find("last 14 tokens") != std::string::npos);
+  check(c.attend({&ok, 1}, 0, {q.data(), dtype::f32, 14, hq, d}, {o.data(), dtype::f32, 14, hq, d}));
 }
 
 TEST_CASE("a cut in a page whose tokens left the ring restores them decoded from the page", "[truncate]") {
@@ -304,9 +347,7 @@ TEST_CASE("a cut in a page whose tokens left the ring restores them decoded from
   CAPTURE(spec);
   std::mt19937 rng(31);
   const tokens all = random_tokens(rng, n), extra = random_tokens(rng, more);
-  KVCache c = make(spec);
-  check(c.create_sequence(1));
-  feed(c, 1, all, 0, n);
+  KVCache c = alone(spec, all);
   std::vector<std::vector<float>> stored;  // [layer][role] what the page held before the cut
   for (int l = 0; l < layers; ++l)
     for (role r : {role::k, role::v}) {
@@ -323,22 +364,14 @@ TEST_CASE("a cut in a page whose tokens left the ring restores them decoded from
       const std::vector<float>& s = stored[size_t(l) * 2 + size_t(ri)];
       for (size_t i = size_t(32) * kvh * d; i < size_t(36) * kvh * d; ++i) x[i] = half_to_float(float_to_half(s[i]));
     }
-  std::vector<float> got = read_all(c, 1);
-  size_t at = 0;
   int decoded_differs = 0;
-  for (int l = 0; l < layers; ++l)
-    for (int ri = 0; ri < 2; ++ri) {
-      const std::vector<float>& x = ri == 0 ? expected.k[size_t(l)] : expected.v[size_t(l)];
-      const std::vector<float>& s = stored[size_t(l) * 2 + size_t(ri)];
-      for (size_t i = 0; i < size_t(keep) * kvh * d; ++i, ++at) {
-        const size_t t = i / (kvh * d);
-        if (t < 32) REQUIRE(got[at] == s[i]);
-        else if (t < 36) REQUIRE(got[at] == x[i]);
-        else REQUIRE(got[at] == half_to_float(float_to_half(x[i])));
-        const float input = (ri == 0 ? all.k : all.v)[size_t(l)][i];
-        decoded_differs += t >= 32 && t < 36 && x[i] != half_to_float(float_to_half(input));
-      }
-    }
+  require_reads(read_all(c, 1), keep, [&](int l, int ri, size_t i) {
+    const std::vector<float>& x = ri == 0 ? expected.k[size_t(l)] : expected.v[size_t(l)];
+    const size_t t = i / (kvh * d);
+    const float input = (ri == 0 ? all.k : all.v)[size_t(l)][i];
+    decoded_differs += t >= 32 && t < 36 && x[i] != half_to_float(float_to_half(input));
+    return t < 32 ? stored[size_t(l) * 2 + size_t(ri)][i] : half_to_float(float_to_half(x[i]));
+  });
   CHECK(decoded_differs > 0);  // the decoded tokens are the page's values, not the input's
   // A later append re-encodes them from there: the cache equals one fed the documented values.
   KVCache ref = alone(spec, expected);
@@ -354,9 +387,7 @@ TEST_CASE("truncating a sharer never changes the other", "[truncate][fork]") {
   CAPTURE(keep);
   std::mt19937 rng(41);
   const tokens base = random_tokens(rng, 130), extra = random_tokens(rng, 50);
-  KVCache c = make("kivi4/g32");
-  check(c.create_sequence(1));
-  feed(c, 1, base, 0, 130);
+  KVCache c = alone("kivi4/g32", base);
   check(c.fork(1, 2));
   const std::vector<float> r1 = read_all(c, 1);
   const int64_t shared_before = int64_t(c.stats().shared_pages);
@@ -378,9 +409,7 @@ TEST_CASE("truncating a sharer never changes the other", "[truncate][fork]") {
 TEST_CASE("a truncate that cannot be done is an error and changes nothing", "[truncate][errors]") {
   std::mt19937 rng(51);
   const tokens base = random_tokens(rng, 80);
-  KVCache c = make("kivi2/g32");
-  check(c.create_sequence(1));
-  feed(c, 1, base, 0, 80);
+  KVCache c = alone("kivi2/g32", base);
   check(c.append(1, 0, {base.k[0].data(), dtype::f32, 3, kvh, d}, {base.v[0].data(), dtype::f32, 3, kvh, d}));
   const auto before = summary(c.stats());
   const std::vector<float> r = read_all(c, 1);

@@ -35,10 +35,15 @@ struct page_entry {
   format_id fmt;
 };
 
-/// Per (sequence, layer): tokens appended (n), tokens encoded into pages (e), the pages.
+/// Per (sequence, layer): tokens appended (n), tokens encoded into pages (e), the pages, and the
+/// first token the FP16 ring still holds.
 struct layer_state {
   int64_t n = 0;
   int64_t e = 0;
+  /// Tokens [ring_from, n) are in their ring slots (j % window): max(0, n - window) after
+  /// appends; a truncation can leave it higher (slots of older tokens that dropped tokens
+  /// overwrote) or lower (tokens written back). Always <= e.
+  int64_t ring_from = 0;
   std::vector<page_entry> pages;  ///< [page][kv_head][role]
 };
 
@@ -81,14 +86,14 @@ class KVQ_EXPORT page_store {
   void truncate(sequence_state& s, int64_t length);
   /// Tokens a layer keeps encoded when cut to `length`: what appending the first `length` tokens
   /// would have encoded (floor((length - r) / P) pages), except that a page whose tokens the ring
-  /// no longer holds (a token j < n - R overwrote its slot) stays, and never a page holding a
-  /// dropped token. So a layer is left exactly as that direct append would leave it whenever the
+  /// no longer holds (tokens before `ring_from`) stays, and never a page holding a dropped
+  /// token. So a layer is left exactly as that direct append would leave it whenever the
   /// ring still holds the tokens it would keep unencoded; only a cut inside a page whose first
   /// tokens left the ring brings tokens back from codes (`restore_from`).
   int64_t kept_encoded(const layer_state& ls, int64_t length) const;
-  /// First kept token of a layer cut to `length` whose ring slot a later token overwrote, or
-  /// `length` when none: tokens [kept_encoded, restore_from) must come back decoded from the
-  /// page that holds them.
+  /// End of the kept tokens that go back to the ring but that it no longer holds: tokens
+  /// [kept_encoded, restore_from) of a layer cut to `length` must come back decoded from the page
+  /// that holds them (none when restore_from <= kept_encoded).
   int64_t restore_from(const layer_state& ls, int64_t length) const;
   sequence_state* find(seq_id id);
   const sequence_state* find(seq_id id) const;
