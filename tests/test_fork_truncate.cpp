@@ -2,12 +2,10 @@
 // own), truncate (cut in the ring, in a page still in the ring, in a page whose tokens must be
 // decoded), release order, stats counting a shared page once, bytes_for, and failures that change
 // nothing.
+#include <catch2/catch.hpp>
 #include <kvq/cache/cache.hpp>
 #include <kvq/format/numeric.hpp>
 #include <kvq/policy/static_policy.hpp>
-
-#include <catch2/catch.hpp>
-
 #include <random>
 #include <string>
 #include <tuple>
@@ -25,7 +23,8 @@ KVCache make(const std::string& spec, uint64_t budget = 16ull << 20, int max_seq
   cfg.shape = {layers, hq, kvh, d, page, window, recent};
   cfg.budget_bytes = budget;
   cfg.max_sequences = max_sequences;
-  return KVCache::create(cfg, std::make_shared<static_policy>(static_policy::parse(spec).value_or_throw())).value_or_throw();
+  return KVCache::create(cfg, std::make_shared<static_policy>(static_policy::parse(spec).value_or_throw()))
+      .value_or_throw();
 }
 
 // The K and V rows of one sequence: [layers][tokens][kv_heads][head_dim].
@@ -201,8 +200,10 @@ TEST_CASE("releasing either sharer first frees only what the other does not use"
   CHECK(one.shared_saved_bytes == 0);
   // Releasing the fork's source frees only its window (every page it held is the fork's too);
   // releasing the fork frees its window and its own pages.
-  if (src_first) CHECK(one.page_bytes == both.page_bytes);
-  else CHECK(one.page_bytes < both.page_bytes);
+  if (src_first)
+    CHECK(one.page_bytes == both.page_bytes);
+  else
+    CHECK(one.page_bytes < both.page_bytes);
   KVCache ref = alone("kivi4/g32", src_first ? t2 : base);
   CHECK(one.page_bytes == ref.stats().page_bytes);
   CHECK(one.pages == ref.stats().pages);

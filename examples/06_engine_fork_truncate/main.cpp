@@ -19,13 +19,12 @@
 // what admission reserved, nothing waited or nothing was shared (the scenario would not show
 // them), or a finished request's cache differs, bit for bit (read and attention), from a cache fed
 // the system prompt and the accepted tokens alone.
-#include <kvq/cache/cache.hpp>
-#include <kvq/policy/static_policy.hpp>
-
 #include <fmt/format.h>
 
 #include <algorithm>
 #include <deque>
+#include <kvq/cache/cache.hpp>
+#include <kvq/policy/static_policy.hpp>
 #include <memory>
 #include <random>
 #include <vector>
@@ -34,7 +33,7 @@ namespace {
 
 constexpr int layers = 4, q_heads = 8, kv_heads = 2, d = 64;
 constexpr int64_t system_prompt = 300;  // tokens shared by every request
-constexpr int draft = 4;                 // speculative tokens per step
+constexpr int draft = 4;                // speculative tokens per step
 constexpr const char* spec = "kivi4/g32";
 
 // Stand-in for the model: K, V, Q rows of (request, layer, position, attempt), deterministic.
@@ -54,9 +53,11 @@ void step(kvq::KVCache& cache, kvq::seq_id seq, int req, int64_t pos, int m, int
     for (int t = 0; t < m; ++t)
       model_rows(req, l, pos + t, attempt, &k[size_t(t) * kv_heads * d], &v[size_t(t) * kv_heads * d],
                  &q[size_t(t) * q_heads * d]);
-    kvq::check(cache.append(seq, l, {k.data(), kvq::dtype::f32, m, kv_heads, d}, {v.data(), kvq::dtype::f32, m, kv_heads, d}));
+    kvq::check(
+        cache.append(seq, l, {k.data(), kvq::dtype::f32, m, kv_heads, d}, {v.data(), kvq::dtype::f32, m, kv_heads, d}));
     const kvq::attend_item it{seq, m};
-    kvq::check(cache.attend({&it, 1}, l, {q.data(), kvq::dtype::f32, m, q_heads, d}, {o.data(), kvq::dtype::f32, m, q_heads, d}));
+    kvq::check(cache.attend({&it, 1}, l, {q.data(), kvq::dtype::f32, m, q_heads, d},
+                            {o.data(), kvq::dtype::f32, m, q_heads, d}));
   }
 }
 
@@ -68,13 +69,15 @@ kvq::cache_config config(uint64_t budget) {
 }
 
 kvq::KVCache make(uint64_t budget) {
-  return kvq::KVCache::create(config(budget), std::make_shared<kvq::static_policy>(kvq::static_policy::parse(spec).value_or_throw()))
+  return kvq::KVCache::create(config(budget),
+                              std::make_shared<kvq::static_policy>(kvq::static_policy::parse(spec).value_or_throw()))
       .value_or_throw();
 }
 
 // Prefills the system prompt (request -1) in chunks of at most the window.
 void prefill_system(kvq::KVCache& cache, kvq::seq_id seq) {
-  for (int64_t p = 0; p < system_prompt; p += 128) step(cache, seq, -1, p, int(std::min<int64_t>(128, system_prompt - p)), 0);
+  for (int64_t p = 0; p < system_prompt; p += 128)
+    step(cache, seq, -1, p, int(std::min<int64_t>(128, system_prompt - p)), 0);
 }
 
 struct request {
@@ -84,9 +87,9 @@ struct request {
 
 struct running {
   request req;
-  int64_t produced = 0;                // accepted output tokens
-  std::vector<int> attempt_of;         // per position after the system prompt: the attempt it was accepted in
-  uint64_t reserved = 0;               // bytes admission set aside
+  int64_t produced = 0;         // accepted output tokens
+  std::vector<int> attempt_of;  // per position after the system prompt: the attempt it was accepted in
+  uint64_t reserved = 0;        // bytes admission set aside
 };
 
 // Appends the tokens of a request at positions from..from + attempts.size() to every layer, each
@@ -96,7 +99,8 @@ void append_accepted(kvq::KVCache& cache, kvq::seq_id seq, int req, int64_t from
   for (size_t p = 0; p < attempts.size(); ++p)
     for (int l = 0; l < layers; ++l) {
       model_rows(req, l, from + int64_t(p), attempts[p], k.data(), v.data(), q.data());
-      kvq::check(cache.append(seq, l, {k.data(), kvq::dtype::f32, 1, kv_heads, d}, {v.data(), kvq::dtype::f32, 1, kv_heads, d}));
+      kvq::check(cache.append(seq, l, {k.data(), kvq::dtype::f32, 1, kv_heads, d},
+                              {v.data(), kvq::dtype::f32, 1, kv_heads, d}));
     }
 }
 
@@ -112,7 +116,8 @@ std::vector<float> fingerprint(kvq::KVCache& cache, kvq::seq_id seq) {
     }
     model_rows(-2, l, 0, 0, k.data(), v.data(), q.data());
     const kvq::attend_item it{seq, 1};
-    kvq::check(cache.attend({&it, 1}, l, {q.data(), kvq::dtype::f32, 1, q_heads, d}, {o.data(), kvq::dtype::f32, 1, q_heads, d}));
+    kvq::check(cache.attend({&it, 1}, l, {q.data(), kvq::dtype::f32, 1, q_heads, d},
+                            {o.data(), kvq::dtype::f32, 1, q_heads, d}));
     out.insert(out.end(), o.begin(), o.end());
   }
   return out;
@@ -144,7 +149,8 @@ int main() {
       const request r = queue.front();
       const uint64_t need = cache.bytes_for(0).value_or_throw() +
                             cache.bytes_for(r.prompt + r.max_new + draft, kvq::seq_id(0)).value_or_throw();
-      if (committed + need > cache.stats().budget_bytes || cache.stats().largest_free_block < cache.bytes_for(0).value_or_throw())
+      if (committed + need > cache.stats().budget_bytes ||
+          cache.stats().largest_free_block < cache.bytes_for(0).value_or_throw())
         break;
       queue.pop_front();
       waited += steps > 0;
@@ -169,8 +175,8 @@ int main() {
       const int64_t n = cache.length(seq, 0);
       const int attempt = steps;
       step(cache, seq, run.req.id, n, draft, attempt);
-      const int accepted = int(std::min<int64_t>(std::uniform_int_distribution<int>(0, draft)(accept_rng),
-                                                 run.req.max_new - run.produced));
+      const int accepted = int(
+          std::min<int64_t>(std::uniform_int_distribution<int>(0, draft)(accept_rng), run.req.max_new - run.produced));
       if (accepted < draft) {
         kvq::check(cache.truncate(seq, n + accepted));
         ++rolled_back;
@@ -179,7 +185,8 @@ int main() {
       run.attempt_of.insert(run.attempt_of.end(), size_t(accepted), attempt);
     }
     const kvq::cache_stats st = cache.stats();
-    expect(st.used_bytes <= committed, fmt::format("step {}: {} bytes used, {} committed", steps, st.used_bytes, committed));
+    expect(st.used_bytes <= committed,
+           fmt::format("step {}: {} bytes used, {} committed", steps, st.used_bytes, committed));
     peak_saved = std::max(peak_saved, st.shared_saved_bytes);
     peak_shared = std::max(peak_shared, st.shared_pages);
     // Retire finished requests after checking each against a cache fed only what it accepted.
@@ -206,11 +213,12 @@ int main() {
   kvq::KVCache prefix_only = make(64ull << 20);
   kvq::check(prefix_only.create_sequence(0));
   prefill_system(prefix_only, 0);
-  fmt::print("{} requests over {} steps, {} drafts rolled back, {} admitted after waiting for memory\n", completed, steps,
-             rolled_back, waited);
-  fmt::print("sharing: up to {} shared pages, {} bytes saved at once; now {} of {} budget bytes used (free {}, largest "
-             "block {})\n",
-             peak_shared, peak_saved, st.used_bytes, st.budget_bytes, st.free_bytes, st.largest_free_block);
+  fmt::print("{} requests over {} steps, {} drafts rolled back, {} admitted after waiting for memory\n", completed,
+             steps, rolled_back, waited);
+  fmt::print(
+      "sharing: up to {} shared pages, {} bytes saved at once; now {} of {} budget bytes used (free {}, largest "
+      "block {})\n",
+      peak_shared, peak_saved, st.used_bytes, st.budget_bytes, st.free_bytes, st.largest_free_block);
   expect(completed == 8, "every request completed");
   expect(waited > 0, "some request waited for memory (the scenario shows admission control)");
   expect(rolled_back > 0, "some draft was rolled back");

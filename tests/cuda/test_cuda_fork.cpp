@@ -2,20 +2,19 @@
 // every sequence reads equal bit for bit (shared pages through the copied page-table rows, the
 // copied ring, restored ring rows), statistics equal, attention within the NMSE bound, and a
 // forked source that never changes.
+#include <cuda_runtime.h>
+
+#include <catch2/catch.hpp>
+#include <cmath>
 #include <kvq/cache/cache.hpp>
 #include <kvq/format/numeric.hpp>
 #include <kvq/policy/static_policy.hpp>
-
-#include <catch2/catch.hpp>
-#include <cuda_runtime.h>
-
-#include "gpu_test.hpp"
-
-#include <cmath>
 #include <random>
 #include <string>
 #include <tuple>
 #include <vector>
+
+#include "gpu_test.hpp"
 
 using namespace kvq;
 using namespace kvq::gpu_test;
