@@ -254,6 +254,72 @@ class cuda_backend final : public cache_backend {
     return s;
   }
 
+  // Device-to-device copies on the caller's stream: src's window block, then src's rows of the
+  // page tables ([slot][layers][max_pages] blocks, [...][kv_heads][2] formats), so the kernels
+  // read dst's pages through the same offsets as src's. No synchronization.
+  status fork(const sequence_state& src, const sequence_state& dst) override {
+    const auto& sh = cfg_.shape;
+    const size_t row = size_t(sh.layers) * max_pages_;
+    const size_t fmt_row = row * sh.kv_heads * 2;
+    KVQ_TRY(cuda_status(cudaMemcpyAsync(arena_.ptr + dst.window_offset, arena_.ptr + src.window_offset,
+                                        store_.window_bytes_per_sequence(), cudaMemcpyDeviceToDevice, stream()),
+                        "cudaMemcpyAsync (fork: window)"));
+    KVQ_TRY(cuda_status(cudaMemcpyAsync(blocks_.ptr + size_t(dst.slot) * row, blocks_.ptr + size_t(src.slot) * row,
+                                        row * sizeof(uint32_t), cudaMemcpyDeviceToDevice, stream()),
+                        "cudaMemcpyAsync (fork: page table)"));
+    return cuda_status(cudaMemcpyAsync(fmts_.ptr + size_t(dst.slot) * fmt_row, fmts_.ptr + size_t(src.slot) * fmt_row,
+                                       fmt_row, cudaMemcpyDeviceToDevice, stream()),
+                       "cudaMemcpyAsync (fork: format table)");
+  }
+
+  // A cut in the ring needs nothing on the device (the lengths are launch arguments). A cut page
+  // whose overwritten tokens must come back is read to the host, decoded there with the codec and
+  // written back into the ring: every read happens before the first write, so a failed read
+  // changes nothing. Two stream synchronizations when anything must be restored.
+  status restore_ring(const sequence_state& s, int64_t length) override {
+    const auto& sh = cfg_.shape;
+    struct pending {
+      uint64_t offset;              // first ring byte of the rows
+      std::vector<uint16_t> rows;   // ring slots [first % R, ...) contiguous (no wrap), fp16
+    };
+    std::vector<pending> writes;
+    std::vector<uint8_t> page;
+    std::vector<uint16_t> ring(size_t(sh.window) * sh.head_dim);
+    bool synced = false;
+    for (int l = 0; l < sh.layers; ++l) {
+      const layer_state& ls = s.layers[size_t(l)];
+      const auto [first, last] = ring_restore_range(store_, ls, length);
+      if (first == last) continue;
+      if (!synced) {
+        KVQ_TRY(cuda_status(cudaStreamSynchronize(stream()), "cudaStreamSynchronize"));
+        synced = true;
+      }
+      // The rows of one page never wrap: the page starts at a multiple of page_tokens, which
+      // divides the window.
+      const int64_t slot0 = first % sh.window, count = last - first;
+      for (int h = 0; h < sh.kv_heads; ++h)
+        for (role r : {role::k, role::v}) {
+          const page_entry& pe = ls.pages[(size_t(first / sh.page_tokens) * sh.kv_heads + h) * 2 + (r == role::k ? 0 : 1)];
+          page.resize(store_.page_bytes_of(pe.fmt, r));
+          KVQ_TRY(cuda_status(cudaMemcpy(page.data(), arena_.ptr + pe.offset, page.size(), cudaMemcpyDeviceToHost),
+                              "cudaMemcpy (truncate: page)"));
+          restore_rows(sh, pe, r, page.data(), first, last, ring.data());
+          const auto at = ring.begin() + ptrdiff_t(slot0 * sh.head_dim);
+          writes.push_back({store_.window_offset(s, l, h, r) + uint64_t(slot0) * sh.head_dim * 2,
+                            std::vector<uint16_t>(at, at + ptrdiff_t(count * sh.head_dim))});
+        }
+      KVQ_TRY(canary_.flush_of(l));  // before the layer's rings change
+    }
+    if (writes.empty()) return {};
+    // On the stream, after the canaries just launched read the rings; the host rows live until
+    // the copies are done.
+    for (const pending& w : writes)
+      KVQ_TRY(cuda_status(cudaMemcpyAsync(arena_.ptr + w.offset, w.rows.data(), w.rows.size() * 2, cudaMemcpyHostToDevice,
+                                          stream()),
+                          "cudaMemcpyAsync (truncate: ring)"));
+    return cuda_status(cudaStreamSynchronize(stream()), "cudaStreamSynchronize");
+  }
+
   status read(const sequence_state& s, int layer, role r, std::span<float> out) const override {
     const auto& sh = cfg_.shape;
     KVQ_TRY(cuda_status(cudaStreamSynchronize(stream()), "cudaStreamSynchronize"));

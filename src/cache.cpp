@@ -118,6 +118,48 @@ status KVCache::release_sequence(seq_id id) {
   return state_->store.release(id);
 }
 
+status KVCache::fork(seq_id src, seq_id dst) {
+  auto made = state_->store.fork(src, dst);
+  if (!made) return made.error();
+  if (status st = impl_->fork(*state_->store.find(src), **made); !st.ok()) {
+    (void)state_->store.release(dst);  // drops the new listings and the window: nothing changed
+    return st;
+  }
+  return {};
+}
+
+status KVCache::truncate(seq_id id, int64_t length) {
+  sequence_state* s = state_->store.find(id);
+  if (!s) return {errc::not_found, fmt::format("truncate: unknown sequence {}", id)};
+  if (length < 0)
+    return {errc::invalid_argument, fmt::format("truncate: sequence {} cannot keep {} tokens (negative)", id, length)};
+  for (size_t l = 0; l < s->layers.size(); ++l)
+    if (length > s->layers[l].n)
+      return {errc::invalid_argument, fmt::format("truncate: sequence {} layer {} holds {} tokens; cannot keep {}", id, l,
+                                                  s->layers[l].n, length)};
+  KVQ_TRY(impl_->restore_ring(*s, length));
+  state_->store.truncate(*s, length);
+  return {};
+}
+
+result<uint64_t> KVCache::bytes_for(int64_t tokens, std::optional<seq_id> seq) const {
+  if (tokens < 0) return status{errc::invalid_argument, fmt::format("bytes_for: {} tokens (negative)", tokens)};
+  const page_store& store = state_->store;
+  const sequence_state* s = nullptr;
+  if (seq && !(s = store.find(*seq)))
+    return status{errc::not_found, fmt::format("bytes_for: unknown sequence {}", *seq)};
+  const auto& sh = state_->cfg.shape;
+  uint64_t bytes = s ? 0 : arena_allocator::rounded(store.window_bytes_per_sequence());
+  std::vector<format_pair> pairs(size_t(sh.kv_heads));
+  for (int l = 0; l < sh.layers; ++l) {
+    const int64_t pages = s ? store.new_pages(*s, l, tokens) : store.pages_after(0, 0, tokens);
+    if (pages == 0) continue;
+    for (int h = 0; h < sh.kv_heads; ++h) pairs[size_t(h)] = state_->pol->current(l, h);
+    bytes += uint64_t(pages) * store.block_bytes(pairs);
+  }
+  return bytes;
+}
+
 bool KVCache::has_sequence(seq_id id) const { return state_->store.find(id) != nullptr; }
 
 int64_t KVCache::length(seq_id id, int layer) const {
@@ -208,6 +250,11 @@ status KVCache::attend(std::span<const attend_item> items, int layer, const tens
               fmt::format("attend: sequence {} layer {} has q_len {}; need 1 <= q_len <= min(appended tokens {}, window {})"
                           " (append the step's tokens first; feed longer prefills in chunks of at most the window)",
                           it.seq, layer, it.q_len, n, sh.window)};
+    if (const int64_t from = s->layers[size_t(layer)].ring_from; n - it.q_len < from)
+      return {errc::invalid_argument,
+              fmt::format("attend: sequence {} layer {} has q_len {}; the ring holds only its last {} tokens since a "
+                          "truncate (a step attends to the tokens appended after the cut)",
+                          it.seq, layer, it.q_len, n - from)};
     total += it.q_len;
   }
   auto check_q = [&](const char* which, const void* data, int64_t tokens, int heads, int d, int64_t stride) -> status {
@@ -259,7 +306,11 @@ cache_stats KVCache::stats() const {
   cache_stats out;
   out.budget_bytes = st.arena().capacity();
   out.used_bytes = st.arena().used();
+  out.free_bytes = st.arena().free_bytes();
+  out.largest_free_block = st.arena().largest_free();
   out.page_bytes = t.page_bytes;
+  out.shared_pages = t.shared_pages;
+  out.shared_saved_bytes = t.shared_saved_bytes;
   out.window_bytes = t.window_bytes;
   out.pages = t.pages;
   out.sequences = int64_t(st.sequences().size());

@@ -144,6 +144,26 @@ class cpu_backend final : public cache_backend {
     return {};
   }
 
+  status fork(const sequence_state& src, const sequence_state& dst) override {
+    std::memcpy(bytes_.get() + dst.window_offset, bytes_.get() + src.window_offset, store_.window_bytes_per_sequence());
+    return {};
+  }
+
+  status restore_ring(const sequence_state& s, int64_t length) override {
+    const auto& sh = cfg_.shape;
+    for (int l = 0; l < sh.layers; ++l) {
+      const layer_state& ls = s.layers[size_t(l)];
+      const auto [first, last] = ring_restore_range(store_, ls, length);
+      if (first == last) continue;
+      for (int h = 0; h < sh.kv_heads; ++h)
+        for (role r : {role::k, role::v}) {
+          const page_entry& pe = ls.pages[(size_t(first / sh.page_tokens) * sh.kv_heads + h) * 2 + (r == role::k ? 0 : 1)];
+          restore_rows(sh, pe, r, bytes_.get() + pe.offset, first, last, ring(s, l, h, r));
+        }
+    }
+    return {};
+  }
+
  private:
   std::unique_ptr<uint8_t[]> bytes_;
 };
@@ -168,6 +188,15 @@ void gather(const cache_shape& sh, const layer_state& ls, role r, int q_len,
     for (int64_t j = from_pages; j < ls.n; ++j)
       for (int c = 0; c < d; ++c) out[(j * H + h) * d + c] = half_to_float(rg[(j % R) * d + c]);
   }
+}
+
+void restore_rows(const cache_shape& sh, const page_entry& pe, role r, const uint8_t* page, int64_t first, int64_t last,
+                  uint16_t* ring) {
+  const int d = sh.head_dim, P = sh.page_tokens;
+  const codec::page_geom g = codec::make_geom(pe.fmt, r, P, d);
+  for (int64_t j = first; j < last; ++j)
+    for (int c = 0; c < d; ++c)
+      ring[(j % sh.window) * d + c] = float_to_half(codec::decode_element(g, page, int(j % P), c));
 }
 
 result<std::unique_ptr<cache_backend>> make_cpu_backend(const cache_state& st) {

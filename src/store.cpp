@@ -24,18 +24,20 @@ uint64_t page_store::window_offset(const sequence_state& s, int layer, int kv_he
 }
 
 result<sequence_state*> page_store::create(seq_id id) {
-  if (seqs_.count(id)) return status{errc::invalid_argument, fmt::format("sequence {} already exists", id)};
+  return add_sequence(id, fmt::format("create_sequence({})", id));
+}
+
+result<sequence_state*> page_store::add_sequence(seq_id id, const std::string& call) {
+  if (seqs_.count(id)) return status{errc::invalid_argument, fmt::format("{}: sequence {} already exists", call, id)};
   if (free_slots_.empty())
     return status{errc::out_of_budget,
-                  fmt::format("create_sequence({}): all {} sequence slots are in use (cache_config.max_sequences)", id,
-                              max_sequences_)};
+                  fmt::format("{}: all {} sequence slots are in use (cache_config.max_sequences)", call, max_sequences_)};
   const uint64_t wb = window_bytes_per_sequence();
   auto off = arena_.allocate(wb);
   if (!off)
     return status{errc::out_of_budget,
-                  fmt::format("create_sequence({}) needs {} bytes for its FP16 windows; {} of {} budget bytes free "
-                              "(largest block {})",
-                              id, wb, arena_.free_bytes(), arena_.capacity(), arena_.largest_free())};
+                  fmt::format("{} needs {} bytes for its FP16 windows; {} of {} budget bytes free (largest block {})",
+                              call, wb, arena_.free_bytes(), arena_.capacity(), arena_.largest_free())};
   sequence_state s;
   s.id = id;
   s.window_offset = *off;
@@ -44,6 +46,85 @@ result<sequence_state*> page_store::create(seq_id id) {
   s.layers.resize(size_t(shape_.layers));
   totals_.window_bytes += wb;
   return &(seqs_[id] = std::move(s));
+}
+
+result<sequence_state*> page_store::fork(seq_id src, seq_id dst) {
+  const std::string call = fmt::format("fork({}, {})", src, dst);
+  const sequence_state* from = find(src);
+  if (!from) return status{errc::not_found, fmt::format("{}: unknown sequence {}", call, src)};
+  auto made = add_sequence(dst, call);
+  if (!made) return made;
+  sequence_state& to = **made;
+  const size_t per_page = size_t(shape_.kv_heads) * 2;
+  for (size_t l = 0; l < to.layers.size(); ++l) {
+    to.layers[l] = from->layers[l];  // node-based map: `from` stays valid across the insertion
+    for (size_t i = 0; i < to.layers[l].pages.size(); i += per_page) ref_block(to.layers[l], i);
+    totals_.tokens += to.layers[l].n;
+  }
+  return &to;
+}
+
+int64_t page_store::kept_encoded(const layer_state& ls, int64_t length) const {
+  const int64_t P = shape_.page_tokens;
+  const int64_t direct = pages_after(0, 0, length) * P;                       // a direct append's pages
+  const int64_t in_ring = (ls.ring_from + P - 1) / P * P;                   // pages whose tokens the ring holds
+  const int64_t most = length < ls.e ? length / P * P : ls.e;                 // no page with a dropped token
+  return std::min(most, std::max(direct, in_ring));
+}
+
+int64_t page_store::restore_from(const layer_state& ls, int64_t length) const {
+  return std::min(length, std::max(kept_encoded(ls, length), ls.ring_from));
+}
+
+void page_store::truncate(sequence_state& s, int64_t length) {
+  const size_t per_page = size_t(shape_.kv_heads) * 2;
+  for (layer_state& ls : s.layers) {
+    const int64_t e = kept_encoded(ls, length);
+    const size_t keep = size_t(e / shape_.page_tokens) * per_page;
+    for (size_t i = keep; i < ls.pages.size(); i += per_page) unref_block(ls, i);
+    ls.pages.resize(keep);
+    ls.e = e;
+    ls.ring_from = std::min(ls.ring_from, e);  // tokens [e, ring_from) were written back
+    totals_.tokens -= ls.n - length;
+    ls.n = length;
+  }
+}
+
+uint64_t page_store::block_bytes(std::span<const format_pair> pairs) const {
+  uint64_t b = 0;
+  for (const format_pair& p : pairs) b += page_bytes_of(p.k, role::k) + page_bytes_of(p.v, role::v);
+  return arena_allocator::rounded(b);
+}
+
+uint64_t page_store::listed_bytes(const layer_state& ls, size_t first) const {
+  uint64_t b = 0;
+  for (size_t j = 0; j < size_t(shape_.kv_heads) * 2; ++j)
+    b += page_bytes_of(ls.pages[first + j].fmt, j % 2 == 0 ? role::k : role::v);
+  return b;
+}
+
+void page_store::ref_block(const layer_state& ls, size_t first) {
+  const size_t per_page = size_t(shape_.kv_heads) * 2;
+  uint32_t& refs = refs_[ls.pages[first].offset];
+  if (refs++ == 0) {
+    for (size_t j = 0; j < per_page; ++j) account(ls.pages[first + j], j % 2 == 0 ? role::k : role::v, +1);
+    return;
+  }
+  if (refs == 2) totals_.shared_pages += per_page;
+  totals_.shared_saved_bytes += listed_bytes(ls, first);
+}
+
+void page_store::unref_block(const layer_state& ls, size_t first) {
+  const size_t per_page = size_t(shape_.kv_heads) * 2;
+  auto it = refs_.find(ls.pages[first].offset);
+  if (--it->second == 0) {
+    for (size_t j = 0; j < per_page; ++j) account(ls.pages[first + j], j % 2 == 0 ? role::k : role::v, -1);
+    arena_.free(it->first);
+    refs_.erase(it);
+    return;
+  }
+  if (it->second == 1) totals_.shared_pages -= per_page;
+  totals_.shared_saved_bytes -= listed_bytes(ls, first);
 }
 
 void page_store::account(const page_entry& p, role r, int sign) {
@@ -69,10 +150,7 @@ status page_store::release(seq_id id) {
   if (it == seqs_.end()) return {errc::not_found, fmt::format("release_sequence: unknown sequence {}", id)};
   sequence_state& s = it->second;
   for (auto& ls : s.layers) {
-    for (size_t i = 0; i < ls.pages.size(); ++i) {
-      account(ls.pages[i], i % 2 == 0 ? role::k : role::v, -1);
-      if (i % (size_t(shape_.kv_heads) * 2) == 0) arena_.free(ls.pages[i].offset);  // the page block
-    }
+    for (size_t i = 0; i < ls.pages.size(); i += size_t(shape_.kv_heads) * 2) unref_block(ls, i);
     totals_.tokens -= ls.n;
   }
   arena_.free(s.window_offset);
@@ -153,12 +231,12 @@ void page_store::abandon(append_plan&& plan) {
 
 void page_store::commit_append(sequence_state& s, int layer, int64_t m, append_plan&& plan) {
   layer_state& ls = s.layers[size_t(layer)];
-  for (size_t i = 0; i < plan.entries.size(); ++i) {
-    account(plan.entries[i], i % 2 == 0 ? role::k : role::v, +1);
-    ls.pages.push_back(plan.entries[i]);
-  }
+  const size_t first = ls.pages.size();
+  ls.pages.insert(ls.pages.end(), plan.entries.begin(), plan.entries.end());
+  for (size_t i = first; i < ls.pages.size(); i += size_t(shape_.kv_heads) * 2) ref_block(ls, i);
   ls.n += m;
   ls.e += int64_t(plan.pages) * shape_.page_tokens;
+  ls.ring_from = std::max(ls.ring_from, ls.n - shape_.window);
   totals_.tokens += m;
 }
 

@@ -4,9 +4,9 @@
 // What an engine developer learns here:
 // - one `KVCache` holds every sequence under one byte budget; per decode step and layer the engine
 //   makes one `append_batch` (the new token of every running sequence) and one `attend`;
-// - what a request will cost is known before it is admitted: its FP16 windows plus the pages its
-//   full length will create, in the policy's formats (`layout_of`), in 256-byte blocks. A request
-//   that does not fit is queued and admitted when a finished sequence's `release_sequence` returns
+// - what a request will cost is known before it is admitted: `bytes_for(tokens)` answers what a
+//   new sequence of its full length takes (its FP16 windows plus its pages in the policy's current
+//   formats, in 256-byte blocks). A request that does not fit is queued and admitted when a finished sequence's `release_sequence` returns
 //   its bytes, so no append ever fails for lack of budget;
 // - `stats()` reports what is held (used bytes, pages per format) at any moment;
 // - the same program runs on the CPU backend (host tensors) and on the CUDA backend (device
@@ -109,24 +109,6 @@ class io_buffers {
   void* dev_[4] = {};
 };
 
-// Bytes a sequence of `tokens` tokens holds at most: its windows and the page blocks of every
-// layer (one block per page index holds the pages of every kv head and role), 256-byte aligned.
-uint64_t footprint(const kvq::cache_shape& sh, const kvq::policy& pol, int64_t tokens) {
-  const auto round = [](uint64_t b) { return (b + 255) / 256 * 256; };
-  uint64_t bytes = round(uint64_t(sh.layers) * sh.kv_heads * 2 * sh.window * sh.head_dim * 2);
-  const int64_t pages = tokens - sh.recent >= sh.page_tokens ? (tokens - sh.recent) / sh.page_tokens : 0;
-  for (int l = 0; l < sh.layers; ++l) {
-    uint64_t block = 0;
-    for (int h = 0; h < sh.kv_heads; ++h) {
-      const kvq::format_pair p = pol.current(l, h);
-      block += kvq::layout_of(kvq::traits_of(p.k), kvq::role::k, sh.page_tokens, sh.head_dim).total() +
-               kvq::layout_of(kvq::traits_of(p.v), kvq::role::v, sh.page_tokens, sh.head_dim).total();
-    }
-    bytes += uint64_t(pages) * round(block);
-  }
-  return bytes;
-}
-
 struct running {
   request req;
   int64_t pos = 0;     // tokens appended so far
@@ -187,7 +169,7 @@ int serve(kvq::backend where) {
     // Admission: first come, first served, while the head of the queue fits the budget.
     while (!queue.empty()) {
       const request r = queue.front();
-      const uint64_t need = footprint(cfg.shape, *pol, r.prompt + r.max_new);
+      const uint64_t need = cache.bytes_for(r.prompt + r.max_new).value_or_throw();
       if (need > cfg.budget_bytes) {
         fmt::print(stderr, "request {} needs {} bytes, more than the whole budget\n", r.id, need);
         return failures + 1;

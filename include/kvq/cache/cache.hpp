@@ -31,6 +31,7 @@
 #include <array>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <vector>
 
@@ -58,9 +59,13 @@ struct cache_config {
 struct cache_stats {
   uint64_t budget_bytes = 0;
   uint64_t used_bytes = 0;    ///< pages + windows, as allocated (256-byte aligned blocks)
-  uint64_t page_bytes = 0;    ///< bytes of live pages (their layout sizes)
+  uint64_t free_bytes = 0;    ///< budget bytes not allocated (budget_bytes - used_bytes)
+  uint64_t largest_free_block = 0;  ///< the largest block one allocation can take now (a window needs one)
+  uint64_t page_bytes = 0;    ///< bytes of live pages (their layout sizes), a shared page once
   uint64_t window_bytes = 0;  ///< bytes of the FP16 recent windows
-  uint64_t pages = 0;
+  uint64_t pages = 0;         ///< live pages (per kv head and role), a shared page once
+  uint64_t shared_pages = 0;  ///< pages listed by more than one sequence (`fork`)
+  uint64_t shared_saved_bytes = 0;  ///< page bytes the extra listings of shared pages would take unshared
   int64_t sequences = 0;
   int64_t tokens = 0;                            ///< tokens held, summed over sequences and layers
   uint64_t encoded_elements = 0;                 ///< K and V elements held in pages
@@ -113,6 +118,33 @@ class KVQ_EXPORT KVCache {
   bool has_sequence(seq_id id) const;
   /// Tokens stored for (sequence, layer), or -1 for an unknown sequence.
   int64_t length(seq_id id, int layer) const;
+
+  /// Starts sequence `dst` as a copy of `src` (a shared prompt, beams, parallel samples): dst
+  /// lists every encoded page of src, shared and reference-counted (stored and counted once; a
+  /// page's bytes return to the budget when its last sharer releases or truncates it), and gets
+  /// its own copy of src's FP16 windows, so both then append and attend independently. Costs one
+  /// window block of the budget. Errors: unknown src (`not_found`), existing dst
+  /// (`invalid_argument`), no slot or no budget for the window (`out_of_budget`); then nothing
+  /// changed.
+  status fork(seq_id src, seq_id dst);
+
+  /// Drops the newest tokens of sequence `id`: every layer keeps its first `length` tokens
+  /// (rejected speculative drafts). Needs 0 <= length <= the tokens of every layer. Each layer is
+  /// left as appending its first `length` tokens directly would leave it (the pages that append
+  /// would have written, the rest unencoded in the ring) whenever its ring still holds the tokens
+  /// that go back to the ring; a page whose tokens left the ring stays encoded unless the cut
+  /// falls inside it, and then its kept tokens that left the ring come back as the page's decoded
+  /// values rounded to fp16 (a later append re-encodes them from there). Pages another sequence
+  /// shares stay for it: a sharer never changes. docs/architecture.md has the rule in full.
+  status truncate(seq_id id, int64_t length);
+
+  /// Budget bytes that appending `tokens` more tokens to every layer of sequence `seq` would
+  /// allocate (its new page blocks, in the formats the policy holds now: `current`), or, without
+  /// `seq`, what a new sequence of `tokens` tokens takes (its window block and its pages). For
+  /// admission control against `stats().free_bytes` (a new sequence's window also needs a
+  /// contiguous block: `stats().largest_free_block`). Exact for policies whose formats do not
+  /// change meanwhile. Errors: tokens < 0, an unknown sequence.
+  result<uint64_t> bytes_for(int64_t tokens, std::optional<seq_id> seq = std::nullopt) const;
 
   /// Appends the K and V of `k.tokens` new tokens of one sequence and layer.
   /// \param k [tokens][kv_heads][head_dim] f32/f16/bf16, finite and within fp16 range

@@ -7,9 +7,11 @@
 #include <kvq/cache/cache.hpp>
 #include <kvq/store/store.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
 #include <memory>
+#include <utility>
 #include <vector>
 
 KVQ_NAMESPACE_BEGIN
@@ -58,6 +60,14 @@ class cache_backend {
   virtual status read(const sequence_state& s, int layer, role r, std::span<float> out) const = 0;
   /// Called after a sequence is created or released (device tables).
   virtual void on_sequence_change(const sequence_state&, bool /*created*/) {}
+  /// After the store forked `src` into `dst` (dst lists src's pages): copies src's FP16 windows
+  /// into dst's window block and dst's page-table rows where the backend keeps them. On failure
+  /// the caller releases `dst`.
+  virtual status fork(const sequence_state& src, const sequence_state& dst) = 0;
+  /// Before the store truncates `s` to `length` tokens per layer: writes into the ring, as fp16,
+  /// the kept tokens that go back to the ring but whose slots a later token overwrote
+  /// (`ring_restore_range`), decoded from their page. Nothing is written when it fails.
+  virtual status restore_ring(const sequence_state& s, int64_t length) = 0;
   /// Start of a validated append or attend: hand the policy the canary measurements that are
   /// complete, without waiting (the CUDA backend's device canary).
   virtual void poll_policy() {}
@@ -96,6 +106,20 @@ inline tensor_view rows_of(const tensor_view& t, int64_t row, int64_t n) {
 void gather(const cache_shape& sh, const layer_state& ls, role r, int q_len,
             const std::function<const uint8_t*(const page_entry&)>& page_at,
             const std::function<const uint16_t*(int kv_head)>& ring_at, float* out);
+
+/// Tokens [first, last) of a layer cut to `length` that must come back into its ring decoded from
+/// their page (`page_store::kept_encoded`, `restore_from`); they all lie in the page starting at
+/// `first`, which the layer still lists. Empty (first == last) in every other case.
+inline std::pair<int64_t, int64_t> ring_restore_range(const page_store& store, const layer_state& ls, int64_t length) {
+  const int64_t first = store.kept_encoded(ls, length);
+  return {first, std::max(first, store.restore_from(ls, length))};
+}
+
+/// Writes the fp16 rounding of tokens [first, last) decoded from their page into the ring of one
+/// (kv head, role): `page` holds the page's bytes (entry `pe`, whose first token is a multiple of
+/// page_tokens), `ring` [window][head_dim] halves.
+void restore_rows(const cache_shape& sh, const page_entry& pe, role r, const uint8_t* page, int64_t first, int64_t last,
+                  uint16_t* ring);
 
 /// The CPU reference backend, or an `out_of_budget` status when its arena cannot be allocated.
 result<std::unique_ptr<cache_backend>> make_cpu_backend(const cache_state& st);

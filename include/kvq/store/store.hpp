@@ -9,6 +9,10 @@
 /// Page list of (layer): entry (page i, kv head h, role r) at index (i*kv_heads + h)*2 + r.
 /// The pages of one page index (all kv heads and roles) share one arena block, back to back in
 /// that order; the first entry's offset is the block's.
+///
+/// Sharing: a page block may be listed by several sequences (`fork`). The store counts the
+/// sequences that list each block and frees the block's bytes when the last one drops it. Pages
+/// are written once, when full, and never change, so sharing needs no copy-on-write of page bytes.
 
 #include <kvq/config.hpp>
 #include <kvq/format/format.hpp>
@@ -19,6 +23,7 @@
 #include <array>
 #include <cstdint>
 #include <span>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
@@ -30,10 +35,15 @@ struct page_entry {
   format_id fmt;
 };
 
-/// Per (sequence, layer): tokens appended (n), tokens encoded into pages (e), the pages.
+/// Per (sequence, layer): tokens appended (n), tokens encoded into pages (e), the pages, and the
+/// first token the FP16 ring still holds.
 struct layer_state {
   int64_t n = 0;
   int64_t e = 0;
+  /// Tokens [ring_from, n) are in their ring slots (j % window): max(0, n - window) after
+  /// appends; a truncation can leave it higher (slots of older tokens that dropped tokens
+  /// overwrote) or lower (tokens written back). Always <= e.
+  int64_t ring_from = 0;
   std::vector<page_entry> pages;  ///< [page][kv_head][role]
 };
 
@@ -62,8 +72,29 @@ class KVQ_EXPORT page_store {
   uint64_t window_offset(const sequence_state& s, int layer, int kv_head, role r) const;
 
   result<sequence_state*> create(seq_id id);
-  /// Releases every block of the sequence.
+  /// Releases the sequence's window block and drops its reference to each of its page blocks
+  /// (a block shared with another sequence stays).
   status release(seq_id id);
+  /// Creates `dst` listing every page of `src` (shared, reference-counted) with a window block of
+  /// its own (the caller copies the ring bytes). Costs one window block; on failure (unknown
+  /// `src`, existing `dst`, no slot, no budget) nothing changed and the status names the problem.
+  result<sequence_state*> fork(seq_id src, seq_id dst);
+  /// Every layer of `s` keeps its first `length` tokens (the caller checked length <= n of each
+  /// layer) and its first `kept_encoded(layer, length)` tokens encoded: the later pages are
+  /// dropped (a page another sequence lists stays for it) and their kept tokens are unencoded
+  /// again (the caller put them in the ring first).
+  void truncate(sequence_state& s, int64_t length);
+  /// Tokens a layer keeps encoded when cut to `length`: what appending the first `length` tokens
+  /// would have encoded (floor((length - r) / P) pages), except that a page whose tokens the ring
+  /// no longer holds (tokens before `ring_from`) stays, and never a page holding a dropped
+  /// token. So a layer is left exactly as that direct append would leave it whenever the
+  /// ring still holds the tokens it would keep unencoded; only a cut inside a page whose first
+  /// tokens left the ring brings tokens back from codes (`restore_from`).
+  int64_t kept_encoded(const layer_state& ls, int64_t length) const;
+  /// End of the kept tokens that go back to the ring but that it no longer holds: tokens
+  /// [kept_encoded, restore_from) of a layer cut to `length` must come back decoded from the page
+  /// that holds them (none when restore_from <= kept_encoded).
+  int64_t restore_from(const layer_state& ls, int64_t length) const;
   sequence_state* find(seq_id id);
   const sequence_state* find(seq_id id) const;
   const std::unordered_map<seq_id, sequence_state>& sequences() const { return seqs_; }
@@ -91,9 +122,16 @@ class KVQ_EXPORT page_store {
   uint64_t page_bytes_of(format_id f, role r) const { return page_bytes_[r == role::k ? 0 : 1][f]; }
   const arena_allocator& arena() const { return arena_; }
 
-  /// Counters for `cache_stats` (page bytes by format, pages, elements).
+  /// Budget bytes of one page block whose (kv head) pages take the formats `pairs` [kv_heads],
+  /// as the arena allocates it.
+  uint64_t block_bytes(std::span<const format_pair> pairs) const;
+
+  /// Counters for `cache_stats` (page bytes by format, pages, elements). A shared page counts
+  /// once; `shared_pages` counts the pages listed by more than one sequence and `shared_saved_bytes`
+  /// the page bytes the extra listings would take if each sequence held its own copy.
   struct counters {
     uint64_t page_bytes = 0, pages = 0, window_bytes = 0, encoded_elements = 0;
+    uint64_t shared_pages = 0, shared_saved_bytes = 0;
     int64_t tokens = 0;
     std::array<uint64_t, format_count> bytes_by_format{}, pages_by_format{};
   };
@@ -101,12 +139,20 @@ class KVQ_EXPORT page_store {
 
  private:
   void account(const page_entry& p, role r, int sign);
+  result<sequence_state*> add_sequence(seq_id id, const std::string& call);
+  // Layout bytes of the page block whose first entry is ls.pages[first].
+  uint64_t listed_bytes(const layer_state& ls, size_t first) const;
+  // One more / one fewer sequence lists the page block at ls.pages[first]; the first listing
+  // accounts its pages, dropping the last frees its bytes.
+  void ref_block(const layer_state& ls, size_t first);
+  void unref_block(const layer_state& ls, size_t first);
 
   cache_shape shape_;
   arena_allocator arena_;
   int max_sequences_ = 0;
   std::unordered_map<seq_id, sequence_state> seqs_;
   std::vector<int> free_slots_;
+  std::unordered_map<uint64_t, uint32_t> refs_;  // page block offset -> sequences listing it
   std::array<std::array<uint64_t, format_count>, 2> page_bytes_{};
   counters totals_;
 };
