@@ -87,29 +87,33 @@ struct softmax_rows {
     std::fill(acc, acc + int64_t(rows) * d, 0.f);
   }
 
-  // Folds in `tokens` keys/values at positions pos0.. (k, v: [tokens][d]); p: [tokens] scratch.
+  // Folds in `tokens` keys/values at positions pos0.. (k, v: [tokens][d]); p: scratch of
+  // `tokens` rounded up to 8 floats.
   KVQ_CPU_INLINE void absorb(const float* k, const float* v, int tokens, int64_t pos0, float* p) {
     for (int r = 0; r < rows; ++r) {
       const int vis = int(std::clamp<int64_t>(last[r] - pos0 + 1, 0, tokens));
       if (vis == 0) continue;
       const float* qr = q + int64_t(r) * d;
+      int t = 0;
+      for (; t + 4 <= vis; t += 4) dot4(qr, k + int64_t(t) * d, d, p + t);
+      for (; t < vis; ++t) p[t] = dot(qr, k + int64_t(t) * d, d);
       float mx = m[r];
-      for (int t = 0; t < vis; ++t) {
-        p[t] = dot(qr, k + int64_t(t) * d, d);
-        mx = p[t] > mx ? p[t] : mx;
-      }
+      for (t = 0; t < vis; ++t) mx = p[t] > mx ? p[t] : mx;
+      const int padded = (vis + 7) & ~7;
+      for (t = vis; t < padded; ++t) p[t] = mx;
+      const f8 mxv = splat8(mx);
+      for (t = 0; t < padded; t += 8) store8(p + t, exp8_nonpositive(load8(p + t) - mxv));
+      for (t = vis; t < padded; ++t) p[t] = 0.f;
+      f8 sum = {};
+      for (t = 0; t < padded; t += 8) sum += load8(p + t);
       const float corr = exp_nonpositive(m[r] - mx);
-      for (int t = 0; t < vis; ++t) p[t] = exp_nonpositive(p[t] - mx);
-      float sum = 0.f;
-      for (int t = 0; t < vis; ++t) sum += p[t];
       float* a = acc + int64_t(r) * d;
-      for (int c = 0; c < d; ++c) a[c] *= corr;
-      for (int t = 0; t < vis; ++t) {
-        const float w = p[t];
-        const float* vt = v + int64_t(t) * d;
-        for (int c = 0; c < d; ++c) a[c] += w * vt[c];
+      for (int c = 0; c < d; c += 8) {
+        f8 x = load8(a + c) * corr;
+        for (t = 0; t < vis; ++t) x += p[t] * load8(v + int64_t(t) * d + c);
+        store8(a + c, x);
       }
-      l[r] = l[r] * corr + sum;
+      l[r] = l[r] * corr + hsum8(sum);
       m[r] = mx;
     }
   }

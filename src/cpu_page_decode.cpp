@@ -6,20 +6,30 @@
 #include <kvq/attention/cpu_attention.hpp>
 #include <kvq/codec/codec.hpp>
 
-#include <array>
 
 KVQ_NAMESPACE_BEGIN
 namespace cpu {
 namespace {
 
-// The `Bits`-bit codes of one packed token row (low bits first), minus `Offset`, as floats.
+// The `Bits`-bit codes of channels c0..c0+7 (c0 a multiple of 8) of one packed token row (low
+// bits first, Bits < 8), as integer lanes.
+template <int Bits>
+KVQ_CPU_INLINE i8 codes8(const uint8_t* row, int c0) {
+  int32_t w = 0;
+  __builtin_memcpy(&w, row + c0 * Bits / 8, Bits);  // 8 codes of Bits bits: Bits bytes
+  constexpr int32_t mask = (1 << Bits) - 1;
+  return ((i8{} + w) >> i8{0, Bits, 2 * Bits, 3 * Bits, 4 * Bits, 5 * Bits, 6 * Bits, 7 * Bits}) & mask;
+}
+
+// The codes of a whole row minus `Offset`, as floats: u [d].
+// NOTE: bytes go through a plain loop, which the loop vectorizer turns into zero-extending loads;
+// an 8-lane vector conversion of bytes compiles to scalar extracts (GCC 12).
 template <int Bits, int Offset>
 KVQ_CPU_INLINE void unpack(const uint8_t* row, int d, float* u) {
-  constexpr int per = 8 / Bits;
-  constexpr unsigned mask = (1u << Bits) - 1u;
-  for (int i = 0; i < d / per; ++i) {
-    const unsigned x = row[i];
-    for (int j = 0; j < per; ++j) u[i * per + j] = float(int((x >> (j * Bits)) & mask) - Offset);
+  if constexpr (Bits == 8) {
+    for (int c = 0; c < d; ++c) u[c] = float(int(row[c]) - Offset);
+  } else {
+    for (int c = 0; c < d; c += 8) store8(u + c, __builtin_convertvector(codes8<Bits>(row, c) - Offset, f8));
   }
 }
 
@@ -33,7 +43,7 @@ KVQ_CPU_INLINE void decode_sym(const codec::page_geom& g, const uint8_t* page, i
     unpack<Bits, (1 << (Bits - 1))>(page + t * rb, d, o);
     for (int j = 0; j < ng; ++j) {
       const float s = half_to_float_finite(sc[t * ng + j]);
-      for (int c = j * gs; c < (j + 1) * gs; ++c) o[c] = o[c] * s;
+      for (int c = j * gs; c < (j + 1) * gs; c += 8) store8(o + c, load8(o + c) * s);
     }
   }
 }
@@ -55,7 +65,7 @@ KVQ_CPU_INLINE void decode_kivi(const codec::page_geom& g, const uint8_t* page, 
         }
       float* o = out + int64_t(t) * d;
       unpack<Bits, 0>(page + t * rb, d, o);
-      for (int c = 0; c < d; ++c) o[c] = o[c] * s[c] + z[c];
+      for (int c = 0; c < d; c += 8) store8(o + c, load8(o + c) * load8(s + c) + load8(z + c));
     }
     return;
   }
@@ -65,19 +75,9 @@ KVQ_CPU_INLINE void decode_kivi(const codec::page_geom& g, const uint8_t* page, 
     unpack<Bits, 0>(page + t * rb, d, o);
     for (int j = 0; j < ng; ++j) {
       const float s = half_to_float_finite(sc[t * ng + j]), z = half_to_float_finite(zr[t * ng + j]);
-      for (int c = j * gs; c < (j + 1) * gs; ++c) o[c] = o[c] * s + z;
+      for (int c = j * gs; c < (j + 1) * gs; c += 8) store8(o + c, load8(o + c) * s + z);
     }
   }
-}
-
-// Every e4m3 code as float (NaN codes included; pages never hold them).
-const std::array<float, 256>& e4m3_table() {
-  static const std::array<float, 256> t = [] {
-    std::array<float, 256> a{};
-    for (int i = 0; i < 256; ++i) a[size_t(i)] = e4m3_to_float(uint8_t(i));
-    return a;
-  }();
-  return t;
 }
 
 }  // namespace
@@ -97,10 +97,19 @@ KVQ_CPU_CLONES void decode_page_rows(const codec::page_geom& g, const uint8_t* p
       return;
     }
     case family::fp8_e4m3: {
-      const std::array<float, 256>& lut = e4m3_table();
+      // e4m3 magnitude bits moved into a float's exponent and mantissa give the value times
+      // 2^-120 (subnormals included), then the sign and the token's scale.
       const float* sc = reinterpret_cast<const float*>(g.scales(page));
-      for (int t = 0; t < rows; ++t)
-        for (int c = 0; c < d; ++c) out[int64_t(t) * d + c] = lut[page[t * d + c]] * sc[t];
+      for (int t = 0; t < rows; ++t) {
+        const uint8_t* row = page + t * d;
+        float* o = out + int64_t(t) * d;
+        const float s = sc[t];
+        for (int c = 0; c < d; ++c) {
+          const uint32_t u = row[c];
+          const float mag = std::bit_cast<float>((u & 0x7fu) << 20) * 0x1p120f;
+          o[c] = std::bit_cast<float>(std::bit_cast<uint32_t>(mag) | ((u & 0x80u) << 24)) * s;
+        }
+      }
       return;
     }
     // NOTE: plain calls, no lambdas: a lambda is a function of its own, compiled without the
