@@ -246,9 +246,10 @@ void check_prefill(KVCache& c, int64_t before, int64_t T, std::mt19937& rng) {
 }  // namespace
 
 TEST_CASE("prefill of T = 1, R and 3R + 17 tokens equals the reference, every format", "[cpu_attention][prefill]") {
-  const int d = GENERATE(64, 128);
-  const int threads = GENERATE(1, 2);
-  const setup s{3 * 2, 2, d, 64, 128, 32, threads};
+  // (head_dim, threads); pages of 64 tokens keep the 3R + 17 chunk short (K groups of 128
+  // tokens need pages of 128: the attend test above covers them)
+  const auto [d, threads] = GENERATE(table<int, int>({{64, 1}, {128, 2}}));
+  const setup s{3, 1, d, 64, 128, 32, threads};
   const auto policies = every_format(s.page, d);
   for (size_t i = 0; i < policies.size(); ++i) {
     const auto& pol = policies[i];
