@@ -87,34 +87,64 @@ struct softmax_rows {
     std::fill(acc, acc + int64_t(rows) * d, 0.f);
   }
 
-  // Folds in `tokens` keys/values at positions pos0.. (k, v: [tokens][d]); p: scratch of
-  // `tokens` rounded up to 8 floats.
-  KVQ_CPU_INLINE void absorb(const float* k, const float* v, int tokens, int64_t pos0, float* p) {
+  KVQ_CPU_INLINE int visible(int r, int64_t pos0, int tokens) const {
+    return int(std::clamp<int64_t>(last[r] - pos0 + 1, 0, tokens));
+  }
+
+  // Folds in `tokens` keys/values at positions pos0.. (k, v: [tokens][d]). p: scratch
+  // [rows][tokens rounded up to 8]; corr: scratch [rows].
+  KVQ_CPU_INLINE void absorb(const float* k, const float* v, int tokens, int64_t pos0, float* p, float* corr) {
+    const int stride = (tokens + 7) & ~7;
+    // the scores of each row, then its softmax weights (0 past what the row sees)
     for (int r = 0; r < rows; ++r) {
-      const int vis = int(std::clamp<int64_t>(last[r] - pos0 + 1, 0, tokens));
-      if (vis == 0) continue;
+      float* pr = p + int64_t(r) * stride;
+      const int vis = visible(r, pos0, tokens);
+      corr[r] = 1.f;
+      if (vis == 0) {
+        std::fill(pr, pr + stride, 0.f);
+        continue;
+      }
       const float* qr = q + int64_t(r) * d;
       int t = 0;
-      for (; t + 4 <= vis; t += 4) dot4(qr, k + int64_t(t) * d, d, p + t);
-      for (; t < vis; ++t) p[t] = dot(qr, k + int64_t(t) * d, d);
+      for (; t + 4 <= vis; t += 4) dot4(qr, k + int64_t(t) * d, d, pr + t);
+      for (; t < vis; ++t) pr[t] = dot(qr, k + int64_t(t) * d, d);
       float mx = m[r];
-      for (t = 0; t < vis; ++t) mx = p[t] > mx ? p[t] : mx;
-      const int padded = (vis + 7) & ~7;
-      for (t = vis; t < padded; ++t) p[t] = mx;
+      for (t = 0; t < vis; ++t) mx = pr[t] > mx ? pr[t] : mx;
+      for (t = vis; t < stride; ++t) pr[t] = mx;
       const f8 mxv = splat8(mx);
-      for (t = 0; t < padded; t += 8) store8(p + t, exp8_nonpositive(load8(p + t) - mxv));
-      for (t = vis; t < padded; ++t) p[t] = 0.f;
+      for (t = 0; t < stride; t += 8) store8(pr + t, exp8_nonpositive(load8(pr + t) - mxv));
+      for (t = vis; t < stride; ++t) pr[t] = 0.f;
       f8 sum = {};
-      for (t = 0; t < padded; t += 8) sum += load8(p + t);
-      const float corr = exp_nonpositive(m[r] - mx);
-      float* a = acc + int64_t(r) * d;
-      for (int c = 0; c < d; c += 8) {
-        f8 x = load8(a + c) * corr;
-        for (t = 0; t < vis; ++t) x += p[t] * load8(v + int64_t(t) * d + c);
-        store8(a + c, x);
-      }
-      l[r] = l[r] * corr + hsum8(sum);
+      for (t = 0; t < stride; t += 8) sum += load8(pr + t);
+      corr[r] = exp_nonpositive(m[r] - mx);
+      l[r] = l[r] * corr[r] + hsum8(sum);
       m[r] = mx;
+    }
+    // acc = acc * corr + p V, up to four rows at a time sharing each load of V
+    int r0 = 0;
+    for (; r0 + 4 <= rows; r0 += 4) accumulate<4>(r0, v, pos0, tokens, stride, p, corr);
+    switch (rows - r0) {
+      case 3: accumulate<3>(r0, v, pos0, tokens, stride, p, corr); break;
+      case 2: accumulate<2>(r0, v, pos0, tokens, stride, p, corr); break;
+      case 1: accumulate<1>(r0, v, pos0, tokens, stride, p, corr); break;
+      default: break;
+    }
+  }
+
+  template <int N>
+  KVQ_CPU_INLINE void accumulate(int r0, const float* v, int64_t pos0, int tokens, int stride, const float* p,
+                                 const float* corr) {
+    int vis = 0;
+    for (int i = 0; i < N; ++i) vis = std::max(vis, visible(r0 + i, pos0, tokens));
+    if (vis == 0) return;
+    for (int c = 0; c < d; c += 8) {
+      f8 x[N];
+      for (int i = 0; i < N; ++i) x[i] = load8(acc + int64_t(r0 + i) * d + c) * corr[r0 + i];
+      for (int t = 0; t < vis; ++t) {
+        const f8 vt = load8(v + int64_t(t) * d + c);
+        for (int i = 0; i < N; ++i) x[i] += p[int64_t(r0 + i) * stride + t] * vt;
+      }
+      for (int i = 0; i < N; ++i) store8(acc + int64_t(r0 + i) * d + c, x[i]);
     }
   }
 
@@ -133,16 +163,16 @@ struct softmax_rows {
 
 // Per-thread scratch, grown as needed and kept between calls (no allocation in steady state).
 struct scratch {
-  std::vector<float> k, v, p, q, m, l, acc, o, lse, o2, lse2;
+  std::vector<float> k, v, p, corr, q, m, l, acc, o, lse, o2, lse2;
   std::vector<int64_t> last;
   void size_for(int rows, int d, int tile_tokens) {
     const size_t rd = size_t(rows) * d;
     for (auto* x : {&q, &acc, &o, &o2}) x->resize(rd);
-    for (auto* x : {&m, &l, &lse, &lse2}) x->resize(size_t(rows));
+    for (auto* x : {&m, &l, &corr, &lse, &lse2}) x->resize(size_t(rows));
     last.resize(size_t(rows));
     k.resize(size_t(tile_tokens) * d);
     v.resize(k.size());
-    p.resize(size_t(tile_tokens));
+    p.resize(size_t(rows) * ((tile_tokens + 7) & ~7));
   }
   softmax_rows state(int rows, int d) {
     return {rows, d, q.data(), last.data(), m.data(), l.data(), acc.data()};
@@ -231,7 +261,7 @@ KVQ_CPU_CLONES void attend_task(const attend_task_item& it, int h, const tensor_
   stored_blocks blocks{it.kv, h, std::min(it.kv.ls->e, n - it.q_len), n};
   int tokens = 0;
   int64_t pos0 = 0;
-  while (blocks.next(sc.k.data(), sc.v.data(), tokens, pos0)) st.absorb(sc.k.data(), sc.v.data(), tokens, pos0, sc.p.data());
+  while (blocks.next(sc.k.data(), sc.v.data(), tokens, pos0)) st.absorb(sc.k.data(), sc.v.data(), tokens, pos0, sc.p.data(), sc.corr.data());
   for (int r = 0; r < rows; ++r) st.finish(r, sc.o.data() + int64_t(r) * d);
   store_rows(o, it.row, 0, it.q_len, h, group, d, sc.o.data());
 }
@@ -251,7 +281,7 @@ KVQ_CPU_CLONES void prefix_part(const stored_layer& kv, int64_t prefix, int h, c
   stored_blocks blocks{kv, h, std::min(kv.ls->e, prefix), prefix};
   int tokens = 0;
   int64_t pos0 = 0;
-  while (blocks.next(sc.k.data(), sc.v.data(), tokens, pos0)) st.absorb(sc.k.data(), sc.v.data(), tokens, pos0, sc.p.data());
+  while (blocks.next(sc.k.data(), sc.v.data(), tokens, pos0)) st.absorb(sc.k.data(), sc.v.data(), tokens, pos0, sc.p.data(), sc.corr.data());
   for (int r = 0; r < rows; ++r) sc.lse[size_t(r)] = st.finish(r, sc.o.data() + int64_t(r) * d);
 }
 
@@ -269,7 +299,7 @@ KVQ_CPU_CLONES void chunk_part(const cache_shape& sh, const float* ck, const flo
   const float* vh = cv + int64_t(h) * T * d;
   for (int64_t j = 0; j < i0 + count; j += key_tile) {
     const int tokens = int(std::min<int64_t>(key_tile, i0 + count - j));
-    st.absorb(kh + j * d, vh + j * d, tokens, j, sc.p.data());
+    st.absorb(kh + j * d, vh + j * d, tokens, j, sc.p.data(), sc.corr.data());
   }
   for (int r = 0; r < rows; ++r) sc.lse2[size_t(r)] = st.finish(r, sc.o2.data() + int64_t(r) * d);
 }
