@@ -406,3 +406,44 @@ TEST_CASE("a prefill that fails changes nothing", "[cpu_attention][prefill][erro
           errc::invalid_argument);
   unchanged();
 }
+
+TEST_CASE("f16 and strided queries, bf16 and strided outputs give the f32 results", "[cpu_attention]") {
+  const setup s{8, 2, 64, 64, 128, 32};
+  const int H = 2, Hq = 8, d = 64, stride = 3 * Hq * d;  // rows of a wider buffer
+  auto pol = std::make_shared<rotating_policy>(usable(role::k, 64, 64), usable(role::v, 64, 64), 64);
+  KVCache a = make(s, pol), b = make(s, pol);
+  std::mt19937 ra(21), rb(21), rng(22);
+  check(a.create_sequence(0));
+  check(b.create_sequence(0));
+  fill(a, 0, 300, ra);
+  fill(b, 0, 300, rb);
+  const int64_t T = 150;  // above the window: the prefill path
+  auto k = randn(rng, size_t(T) * H * d), v = randn(rng, k.size()), q = randn(rng, size_t(T) * Hq * d);
+  std::vector<uint16_t> qh(size_t(T) * stride), ob(size_t(T) * stride);
+  for (int64_t i = 0; i < T; ++i)
+    for (int e = 0; e < Hq * d; ++e) {
+      const size_t at = size_t(i) * Hq * d + size_t(e);
+      qh[size_t(i) * stride + Hq * d + e] = float_to_half(q[at]);
+      q[at] = half_to_float(qh[size_t(i) * stride + Hq * d + e]);
+    }
+  std::vector<float> of(q.size());
+  check(a.prefill(0, 0, view(k.data(), T, H, d), view(v.data(), T, H, d), view(q.data(), T, Hq, d),
+                  {of.data(), dtype::f32, T, Hq, d}));
+  check(b.prefill(0, 0, view(k.data(), T, H, d), view(v.data(), T, H, d),
+                  {qh.data() + Hq * d, dtype::f16, T, Hq, d, stride}, {ob.data() + 2 * Hq * d, dtype::bf16, T, Hq, d, stride}));
+  // a decode step of the same query rows (the first one) through attend
+  std::vector<float> of1(size_t(Hq) * d);
+  const attend_item it{0, 1};
+  check(a.append(0, 0, view(k.data(), 1, H, d), view(v.data(), 1, H, d)));
+  check(b.append(0, 0, view(k.data(), 1, H, d), view(v.data(), 1, H, d)));
+  check(a.attend({&it, 1}, 0, view(q.data(), 1, Hq, d), {of1.data(), dtype::f32, 1, Hq, d}));
+  std::vector<uint16_t> ob1(static_cast<size_t>(stride));
+  check(b.attend({&it, 1}, 0, {qh.data() + Hq * d, dtype::f16, 1, Hq, d, stride},
+                 {ob1.data() + Hq * d, dtype::bf16, 1, Hq, d, stride}));
+  size_t diff = 0;
+  for (int64_t i = 0; i < T; ++i)
+    for (int e = 0; e < Hq * d; ++e)
+      diff += ob[size_t(i) * stride + 2 * Hq * d + e] != float_to_bf16(of[size_t(i) * Hq * d + e]);
+  for (int e = 0; e < Hq * d; ++e) diff += ob1[size_t(Hq * d + e)] != float_to_bf16(of1[size_t(e)]);
+  REQUIRE(diff == 0);
+}
