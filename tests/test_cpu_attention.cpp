@@ -116,6 +116,17 @@ void fill(KVCache& c, seq_id s, int64_t n, std::mt19937& rng) {
   }
 }
 
+// Two caches of one policy holding the same `before` random tokens of sequence 0.
+std::pair<KVCache, KVCache> twins(const setup& s, std::shared_ptr<policy> pol, int64_t before, uint32_t seed) {
+  KVCache a = make(s, pol), b = make(s, pol);
+  for (KVCache* c : {&a, &b}) {
+    std::mt19937 r(seed);
+    check(c->create_sequence(0));
+    fill(*c, 0, before, r);
+  }
+  return {std::move(a), std::move(b)};
+}
+
 // One batched step: each sequence appends q_lens[i] tokens, then one attend for all; the
 // output is compared with the reference of each sequence alone. Returns the output.
 std::vector<float> step_and_check(KVCache& c, const std::vector<int>& q_lens, std::mt19937& rng) {
@@ -268,12 +279,8 @@ TEST_CASE("prefill of at most the window equals append + attend", "[cpu_attentio
   const int64_t T = GENERATE(1, 37, 128);
   const setup s{8, 2, 64, 64, 128, 32};
   auto pol = std::make_shared<rotating_policy>(usable(role::k, 64, 64), usable(role::v, 64, 64), 64);
-  KVCache a = make(s, pol), b = make(s, pol);
-  std::mt19937 ra(3), rb(3), rng(4);
-  check(a.create_sequence(0));
-  check(b.create_sequence(0));
-  fill(a, 0, 250, ra);
-  fill(b, 0, 250, rb);
+  auto [a, b] = twins(s, pol, 250, 3);
+  std::mt19937 rng(4);
   auto k = randn(rng, size_t(T) * 2 * 64), v = randn(rng, k.size()), q = randn(rng, size_t(T) * 8 * 64);
   std::vector<float> oa(q.size()), ob(q.size());
   check(a.prefill(0, 0, view(k.data(), T, 2, 64), view(v.data(), T, 2, 64), view(q.data(), T, 8, 64),
@@ -291,14 +298,10 @@ TEST_CASE("attend_prefix writes the log-sum-exp, and merged with the chunk's own
   const setup s{6, 2, 64, 64, 128, 32};
   auto pol = std::make_shared<rotating_policy>(std::vector{format_id(find_format(family::kivi, 4, 32))},
                                                std::vector{format_id(find_format(family::kivi, 2, 32))}, 64);
-  KVCache a = make(s, pol), b = make(s, pol);
   const int H = 2, Hq = 6, d = 64;
   const int64_t before = 190, T = 300;
-  std::mt19937 ra(8), rb(8), rng(9);
-  check(a.create_sequence(0));
-  check(b.create_sequence(0));
-  fill(a, 0, before, ra);
-  fill(b, 0, before, rb);
+  auto [a, b] = twins(s, pol, before, 8);
+  std::mt19937 rng(9);
   auto k = randn(rng, size_t(T) * H * d), v = randn(rng, k.size()), q = randn(rng, size_t(T) * Hq * d);
   std::vector<float> want(q.size()), o(q.size()), lse(size_t(T) * Hq);
   check(a.prefill(0, 0, view(k.data(), T, H, d), view(v.data(), T, H, d), view(q.data(), T, Hq, d),
@@ -411,12 +414,8 @@ TEST_CASE("f16 and strided queries, bf16 and strided outputs give the f32 result
   const setup s{8, 2, 64, 64, 128, 32};
   const int H = 2, Hq = 8, d = 64, stride = 3 * Hq * d;  // rows of a wider buffer
   auto pol = std::make_shared<rotating_policy>(usable(role::k, 64, 64), usable(role::v, 64, 64), 64);
-  KVCache a = make(s, pol), b = make(s, pol);
-  std::mt19937 ra(21), rb(21), rng(22);
-  check(a.create_sequence(0));
-  check(b.create_sequence(0));
-  fill(a, 0, 300, ra);
-  fill(b, 0, 300, rb);
+  auto [a, b] = twins(s, pol, 300, 21);
+  std::mt19937 rng(22);
   const int64_t T = 150;  // above the window: the prefill path
   auto k = randn(rng, size_t(T) * H * d), v = randn(rng, k.size()), q = randn(rng, size_t(T) * Hq * d);
   std::vector<uint16_t> qh(size_t(T) * stride), ob(size_t(T) * stride);
