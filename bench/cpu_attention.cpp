@@ -5,6 +5,10 @@
 // head_dim 64) and Llama-3-8B (32 / 8 / 128). Bytes processed = the layer's stored bytes (pages
 // and window), so GB/s is of what the step reads. One thread (cpu_threads = 1).
 //
+// Prefill of a T-token prompt into an empty sequence (SmolLM2 shape), append included: one
+// `KVCache::prefill` call ("prefill") against the same prompt fed as `append` + `attend` in
+// chunks of the window ("chunked"); items per second = prompt tokens per second.
+//
 //   build/bench/kvq_bench_cpu_attention --benchmark_filter='attend/smollm2'
 #include <kvq/attention/reference.hpp>
 #include <kvq/cache/cache.hpp>
@@ -12,6 +16,7 @@
 
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <string>
@@ -82,6 +87,37 @@ void bm_reference(benchmark::State& state, model_shape m, const char* spec, int 
   f.report(state);
 }
 
+// A prompt of `n` tokens, fed in one `prefill` (chunk 0) or in `append` + `attend` chunks.
+void bm_prompt(benchmark::State& state, model_shape m, const char* spec, int n, int chunk) {
+  kvq::KVCache cache = fixture::make(m, spec);
+  std::mt19937 rng(3);
+  std::normal_distribution<float> nd;
+  std::vector<float> k(size_t(n) * m.kv_heads * m.head_dim), v(k.size()), q(size_t(n) * m.q_heads * m.head_dim),
+      o(q.size());
+  for (auto* x : {&k, &v, &q})
+    for (auto& e : *x) e = nd(rng);
+  auto rows = [&](const std::vector<float>& x, int64_t from, int64_t count, int heads) {
+    return kvq::tensor_view{x.data() + from * heads * m.head_dim, kvq::dtype::f32, count, heads, m.head_dim};
+  };
+  for (auto _ : state) {
+    kvq::check(cache.create_sequence(0));
+    for (int64_t i = 0; i < n; i += chunk ? chunk : n) {
+      const int64_t c = chunk ? std::min<int64_t>(chunk, n - i) : n;
+      const kvq::tensor_mut out{o.data() + i * m.q_heads * m.head_dim, kvq::dtype::f32, c, m.q_heads, m.head_dim};
+      if (chunk == 0) {
+        kvq::check(cache.prefill(0, 0, rows(k, i, c, m.kv_heads), rows(v, i, c, m.kv_heads), rows(q, i, c, m.q_heads), out));
+      } else {
+        kvq::check(cache.append(0, 0, rows(k, i, c, m.kv_heads), rows(v, i, c, m.kv_heads)));
+        const kvq::attend_item it{0, int(c)};
+        kvq::check(cache.attend({&it, 1}, 0, rows(q, i, c, m.q_heads), out));
+      }
+    }
+    benchmark::DoNotOptimize(o.data());
+    kvq::check(cache.release_sequence(0));
+  }
+  state.SetItemsProcessed(int64_t(state.iterations()) * n);
+}
+
 const int registered = [] {
   for (const model_shape& m : models)
     for (int n : contexts)
@@ -91,6 +127,14 @@ const int registered = [] {
         benchmark::RegisterBenchmark(("reference/" + tag).c_str(), bm_reference, m, spec, n)
             ->Unit(benchmark::kMicrosecond);
       }
+  for (int n : {1024, 4096})
+    for (const char* spec : {"fp16", "kivi4/g32"}) {
+      const std::string tag = "smollm2/" + std::to_string(n / 1024) + "k/" + spec;
+      benchmark::RegisterBenchmark(("prefill/" + tag).c_str(), bm_prompt, models[0], spec, n, 0)
+          ->Unit(benchmark::kMillisecond);
+      benchmark::RegisterBenchmark(("chunked/" + tag).c_str(), bm_prompt, models[0], spec, n, 128)
+          ->Unit(benchmark::kMillisecond);
+    }
   return 0;
 }();
 

@@ -18,9 +18,12 @@
 #pragma GCC diagnostic ignored "-Wpsabi"
 #include <cstdint>
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(__CUDACC__) && \
-    !defined(KVQ_NO_TARGET_CLONES)
+#if defined(__x86_64__) && defined(__clang__) && !defined(KVQ_NO_TARGET_CLONES)
 #define KVQ_CPU_CLONES __attribute__((target_clones("avx2", "default")))
+#elif defined(__x86_64__) && defined(__GNUC__) && !defined(__CUDACC__) && !defined(KVQ_NO_TARGET_CLONES)
+// x86-64-v3: AVX2, FMA and F16C, chosen by feature (GCC's "arch=haswell" would test the CPU model
+// and miss every later or AMD processor)
+#define KVQ_CPU_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
 #else
 #define KVQ_CPU_CLONES
 #endif
