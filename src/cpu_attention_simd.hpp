@@ -4,8 +4,8 @@
 // attribute that compiles each kernel entry point twice.
 //
 // NOTE: runtime choice by GCC/Clang function multiversioning (`target_clones`): the library is
-// built for baseline x86-64, and each kernel entry point gets an AVX2 clone picked at load time
-// (ifunc) where the CPU has AVX2. Every helper below is always-inline, so it is compiled inside
+// built for baseline x86-64, and each kernel entry point gets an x86-64-v3 clone (AVX2 + FMA;
+// AVX2 under Clang) picked at load time (ifunc) where the CPU has those features. Every helper below is always-inline, so it is compiled inside
 // the clone that calls it and vectorized for that clone's instruction set. One set of C++ loops,
 // no intrinsics: another architecture compiles the same code once, for its own baseline.
 
