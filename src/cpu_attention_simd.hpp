@@ -13,9 +13,6 @@
 #include <kvq/format/numeric.hpp>
 
 #include <bit>
-
-// The vector helpers are always inlined: the ABI note on passing 32-byte vectors does not apply.
-#pragma GCC diagnostic ignored "-Wpsabi"
 #include <cstdint>
 
 #if defined(__x86_64__) && defined(__clang__) && !defined(KVQ_NO_TARGET_CLONES)
