@@ -26,6 +26,8 @@ status validate_config(const cache_config& c) {
   if (s.window < s.page_tokens + s.recent || s.window % s.page_tokens != 0)
     return bad(fmt::format("window {} must be a multiple of page_tokens {} and >= page_tokens + recent ({})", s.window,
                            s.page_tokens, s.page_tokens + s.recent));
+  if (c.cpu_threads < 1 || c.cpu_threads > 256)
+    return bad(fmt::format("cpu_threads {} must be in [1, 256]", c.cpu_threads));
   if (c.max_sequences <= 0) return bad(fmt::format("max_sequences {} must be positive", c.max_sequences));
   if (!(c.softmax_scale >= 0.f) || !std::isfinite(c.softmax_scale))
     return bad(fmt::format("softmax_scale {} must be finite and >= 0 (0 = 1/sqrt(head_dim))", c.softmax_scale));
@@ -54,6 +56,22 @@ status check_append(const char* call, int layer, const tensor_view& k, const ten
   if (k.tokens != v.tokens)
     return {errc::invalid_argument, fmt::format("{}: K has {} tokens but V has {}", call, k.tokens, v.tokens)};
   return {};
+}
+
+// A query or output view of `tokens` rows: [tokens][q_heads][head_dim].
+status check_queries(const char* call, const char* which, const void* data, int64_t tokens, int heads, int d,
+                     int64_t stride, int64_t expected, const cache_shape& sh) {
+  if (!data) return {errc::invalid_argument, fmt::format("{}: {} data is null", call, which)};
+  if (tokens != expected || heads != sh.q_heads || d != sh.head_dim)
+    return {errc::invalid_argument, fmt::format("{}: {} is [{}][{}][{}], expected [{}][{}][{}] (tokens, q_heads, head_dim)",
+                                                call, which, tokens, heads, d, expected, sh.q_heads, sh.head_dim)};
+  if (stride < int64_t(heads) * d)
+    return {errc::invalid_argument, fmt::format("{}: {} token_stride {} is below q_heads*head_dim", call, which, stride)};
+  return {};
+}
+status check_q_o(const char* call, const tensor_view& q, const tensor_mut& o, int64_t expected, const cache_shape& sh) {
+  KVQ_TRY(check_queries(call, "Q", q.data, q.tokens, q.heads, q.head_dim, q.stride(), expected, sh));
+  return check_queries(call, "O", o.data, o.tokens, o.heads, o.head_dim, o.stride(), expected, sh);
 }
 
 // CUDA page tables hold max_tokens per sequence.
@@ -248,7 +266,7 @@ status KVCache::attend(std::span<const attend_item> items, int layer, const tens
     if (it.q_len < 1 || it.q_len > n || it.q_len > sh.window)
       return {errc::invalid_argument,
               fmt::format("attend: sequence {} layer {} has q_len {}; need 1 <= q_len <= min(appended tokens {}, window {})"
-                          " (append the step's tokens first; feed longer prefills in chunks of at most the window)",
+                          " (append the step's tokens first; a longer chunk goes through prefill)",
                           it.seq, layer, it.q_len, n, sh.window)};
     if (const int64_t from = s->layers[size_t(layer)].ring_from; n - it.q_len < from)
       return {errc::invalid_argument,
@@ -257,19 +275,50 @@ status KVCache::attend(std::span<const attend_item> items, int layer, const tens
                           it.seq, layer, it.q_len, n - from)};
     total += it.q_len;
   }
-  auto check_q = [&](const char* which, const void* data, int64_t tokens, int heads, int d, int64_t stride) -> status {
-    if (!data) return {errc::invalid_argument, fmt::format("attend: {} data is null", which)};
-    if (tokens != total || heads != sh.q_heads || d != sh.head_dim)
-      return {errc::invalid_argument, fmt::format("attend: {} is [{}][{}][{}], expected [{}][{}][{}] (sum of q_len, q_heads, head_dim)",
-                                                  which, tokens, heads, d, total, sh.q_heads, sh.head_dim)};
-    if (stride < int64_t(heads) * d)
-      return {errc::invalid_argument, fmt::format("attend: {} token_stride {} is below q_heads*head_dim", which, stride)};
-    return {};
-  };
-  KVQ_TRY(check_q("Q", q.data, q.tokens, q.heads, q.head_dim, q.stride()));
-  KVQ_TRY(check_q("O", o.data, o.tokens, o.heads, o.head_dim, o.stride()));
+  KVQ_TRY(check_q_o("attend", q, o, total, sh));
   impl_->poll_policy();
   return impl_->attend(items, layer, q, o);
+}
+
+status KVCache::prefill(seq_id id, int layer, const tensor_view& k, const tensor_view& v, const tensor_view& q,
+                        const tensor_mut& o) {
+  const auto& sh = state_->cfg.shape;
+  sequence_state* s = state_->store.find(id);
+  if (!s) return {errc::not_found, fmt::format("prefill: unknown sequence {}", id)};
+  KVQ_TRY(check_append("prefill", layer, k, v, sh));
+  KVQ_TRY(check_q_o("prefill", q, o, k.tokens, sh));
+  if (!impl_->prefill_any_length()) {
+    if (k.tokens > sh.window)
+      return {errc::unsupported,
+              fmt::format("prefill: a chunk of {} tokens is longer than the window {}; prefill of q_len > window on the "
+                          "CUDA backend is not implemented yet (feed chunks of at most the window)",
+                          k.tokens, sh.window)};
+    KVQ_TRY(append(id, layer, k, v));
+    const attend_item item{id, int(k.tokens)};
+    return attend({&item, 1}, layer, q, o);
+  }
+  const int64_t prefix = s->layers[size_t(layer)].n;
+  KVQ_TRY(append(id, layer, k, v));  // validates values and budget; stores nothing on failure
+  return impl_->prefill(*s, layer, prefix, k, v, q, o);
+}
+
+status KVCache::attend_prefix(seq_id id, int layer, int64_t prefix, const tensor_view& q, const tensor_mut& o,
+                              float* lse) {
+  const auto& sh = state_->cfg.shape;
+  const sequence_state* s = state_->store.find(id);
+  if (!s) return {errc::not_found, fmt::format("attend_prefix: unknown sequence {}", id)};
+  if (layer < 0 || layer >= sh.layers)
+    return {errc::invalid_argument, fmt::format("attend_prefix: layer {} out of range [0, {})", layer, sh.layers)};
+  const int64_t n = s->layers[size_t(layer)].n;
+  if (prefix < 0 || prefix > n)
+    return {errc::invalid_argument, fmt::format("attend_prefix: prefix {} of sequence {} layer {} is outside [0, {}] "
+                                                "(the stored tokens)",
+                                                prefix, id, layer, n)};
+  if (q.tokens < 1) return {errc::invalid_argument, fmt::format("attend_prefix: Q has {} tokens; need at least 1", q.tokens)};
+  KVQ_TRY(check_q_o("attend_prefix", q, o, q.tokens, sh));
+  if (!lse) return {errc::invalid_argument, "attend_prefix: lse is null"};
+  impl_->poll_policy();
+  return impl_->attend_prefix(*s, layer, prefix, q, o, lse);
 }
 
 status KVCache::read(seq_id id, int layer, role r, std::span<float> out) const {

@@ -1,6 +1,7 @@
-// The CPU reference backend: the arena in host memory, quantize-on-write through the shared
-// codec, attention through kvq::ref::attend.
-#include <kvq/attention/reference.hpp>
+// The CPU backend: the arena in host memory, quantize-on-write through the shared codec,
+// attention a page at a time (attention/cpu_attention.hpp); `gather` + kvq::ref::attend is the
+// plain reference it is tested against.
+#include <kvq/attention/cpu_attention.hpp>
 #include <kvq/codec/codec.hpp>
 #include <kvq/detail/backend.hpp>
 
@@ -16,26 +17,12 @@ KVQ_NAMESPACE_BEGIN
 namespace detail {
 namespace {
 
-float load(const void* base, dtype t, int64_t idx) {
-  switch (t) {
-    case dtype::f32: return static_cast<const float*>(base)[idx];
-    case dtype::f16: return half_to_float(static_cast<const uint16_t*>(base)[idx]);
-    case dtype::bf16: return bf16_to_float(static_cast<const uint16_t*>(base)[idx]);
-  }
-  return 0.f;
-}
-
-void store_out(void* base, dtype t, int64_t idx, float x) {
-  switch (t) {
-    case dtype::f32: static_cast<float*>(base)[idx] = x; break;
-    case dtype::f16: static_cast<uint16_t*>(base)[idx] = float_to_half(x); break;
-    case dtype::bf16: static_cast<uint16_t*>(base)[idx] = float_to_bf16(x); break;
-  }
-}
+using cpu::load;
 
 class cpu_backend final : public cache_backend {
  public:
-  cpu_backend(const cache_state& st, std::unique_ptr<uint8_t[]> bytes) : cache_backend(st), bytes_(std::move(bytes)) {}
+  cpu_backend(const cache_state& st, std::unique_ptr<uint8_t[]> bytes)
+      : cache_backend(st), bytes_(std::move(bytes)), pool_(st.cfg.cpu_threads) {}
 
   uint16_t* ring(const sequence_state& s, int layer, int h, role r) const {
     return reinterpret_cast<uint16_t*>(bytes_.get() + store_.window_offset(s, layer, h, r));
@@ -111,31 +98,50 @@ class cpu_backend final : public cache_backend {
         [&](int h) { return ring(s, layer, h, r); }, out);
   }
 
-  status attend(std::span<const attend_item> items, int layer, const tensor_view& q, const tensor_mut& o) override {
+  cpu::stored_layer stored(const sequence_state& s, int layer) const {
+    return {&cfg_.shape, &s.layers[size_t(layer)], bytes_.get(), ring(s, layer, 0, role::k)};
+  }
+
+  // Hands a wanting policy (EchoKV) the step's queries: `q_len` rows of `q` from `row`, of a
+  // step that ends at the layer's n tokens.
+  void observe(const sequence_state& s, int layer, const tensor_view& q, int64_t row, int q_len) {
+    if (!pol_->wants_queries()) return;
     const auto& sh = cfg_.shape;
-    const int d = sh.head_dim, Hq = sh.q_heads, H = sh.kv_heads;
+    const int w = sh.q_heads * sh.head_dim;
+    qf_.resize(size_t(q_len) * w);
+    for (int i = 0; i < q_len; ++i)
+      for (int e = 0; e < w; ++e) qf_[size_t(i) * w + e] = load(q.data, q.type, (row + i) * q.stride() + e);
+    const int64_t n = s.layers[size_t(layer)].n;
+    pol_->observe({s.id, layer, n, q_len, qf_.data(), ring(s, layer, 0, role::k), std::max<int64_t>(0, n - sh.window)});
+  }
+
+  status attend(std::span<const attend_item> items, int layer, const tensor_view& q, const tensor_mut& o) override {
+    items_.clear();
     int64_t row = 0;
-    std::vector<float> qf, of, kf, vf;
     for (const auto& it : items) {
       const sequence_state& s = *store_.find(it.seq);
-      const int64_t n = s.layers[size_t(layer)].n;
-      qf.resize(size_t(it.q_len) * Hq * d);
-      of.resize(qf.size());
-      for (int i = 0; i < it.q_len; ++i)
-        for (int e = 0; e < Hq * d; ++e) qf[size_t(i) * Hq * d + e] = load(q.data, q.type, (row + i) * q.stride() + e);
-      if (pol_->wants_queries()) {
-        const int64_t first = std::max<int64_t>(0, n - sh.window);
-        pol_->observe({it.seq, layer, n, it.q_len, qf.data(), ring(s, layer, 0, role::k), first});
-      }
-      kf.resize(size_t(n) * H * d);
-      vf.resize(kf.size());
-      gather(s, layer, role::k, it.q_len, kf.data());
-      gather(s, layer, role::v, it.q_len, vf.data());
-      ref::attend(kf.data(), vf.data(), n, qf.data(), it.q_len, Hq, H, d, softmax_scale(), of.data());
-      for (int i = 0; i < it.q_len; ++i)
-        for (int e = 0; e < Hq * d; ++e) store_out(o.data, o.type, (row + i) * o.stride() + e, of[size_t(i) * Hq * d + e]);
+      observe(s, layer, q, row, it.q_len);
+      items_.push_back({stored(s, layer), it.q_len, row});
       row += it.q_len;
     }
+    cpu::attend(pool_, items_, q, o, softmax_scale());
+    return {};
+  }
+
+  bool prefill_any_length() const override { return true; }
+
+  status prefill(const sequence_state& s, int layer, int64_t prefix, const tensor_view& k, const tensor_view& v,
+                 const tensor_view& q, const tensor_mut& o) override {
+    // The policy sees the chunk's last queries, at most a window of them, as a step would.
+    const int64_t seen = std::min<int64_t>(q.tokens, cfg_.shape.window);
+    observe(s, layer, q, q.tokens - seen, int(seen));
+    cpu::prefill(pool_, stored(s, layer), prefix, k, v, q, o, softmax_scale());
+    return {};
+  }
+
+  status attend_prefix(const sequence_state& s, int layer, int64_t prefix, const tensor_view& q, const tensor_mut& o,
+                       float* lse) override {
+    cpu::attend_prefix(pool_, stored(s, layer), prefix, q, o, lse, softmax_scale());
     return {};
   }
 
@@ -166,6 +172,9 @@ class cpu_backend final : public cache_backend {
 
  private:
   std::unique_ptr<uint8_t[]> bytes_;
+  cpu::worker_pool pool_;
+  std::vector<cpu::attend_task_item> items_;  // the current attend's items (kept: no allocation per call)
+  std::vector<float> qf_;                      // the queries handed to the policy
 };
 
 }  // namespace

@@ -13,8 +13,11 @@
 ///   each (kv head, role) in the format the policy gives at that moment (forward-only);
 /// - attention reads each token once: from its page once encoded, else from the ring; the tokens
 ///   of the current step (the last q_len appended) are always read in FP16 from the ring, so a
-///   prompt attends to itself at full precision (q_len <= R). A prefill longer than R is fed in
-///   chunks of at most R tokens; a query then sees earlier chunks as decoding would see them.
+///   prompt attends to itself at full precision (q_len <= R);
+/// - `prefill` takes a chunk of any length in one call: it appends the chunk and each of its
+///   queries attends to the tokens before the chunk as stored after the append and, causally,
+///   to the chunk's own tokens in FP16 (what `append` + `attend` give for a chunk of at most R
+///   tokens). A query never sees an earlier token of its own chunk quantized.
 ///
 /// Errors: every call validates first and returns a `status` naming the problem; a failed call
 /// leaves stored bytes and statistics exactly as they were.
@@ -53,6 +56,11 @@ struct cache_config {
   /// one stream synchronization per append. An engine that guarantees finite inputs turns it off
   /// for a synchronization-free hot path (then bad values are stored as they come).
   bool check_values = true;
+  /// CPU: threads of the attention (the calling thread included), split over (sequence, kv head)
+  /// in `attend` and over (kv head, tile of 64 queries) in `prefill` and `attend_prefix`, on a
+  /// pool the cache keeps for its lifetime. 1 (the default) runs everything on the caller; an
+  /// application that runs several caches concurrently (kvq-eval) keeps 1.
+  int cpu_threads = 1;
 };
 
 /// Statistics at any moment.
@@ -166,6 +174,41 @@ class KVQ_EXPORT KVCache {
   /// \param q [sum q_len][q_heads][head_dim], items' queries in order
   /// \param o [sum q_len][q_heads][head_dim] output
   status attend(std::span<const attend_item> items, int layer, const tensor_view& q, const tensor_mut& o);
+
+  /// Appends a chunk of any length of one sequence and layer and attends its queries, in one
+  /// call (docs/architecture.md, "Prefill of any length"). With n0 tokens stored before the
+  /// call and T = k.tokens, query i (position n0 + i) sees
+  /// - tokens 0..n0-1 as stored after the chunk's append: from their page where encoded, else
+  ///   from the FP16 ring (what `attend_prefix` with prefix n0 reads), and
+  /// - chunk tokens 0..i in FP16: the given K and V rounded to fp16, as the ring would hold them,
+  ///   even where the append already encoded them into pages.
+  /// For T <= window this is `append` + `attend` with q_len T (equal up to summation order); for
+  /// a longer chunk it is what those would give with a ring large enough. The two parts are
+  /// computed separately and merged by log-sum-exp (`merge_attention`, attention/merge.hpp).
+  /// Appending is `append`'s (same validation, storage and policy calls); everything (shapes,
+  /// token counts, values, budget) is validated before anything is stored.
+  /// CPU backend: any T. CUDA backend: T <= window (as `append` + `attend`); a longer chunk is
+  /// `unsupported`.
+  /// \param k [T][kv_heads][head_dim] f32/f16/bf16, finite and within fp16 range
+  /// \param v same shape as k
+  /// \param q [T][q_heads][head_dim]
+  /// \param o [T][q_heads][head_dim] output
+  status prefill(seq_id id, int layer, const tensor_view& k, const tensor_view& v, const tensor_view& q,
+                 const tensor_mut& o);
+
+  /// Attention of `q.tokens` queries over the first `prefix` stored tokens of (sequence, layer),
+  /// unmasked (every query sees all of them), read as stored now: from the page where encoded,
+  /// else from the FP16 ring. It also writes each (query, head)'s log-sum-exp, so an engine can
+  /// merge it (`merge_attention`) with its own attention over other keys, e.g. a chunk's causal
+  /// attention over its own K/V after appending the chunk with `append`: that is `prefill`.
+  /// CPU backend only for now (the CUDA backend returns `unsupported`).
+  /// \param prefix stored tokens to attend to, 0 <= prefix <= length(id, layer); 0 gives o = 0
+  ///        and lse = -inf
+  /// \param q [tokens][q_heads][head_dim]
+  /// \param o [tokens][q_heads][head_dim] output
+  /// \param lse [tokens][q_heads] float, in the backend's memory: the natural-log log-sum-exp
+  ///        ln(sum_j exp(s_j)) of the scaled scores s_j = softmax_scale * (q . k_j)
+  status attend_prefix(seq_id id, int layer, int64_t prefix, const tensor_view& q, const tensor_mut& o, float* lse);
 
   /// What the next step will read for (sequence, layer, role): token j of kv head h is
   /// dequantized from its page if encoded, else read from the FP16 ring.

@@ -56,6 +56,22 @@ class cache_backend {
                              const tensor_view& v) = 0;
   /// Attention for a validated batch.
   virtual status attend(std::span<const attend_item> items, int layer, const tensor_view& q, const tensor_mut& o) = 0;
+  /// True when `prefill` takes a chunk of any length; otherwise `KVCache::prefill` serves
+  /// chunks of at most the window as `append` + `attend` and refuses longer ones.
+  virtual bool prefill_any_length() const { return false; }
+  /// The attention of `KVCache::prefill`, after the chunk (k, v) was appended: query i sees the
+  /// first `prefix` stored tokens and chunk tokens 0..i rounded to fp16 (docs/architecture.md,
+  /// "Prefill of any length"). Inputs are validated.
+  virtual status prefill(const sequence_state& /*s*/, int /*layer*/, int64_t /*prefix*/, const tensor_view& /*k*/,
+                         const tensor_view& /*v*/, const tensor_view& /*q*/, const tensor_mut& /*o*/) {
+    return {errc::unsupported, "prefill of q_len > window on this backend is not implemented yet"};
+  }
+  /// `KVCache::attend_prefix` for a validated request: every query sees the first `prefix`
+  /// stored tokens; `lse` [q.tokens][q_heads] receives the log-sum-exps.
+  virtual status attend_prefix(const sequence_state& /*s*/, int /*layer*/, int64_t /*prefix*/,
+                               const tensor_view& /*q*/, const tensor_mut& /*o*/, float* /*lse*/) {
+    return {errc::unsupported, "attend_prefix on this backend is not implemented yet"};
+  }
   /// Dequantized view of one (sequence, layer, role) into host memory.
   virtual status read(const sequence_state& s, int layer, role r, std::span<float> out) const = 0;
   /// Called after a sequence is created or released (device tables).

@@ -1,0 +1,135 @@
+// Page-at-a-time decode for the CPU attention (see attention/cpu_attention.hpp): the codecs'
+// decode math (format/*.hpp), restated as loops over whole rows that the compiler vectorizes,
+// bit-identical to codec::decode_element.
+#include "cpu_attention_simd.hpp"
+
+#include <kvq/attention/cpu_attention.hpp>
+#include <kvq/codec/codec.hpp>
+
+
+KVQ_NAMESPACE_BEGIN
+namespace cpu {
+namespace {
+
+// The `Bits`-bit codes of channels c0..c0+7 (c0 a multiple of 8) of one packed token row (low
+// bits first, Bits < 8), as integer lanes.
+template <int Bits>
+KVQ_CPU_INLINE i8 codes8(const uint8_t* row, int c0) {
+  int32_t w = 0;
+  __builtin_memcpy(&w, row + c0 * Bits / 8, Bits);  // 8 codes of Bits bits: Bits bytes
+  constexpr int32_t mask = (1 << Bits) - 1;
+  return ((i8{} + w) >> i8{0, Bits, 2 * Bits, 3 * Bits, 4 * Bits, 5 * Bits, 6 * Bits, 7 * Bits}) & mask;
+}
+
+// The codes of a whole row minus `Offset`, as floats: u [d].
+// NOTE: bytes go through a plain loop, which the loop vectorizer turns into zero-extending loads;
+// an 8-lane vector conversion of bytes compiles to scalar extracts (GCC 12).
+template <int Bits, int Offset>
+KVQ_CPU_INLINE void unpack(const uint8_t* row, int d, float* u) {
+  if constexpr (Bits == 8) {
+    for (int c = 0; c < d; ++c) u[c] = float(int(row[c]) - Offset);
+  } else {
+    for (int c = 0; c < d; c += 8) store8(u + c, __builtin_convertvector(codes8<Bits>(row, c) - Offset, f8));
+  }
+}
+
+// sym: x = (u - 2^(b-1)) * s, one fp16 scale per token per channel group.
+template <int Bits>
+KVQ_CPU_INLINE void decode_sym(const codec::page_geom& g, const uint8_t* page, int rows, float* out) {
+  const int d = g.head_dim, gs = g.group(), ng = d / gs, rb = g.row_bytes();
+  const uint16_t* sc = g.scales(page);
+  for (int t = 0; t < rows; ++t) {
+    float* o = out + int64_t(t) * d;
+    unpack<Bits, (1 << (Bits - 1))>(page + t * rb, d, o);
+    for (int j = 0; j < ng; ++j) {
+      const float s = half_to_float_finite(sc[t * ng + j]);
+      for (int c = j * gs; c < (j + 1) * gs; c += 8) store8(o + c, load8(o + c) * s);
+    }
+  }
+}
+
+// kivi / rolealign: x = u * s + z; K groups run along tokens (a scale and zero per channel per
+// G tokens), V groups along channels.
+template <int Bits>
+KVQ_CPU_INLINE void decode_kivi(const codec::page_geom& g, const uint8_t* page, int rows, float* out) {
+  const int d = g.head_dim, gs = g.fmt.group, rb = g.row_bytes();
+  const uint16_t* sc = g.scales(page);
+  const uint16_t* zr = g.zeros(page);
+  if (g.k_columns()) {
+    float s[256], z[256];  // head_dim <= 256 (cache_config validation)
+    for (int t = 0; t < rows; ++t) {
+      if (t % gs == 0)
+        for (int c = 0; c < d; ++c) {
+          s[c] = half_to_float_finite(sc[(t / gs) * d + c]);
+          z[c] = half_to_float_finite(zr[(t / gs) * d + c]);
+        }
+      float* o = out + int64_t(t) * d;
+      unpack<Bits, 0>(page + t * rb, d, o);
+      for (int c = 0; c < d; c += 8) store8(o + c, load8(o + c) * load8(s + c) + load8(z + c));
+    }
+    return;
+  }
+  const int ng = d / gs;
+  for (int t = 0; t < rows; ++t) {
+    float* o = out + int64_t(t) * d;
+    unpack<Bits, 0>(page + t * rb, d, o);
+    for (int j = 0; j < ng; ++j) {
+      const float s = half_to_float_finite(sc[t * ng + j]), z = half_to_float_finite(zr[t * ng + j]);
+      for (int c = j * gs; c < (j + 1) * gs; c += 8) store8(o + c, load8(o + c) * s + z);
+    }
+  }
+}
+
+}  // namespace
+
+KVQ_CPU_CLONES void decode_page_rows(const codec::page_geom& g, const uint8_t* page, int rows, float* out) {
+  const int d = g.head_dim;
+  switch (g.fmt.fam) {
+    case family::fp16:
+    case family::bf16: {
+      const bool half = g.fmt.fam == family::fp16;
+      const uint16_t* x = reinterpret_cast<const uint16_t*>(page);
+      const int64_t count = int64_t(rows) * d;
+      if (half)
+        for (int64_t i = 0; i < count; ++i) out[i] = half_to_float_finite(x[i]);
+      else
+        for (int64_t i = 0; i < count; ++i) out[i] = bf16_to_float(x[i]);
+      return;
+    }
+    case family::fp8_e4m3: {
+      // e4m3 magnitude bits moved into a float's exponent and mantissa give the value times
+      // 2^-120 (subnormals included), then the sign and the token's scale.
+      const float* sc = reinterpret_cast<const float*>(g.scales(page));
+      for (int t = 0; t < rows; ++t) {
+        const uint8_t* row = page + t * d;
+        float* o = out + int64_t(t) * d;
+        const float s = sc[t];
+        for (int c = 0; c < d; ++c) {
+          const uint32_t u = row[c];
+          const float mag = std::bit_cast<float>((u & 0x7fu) << 20) * 0x1p120f;
+          o[c] = std::bit_cast<float>(std::bit_cast<uint32_t>(mag) | ((u & 0x80u) << 24)) * s;
+        }
+      }
+      return;
+    }
+    // NOTE: plain calls, no lambdas: a lambda is a function of its own, compiled without the
+    // clone's instruction set, and the decode loops inlined into it would not use AVX2.
+    case family::sym:
+      if (g.fmt.bits == 8) decode_sym<8>(g, page, rows, out);
+      else if (g.fmt.bits == 4) decode_sym<4>(g, page, rows, out);
+      else decode_sym<2>(g, page, rows, out);
+      return;
+    case family::kivi:
+    case family::rolealign:
+      if (g.fmt.bits == 8) decode_kivi<8>(g, page, rows, out);
+      else if (g.fmt.bits == 4) decode_kivi<4>(g, page, rows, out);
+      else decode_kivi<2>(g, page, rows, out);
+      return;
+  }
+  // A family without a row decoder above: the codec, element by element.
+  for (int t = 0; t < rows; ++t)
+    for (int c = 0; c < d; ++c) out[int64_t(t) * d + c] = codec::decode_element(g, page, t, c);
+}
+
+}  // namespace cpu
+KVQ_NAMESPACE_END
