@@ -35,6 +35,9 @@ void progress_bar::advance(int64_t n) {
   if (!enabled_) return;
   std::lock_guard lock(mu_);
   done_ = std::min(total_, done_ + n);
+  const auto now = std::chrono::steady_clock::now();
+  if (samples_.empty() || now - samples_.back().first >= std::chrono::milliseconds(500))
+    samples_.emplace_back(now, done_);
   draw(false);
 }
 
@@ -53,7 +56,14 @@ void progress_bar::draw(bool final) {
   if (!final && now - last_draw_ < (tty_ ? tty_interval : log_interval)) return;
   last_draw_ = now;
   shown_ = true;
-  const double rate = t > 0 ? double(done_) / t : 0.0;
+  // The rate over the last rate_window (a burst at the start, such as a prefill, would make the
+  // average since the start promise too much); the average since the start at the end.
+  while (samples_.size() > 1 && now - samples_[1].first >= rate_window) samples_.pop_front();
+  double rate = t > 0 ? double(done_) / t : 0.0;
+  if (!final && !samples_.empty()) {
+    const double span = std::chrono::duration<double>(now - samples_.front().first).count();
+    if (span >= 2.0) rate = double(done_ - samples_.front().second) / span;
+  }
   const double eta = rate > 0 ? double(total_ - done_) / rate : -1;
   constexpr int width = 24;
   const int filled = int(width * done_ / total_);

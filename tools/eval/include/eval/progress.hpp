@@ -6,11 +6,14 @@
 ///
 /// On a terminal it redraws one line (at most four times a second); otherwise (a log file, CI) it
 /// writes a line every 10 seconds so logs stay short. Nothing is shown during the first second,
-/// so quick runs stay quiet. `advance` may be called from several threads.
+/// so quick runs stay quiet. The rate and the ETA are over the last 30 seconds, so a burst at the
+/// start (a prefill) does not make the ETA too short. `advance` may be called from several
+/// threads.
 
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <deque>
 #include <mutex>
 #include <string>
 
@@ -43,12 +46,16 @@ class progress_bar {
 
   /// Shortest time between two redraws on a terminal, and between two lines in a log.
   static constexpr std::chrono::milliseconds tty_interval{250}, log_interval{10000};
+  /// The rate is measured over this much of the recent past.
+  static constexpr std::chrono::seconds rate_window{30};
 
   std::string phase_, unit_;
   int64_t total_ = 0, done_ = 0;
   bool enabled_ = false, tty_ = false, shown_ = false, finished_ = false;
   std::FILE* out_ = nullptr;
   std::chrono::steady_clock::time_point start_, last_draw_;
+  /// (time, units done) every half second or more, the last rate_window of them.
+  std::deque<std::pair<std::chrono::steady_clock::time_point, int64_t>> samples_;
   std::mutex mu_;
 };
 
