@@ -280,6 +280,10 @@ TEST_CASE("long-context buckets in the JSON, the table and the HTML", "[report]"
   CHECK(per.at("nll")[0].get<double>() == std::log(3.0));  // exact: read back by --resume
   CHECK_THAT(render_table(r), Contains("0-512") && Contains("dPPL"));
   CHECK_THAT(render_html(r), Contains("By position range") && Contains("<th>0-512</th>"));
+  CHECK(render_table(r).find("training context") == std::string::npos);
+  auto past = r;
+  past.model.hparams.n_ctx_train = 20;  // positions 16..21
+  CHECK_THAT(render_table(past), Contains("positions 20..21 are beyond the model's training context of 20 tokens"));
   CHECK(position_range_label(512, 1024) == "512-1K");
   CHECK(position_range_label(4096, 8192) == "4K-8K");
 }
