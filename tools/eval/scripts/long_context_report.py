@@ -13,7 +13,8 @@ series `kl_by_position`, a point per --kl-bucket positions), log y axis, linear 
 --md (default: stdout) writes the markdown tables for docs/quality.md: per run the mean KL, top-1
 agreement and perplexity change by position range (`position_buckets`: fixed edges 0, 512, 1K,
 2K, 4K, 8K) and over all positions; then the needle pass rates by context, single-key and
-multi-key apart, one row per configuration with the FP16 cache's own row first. A needle result
+multi-key apart, one row per configuration with the FP16 cache's own row first and, in brackets
+beside every other cell, the pass rate over the trials the FP16 cache passed. A needle result
 is multi-key when its `kind` is "multi" or it has more than one entry in `keys`; single-key
 otherwise.
 """
@@ -154,19 +155,31 @@ def needle_kind(result):
     return "single-key"
 
 
+def trial_id(index, result):
+    """What identifies a trial across configurations: its context, depth, repetition and key(s)."""
+    keys = result.get("keys") or result.get("key")
+    return (result["context"], result.get("depth"), result.get("rep"), json.dumps(keys), index)
+
+
 def needle_table(rec):
-    """Pass rates by (kind, context), FP16's row first; None when the run had no needle trials."""
-    cells = {}  # config -> (kind, context) -> [passed, trials]
+    """Pass rates by (kind, context), FP16's row first and, beside every other cell, the rate over
+    the trials the FP16 cache passed; None when the run had no finished needle trial."""
+    ref = next(c for c in rec["configs"] if c["reference"])
+    ref_pass = {trial_id(i, r): r["pass"] for i, r in enumerate(ref["needle"]["results"]) if r.get("done", True)}
+    cells = {}  # config -> (kind, context) -> [passed, trials, passed where FP16 passed, FP16 passed]
     cols = set()
     for c in rec["configs"]:
-        for r in c["needle"]["results"]:
+        for i, r in enumerate(c["needle"]["results"]):
             if not r.get("done", True):
                 continue
             k = (needle_kind(r), r["context"])
             cols.add(k)
-            p = cells.setdefault(c["name"], {}).setdefault(k, [0, 0])
+            p = cells.setdefault(c["name"], {}).setdefault(k, [0, 0, 0, 0])
             p[0] += 1 if r["pass"] else 0
             p[1] += 1
+            if ref_pass.get(trial_id(i, r)):
+                p[2] += 1 if r["pass"] else 0
+                p[3] += 1
     if not cols:
         return None
     cols = sorted(cols, key=lambda k: (k[0] != "single-key", k[1]))
@@ -176,10 +189,18 @@ def needle_table(rec):
     for c in order:
         got = cells.get(c["name"], {})
         name = f"`{c['name']}`" + (" (reference)" if c["reference"] else "")
-        rows.append([name] + [f"{got[k][0]}/{got[k][1]}" if k in got else "-" for k in cols])
+
+        def cell(k):
+            if k not in got:
+                return "-"
+            p = got[k]
+            return f"{p[0]}/{p[1]}" if c["reference"] else f"{p[0]}/{p[1]} ({p[2]}/{p[3]})"
+
+        rows.append([name] + [cell(k) for k in cols])
     hay = rec["needle"]["haystack_path"].rsplit("/", 1)[-1]
-    return (f"Needle pass rates (passed/trials) on `{hay}`; a trial the FP16 cache fails says nothing about "
-            f"the cache under test.\n\n" + table(head, rows))
+    return (f"Needle pass rates (passed/trials) on `{hay}`, FP16's own first; in brackets the rate over the "
+            f"trials the FP16 cache passed (a trial FP16 fails says nothing about the cache under test).\n\n" +
+            table(head, rows))
 
 
 def render_md(recs):
