@@ -2,10 +2,12 @@
 #include <fmt/format.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <eval/config.hpp>
 #include <eval/report.hpp>
 #include <eval/runner.hpp>
 #include <iostream>
+#include <mutex>
 
 namespace {
 
@@ -162,10 +164,17 @@ int main(int argc, char** argv) {
     }
     return {};
   };
+  // Checkpoints may come from the needle workers too (one after each trial): one at a time, and
+  // only the first, when the teacher-forced phase is done, is announced.
+  std::mutex checkpoint_mu;
   o.on_checkpoint = [&](const kvq::eval::eval_report& r) {
+    std::lock_guard lock(checkpoint_mu);
+    const bool first = std::none_of(r.configs.begin(), r.configs.end(), [](const kvq::eval::config_result& c) {
+      return std::any_of(c.needle.begin(), c.needle.end(), [](const kvq::eval::needle_result& n) { return n.done; });
+    });
     if (auto s = write_outputs(r, false); !s.ok())
       fmt::print(stderr, "kvq-eval: checkpoint: {}\n", s.to_string());
-    else if (!json_path.empty() || !html_path.empty())
+    else if (first && (!json_path.empty() || !html_path.empty()))
       fmt::print(stderr, "teacher-forced phase done: checkpoint written (\"complete\": false); needle trials next\n");
   };
 

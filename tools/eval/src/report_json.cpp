@@ -416,11 +416,22 @@ kvq::status write_text_file(const std::string& path, std::string_view contents) 
   const std::filesystem::path p(path);
   if (p.has_parent_path()) std::filesystem::create_directories(p.parent_path(), ec);
   if (ec) return {kvq::errc::io_error, fmt::format("cannot create the folder of '{}': {}", path, ec.message())};
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  if (!out) return {kvq::errc::io_error, fmt::format("cannot open '{}' for writing", path)};
+  // Written beside and renamed over: a run stopped mid-write leaves the previous record whole.
+  const std::string tmp = path + ".partial";
+  std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+  if (!out) return {kvq::errc::io_error, fmt::format("cannot open '{}' for writing", tmp)};
   out.write(contents.data(), std::streamsize(contents.size()));
   out.close();
-  if (!out) return {kvq::errc::io_error, fmt::format("cannot write '{}'", path)};
+  if (!out) {
+    std::filesystem::remove(tmp, ec);
+    return {kvq::errc::io_error, fmt::format("cannot write '{}'", tmp)};
+  }
+  std::filesystem::rename(tmp, p, ec);
+  if (ec) {
+    std::error_code ignored;
+    std::filesystem::remove(tmp, ignored);
+    return {kvq::errc::io_error, fmt::format("cannot replace '{}': {}", path, ec.message())};
+  }
   return {};
 }
 

@@ -6,6 +6,8 @@
 #include <cmath>
 #include <eval/report.hpp>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 
 using namespace kvq::eval;
 using Catch::Contains;
@@ -395,4 +397,20 @@ TEST_CASE("read_resume reads back what to_json wrote, for the same run only", "[
     CHECK_THAT(read_resume(f.path, u).message(), Contains("not a kvq-eval record"));
     CHECK_THAT(read_resume(f.path + ".missing", u).message(), Contains("cannot open"));
   }
+}
+
+TEST_CASE("write_text_file replaces the file whole and leaves nothing beside it", "[report]") {
+  const auto dir = std::filesystem::temp_directory_path() / fmt::format("kvq_eval_write_{}", ::getpid());
+  const std::string path = (dir / "sub" / "r.json").string();
+  REQUIRE(write_text_file(path, "first, longer contents").ok());  // creates the folders
+  REQUIRE(write_text_file(path, "second").ok());
+  std::ifstream in(path, std::ios::binary);
+  CHECK(std::string(std::istreambuf_iterator<char>(in), {}) == "second");
+  CHECK_FALSE(std::filesystem::exists(path + ".partial"));
+  // a path that cannot be written: named, the folder in its way untouched
+  const auto s = write_text_file((dir / "sub").string(), "x");
+  CHECK_FALSE(s.ok());
+  CHECK_THAT(s.message(), Contains((dir / "sub").string()));
+  CHECK(std::filesystem::is_directory(dir / "sub"));
+  std::filesystem::remove_all(dir);
 }

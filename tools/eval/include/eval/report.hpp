@@ -98,7 +98,9 @@ std::string render_table(const eval_report& r);
 /// The self-contained HTML report.
 std::string render_html(const eval_report& r);
 
-/// Writes `contents` to `path`, creating parent folders. Errors name the path.
+/// Writes `contents` to `path`, creating parent folders: to `path`.partial first, then renamed
+/// over `path`, so an interrupted write never leaves a truncated record for `--resume`. Errors
+/// name the path.
 kvq::status write_text_file(const std::string& path, std::string_view contents);
 
 }  // namespace kvq::eval
