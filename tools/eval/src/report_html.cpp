@@ -438,6 +438,8 @@ th{background:#f6f6f6} td:first-child,th:first-child,td:nth-child(2),th:nth-chil
   if (!o.clip_ratios_path.empty())
     h += fmt::format("<p>rolealign clip ratios from <code>{}</code>.</p>", esc(o.clip_ratios_path));
   if (!o.command_line.empty()) h += fmt::format("<p>Command: <code>{}</code></p>", esc(o.command_line));
+  if (r.resumed)
+    h += fmt::format("<p>Teacher-forced results read back from <code>{}</code> (--resume).</p>", esc(o.resume_path));
   if (!r.complete)
     h += "<p><b>Checkpoint: the needle trials of this run had not finished when this was written.</b></p>";
   h += "</div>\n";

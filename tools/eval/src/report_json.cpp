@@ -393,8 +393,9 @@ kvq::status read_resume(const std::string& path, eval_report& current) {
     if (!there.contains(key)) return rd.bad("/run/" + key, "is missing");
     if (there[key] != value)
       return {kvq::errc::invalid_argument,
-              fmt::format("--resume: '{}' is from another run: {} differs ({} there, {} here)", path, key,
-                          there[key].dump(), value.dump())};
+              fmt::format("--resume: '{}' is from another run: {} differs ({} there, {} here); rerun it "
+                          "with that run's options, or name another --json to start afresh",
+                          path, key, there[key].dump(), value.dump())};
   }
   if (!j.contains("configs") || !j["configs"].is_array() || j["configs"].size() != current.configs.size())
     return rd.bad("/configs", fmt::format("does not hold {} configurations", current.configs.size()));

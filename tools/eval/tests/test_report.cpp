@@ -366,6 +366,10 @@ TEST_CASE("read_resume reads back what to_json wrote, for the same run only", "[
     CHECK_FALSE(u.configs[0].needle[0].done);  // not run yet: the resumed run runs it
     // what the record says of a configuration whose trials all ran is what the resumed run reports
     CHECK(to_json(u).at("configs")[1] == to_json(r).at("configs")[1]);
+    u.options.resume_path = f.path;
+    CHECK_THAT(render_table(u), Contains("read back from " + f.path));
+    CHECK_THAT(render_html(u), Contains("read back from <code>" + f.path));
+    CHECK(to_json(u).at("resumed") == true);
   }
   SECTION("another run: the first field that differs is named, nothing changes") {
     eval_report u = unrun(r);
