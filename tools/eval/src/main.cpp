@@ -2,10 +2,12 @@
 #include <fmt/format.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <eval/config.hpp>
 #include <eval/report.hpp>
 #include <eval/runner.hpp>
 #include <iostream>
+#include <mutex>
 
 namespace {
 
@@ -54,7 +56,16 @@ OUTPUT
   A table on stdout; --json writes the full record (schema kvq.eval v1: per configuration bits,
   bytes, KL statistics, KL by position, agreement, perplexity, needle answers, speed, format
   map and format_map_history); --html writes a self-contained report with SVG charts.
+  Long-context buckets: KL, top-1 and perplexity per range of absolute positions with fixed
+  edges 0, 512, 1K, 2K, 4K, 8K (position_buckets; the table prints them below the summary).
   Progress bars go to stderr (--no-progress to silence them).
+
+RESUME
+  The JSON is written when the teacher-forced phase ends ("complete": false) and at the end.
+  Rerun the same command with --resume to continue a run that stopped: the teacher-forced
+  results are read back from --json and finished needle trials are not rerun. A record of
+  another run (model, text, haystack, configurations, positions, cache or needle options)
+  is refused with a line naming what differs.
 
 EXAMPLE
   kvq-eval -m models/SmolLM2-135M-Instruct.Q4_1.gguf -t data/eval/eval_persuasion.txt \
@@ -69,7 +80,7 @@ EXAMPLE
 int main(int argc, char** argv) {
   kvq::eval::eval_options o;
   std::string json_path, html_path;
-  bool no_progress = false, no_needle = false;
+  bool no_progress = false, no_needle = false, resume = false;
   double budget_mib = 0;
 
   CLI::App app{
@@ -120,6 +131,10 @@ int main(int argc, char** argv) {
   app.add_option("--json", json_path, "write the JSON record here");
   app.add_option("--html", html_path, "write the self-contained HTML report here");
   app.add_flag("--no-progress", no_progress, "no progress bars on stderr");
+  app.add_flag("--resume", resume,
+               "continue the run whose record --json names (same model, texts, configurations and options): its "
+               "teacher-forced results are read back, its finished needle trials not rerun; a missing file starts "
+               "afresh");
 
   try {
     app.parse(argc, argv);
@@ -129,6 +144,11 @@ int main(int argc, char** argv) {
   if (o.configs.empty()) o.configs = default_configs;
   if (no_needle) o.needle_contexts.clear();
   o.progress = !no_progress;
+  if (resume && json_path.empty()) {
+    fmt::print(stderr, "kvq-eval: --resume needs --json PATH (the record to continue)\n");
+    return 1;
+  }
+  if (resume) o.resume_path = json_path;
   o.cache.budget_bytes = uint64_t(budget_mib * 1024.0 * 1024.0);
   for (int i = 0; i < argc; ++i) o.command_line += (i ? " " : "") + quote_arg(argv[i]);
 
@@ -144,10 +164,17 @@ int main(int argc, char** argv) {
     }
     return {};
   };
+  // Checkpoints may come from the needle workers too (one after each trial): one at a time, and
+  // only the first, when the teacher-forced phase is done, is announced.
+  std::mutex checkpoint_mu;
   o.on_checkpoint = [&](const kvq::eval::eval_report& r) {
+    std::lock_guard lock(checkpoint_mu);
+    const bool first = std::none_of(r.configs.begin(), r.configs.end(), [](const kvq::eval::config_result& c) {
+      return std::any_of(c.needle.begin(), c.needle.end(), [](const kvq::eval::needle_result& n) { return n.done; });
+    });
     if (auto s = write_outputs(r, false); !s.ok())
       fmt::print(stderr, "kvq-eval: checkpoint: {}\n", s.to_string());
-    else if (!json_path.empty() || !html_path.empty())
+    else if (first && (!json_path.empty() || !html_path.empty()))
       fmt::print(stderr, "teacher-forced phase done: checkpoint written (\"complete\": false); needle trials next\n");
   };
 

@@ -37,6 +37,8 @@ void metric_accumulator::add(double kl, bool agree, double nll) {
   kl_max_ = std::max(kl_max_, kl);
   nll_sum_ += nll;
   kl_.push_back(kl);
+  nll_.push_back(nll);
+  agree_v_.push_back(agree ? 1 : 0);
 }
 
 double metric_accumulator::kl_quantile(double q) const {
@@ -59,6 +61,40 @@ std::vector<double> metric_accumulator::kl_by_bucket(int64_t bucket) const {
     double s = 0;
     for (size_t i = start; i < end; ++i) s += kl_[i];
     out.push_back(s / double(end - start));
+  }
+  return out;
+}
+
+double position_bucket::perplexity() const { return std::exp(mean_nll); }
+
+std::vector<int64_t> position_bucket_edges(int64_t end) {
+  std::vector<int64_t> edges = {0, 512};
+  while (edges.back() < end) edges.push_back(edges.back() * 2);
+  return edges;
+}
+
+std::vector<position_bucket> metric_accumulator::by_position(int64_t first_position,
+                                                             std::span<const int64_t> edges) const {
+  std::vector<position_bucket> out;
+  for (size_t e = 0; e + 1 < edges.size(); ++e) {
+    const int64_t lo = std::max(edges[e] - first_position, int64_t(0));
+    const int64_t hi = std::min(edges[e + 1] - first_position, n_);
+    if (hi <= lo) continue;
+    position_bucket b;
+    b.first = edges[e];
+    b.end = edges[e + 1];
+    b.positions = hi - lo;
+    double kl = 0, nll = 0;
+    int64_t agree = 0;
+    for (int64_t i = lo; i < hi; ++i) {
+      kl += kl_[size_t(i)];
+      nll += nll_[size_t(i)];
+      agree += agree_v_[size_t(i)];
+    }
+    b.mean_kl = kl / double(b.positions);
+    b.mean_nll = nll / double(b.positions);
+    b.top1_agreement = double(agree) / double(b.positions);
+    out.push_back(b);
   }
   return out;
 }

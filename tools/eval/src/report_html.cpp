@@ -373,6 +373,33 @@ std::string legend_of_formats(const eval_report& r) {
 
 }  // namespace
 
+/// KL, top-1 and ΔPPL per long-context position bucket, rows per configuration and measure.
+std::string position_bucket_table(const eval_report& r) {
+  if (r.configs.empty()) return {};
+  const auto ref = long_context_buckets(r, r.configs[r.reference]);
+  std::string h = "<table>\n<tr><th>configuration</th><th>measure</th>";
+  for (const auto& b : ref) h += fmt::format("<th>{}</th>", position_range_label(b.bucket.first, b.bucket.end));
+  h += "</tr>\n";
+  auto row = [&](const std::string& name, const char* measure, const std::vector<bucket_row>& rows, auto cell) {
+    h += fmt::format("<tr><td>{}</td><td>{}</td>", esc(name), measure);
+    for (size_t b = 0; b < ref.size(); ++b)
+      h += "<td>" + (b < rows.size() ? cell(rows[b]) : std::string("-")) + "</td>";
+    h += "</tr>\n";
+  };
+  for (const auto& c : r.configs) {
+    if (c.reference) continue;
+    const auto rows = long_context_buckets(r, c);
+    row(c.config, "mean KL", rows, [](const bucket_row& b) { return fmt_sci(b.bucket.mean_kl); });
+    row("", "top-1", rows, [](const bucket_row& b) { return fmt::format("{:.4f}", b.bucket.top1_agreement); });
+    row("", "&Delta;PPL", rows, [](const bucket_row& b) { return fmt::format("{:+.3f}", b.perplexity_delta); });
+  }
+  row(r.configs[r.reference].config + " (reference)", "PPL", ref,
+      [](const bucket_row& b) { return fmt::format("{:.3f}", b.bucket.perplexity()); });
+  return h +
+         "</table>\n<p class=\"note\">Means over each range of absolute positions (fixed edges 0, 512, 1K, 2K, "
+         "4K, 8K); &Delta;PPL against the reference's perplexity over the same positions.</p>\n";
+}
+
 std::string render_html(const eval_report& r) {
   const auto& o = r.options;
   const auto& hp = r.model.hparams;
@@ -411,6 +438,8 @@ th{background:#f6f6f6} td:first-child,th:first-child,td:nth-child(2),th:nth-chil
   if (!o.clip_ratios_path.empty())
     h += fmt::format("<p>rolealign clip ratios from <code>{}</code>.</p>", esc(o.clip_ratios_path));
   if (!o.command_line.empty()) h += fmt::format("<p>Command: <code>{}</code></p>", esc(o.command_line));
+  if (r.resumed)
+    h += fmt::format("<p>Teacher-forced results read back from <code>{}</code> (--resume).</p>", esc(o.resume_path));
   if (!r.complete)
     h += "<p><b>Checkpoint: the needle trials of this run had not finished when this was written.</b></p>";
   h += "</div>\n";
@@ -442,6 +471,7 @@ th{background:#f6f6f6} td:first-child,th:first-child,td:nth-child(2),th:nth-chil
 
   h += "<h2>Bits per element against KL</h2>\n<div class=\"charts\">" + scatter_bits_kl(r) + "</div>\n";
   h += "<h2>KL over position</h2>\n<div class=\"charts\">" + kl_over_position(r) + "</div>\n";
+  h += "<h3>By position range</h3>\n" + position_bucket_table(r);
 
   std::vector<double> dppl, disagree;
   std::vector<std::string> dppl_label, disagree_label;

@@ -6,11 +6,13 @@
 #include <cmath>
 #include <ctime>
 #include <eval/progress.hpp>
+#include <eval/report.hpp>
 #include <eval/runner.hpp>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <mutex>
+#include <numeric>
 #include <set>
 #include <thread>
 
@@ -111,14 +113,14 @@ kvq::status teacher_forced(const kvq::llama::llama_model& model, const eval_opti
   }
   const int64_t n = int64_t(lanes.size());
 
-  progress_bar bar("teacher-forced", (o.prefill + o.tokens) * n, o.progress);
+  // One unit per position of the lockstep (every configuration has fed it): positions per second.
+  progress_bar bar("teacher-forced", o.prefill + o.tokens, o.progress, "pos");
   if (o.prefill > 0) {
     const std::span<const token_id> pre(text.data(), size_t(o.prefill));
     KVQ_TRY(parallel_for(n, threads, [&](int64_t i) -> kvq::status {
-      KVQ_TRY(model.prefill(lanes[size_t(i)].cache, 0, pre, lanes[size_t(i)].logits));
-      bar.advance(o.prefill);
-      return {};
+      return model.prefill(lanes[size_t(i)].cache, 0, pre, lanes[size_t(i)].logits);
     }));
+    bar.advance(o.prefill);
   }
   for (int64_t s = 0; s < o.tokens; ++s) {
     const int64_t pos = o.prefill + s;
@@ -132,9 +134,9 @@ kvq::status teacher_forced(const kvq::llama::llama_model& model, const eval_opti
       results[size_t(i)].decode_seconds += seconds_since(t0);
       results[size_t(i)].decode_tokens += 1;
       log_softmax(L.logits, L.logp);
-      bar.advance(1);
       return {};
     }));
+    bar.advance(1);
     const token_id next = text[size_t(pos) + 1];
     const auto& ref_logp = lanes[ref].logp;
     const int64_t ref_top = argmax(ref_logp);
@@ -192,6 +194,7 @@ kvq::status run_needle(const kvq::llama::llama_model& model, const kvq::llama::t
   out.depth = prompt.depth;
   out.output = text;
   out.pass = needle_passed(text, trial.key);
+  out.done = true;
   return {};
 }
 
@@ -216,6 +219,22 @@ std::string hash_text(std::string_view bytes) {
     h ^= c;
     h *= 0x100000001b3ull;
   }
+  return fmt::format("fnv1a64:{:016x}", h);
+}
+
+kvq::result<std::string> hash_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return kvq::status{kvq::errc::io_error, fmt::format("cannot open '{}' to hash it", path)};
+  uint64_t h = 0xcbf29ce484222325ull;
+  std::vector<char> buf(size_t(1) << 20);
+  while (in) {
+    in.read(buf.data(), std::streamsize(buf.size()));
+    for (std::streamsize i = 0; i < in.gcount(); ++i) {
+      h ^= static_cast<unsigned char>(buf[size_t(i)]);
+      h *= 0x100000001b3ull;
+    }
+  }
+  if (in.bad()) return kvq::status{kvq::errc::io_error, fmt::format("cannot read '{}' to hash it", path)};
   return fmt::format("fnv1a64:{:016x}", h);
 }
 
@@ -273,6 +292,11 @@ kvq::result<eval_report> run_eval(const eval_options& given) {
   const kvq::llama::tokenizer& tok = *tok_r;
   rep.model.path = o.model_path;
   rep.model.name = model.name();
+  {  // the model's identity, so that a later --resume can tell its record from another model's
+    auto h = hash_file(o.model_path);
+    if (!h) return h.error();
+    rep.model.hash = std::move(h).value();
+  }
   rep.model.hparams = model.hparams();
   rep.model.has_chat_template = file->find("tokenizer.chat_template") != nullptr;
   const bool has_chatml_tokens = tok.find("<|im_start|>").has_value() && tok.find("<|im_end|>").has_value();
@@ -353,9 +377,20 @@ kvq::result<eval_report> run_eval(const eval_options& given) {
     }
   }
 
-  // ---- teacher forcing, all configurations in lockstep
-  KVQ_TRY(teacher_forced(model, o, tokens, rep.configs, ref, rep.threads));
-  if (o.on_checkpoint && !rep.trials.empty()) {
+  // ---- teacher forcing, all configurations in lockstep, unless an earlier record of this run has it
+  if (!o.resume_path.empty() && std::filesystem::exists(o.resume_path, ec)) {
+    KVQ_TRY(read_resume(o.resume_path, rep));
+    if (o.progress)
+      fmt::print(
+          stderr, "resumed from '{}': teacher-forced results read back, {} needle trials to run\n", o.resume_path,
+          std::accumulate(rep.configs.begin(), rep.configs.end(), size_t(0), [](size_t a, const config_result& c) {
+            return a + size_t(std::count_if(c.needle.begin(), c.needle.end(),
+                                            [](const needle_result& n) { return !n.done; }));
+          }));
+  } else {
+    KVQ_TRY(teacher_forced(model, o, tokens, rep.configs, ref, rep.threads));
+  }
+  if (o.on_checkpoint && !rep.trials.empty() && !rep.resumed) {
     rep.wall_seconds = seconds_since(t_start);
     o.on_checkpoint(rep);  // teacher-forced results are safe before the (long) needle phase
   }
@@ -370,6 +405,7 @@ kvq::result<eval_report> run_eval(const eval_options& given) {
     for (size_t c = 0; c < rep.configs.size(); ++c) {
       rep.configs[c].needle.resize(rep.trials.size());
       for (size_t t = 0; t < rep.trials.size(); ++t) {
+        if (rep.configs[c].needle[t].done) continue;  // read back by --resume
         jobs.push_back({c, t});
         total += int64_t(prompts[t].tokens.size()) + o.needle_max_new;
       }

@@ -1,7 +1,9 @@
 // Configuration strings, policies by name, cache creation and option / input errors.
 #include <catch2/catch.hpp>
 #include <eval/config.hpp>
+#include <eval/report.hpp>
 #include <eval/runner.hpp>
+#include <fstream>
 
 #include "test_util.hpp"
 
@@ -180,8 +182,7 @@ struct temp_artifact {
         for (kvq::role r : {kvq::role::k, kvq::role::v})
           for (int f = 0; f < 3; ++f) a.sensitivity.at(l, h, r, f) = (1.0 + l + 0.1 * h) * std::pow(16.0, f) * 1e-6;
     a.clip_ratios.assign(size_t(s.layers) * s.kv_heads * 2, clip);
-    path = (std::filesystem::temp_directory_path() /
-            fmt::format("kvq_eval_artifact_{}_{}.json", ::getpid(), clip))
+    path = (std::filesystem::temp_directory_path() / fmt::format("kvq_eval_artifact_{}_{}.json", ::getpid(), clip))
                .string();
     kvq::check(a.save(path));
   }
@@ -358,8 +359,8 @@ TEST_CASE("clip ratios: rolealign stores what kivi stores at ratio 1 and differs
     const std::string ra = fmt::format("ra{}/g32", b), kivi = fmt::format("kivi{}/g32", b);
     CAPTURE(ra);
     const auto kivi_stored = stored_layer0(kivi, none);
-    CHECK(stored_layer0(ra, none) == kivi_stored);  // no ratios: nothing clipped
-    CHECK(stored_layer0(ra, at1) == kivi_stored);   // every ratio 1: nothing clipped
+    CHECK(stored_layer0(ra, none) == kivi_stored);    // no ratios: nothing clipped
+    CHECK(stored_layer0(ra, at1) == kivi_stored);     // every ratio 1: nothing clipped
     CHECK(stored_layer0(kivi, at08) == kivi_stored);  // other families ignore the ratios
     const auto ra_clipped = stored_layer0(ra, at08);
     REQUIRE(ra_clipped.size() == kivi_stored.size());
@@ -415,4 +416,108 @@ TEST_CASE("clip ratios: a missing, malformed or other model's artifact names the
   auto r = run_eval(o);
   REQUIRE_FALSE(r.ok());
   CHECK_THAT(r.error().message(), Contains("--clip-ratios") && Contains(art.path) && Contains("model.layers"));
+}
+
+// ---- bad input found before any long work; resumed runs -------------------------------------------
+
+namespace {
+
+/// A file in the temporary folder, removed at the end of the scope.
+struct scratch_file {
+  std::string path;
+  scratch_file(std::string_view name, std::string_view bytes)
+      : path((std::filesystem::temp_directory_path() / fmt::format("kvq_eval_{}_{}", ::getpid(), name)).string()) {
+    std::ofstream(path, std::ios::binary).write(bytes.data(), std::streamsize(bytes.size()));
+  }
+  ~scratch_file() { std::filesystem::remove(path); }
+};
+
+/// A GGUF v3 file with no tensors and one key, general.architecture = `arch`.
+std::string gguf_of_architecture(std::string_view arch) {
+  std::string s = "GGUF";
+  auto put = [&](auto v) { s.append(reinterpret_cast<const char*>(&v), sizeof v); };
+  auto str = [&](std::string_view v) {
+    put(uint64_t(v.size()));
+    s += v;
+  };
+  put(uint32_t(3));  // version
+  put(uint64_t(0));  // tensors
+  put(uint64_t(1));  // key-value pairs
+  str("general.architecture");
+  put(uint32_t(8));  // string
+  str(arch);
+  return s;
+}
+
+}  // namespace
+
+TEST_CASE("run_eval: a model file that is not a llama GGUF is named before any work", "[config]") {
+  eval_options o = tiny_options();
+  SECTION("not a GGUF file") {
+    o.model_path = test::own_data("tiny_story.txt");
+    auto r = run_eval(o);
+    REQUIRE_FALSE(r.ok());
+    CHECK_THAT(r.error().message(), Contains("tiny_story.txt") && Contains("not a GGUF file"));
+  }
+  SECTION("a GGUF of another architecture") {
+    scratch_file f("gpt2.gguf", gguf_of_architecture("gpt2"));
+    o.model_path = f.path;
+    auto r = run_eval(o);
+    REQUIRE_FALSE(r.ok());
+    CHECK_THAT(r.error().message(), Contains(f.path) && Contains("architecture 'gpt2' is not supported"));
+  }
+  SECTION("an unknown policy") {
+    o.configs = {"fp16", "nosuch:x=1"};
+    auto r = run_eval(o);
+    REQUIRE_FALSE(r.ok());
+    CHECK_THAT(r.error().message(), Contains("nosuch"));
+  }
+}
+
+TEST_CASE("run_eval --resume: the teacher-forced phase and finished trials are read back", "[config]") {
+  eval_options o = tiny_options();
+  o.configs = {"fp16", "bf16"};
+  o.needle_contexts = {256};
+  o.needle_depths = {0.5};
+  scratch_file rec("resume_run.json", "");
+  std::filesystem::remove(rec.path);
+  o.resume_path = rec.path;  // missing: the run starts afresh
+  int checkpoints = 0;
+  o.on_checkpoint = [&](const eval_report& r) {
+    ++checkpoints;
+    kvq::check(write_text_file(rec.path, to_json(r).dump()));
+  };
+  auto first = run_eval(o);
+  INFO((first.ok() ? std::string() : first.error().to_string()));
+  REQUIRE(first.ok());
+  CHECK_FALSE(first->resumed);
+  CHECK(checkpoints == 1);
+  REQUIRE(std::filesystem::exists(rec.path));  // the checkpoint: needle trials not run
+
+  auto second = run_eval(o);
+  REQUIRE(second.ok());
+  CHECK(second->resumed);
+  CHECK(checkpoints == 1);  // nothing new to save before the needle phase
+  REQUIRE(second->configs.size() == 2);
+  for (size_t i = 0; i < 2; ++i) {
+    CAPTURE(i);
+    CHECK(second->configs[i].quality.kl_values() == first->configs[i].quality.kl_values());
+    CHECK(second->configs[i].quality.nll_values() == first->configs[i].quality.nll_values());
+    CHECK(second->configs[i].decode_seconds == first->configs[i].decode_seconds);  // read, not re-measured
+    REQUIRE(second->configs[i].needle.size() == 1);
+    CHECK(second->configs[i].needle[0].done);
+    CHECK(second->configs[i].needle[0].output == first->configs[i].needle[0].output);
+  }
+
+  // a finished record: every trial done, nothing is rerun
+  kvq::check(write_text_file(rec.path, to_json(*second).dump()));
+  auto third = run_eval(o);
+  REQUIRE(third.ok());
+  CHECK(third->configs[1].needle_prefill_seconds == second->configs[1].needle_prefill_seconds);
+
+  // another run's record is refused, naming what differs
+  o.prefill = 17;
+  auto other = run_eval(o);
+  REQUIRE_FALSE(other.ok());
+  CHECK_THAT(other.error().message(), Contains(rec.path) && Contains("prefill differs (8 there, 17 here)"));
 }

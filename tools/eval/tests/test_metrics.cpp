@@ -99,3 +99,45 @@ TEST_CASE("metric_accumulator: means, agreement, perplexity, quantiles, buckets"
   p.add(0, true, std::log(8.0));
   CHECK(p.perplexity() == Approx(4.0));
 }
+
+TEST_CASE("position_bucket_edges: 0, 512, then doubling to cover the run", "[metrics]") {
+  CHECK(position_bucket_edges(1) == std::vector<int64_t>{0, 512});
+  CHECK(position_bucket_edges(512) == std::vector<int64_t>{0, 512});
+  CHECK(position_bucket_edges(513) == std::vector<int64_t>{0, 512, 1024});
+  CHECK(position_bucket_edges(8448) == std::vector<int64_t>{0, 512, 1024, 2048, 4096, 8192, 16384});
+}
+
+TEST_CASE("metric_accumulator::by_position: means over ranges of absolute positions", "[metrics]") {
+  // positions 500..1099 (first 500): KL = position / 1000, agreement off at even positions of
+  // [1024, 1100), NLL ln 2 below 512 and ln 8 above
+  metric_accumulator m;
+  const int64_t first = 500, n = 600;
+  for (int64_t p = first; p < first + n; ++p)
+    m.add(double(p) / 1000, !(p >= 1024 && p % 2 == 0), p < 512 ? std::log(2.0) : std::log(8.0));
+  const auto edges = position_bucket_edges(first + n);
+  REQUIRE(edges == std::vector<int64_t>{0, 512, 1024, 2048});
+  const auto b = m.by_position(first, edges);
+  REQUIRE(b.size() == 3);  // [0, 512) holds 500..511 only
+  CHECK(b[0].first == 0);
+  CHECK(b[0].end == 512);
+  CHECK(b[0].positions == 12);
+  CHECK(b[0].mean_kl == Approx((500 + 511) / 2.0 / 1000));
+  CHECK(b[0].perplexity() == Approx(2.0));
+  CHECK(b[0].top1_agreement == 1.0);
+  CHECK(b[1].positions == 512);
+  CHECK(b[1].mean_kl == Approx((512 + 1023) / 2.0 / 1000));
+  CHECK(b[1].perplexity() == Approx(8.0));
+  CHECK(b[2].first == 1024);
+  CHECK(b[2].end == 2048);
+  CHECK(b[2].positions == 76);  // 1024..1099
+  CHECK(b[2].top1_agreement == Approx(0.5));
+  int64_t total = 0;
+  for (const auto& x : b) total += x.positions;
+  CHECK(total == n);
+  // a range no position falls in is left out; no edges, no buckets
+  const std::vector<int64_t> far = {0, 100, 4096};
+  const auto f = m.by_position(first, far);
+  REQUIRE(f.size() == 1);
+  CHECK(f[0].positions == n);
+  CHECK(m.by_position(first, std::vector<int64_t>{}).empty());
+}

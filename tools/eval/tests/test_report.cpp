@@ -1,7 +1,13 @@
 // JSON schema fields, the terminal table and the self-contained HTML, on a hand-made report.
+#include <fmt/format.h>
+#include <unistd.h>
+
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <eval/report.hpp>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
 
 using namespace kvq::eval;
 using Catch::Contains;
@@ -256,4 +262,159 @@ TEST_CASE("HTML report is self-contained and has the charts", "[report]") {
   for (size_t p = 0; (p = h.find("</svg>", p)) != std::string::npos; ++p) ++close;
   CHECK(open == close);
   CHECK(open >= 6);
+}
+
+TEST_CASE("long-context buckets in the JSON, the table and the HTML", "[report]") {
+  const auto r = make_report();  // positions 16..21: all in [0, 512)
+  const auto j = to_json(r);
+  const auto& b = j.at("configs")[1].at("position_buckets");
+  REQUIRE(b.size() == 1);
+  CHECK(b[0].at("first") == 0);
+  CHECK(b[0].at("end") == 512);
+  CHECK(b[0].at("positions") == 6);
+  CHECK(b[0].at("mean_kl").get<double>() == Approx(0.035));
+  CHECK(b[0].at("top1_agreement").get<double>() == Approx(5.0 / 6));
+  CHECK(b[0].at("perplexity").get<double>() == Approx(3.0));
+  CHECK(b[0].at("perplexity_delta").get<double>() == Approx(0.0).margin(1e-12));
+  const auto& per = j.at("configs")[1].at("per_position");
+  CHECK(per.at("kl").size() == 6);
+  CHECK(per.at("top1") == nlohmann::json({1, 1, 0, 1, 1, 1}));
+  CHECK(per.at("nll")[0].get<double>() == std::log(3.0));  // exact: read back by --resume
+  CHECK_THAT(render_table(r), Contains("0-512") && Contains("dPPL"));
+  CHECK_THAT(render_html(r), Contains("By position range") && Contains("<th>0-512</th>"));
+  CHECK(render_table(r).find("training context") == std::string::npos);
+  auto past = r;
+  past.model.hparams.n_ctx_train = 20;  // positions 16..21
+  CHECK_THAT(render_table(past), Contains("positions 20..21 are beyond the model's training context of 20 tokens"));
+  CHECK(position_range_label(512, 1024) == "512-1K");
+  CHECK(position_range_label(4096, 8192) == "4K-8K");
+}
+
+namespace {
+
+/// A file in the temporary folder, removed at the end of the scope.
+struct temp_file {
+  std::string path;
+  explicit temp_file(std::string_view name)
+      : path((std::filesystem::temp_directory_path() / fmt::format("kvq_eval_{}_{}", ::getpid(), name)).string()) {}
+  ~temp_file() { std::filesystem::remove(path); }
+};
+
+/// `r` as a run about to resume would hold it: identity and trials, no results yet.
+eval_report unrun(const eval_report& r) {
+  eval_report u = r;
+  for (auto& c : u.configs) {
+    config_result fresh;
+    fresh.config = c.config;
+    fresh.reference = c.reference;
+    c = std::move(fresh);
+  }
+  return u;
+}
+
+}  // namespace
+
+TEST_CASE("read_resume reads back what to_json wrote, for the same run only", "[report]") {
+  auto r = make_report();
+  r.configs[1].quality.add(std::nan(""), false, 1.0);  // a NaN is written as null and read back as NaN
+  r.options.tokens = 7;
+  r.configs[0].quality.add(0, true, 1.0);
+  r.configs[1].needle[0].done = true;
+  r.configs[0].needle[0].done = false;  // a checkpoint before this trial ran
+  r.configs[1].needle_prefill_seconds = 0.25;
+  r.configs[1].needle_prefill_tokens = 500;
+  r.configs[1].stats.pages_by_format[fmt_id("kivi4/g32")] = 3;
+  r.configs[1].stats.used_bytes = 4096;
+  r.configs[1].stats.pages = 3;
+  temp_file f("resume.json");
+  REQUIRE(write_text_file(f.path, to_json(r).dump(1)).ok());
+
+  SECTION("the same run") {
+    eval_report u = unrun(r);
+    REQUIRE(read_resume(f.path, u).ok());
+    CHECK(u.resumed);
+    REQUIRE(u.configs.size() == 2);
+    const auto &a = r.configs[1], &b = u.configs[1];
+    CHECK(b.policy_name == a.policy_name);
+    CHECK(b.quality.positions() == 7);
+    for (size_t i = 0; i < 6; ++i) {
+      CAPTURE(i);
+      CHECK(b.quality.kl_values()[i] == a.quality.kl_values()[i]);  // bit for bit
+      CHECK(b.quality.nll_values()[i] == a.quality.nll_values()[i]);
+    }
+    CHECK(std::isnan(b.quality.kl_values()[6]));
+    CHECK(b.quality.agree_values() == a.quality.agree_values());
+    CHECK(b.stats.page_bytes == a.stats.page_bytes);
+    CHECK(b.stats.window_bytes == a.stats.window_bytes);
+    CHECK(b.stats.used_bytes == 4096);
+    CHECK(b.stats.pages == 3);
+    CHECK(b.stats.tokens == a.stats.tokens);
+    CHECK(b.stats.encoded_elements == a.stats.encoded_elements);
+    CHECK(b.stats.bytes_by_format == a.stats.bytes_by_format);
+    CHECK(b.stats.pages_by_format == a.stats.pages_by_format);
+    CHECK(b.tokens_held == a.tokens_held);
+    CHECK(b.decode_seconds == a.decode_seconds);
+    CHECK(b.decode_tokens == a.decode_tokens);
+    REQUIRE(b.format_map_history.size() == 2);
+    CHECK(b.format_map_history[1].step == 4);
+    CHECK(b.format_map_history[1].map == a.format_map_history[1].map);
+    REQUIRE(b.needle.size() == 1);
+    CHECK(b.needle[0].done);
+    CHECK(b.needle[0].output == a.needle[0].output);
+    CHECK(b.needle[0].prompt_tokens == 500);
+    CHECK(b.needle_prefill_seconds == 0.25);
+    CHECK_FALSE(u.configs[0].needle[0].done);  // not run yet: the resumed run runs it
+    // what the record says of a configuration whose trials all ran is what the resumed run reports
+    CHECK(to_json(u).at("configs")[1] == to_json(r).at("configs")[1]);
+    u.options.resume_path = f.path;
+    CHECK_THAT(render_table(u), Contains("read back from " + f.path));
+    CHECK_THAT(render_html(u), Contains("read back from <code>" + f.path));
+    CHECK(to_json(u).at("resumed") == true);
+  }
+  SECTION("another run: the first field that differs is named, nothing changes") {
+    eval_report u = unrun(r);
+    u.text.hash = "fnv1a64:1111111111111111";
+    auto s = read_resume(f.path, u);
+    REQUIRE_FALSE(s.ok());
+    CHECK_THAT(s.message(), Contains(f.path) && Contains("another run") && Contains("text_hash") &&
+                                Contains("fnv1a64:1111111111111111"));
+    CHECK_FALSE(u.resumed);
+    CHECK(u.configs[1].quality.positions() == 0);
+    u = unrun(r);
+    u.options.tokens = 8;
+    CHECK_THAT(read_resume(f.path, u).message(), Contains("tokens differs (7 there, 8 here)"));
+    u = unrun(r);
+    u.configs[1].config = "kivi2/g32";
+    CHECK_THAT(read_resume(f.path, u).message(), Contains("configs differs"));
+  }
+  SECTION("a malformed record names the field") {
+    auto j = to_json(r);
+    j["configs"][1]["per_position"]["kl"].erase(0);
+    REQUIRE(write_text_file(f.path, j.dump()).ok());
+    eval_report u = unrun(r);
+    auto s = read_resume(f.path, u);
+    CHECK_THAT(s.message(), Contains("/configs/1/per_position/kl") && Contains("7 positions"));
+    CHECK(u.configs[1].quality.positions() == 0);
+    REQUIRE(write_text_file(f.path, "{ not json").ok());
+    CHECK_THAT(read_resume(f.path, u).message(), Contains("not valid JSON"));
+    REQUIRE(write_text_file(f.path, R"({"kind": "something else"})").ok());
+    CHECK_THAT(read_resume(f.path, u).message(), Contains("not a kvq-eval record"));
+    CHECK_THAT(read_resume(f.path + ".missing", u).message(), Contains("cannot open"));
+  }
+}
+
+TEST_CASE("write_text_file replaces the file whole and leaves nothing beside it", "[report]") {
+  const auto dir = std::filesystem::temp_directory_path() / fmt::format("kvq_eval_write_{}", ::getpid());
+  const std::string path = (dir / "sub" / "r.json").string();
+  REQUIRE(write_text_file(path, "first, longer contents").ok());  // creates the folders
+  REQUIRE(write_text_file(path, "second").ok());
+  std::ifstream in(path, std::ios::binary);
+  CHECK(std::string(std::istreambuf_iterator<char>(in), {}) == "second");
+  CHECK_FALSE(std::filesystem::exists(path + ".partial"));
+  // a path that cannot be written: named, the folder in its way untouched
+  const auto s = write_text_file((dir / "sub").string(), "x");
+  CHECK_FALSE(s.ok());
+  CHECK_THAT(s.message(), Contains((dir / "sub").string()));
+  CHECK(std::filesystem::is_directory(dir / "sub"));
+  std::filesystem::remove_all(dir);
 }

@@ -28,6 +28,24 @@ double kl_divergence(std::span<const double> log_p, std::span<const double> log_
 /// Index of the largest value, the first on ties; -1 for an empty span.
 int64_t argmax(std::span<const double> values);
 
+/// Means of the measures over one range of absolute positions [first, end).
+struct position_bucket {
+  int64_t first = 0;      ///< first absolute position of the range
+  int64_t end = 0;        ///< one past the last absolute position of the range
+  int64_t positions = 0;  ///< measured positions that fell in the range (> 0)
+  double mean_kl = 0;     ///< mean KL(P_ref ‖ P_this), nats
+  double top1_agreement = 1;
+  double mean_nll = 0;  ///< mean −log P(true next token), nats
+  /// exp(mean NLL) over the range.
+  double perplexity() const;
+};
+
+/// The fixed edges of the long-context position buckets, absolute positions: 0, 512, 1K, 2K, 4K,
+/// 8K, then doubling until `end` (one past the last position) is covered. Fixed edges keep the
+/// buckets of runs with different prefills and lengths comparable, and doubling reads well on a
+/// log position axis.
+std::vector<int64_t> position_bucket_edges(int64_t end);
+
 /// Per-position measures of one configuration against the reference, accumulated over the
 /// teacher-forced positions. `add` takes one position; the accessors give the reported values.
 class metric_accumulator {
@@ -51,13 +69,22 @@ class metric_accumulator {
   double perplexity() const;
   /// Per-position KL values in order (for quantiles and the KL-over-position chart).
   const std::vector<double>& kl_values() const { return kl_; }
+  /// Per-position top-1 agreement (1 = argmax equal to the reference's), in order.
+  const std::vector<uint8_t>& agree_values() const { return agree_v_; }
+  /// Per-position negative log-likelihoods, in order.
+  const std::vector<double>& nll_values() const { return nll_; }
   /// Mean KL of consecutive buckets of `bucket` positions (the last one may be shorter).
   std::vector<double> kl_by_bucket(int64_t bucket) const;
+  /// Means over the ranges between consecutive `edges` (absolute positions, ascending), the
+  /// first value added being at absolute position `first_position`; ranges holding no measured
+  /// position are left out.
+  std::vector<position_bucket> by_position(int64_t first_position, std::span<const int64_t> edges) const;
 
  private:
   int64_t n_ = 0, agree_ = 0;
   double kl_sum_ = 0, kl_max_ = 0, nll_sum_ = 0;
-  std::vector<double> kl_;
+  std::vector<double> kl_, nll_;
+  std::vector<uint8_t> agree_v_;
 };
 
 }  // namespace kvq::eval

@@ -57,10 +57,15 @@ struct eval_options {
   /// Calibration artifact (kvq-calibrate) whose rolealign clip ratios every cache gets
   /// (--clip-ratios); loaded by `run_eval` into `cache.clip_ratios`. Empty: no clipping.
   std::string clip_ratios_path;
-  int64_t kl_bucket = 64;                ///< positions per bucket of the KL-over-position series
-  int64_t map_every = 64;                ///< steps between format-map samples (a snapshot is kept when it changed)
-  bool progress = true;                  ///< progress bars on stderr
-  std::string command_line;              ///< recorded in the report
+  int64_t kl_bucket = 64;    ///< positions per bucket of the KL-over-position series
+  int64_t map_every = 64;    ///< steps between format-map samples (a snapshot is kept when it changed)
+  bool progress = true;      ///< progress bars on stderr
+  std::string command_line;  ///< recorded in the report
+  /// A JSON record of an earlier run (--resume): when the file exists and was written by the
+  /// same run (run_identity), its teacher-forced results are taken instead of recomputed and its
+  /// finished needle trials are not rerun; a record of another run is an error naming what
+  /// differs. A missing file starts the run from the beginning. Empty: no resume.
+  std::string resume_path;
   /// Called with the report so far when the teacher-forced phase is done and needle trials are
   /// still to run (`complete` false, needle results empty), so a long run can save what it has.
   std::function<void(const eval_report&)> on_checkpoint;
@@ -69,6 +74,7 @@ struct eval_options {
 /// What was evaluated on.
 struct model_info {
   std::string path, name;
+  std::string hash;  ///< fnv1a64 of the file's bytes, "fnv1a64:<16 hex>"
   kvq::llama::llama_hparams hparams;
   bool has_chat_template = false;  ///< `tokenizer.chat_template` present (an instruct model)
   prompt_template tmpl = prompt_template::plain;
@@ -89,6 +95,7 @@ struct needle_result {
   double depth = 0;           ///< actual depth (sentence boundary)
   bool pass = false;
   std::string output;  ///< what the model wrote after "The pass key is"
+  bool done = false;   ///< the trial ran (a checkpoint holds trials not run yet too)
 };
 
 /// The per-(layer, kv head) decisions of a policy at one moment.
@@ -138,6 +145,8 @@ struct eval_report {
   size_t reference = 0;
   /// False in a checkpoint (needle trials not run yet), true when the run finished.
   bool complete = false;
+  /// The teacher-forced results were taken from `options.resume_path`, not recomputed.
+  bool resumed = false;
 };
 
 /// Mean bits per element of the formats of a format map (K and V averaged, scales and zeros
@@ -146,6 +155,9 @@ double nominal_bits(const std::vector<kvq::format_pair>& map, const kvq::cache_s
 
 /// fnv1a64 of `bytes` as "fnv1a64:<16 hex digits>".
 std::string hash_text(std::string_view bytes);
+
+/// fnv1a64 of the bytes of the file at `path`, as `hash_text` gives it. Errors name the file.
+kvq::result<std::string> hash_file(const std::string& path);
 
 /// Checks `o` before anything is loaded: at least one configuration, no duplicate, positive
 /// token counts, depths in [0, 1], ... Errors name the option.
