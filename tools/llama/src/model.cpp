@@ -28,10 +28,16 @@ float round_f16(float f) { return half_to_float(float_to_half(f)); }
 
 constexpr int64_t max_dim = 1 << 20;  // sanity bound on every hyper-parameter read from a file
 
+#if defined(__GNUC__) || defined(__clang__)
+#define KVQ_LLAMA_INLINE inline __attribute__((always_inline))
+#else
+#define KVQ_LLAMA_INLINE inline
+#endif
+
 /// 2^x for x <= 0 (below -126 it gives 2^-126), relative error below 1e-7: x = n + f with n an
 /// integer and |f| <= 1/2, e^(f ln 2) from its degree-7 Taylor polynomial (remainder < 6e-9),
 /// 2^n from the exponent bits. Branch-free, so loops over it vectorize.
-inline float exp2_nonpositive(float x) {
+KVQ_LLAMA_INLINE float exp2_nonpositive(float x) {
   x = x < -126.f ? -126.f : x;
   const float n = (x + 12582912.f) - 12582912.f;  // round to an integer: 1.5 * 2^23 drops the fraction
   const float f = (x - n) * 0.693147181f;
@@ -46,25 +52,22 @@ inline float exp2_nonpositive(float x) {
   return p * std::bit_cast<float>((int32_t(n) + 127) << 23);
 }
 
-/// Query rows per tile and keys per block of `chunk_attention`.
-constexpr int64_t attention_tile = 16, attention_block = 64;
+/// Query tokens per tile, keys per block and the vector width (floats) of `chunk_attention`.
+constexpr int64_t attention_tile = 16, attention_block = 64, attention_lanes = 8;
 
-#if defined(__GNUC__) && defined(__x86_64__) && !defined(__clang__)
-#define KVQ_LLAMA_CLONES __attribute__((target_clones("arch=haswell", "default")))
-#else
-#define KVQ_LLAMA_CLONES
-#endif
-
-/// One (kv head, query tile) of `chunk_attention`: the tile's `rows` = tokens x group query
-/// rows (row r: token t0 + r / group, query head kvh * group + r % group) against key blocks of
+/// One (kv head, query tile) of `chunk_attention`: the tile's rows = tokens x group query rows
+/// (row r: token t0 + r / group, query head kvh * group + r % group) against key blocks of
 /// `attention_block`, online softmax in base 2 (queries pre-scaled by log2(e) / sqrt(head_dim)).
-/// Scores run with the keys of a block as vector lanes (K block packed transposed), so the loops
-/// vectorize without reassociating sums. `scratch` holds rows * (2 hd + 2) + hd * block + block
-/// floats.
-KVQ_LLAMA_CLONES void attention_tile_kernel(const float* q, const float* k, const float* v, float* o, int64_t t0,
-                                            int64_t t1, int64_t pos0, int kvh, int group, int q_heads, int kv_heads,
-                                            int hd, float qscale, float* scratch) {
-  const int64_t rows = (t1 - t0) * group, ld = int64_t(kv_heads) * hd, B = attention_block;
+/// The K block is packed transposed so that a row's scores over 8 keys stay in one vector
+/// register across head_dim, and the output accumulates 8 channels at a time across the block's
+/// keys (head_dim a multiple of 8; other head sizes take the plain loops). `scratch` holds
+/// rows * (2 hd + 2) + hd * block + block floats.
+KVQ_LLAMA_INLINE void attention_tile_body(const float* q, const float* k, const float* v, float* o, int64_t t0,
+                                          int64_t t1, int64_t pos0, int kvh, int group, int q_heads, int kv_heads,
+                                          int hd, float qscale, float* scratch) {
+  constexpr int64_t B = attention_block, L = attention_lanes;
+  const int64_t rows = (t1 - t0) * group, ld = int64_t(kv_heads) * hd;
+  const bool lanes = hd % L == 0;
   float* qs = scratch;
   float* acc = qs + rows * hd;
   float* mx = acc + rows * hd;
@@ -85,30 +88,46 @@ KVQ_LLAMA_CLONES void attention_tile_kernel(const float* q, const float* k, cons
       const float* kr = k + (j0 + j) * ld + int64_t(kvh) * hd;
       for (int c = 0; c < hd; ++c) kt[c * B + j] = kr[c];
     }
+    for (int64_t j = nb; j < B; ++j)
+      for (int c = 0; c < hd; ++c) kt[c * B + j] = 0.f;  // finite padding of the last block
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t valid = std::min(nb, pos0 + t0 + r / group + 1 - j0);  // causal
       if (valid <= 0) continue;
-      std::fill_n(s, valid, 0.f);
       const float* qr = qs + r * hd;
-      for (int c = 0; c < hd; ++c) {
-        const float qc = qr[c];
-        const float* kc = kt + c * B;
-        for (int64_t j = 0; j < valid; ++j) s[j] += qc * kc[j];
+      for (int64_t jv = 0; jv < valid; jv += L) {
+        float d[L] = {};
+        for (int c = 0; c < hd; ++c) {
+          const float qc = qr[c];
+          const float* kc = kt + c * B + jv;
+          for (int64_t u = 0; u < L; ++u) d[u] += qc * kc[u];
+        }
+        for (int64_t u = 0; u < L; ++u) s[jv + u] = d[u];
       }
       float m = mx[r];
       for (int64_t j = 0; j < valid; ++j) m = std::max(m, s[j]);
       const float corr = exp2_nonpositive(mx[r] - m);
-      float* a = acc + r * hd;
-      for (int c = 0; c < hd; ++c) a[c] *= corr;
       for (int64_t j = 0; j < valid; ++j) s[j] = exp2_nonpositive(s[j] - m);
       float total = 0.f;
       for (int64_t j = 0; j < valid; ++j) total += s[j];
       sum[r] = sum[r] * corr + total;
       mx[r] = m;
-      for (int64_t j = 0; j < valid; ++j) {
-        const float p = s[j];
-        const float* vr = v + (j0 + j) * ld + int64_t(kvh) * hd;
-        for (int c = 0; c < hd; ++c) a[c] += p * vr[c];
+      float* a = acc + r * hd;
+      const float* vb = v + j0 * ld + int64_t(kvh) * hd;
+      if (lanes) {
+        for (int c0 = 0; c0 < hd; c0 += int(L)) {
+          float e[L];
+          for (int64_t u = 0; u < L; ++u) e[u] = a[c0 + u] * corr;
+          for (int64_t j = 0; j < valid; ++j) {
+            const float p = s[j];
+            const float* vr = vb + j * ld + c0;
+            for (int64_t u = 0; u < L; ++u) e[u] += p * vr[u];
+          }
+          for (int64_t u = 0; u < L; ++u) a[c0 + u] = e[u];
+        }
+      } else {
+        for (int c = 0; c < hd; ++c) a[c] *= corr;
+        for (int64_t j = 0; j < valid; ++j)
+          for (int c = 0; c < hd; ++c) a[c] += s[j] * vb[j * ld + c];
       }
     }
   }
@@ -118,6 +137,22 @@ KVQ_LLAMA_CLONES void attention_tile_kernel(const float* q, const float* k, cons
     for (int c = 0; c < hd; ++c) dst[c] = acc[r * hd + c] * inv;
   }
 }
+
+#define KVQ_LLAMA_TILE_ARGS                                                                                         \
+  const float *q, const float *k, const float *v, float *o, int64_t t0, int64_t t1, int64_t pos0, int kvh, int group, \
+      int q_heads, int kv_heads, int hd, float qscale, float *scratch
+#define KVQ_LLAMA_TILE_CALL q, k, v, o, t0, t1, pos0, kvh, group, q_heads, kv_heads, hd, qscale, scratch
+
+void attention_tile_portable(KVQ_LLAMA_TILE_ARGS) { attention_tile_body(KVQ_LLAMA_TILE_CALL); }
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define KVQ_LLAMA_HAVE_AVX2_TILE 1
+/// The same loops compiled for AVX2 + FMA (8-float vectors); called only when `cpu_isa::avx2` is
+/// available.
+__attribute__((target("avx2,fma"))) void attention_tile_avx2(KVQ_LLAMA_TILE_ARGS) {
+  attention_tile_body(KVQ_LLAMA_TILE_CALL);
+}
+#endif
 
 }  // namespace
 
@@ -488,7 +523,7 @@ status llama_model::prefill_shared(std::span<kvq::KVCache* const> caches, std::s
       auto& Vl = Vs[size_t(l)];
       Kl.insert(Kl.end(), k.begin(), k.end());
       Vl.insert(Vl.end(), v.begin(), v.end());
-      chunk_attention(q.data(), Kl.data(), Vl.data(), o.data(), T, start, H, Hkv, hd, *pool_);
+      chunk_attention(q.data(), Kl.data(), Vl.data(), o.data(), T, start, H, Hkv, hd, *pool_, isa_);
       attention_output_and_ffn(l, x, o, T);
     }
     if (mode == logits_mode::all)
@@ -565,18 +600,22 @@ status llama_model::forward_reference(reference_kv& kv, std::span<const token_id
 // ---- helpers ------------------------------------------------------------------------------------
 
 void chunk_attention(const float* q, const float* k, const float* v, float* o, int64_t T, int64_t pos0, int q_heads,
-                     int kv_heads, int head_dim, thread_pool& pool) {
+                     int kv_heads, int head_dim, thread_pool& pool, cpu_isa isa) {
   const int group = q_heads / kv_heads;
   const int64_t tiles = (T + attention_tile - 1) / attention_tile;
   const float qscale = float(1.4426950408889634 / std::sqrt(double(head_dim)));  // log2(e) / sqrt(head_dim)
   const int64_t rows = attention_tile * group;
   const size_t scratch = size_t(rows * (2 * int64_t(head_dim) + 2) + int64_t(head_dim) * attention_block + attention_block);
+  auto* tile = &attention_tile_portable;
+#ifdef KVQ_LLAMA_HAVE_AVX2_TILE
+  if (isa == cpu_isa::avx2 && isa_available(cpu_isa::avx2)) tile = &attention_tile_avx2;
+#endif
   pool.run(tiles * kv_heads, [&](int64_t task) {
     thread_local std::vector<float> buf;
     if (buf.size() < scratch) buf.resize(scratch);
     const int kvh = int(task % kv_heads);
     const int64_t t0 = (task / kv_heads) * attention_tile, t1 = std::min(T, t0 + attention_tile);
-    attention_tile_kernel(q, k, v, o, t0, t1, pos0, kvh, group, q_heads, kv_heads, head_dim, qscale, buf.data());
+    tile(q, k, v, o, t0, t1, pos0, kvh, group, q_heads, kv_heads, head_dim, qscale, buf.data());
   });
 }
 

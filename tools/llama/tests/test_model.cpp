@@ -247,17 +247,19 @@ TEST_CASE("chunk_attention equals the plain causal softmax in double", "[model]"
   struct shape {
     int q_heads, kv_heads, head_dim;
   };
-  for (const shape sh : {shape{9, 3, 64}, shape{8, 4, 8}})
+  for (const cpu_isa isa : {cpu_isa::scalar, cpu_isa::avx2})
+  for (const shape sh : {shape{9, 3, 64}, shape{8, 4, 8}, shape{4, 2, 12}})
     for (int64_t T : {1, 3, 17, 65, 130})
       for (int64_t pos0 : {0, 5, 70}) {
-        CAPTURE(seed, sh.q_heads, sh.kv_heads, sh.head_dim, T, pos0);
+        if (!isa_available(isa)) continue;
+        CAPTURE(seed, isa_name(isa), sh.q_heads, sh.kv_heads, sh.head_dim, T, pos0);
         const int64_t n = pos0 + T, hd = sh.head_dim;
         std::vector<float> q(size_t(T * sh.q_heads * hd)), k(size_t(n * sh.kv_heads * hd)), v(k.size());
         for (auto& x : q) x = 2.f * nd(rng);
         for (auto& x : k) x = 2.f * nd(rng);
         for (auto& x : v) x = nd(rng);
         std::vector<float> o(q.size());
-        chunk_attention(q.data(), k.data(), v.data(), o.data(), T, pos0, sh.q_heads, sh.kv_heads, sh.head_dim, pool);
+        chunk_attention(q.data(), k.data(), v.data(), o.data(), T, pos0, sh.q_heads, sh.kv_heads, sh.head_dim, pool, isa);
         double worst = 0;
         const int group = sh.q_heads / sh.kv_heads;
         for (int64_t t = 0; t < T; ++t)

@@ -198,13 +198,14 @@ class llama_model {
 /// Causal attention of a chunk of T queries at positions pos0 .. pos0 + T - 1 over the keys and
 /// values of positions 0 .. pos0 + T - 1, in float, with GQA (query head h reads kv head
 /// h / (q_heads / kv_heads)) and softmax scale 1 / sqrt(head_dim). Blocked over keys with an
-/// online softmax; query tiles of one kv head run as tasks on `pool`.
+/// online softmax; query tiles of one kv head run as tasks on `pool`; `isa` avx2 runs the loops
+/// compiled for AVX2 + FMA (when the CPU has them), scalar the portable build.
 /// \param q [T][q_heads][head_dim]
 /// \param k [pos0 + T][kv_heads][head_dim] (all positions so far, the chunk's last)
 /// \param v same shape as k
 /// \param o [T][q_heads][head_dim] output
 void chunk_attention(const float* q, const float* k, const float* v, float* o, int64_t T, int64_t pos0, int q_heads,
-                     int kv_heads, int head_dim, thread_pool& pool);
+                     int kv_heads, int head_dim, thread_pool& pool, cpu_isa isa = best_isa());
 
 /// Index of the largest logit (the first on ties); -1 for an empty span.
 token_id argmax(std::span<const float> logits);
