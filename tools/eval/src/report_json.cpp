@@ -70,7 +70,12 @@ json to_json(const eval_report& r) {
                {"positions", json::array({o.prefill, o.prefill + o.tokens - 1})}};
   json trials = json::array();
   for (const auto& t : r.trials)
-    trials.push_back({{"context", t.context}, {"depth", num(t.depth)}, {"rep", t.rep}, {"key", t.key}});
+    trials.push_back({{"context", t.context},
+                      {"depth", num(t.depth)},
+                      {"rep", t.rep},
+                      {"key", t.key},
+                      {"kind", kind_name(t.kind)},
+                      {"label", t.label}});
   j["needle"] = {{"haystack_path", o.haystack_path.empty() ? o.text_path : o.haystack_path},
                  {"haystack_hash", r.haystack_hash},
                  {"contexts", r.trials.empty() ? json::array() : json(o.needle_contexts)},
@@ -79,6 +84,8 @@ json to_json(const eval_report& r) {
                  {"max_new_tokens", o.needle_max_new},
                  {"seed", o.seed},
                  {"sentence", needle_sentence("{key}")},
+                 {"kinds", r.trials.empty() ? json::array() : json(o.needle_kinds)},
+                 {"multi_key_sentence", multi_key_sentence("{label}", "{key}")},
                  {"trials", std::move(trials)}};
   j["reference"] = r.configs.empty() ? std::string() : r.configs[r.reference].config;
 
@@ -120,7 +127,8 @@ json to_json(const eval_report& r) {
     cj["speed"] = {{"decode_tokens_per_s", num(c.decode_tokens_per_s())},
                    {"decode_seconds", num(c.decode_seconds)},
                    {"decode_tokens", c.decode_tokens},
-                   {"prefill_tokens_per_s", num(c.prefill_tokens_per_s())}};
+                   {"prefill_tokens_per_s", num(c.prefill_tokens_per_s())},
+                   {"needle_decode_tokens_per_s", num(c.needle_decode_tokens_per_s())}};
     json results = json::array();
     for (const auto& n : c.needle)
       results.push_back({{"context", n.trial.context},
@@ -128,10 +136,24 @@ json to_json(const eval_report& r) {
                          {"actual_depth", num(n.depth)},
                          {"rep", n.trial.rep},
                          {"key", n.trial.key},
+                         {"kind", kind_name(n.trial.kind)},
+                         {"label", n.trial.label},
                          {"prompt_tokens", n.prompt_tokens},
                          {"pass", n.pass},
+                         {"reference_pass", n.reference_pass},
                          {"output", n.output}});
-    cj["needle"] = {{"passed", c.needle_passed()}, {"trials", c.needle.size()}, {"results", std::move(results)}};
+    json rates = json::array();
+    for (const auto& nr : needle_rates(c))
+      rates.push_back({{"kind", kind_name(nr.kind)},
+                       {"context", nr.context},
+                       {"trials", nr.trials},
+                       {"passed", nr.passed},
+                       {"reference_passed", nr.reference_passed},
+                       {"passed_where_reference_passed", nr.passed_where_reference_passed}});
+    cj["needle"] = {{"passed", c.needle_passed()},
+                    {"trials", c.needle.size()},
+                    {"results", std::move(results)},
+                    {"by_context", std::move(rates)}};
     cj["format_map"] = {{"layers", r.shape.layers},
                         {"kv_heads", r.shape.kv_heads},
                         {"k", map_json(final_map, r.shape, kvq::role::k)},

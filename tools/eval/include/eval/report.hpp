@@ -25,7 +25,9 @@
 ///             "first_position", "positions": [first, last] },
 ///   "needle": { "haystack_path", "haystack_hash", "contexts": [...], "depths": [...],
 ///               "repetitions", "max_new_tokens", "seed", "sentence": "The pass key is {key}. Remember it.",
-///               "trials": [ { "context", "depth", "rep", "key" } ] },
+///               "kinds": ["single", "multi"],
+///               "multi_key_sentence": "The special magic number for {label} is {key}.",
+///               "trials": [ { "context", "depth", "rep", "key", "kind", "label" ("" for single) } ] },
 ///   "reference": "fp16",
 ///   "configs": [ {
 ///     "name", "policy", "reference": bool,
@@ -35,9 +37,14 @@
 ///     "quality": { "positions", "mean_kl", "median_kl", "p99_kl", "max_kl", "top1_agreement",
 ///                  "perplexity", "perplexity_delta", "mean_nll" },
 ///     "kl_by_position": { "bucket", "first_position", "mean_kl": [...] },
-///     "speed": { "decode_tokens_per_s", "decode_seconds", "decode_tokens", "prefill_tokens_per_s" },
+///     "speed": { "decode_tokens_per_s", "decode_seconds", "decode_tokens",
+///                "prefill_tokens_per_s" (the needle prompts' shared prefill, the same for all),
+///                "needle_decode_tokens_per_s" (needle question and answer steps through this cache) },
 ///     "needle": { "passed", "trials", "results": [ { "context", "depth", "actual_depth", "rep",
-///                 "key", "prompt_tokens", "pass", "output" } ] },
+///                 "key", "kind", "label", "prompt_tokens", "pass",
+///                 "reference_pass" (the reference passed this trial), "output" } ],
+///                 "by_context": [ { "kind", "context", "trials", "passed", "reference_passed",
+///                                   "passed_where_reference_passed" } ] },
 ///     "format_map": { "layers", "kv_heads", "k": [[name per kv head] per layer], "v": [[...]] },
 ///     "format_map_history": [ { "step", "position", "k": [[...]], "v": [[...]] } ]
 ///   } ] }
