@@ -3,6 +3,7 @@
 #include <cmath>
 #include <catch2/catch.hpp>
 #include <eval/needle.hpp>
+#include <eval/report.hpp>
 #include <eval/runner.hpp>
 #include <llama/gguf.hpp>
 #include <set>
@@ -277,5 +278,9 @@ TEST_CASE("run_eval needle phase: both kinds, reference marks and rates per (kin
     for (const auto& nr : needle_rates(ref)) CHECK(nr.passed == nr.reference_passed);
     // the shared prefill is one computation: the same time and tokens for every configuration
     CHECK(r->configs[0].needle_prefill_seconds == r->configs[1].needle_prefill_seconds);
+    // the table has the pass counts per kind@context, the reference's beside the others
+    const std::string table = render_table(*r);
+    CHECK_THAT(table, Contains("single@300") && Contains("multi@300") && Contains("single@400") &&
+                          Contains("multi@400") && Contains("over the trials the reference passed"));
   }
 }

@@ -26,6 +26,8 @@
 /// decodes greedily until the first digit run ends, an end-of-turn token, or `needle_max_new`
 /// tokens. A trial the reference fails says nothing about a cache: every result records whether
 /// the reference passed it, and `needle_rates` counts passes over all trials and over those.
+/// Trials run concurrently on `threads` workers, longest first; within a trial the configurations
+/// answer one after another.
 ///
 /// **Speed.** Decode tokens per second of each configuration = teacher-forced steps / the wall time
 /// of its own `forward` calls. With `threads` > 1 configurations run concurrently and share the
