@@ -248,7 +248,8 @@ TEST_CASE("chunk_attention equals the plain causal softmax in double", "[model]"
     int q_heads, kv_heads, head_dim;
   };
   for (const cpu_isa isa : {cpu_isa::scalar, cpu_isa::avx2})
-  for (const shape sh : {shape{9, 3, 64}, shape{8, 4, 8}, shape{4, 2, 12}})
+  for (const shape sh : {shape{9, 3, 64}, shape{8, 4, 8}, shape{4, 2, 12}, shape{8, 2, 16}, shape{3, 3, 16},
+                             shape{5, 1, 8}})
     for (int64_t T : {1, 3, 17, 65, 130})
       for (int64_t pos0 : {0, 5, 70}) {
         if (!isa_available(isa)) continue;
