@@ -126,7 +126,7 @@ kvq::result<kvq::calib::output_kl_table> measure_output_kl(const kvq::llama::lla
     kvq::KVCache& cache = cache_r.value();
     KVQ_TRY(cache.set_clip_ratios(clip_ratios));
     KVQ_TRY(cache.create_sequence(0));
-    KVQ_TRY(model.prefill(cache, 0, tokens, logits, kvq::llama::logits_mode::all));
+    KVQ_TRY(model.forward(cache, 0, tokens, logits, kvq::llama::logits_mode::all));
     for (int64_t p = P; p < N; ++p)
       kvq::eval::log_softmax(std::span<const float>(logits).subspan(size_t(p * V), size_t(V)),
                              std::span<double>(logp).subspan(size_t((p - P) * V), size_t(V)));
@@ -356,7 +356,7 @@ int main(int argc, char** argv) {
     };
     const auto t0 = std::chrono::steady_clock::now();
     if (auto s = cache.create_sequence(kvq::seq_id(si)); !s.ok()) return fail(s);
-    if (auto s = model.prefill(cache, kvq::seq_id(si), seg, logits, kvq::llama::logits_mode::last, collect); !s.ok())
+    if (auto s = model.forward(cache, kvq::seq_id(si), seg, logits, kvq::llama::logits_mode::last, collect); !s.ok())
       return fail(s);
     if (auto s = cache.release_sequence(kvq::seq_id(si)); !s.ok()) return fail(s);
     const auto t1 = std::chrono::steady_clock::now();

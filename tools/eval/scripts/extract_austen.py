@@ -9,11 +9,12 @@ stream of the serialized object). This script reads that format with a small R-s
 
 Usage:
   apt-get download r-cran-janeaustenr && dpkg -x r-cran-janeaustenr_*.deb pkg
-  extract_austen.py pkg/usr/lib/R/site-library/janeaustenr/data OUT_DIR [--split]
+  extract_austen.py pkg/usr/lib/R/site-library/janeaustenr/data OUT_DIR [--split [--haystack-chapters N]]
 
 Without --split it writes every novel to OUT_DIR/<name>.txt. With --split it writes kvq-eval's
 data files (see data/eval/README.md): the evaluation split (Persuasion, chapters 1-3), the needle
-haystack (Sense and Sensibility, chapters 1-3) and the calibration split (Emma, chapters 1-3).
+haystack (Sense and Sensibility, chapters 1-N, N = --haystack-chapters, default 6: enough for
+needle prompts of 8,192 SmolLM2 tokens) and the calibration split (Emma, chapters 1-3).
 """
 import gzip
 import re
@@ -126,10 +127,20 @@ def chapters(lines, first, last):
     return "\n\n".join(p for p in paras if p) + "\n"
 
 
+HAYSTACK_CHAPTERS = 6
+
+
 def main(argv):
     if len(argv) < 3:
         print(__doc__)
         return 2
+    haystack_chapters = HAYSTACK_CHAPTERS
+    if "--haystack-chapters" in argv:
+        i = argv.index("--haystack-chapters")
+        if i + 1 >= len(argv) or not argv[i + 1].isdigit() or int(argv[i + 1]) < 1:
+            print("--haystack-chapters needs a positive number of chapters", file=sys.stderr)
+            return 2
+        haystack_chapters = int(argv[i + 1])
     novels = read_lazyload(Path(argv[1]))
     out = Path(argv[2])
     out.mkdir(parents=True, exist_ok=True)
@@ -139,7 +150,7 @@ def main(argv):
                 (out / f"{name}.txt").write_text("\n".join(l or "" for l in lines) + "\n", encoding="utf-8")
         return 0
     (out / "eval_persuasion.txt").write_text(chapters(novels["persuasion"], 1, 3), encoding="utf-8")
-    (out / "haystack_sense_and_sensibility.txt").write_text(chapters(novels["sensesensibility"], 1, 3),
+    (out / "haystack_sense_and_sensibility.txt").write_text(chapters(novels["sensesensibility"], 1, haystack_chapters),
                                                             encoding="utf-8")
     (out / "calib_emma.txt").write_text(chapters(novels["emma"], 1, 3), encoding="utf-8")
     return 0

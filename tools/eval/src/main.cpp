@@ -47,10 +47,12 @@ WHAT IS MEASURED (every configuration on the same tokens and positions)
   included); page bits = pages only; KV bytes and the ratio to an FP16 cache of the same tokens.
   Decode tok/s = steps / wall time of the configuration's own forward calls (configurations run
   concurrently on --threads threads: compare speeds within one run, or use --threads 1).
-  Needle: for each --needle-ctx, --needle-depths and --needle-reps, "The pass key is NNNNN.
-  Remember it." is put at that depth of the haystack, the prompt asks "What is the pass key?"
-  (SmolLM2 chat template for models with one), the answer starts "The pass key is" and is
-  decoded greedily; a trial passes when the first digits written are the key.
+  Needle: for each --needle-ctx, --needle-kinds, --needle-depths and --needle-reps: single,
+  "The pass key is NNNNN. Remember it." at that depth of the haystack, the prompt asks "What is
+  the pass key?"; multi, four "The special magic number for <label> is NNNNNNN." at different
+  depths, the prompt asks for one label's number. The haystack part is prefilled once in full
+  precision into every cache; the question and the answer prefix go through each cache one token
+  at a time, then greedy decoding; a trial passes when the first digits written are the key.
 
 OUTPUT
   A table on stdout; --json writes the full record (schema kvq.eval v1: per configuration bits,
@@ -102,6 +104,10 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--needle-depths", o.needle_depths,
                  "needle depths in [0, 1] (fraction of the haystack), comma separated")
+      ->delimiter(',')
+      ->capture_default_str();
+  app.add_option("--needle-kinds", o.needle_kinds,
+                 "needle kinds, comma separated: single (pass key), multi (multi-key, one of several asked)")
       ->delimiter(',')
       ->capture_default_str();
   app.add_option("--needle-reps", o.needle_reps, "repetitions (different keys) per context and depth")

@@ -132,7 +132,12 @@ json to_json(const eval_report& r) {
                {"positions", json::array({o.prefill, o.prefill + o.tokens - 1})}};
   json trials = json::array();
   for (const auto& t : r.trials)
-    trials.push_back({{"context", t.context}, {"depth", num(t.depth)}, {"rep", t.rep}, {"key", t.key}});
+    trials.push_back({{"context", t.context},
+                      {"depth", num(t.depth)},
+                      {"rep", t.rep},
+                      {"key", t.key},
+                      {"kind", kind_name(t.kind)},
+                      {"label", t.label}});
   j["needle"] = {{"haystack_path", o.haystack_path.empty() ? o.text_path : o.haystack_path},
                  {"haystack_hash", r.haystack_hash},
                  {"contexts", r.trials.empty() ? json::array() : json(o.needle_contexts)},
@@ -141,6 +146,8 @@ json to_json(const eval_report& r) {
                  {"max_new_tokens", o.needle_max_new},
                  {"seed", o.seed},
                  {"sentence", needle_sentence("{key}")},
+                 {"kinds", r.trials.empty() ? json::array() : json(o.needle_kinds)},
+                 {"multi_key_sentence", multi_key_sentence("{label}", "{key}")},
                  {"trials", std::move(trials)}};
   j["reference"] = r.configs.empty() ? std::string() : r.configs[r.reference].config;
 
@@ -201,7 +208,10 @@ json to_json(const eval_report& r) {
                    {"decode_tokens", c.decode_tokens},
                    {"prefill_tokens_per_s", num(c.prefill_tokens_per_s())},
                    {"needle_prefill_seconds", num(c.needle_prefill_seconds)},
-                   {"needle_prefill_tokens", c.needle_prefill_tokens}};
+                   {"needle_prefill_tokens", c.needle_prefill_tokens},
+                   {"needle_decode_tokens_per_s", num(c.needle_decode_tokens_per_s())},
+                   {"needle_decode_seconds", num(c.needle_decode_seconds)},
+                   {"needle_decode_tokens", c.needle_decode_tokens}};
     json results = json::array();
     for (const auto& n : c.needle)
       results.push_back({{"context", n.trial.context},
@@ -209,11 +219,25 @@ json to_json(const eval_report& r) {
                          {"actual_depth", num(n.depth)},
                          {"rep", n.trial.rep},
                          {"key", n.trial.key},
+                         {"kind", kind_name(n.trial.kind)},
+                         {"label", n.trial.label},
                          {"prompt_tokens", n.prompt_tokens},
                          {"pass", n.pass},
+                         {"reference_pass", n.reference_pass},
                          {"output", n.output},
                          {"done", n.done}});
-    cj["needle"] = {{"passed", c.needle_passed()}, {"trials", c.needle.size()}, {"results", std::move(results)}};
+    json rates = json::array();
+    for (const auto& nr : needle_rates(c))
+      rates.push_back({{"kind", kind_name(nr.kind)},
+                       {"context", nr.context},
+                       {"trials", nr.trials},
+                       {"passed", nr.passed},
+                       {"reference_passed", nr.reference_passed},
+                       {"passed_where_reference_passed", nr.passed_where_reference_passed}});
+    cj["needle"] = {{"passed", c.needle_passed()},
+                    {"trials", c.needle.size()},
+                    {"results", std::move(results)},
+                    {"by_context", std::move(rates)}};
     cj["format_map"] = {{"layers", r.shape.layers},
                         {"kv_heads", r.shape.kv_heads},
                         {"k", map_json(final_map, r.shape, kvq::role::k)},
@@ -366,6 +390,7 @@ kvq::status read_config(const reader& rd, const json& cj, const eval_report& cur
     KVQ_TRY(rd.into(e, "/prompt_tokens", w, r.prompt_tokens));
     KVQ_TRY(rd.into(e, "/actual_depth", w, r.depth));
     KVQ_TRY(rd.into(e, "/pass", w, r.pass));
+    KVQ_TRY(rd.into(e, "/reference_pass", w, r.reference_pass));
     KVQ_TRY(rd.into(e, "/output", w, r.output));
     if (t >= current.trials.size() || current.trials[t].key != r.trial.key)
       return rd.bad(w, fmt::format("is not trial {} of this run (key {})", t, r.trial.key));
@@ -374,6 +399,8 @@ kvq::status read_config(const reader& rd, const json& cj, const eval_report& cur
   }
   KVQ_TRY(rd.into(cj, "/speed/needle_prefill_seconds", where, c.needle_prefill_seconds));
   KVQ_TRY(rd.into(cj, "/speed/needle_prefill_tokens", where, c.needle_prefill_tokens));
+  KVQ_TRY(rd.into(cj, "/speed/needle_decode_seconds", where, c.needle_decode_seconds));
+  KVQ_TRY(rd.into(cj, "/speed/needle_decode_tokens", where, c.needle_decode_tokens));
   return {};
 }
 

@@ -65,6 +65,28 @@ std::string bucket_table(const eval_report& r) {
   return "\nby absolute position (means over each range):\n" + grid(cols, rows);
 }
 
+/// Needle pass counts per (kind, context) and configuration: "passed/trials", and for the other
+/// configurations "(passed/trials)" over the trials the reference passed.
+std::string needle_block(const eval_report& r) {
+  if (r.configs.empty() || r.configs[r.reference].needle.empty()) return {};
+  std::string out = "needle passed/trials per kind@context (in brackets: over the trials the reference passed)\n";
+  size_t name_w = 6;
+  for (const auto& c : r.configs) name_w = std::max(name_w, c.config.size() + 6);
+  const auto ref_rates = needle_rates(r.configs[r.reference]);
+  out += fmt::format("{:<{}}", "config", name_w);
+  for (const auto& nr : ref_rates) out += fmt::format("  {:>15}", fmt::format("{}@{}", kind_name(nr.kind), nr.context));
+  out += "\n";
+  for (const auto& c : r.configs) {
+    out += fmt::format("{:<{}}", c.config + (c.reference ? " (ref)" : ""), name_w);
+    for (const auto& nr : needle_rates(c))
+      out += fmt::format("  {:>15}", c.reference ? fmt::format("{}/{}", nr.passed, nr.trials)
+                                                 : fmt::format("{}/{} ({}/{})", nr.passed, nr.trials,
+                                                               nr.passed_where_reference_passed, nr.reference_passed));
+    out += "\n";
+  }
+  return out;
+}
+
 }  // namespace
 
 std::string render_table(const eval_report& r) {
@@ -98,6 +120,7 @@ std::string render_table(const eval_report& r) {
     out += fmt::format("positions {}..{} are beyond the model's training context of {} tokens\n", ctx,
                        r.options.prefill + r.options.tokens - 1, ctx);
   if (r.resumed) out += fmt::format("teacher-forced results read back from {} (--resume)\n", r.options.resume_path);
+  out += needle_block(r);
   return out + bucket_table(r);
 }
 

@@ -118,7 +118,7 @@ kvq::status teacher_forced(const kvq::llama::llama_model& model, const eval_opti
   if (o.prefill > 0) {
     const std::span<const token_id> pre(text.data(), size_t(o.prefill));
     KVQ_TRY(parallel_for(n, threads, [&](int64_t i) -> kvq::status {
-      return model.prefill(lanes[size_t(i)].cache, 0, pre, lanes[size_t(i)].logits);
+      return model.forward(lanes[size_t(i)].cache, 0, pre, lanes[size_t(i)].logits);
     }));
     bar.advance(o.prefill);
   }
@@ -154,26 +154,35 @@ kvq::status teacher_forced(const kvq::llama::llama_model& model, const eval_opti
   return {};
 }
 
-/// One needle trial for one configuration: prefill the prompt, then greedy decoding.
-kvq::status run_needle(const kvq::llama::llama_model& model, const kvq::llama::tokenizer& tok, const eval_options& o,
-                       const std::string& config, const needle_trial& trial, const needle_prompt& prompt,
-                       needle_result& out, double& prefill_seconds, progress_bar& bar) {
-  cache_settings cs = o.cache;
-  cs.max_tokens = int64_t(prompt.tokens.size()) + o.needle_max_new;
-  auto cache = make_eval_cache(model, config, cs);
-  if (!cache) return cache.error();
-  kvq::KVCache c = std::move(cache).value();
-  KVQ_TRY(c.create_sequence(0));
+/// Greedy answer of one configuration whose cache holds the needle prompt's haystack part:
+/// the question and the answer prefix one token at a time, then greedy decoding until a run of
+/// digits has ended, an end-of-turn token, or `needle_max_new` tokens.
+/// Tokens of `p` prefilled once for every configuration: those before the question, at least
+/// the first token and at most all but the last.
+int64_t shared_part(const needle_prompt& p) {
+  return std::clamp<int64_t>(p.question_start, 1, std::max<int64_t>(1, int64_t(p.tokens.size()) - 1));
+}
+
+/// Needle timings of one configuration in one trial.
+struct needle_timing {
+  double decode_seconds = 0;
+  int64_t decode_tokens = 0;
+};
+
+kvq::status answer_needle(const kvq::llama::llama_model& model, const kvq::llama::tokenizer& tok,
+                          const eval_options& o, kvq::KVCache& cache, const needle_trial& trial,
+                          const needle_prompt& prompt, int64_t shared, needle_result& out, needle_timing& time,
+                          progress_bar& bar) {
   std::vector<float> logits(size_t(model.hparams().n_vocab));
   const auto t0 = clock_type::now();
-  KVQ_TRY(model.prefill(c, 0, prompt.tokens, logits));
-  prefill_seconds = seconds_since(t0);
-  bar.advance(int64_t(prompt.tokens.size()));
+  int64_t steps = 0;
+  for (size_t i = size_t(shared); i < prompt.tokens.size(); ++i, ++steps)
+    KVQ_TRY(model.forward(cache, 0, std::span<const token_id>(&prompt.tokens[i], 1), logits));
+  bar.advance(steps);
 
   const auto im_end = tok.find("<|im_end|>");
   std::string text;
-  int generated = 0;
-  for (; generated < o.needle_max_new; ++generated) {
+  for (int generated = 0; generated < o.needle_max_new; ++generated) {
     const token_id t = kvq::llama::argmax(logits);
     if (t == tok.eos() || (im_end && t == *im_end)) break;
     auto piece = tok.piece(t);
@@ -181,13 +190,13 @@ kvq::status run_needle(const kvq::llama::llama_model& model, const kvq::llama::t
     text += *piece;
     // Stop as soon as a run of digits has ended: the answer is decided.
     const std::string run = first_digit_run(text);
-    if (!run.empty()) {
-      const size_t at = text.find(run) + run.size();
-      if (at < text.size()) break;
-    }
+    if (!run.empty() && text.find(run) + run.size() < text.size()) break;
     if (generated + 1 == o.needle_max_new) break;
-    KVQ_TRY(model.forward(c, 0, std::span<const token_id>(&t, 1), logits));
+    KVQ_TRY(model.forward(cache, 0, std::span<const token_id>(&t, 1), logits));
+    ++steps;
   }
+  time.decode_seconds = seconds_since(t0);
+  time.decode_tokens = steps;
   bar.advance(o.needle_max_new);
   out.trial = trial;
   out.prompt_tokens = int64_t(prompt.tokens.size());
@@ -198,10 +207,76 @@ kvq::status run_needle(const kvq::llama::llama_model& model, const kvq::llama::t
   return {};
 }
 
+/// One needle trial for every configuration: the haystack part prefilled once into all their
+/// caches (its wall time in `prefill_seconds`), then each configuration's own answer
+/// (`answer_needle`) into `results[i]`, its timing into `times[i]`.
+kvq::status run_needle_trial(const kvq::llama::llama_model& model, const kvq::llama::tokenizer& tok,
+                             const eval_options& o, const std::vector<config_result>& configs,
+                             const needle_trial& trial, const needle_prompt& prompt, double& prefill_seconds,
+                             std::vector<needle_timing>& times, std::vector<needle_result>& results,
+                             progress_bar& bar) {
+  cache_settings cs = o.cache;
+  cs.max_tokens = int64_t(prompt.tokens.size()) + o.needle_max_new;
+  std::vector<kvq::KVCache> caches;
+  caches.reserve(configs.size());
+  for (const auto& c : configs) {
+    auto cache = make_eval_cache(model, c.config, cs);
+    if (!cache) return cache.error();
+    caches.push_back(std::move(cache).value());
+    KVQ_TRY(caches.back().create_sequence(0));
+  }
+  std::vector<kvq::KVCache*> ptrs;
+  for (auto& c : caches) ptrs.push_back(&c);
+  const std::vector<kvq::seq_id> seqs(caches.size(), 0);
+  const int64_t shared = shared_part(prompt);
+  std::vector<float> logits(size_t(model.hparams().n_vocab));
+  const auto t0 = clock_type::now();
+  KVQ_TRY(model.prefill_shared(ptrs, seqs,
+                               std::span<const token_id>(prompt.tokens.data(), size_t(shared)), logits));
+  prefill_seconds = seconds_since(t0);
+  bar.advance(shared);
+  times.resize(configs.size());
+  for (size_t i = 0; i < configs.size(); ++i)
+    KVQ_TRY(answer_needle(model, tok, o, caches[i], trial, prompt, shared, results[i], times[i], bar));
+  return {};
+}
+
+/// The trials of the run: per context, kind, depth and repetition, keys drawn from `seed`.
+std::vector<needle_trial> make_trials(const eval_options& o) {
+  std::vector<needle_trial> trials;
+  uint64_t index = 0;
+  for (int64_t ctx : o.needle_contexts)
+    for (const auto& kind_name : o.needle_kinds) {
+      const needle_kind kind = parse_needle_kind(kind_name).value_or(needle_kind::single);
+      for (double depth : o.needle_depths)
+        for (int r = 0; r < o.needle_reps; ++r, ++index) {
+          const uint64_t seed = o.seed * 1000003ull + index;
+          trials.push_back(kind == needle_kind::multi_key ? make_multi_key_trial(ctx, depth, r, seed)
+                                                          : needle_trial{ctx, depth, r, make_key(seed)});
+        }
+    }
+  return trials;
+}
+
 }  // namespace
 
 int config_result::needle_passed() const {
   return int(std::count_if(needle.begin(), needle.end(), [](const needle_result& r) { return r.pass; }));
+}
+
+std::vector<needle_rate> needle_rates(const config_result& c) {
+  std::vector<needle_rate> rates;
+  for (const auto& n : c.needle) {
+    auto it = std::find_if(rates.begin(), rates.end(), [&](const needle_rate& r) {
+      return r.kind == n.trial.kind && r.context == n.trial.context;
+    });
+    if (it == rates.end()) it = rates.insert(rates.end(), needle_rate{n.trial.kind, n.trial.context});
+    it->trials += 1;
+    it->passed += n.pass;
+    it->reference_passed += n.reference_pass;
+    it->passed_where_reference_passed += n.pass && n.reference_pass;
+  }
+  return rates;
 }
 
 double nominal_bits(const std::vector<kvq::format_pair>& map, const kvq::cache_shape& shape) {
@@ -254,6 +329,9 @@ kvq::status validate_options(const eval_options& o) {
     if (!(d >= 0 && d <= 1)) return bad(fmt::format("--needle-depths {} is outside [0, 1]", d));
   if (!o.needle_contexts.empty() && o.needle_depths.empty()) return bad("--needle-depths is empty");
   if (o.needle_reps < 1) return bad(fmt::format("--needle-reps {} must be at least 1", o.needle_reps));
+  if (!o.needle_contexts.empty() && o.needle_kinds.empty()) return bad("--needle-kinds is empty");
+  for (const auto& k : o.needle_kinds)
+    if (!parse_needle_kind(k)) return bad(fmt::format("--needle-kinds '{}' is not single or multi", k));
   if (o.needle_max_new < 1) return bad(fmt::format("--needle-max-new {} must be at least 1", o.needle_max_new));
   if (o.prompt_template != "auto" && o.prompt_template != "chatml" && o.prompt_template != "plain")
     return bad(fmt::format("--template '{}' is not auto, chatml or plain", o.prompt_template));
@@ -360,20 +438,18 @@ kvq::result<eval_report> run_eval(const eval_options& given) {
     auto hay = read_file(hay_path, "needle haystack");
     if (!hay) return hay.error();
     rep.haystack_hash = hash_text(*hay);
-    uint64_t index = 0;
-    for (int64_t ctx : o.needle_contexts) {
+    for (int64_t ctx : o.needle_contexts)
       if (ctx > model.hparams().n_ctx_train)
         return kvq::status{kvq::errc::invalid_argument,
                            fmt::format("--needle-ctx {} exceeds the training context {} of '{}'", ctx,
                                        model.hparams().n_ctx_train, o.model_path)};
-      for (double depth : o.needle_depths)
-        for (int r = 0; r < o.needle_reps; ++r, ++index) {
-          needle_trial t{ctx, depth, r, make_key(o.seed * 1000003ull + index)};
-          auto p = build_needle_prompt(tok, *hay, t, rep.model.tmpl);
-          if (!p) return kvq::status{p.error().code(), fmt::format("haystack '{}': {}", hay_path, p.error().message())};
-          rep.trials.push_back(t);
-          prompts.push_back(std::move(p).value());
-        }
+    for (auto& t : make_trials(o)) {
+      auto p = build_needle_prompt(tok, *hay, t, rep.model.tmpl);
+      if (!p)
+        return kvq::status{p.error().code(), fmt::format("haystack '{}' ({} needle, --needle-ctx {}): {}", hay_path,
+                                                         kind_name(t.kind), t.context, p.error().message())};
+      rep.trials.push_back(std::move(t));
+      prompts.push_back(std::move(p).value());
     }
   }
 
@@ -395,37 +471,57 @@ kvq::result<eval_report> run_eval(const eval_options& given) {
     o.on_checkpoint(rep);  // teacher-forced results are safe before the (long) needle phase
   }
 
-  // ---- needle trials: every (configuration, trial) pair is an independent job, longest first
+  // ---- needle trials: one job per trial (shared prefill, then every configuration), longest first
   if (!rep.trials.empty()) {
-    struct job {
-      size_t config, trial;
-    };
-    std::vector<job> jobs;
+    std::vector<size_t> order(rep.trials.size());
     int64_t total = 0;
-    for (size_t c = 0; c < rep.configs.size(); ++c) {
-      rep.configs[c].needle.resize(rep.trials.size());
-      for (size_t t = 0; t < rep.trials.size(); ++t) {
-        if (rep.configs[c].needle[t].done) continue;  // read back by --resume
-        jobs.push_back({c, t});
-        total += int64_t(prompts[t].tokens.size()) + o.needle_max_new;
-      }
+    for (size_t t = 0; t < order.size(); ++t) {
+      order[t] = t;
+      if (!rep.configs.empty() && t < rep.configs[0].needle.size() && rep.configs[0].needle[t].done)
+        continue;  // read back by --resume
+      total += shared_part(prompts[t]) +
+               int64_t(rep.configs.size()) * (int64_t(prompts[t].tokens.size()) - shared_part(prompts[t]) +
+                                              o.needle_max_new);
     }
-    std::stable_sort(jobs.begin(), jobs.end(), [&](const job& a, const job& b) {
-      return prompts[a.trial].tokens.size() > prompts[b.trial].tokens.size();
-    });
-    std::vector<double> prefill_s(jobs.size());
+    std::stable_sort(order.begin(), order.end(),
+                     [&](size_t a, size_t b) { return prompts[a].tokens.size() > prompts[b].tokens.size(); });
+    // Each job writes only its own trial's entries; timings are summed afterwards.
+    for (auto& c : rep.configs) {
+      c.needle.resize(rep.trials.size());
+      for (size_t t = 0; t < rep.trials.size(); ++t) c.needle[t].trial = rep.trials[t];
+    }
+    std::erase_if(order, [&](size_t t) { return !rep.configs.empty() && rep.configs[0].needle[t].done; });
+    std::vector<double> prefill_s(rep.trials.size());
+    std::vector<std::vector<needle_timing>> times(rep.trials.size());
     progress_bar bar("needle", total, o.progress);
-    KVQ_TRY(parallel_for(int64_t(jobs.size()), rep.threads, [&](int64_t j) -> kvq::status {
-      const job& jb = jobs[size_t(j)];
-      return run_needle(model, tok, o, rep.configs[jb.config].config, rep.trials[jb.trial], prompts[jb.trial],
-                        rep.configs[jb.config].needle[jb.trial], prefill_s[size_t(j)], bar);
+    // A finished trial is stored, and the record checkpointed, under one lock: a checkpoint never
+    // reads a trial while its job writes it, and an interrupted run resumes at the trials not done.
+    std::mutex done_mu;
+    KVQ_TRY(parallel_for(int64_t(order.size()), rep.threads, [&](int64_t j) -> kvq::status {
+      const size_t t = order[size_t(j)];
+      std::vector<needle_result> results(rep.configs.size());
+      KVQ_TRY(run_needle_trial(model, tok, o, rep.configs, rep.trials[t], prompts[t], prefill_s[t], times[t], results,
+                               bar));
+      std::lock_guard lock(done_mu);
+      for (size_t c = 0; c < rep.configs.size(); ++c) {
+        results[c].reference_pass = results[ref].pass;
+        rep.configs[c].needle[t] = std::move(results[c]);
+      }
+      if (o.on_checkpoint) {
+        rep.wall_seconds = seconds_since(t_start);
+        o.on_checkpoint(rep);
+      }
+      return {};
     }));
     bar.finish();
-    for (size_t j = 0; j < jobs.size(); ++j) {
-      auto& r = rep.configs[jobs[j].config];
-      r.needle_prefill_seconds += prefill_s[j];
-      r.needle_prefill_tokens += int64_t(prompts[jobs[j].trial].tokens.size());
-    }
+    for (size_t t = 0; t < rep.trials.size(); ++t)
+      for (size_t c = 0; c < rep.configs.size() && c < times[t].size(); ++c) {
+        auto& r = rep.configs[c];
+        r.needle_prefill_seconds += prefill_s[t];
+        r.needle_prefill_tokens += shared_part(prompts[t]);
+        r.needle_decode_seconds += times[t][c].decode_seconds;
+        r.needle_decode_tokens += times[t][c].decode_tokens;
+      }
   }
   rep.wall_seconds = seconds_since(t_start);
   rep.complete = true;

@@ -1,7 +1,10 @@
-// Needle prompt construction and pass detection.
+// Needle prompt construction (single and multi-key), pass detection, and the needle phase of a run.
 #include <algorithm>
+#include <cmath>
 #include <catch2/catch.hpp>
 #include <eval/needle.hpp>
+#include <eval/report.hpp>
+#include <eval/runner.hpp>
 #include <llama/gguf.hpp>
 #include <set>
 
@@ -123,4 +126,161 @@ TEST_CASE("needle prompt: SmolLM2 chat template", "[needle][smollm2]") {
   CHECK_THAT(text, Contains("<|im_start|>user\nThere is a pass key hidden"));
   CHECK_THAT(text, Contains("The pass key is 76497. Remember it."));
   CHECK_THAT(text, EndsWith("What is the pass key?<|im_end|>\n<|im_start|>assistant\nThe pass key is"));
+  // the shared (prefilled) part ends with the haystack; the rest is the question and the answer prefix
+  const std::vector<kvq::llama::token_id> tail(p->tokens.begin() + p->question_start, p->tokens.end());
+  CHECK(tok.decode(tail, true).value() == "\n\nWhat is the pass key?<|im_end|>\n<|im_start|>assistant\nThe pass key is");
+  CHECK(tail.size() < 20);
+}
+
+TEST_CASE("needle kinds by name", "[needle]") {
+  CHECK(parse_needle_kind("single") == needle_kind::single);
+  CHECK(parse_needle_kind("multi") == needle_kind::multi_key);
+  CHECK_FALSE(parse_needle_kind("multikey").has_value());
+  CHECK(std::string(kind_name(needle_kind::multi_key)) == "multi");
+  CHECK(multi_key_sentence("apple", "1234567") == "The special magic number for apple is 1234567.");
+}
+
+TEST_CASE("multi-key trials: distinct labels, keys and depths, drawn from the seed", "[needle]") {
+  for (uint64_t seed = 0; seed < 50; ++seed)
+    for (double depth : {0.0, 0.1, 0.5, 0.9, 1.0}) {
+      CAPTURE(seed, depth);
+      const needle_trial t = make_multi_key_trial(4096, depth, 2, seed);
+      CHECK(t.kind == needle_kind::multi_key);
+      CHECK(t.context == 4096);
+      CHECK(t.rep == 2);
+      CHECK(t.depth == depth);
+      REQUIRE(int(t.others.size()) == multi_key_count - 1);
+      std::set<std::string> labels{t.label}, keys{t.key};
+      std::set<double> depths{t.depth};
+      for (const auto& o : t.others) {
+        labels.insert(o.label);
+        keys.insert(o.key);
+        depths.insert(o.depth);
+        CHECK(o.key.size() == size_t(multi_key_digits));
+        CHECK(o.key[0] != '0');
+        // spread evenly, none at the slot nearest to the asked key
+        const double slot = o.depth * multi_key_count - 0.5;
+        CHECK(slot == Approx(std::round(slot)));
+        CHECK(std::abs(o.depth - depth) >= 0.125 - 1e-9);
+      }
+      CHECK(int(labels.size()) == multi_key_count);
+      CHECK(int(keys.size()) == multi_key_count);
+      CHECK(int(depths.size()) == multi_key_count);
+      CHECK(t.key.size() == size_t(multi_key_digits));
+      const needle_trial again = make_multi_key_trial(4096, depth, 2, seed);
+      CHECK(again.label == t.label);
+      CHECK(again.key == t.key);
+    }
+  CHECK(make_multi_key_trial(1024, 0.5, 0, 1).key != make_multi_key_trial(1024, 0.5, 0, 2).key);
+}
+
+TEST_CASE("needle prompts: the haystack part ends where the question starts", "[needle]") {
+  const auto tok = load_tokenizer(test::stories_path());
+  const std::string hay = test::read_text(test::own_data("tiny_story.txt"));
+  for (const bool multi : {false, true}) {
+    CAPTURE(multi);
+    const needle_trial t =
+        multi ? make_multi_key_trial(400, 0.5, 0, 77) : needle_trial{400, 0.5, 0, "48213"};
+    auto p = build_needle_prompt(tok, hay, t, prompt_template::plain);
+    REQUIRE(p.ok());
+    CHECK(int64_t(p->tokens.size()) <= 400);
+    REQUIRE(p->question_start > 0);
+    REQUIRE(p->question_start < int64_t(p->tokens.size()));
+    const std::vector<kvq::llama::token_id> head(p->tokens.begin(), p->tokens.begin() + p->question_start);
+    const std::vector<kvq::llama::token_id> tail(p->tokens.begin() + p->question_start, p->tokens.end());
+    const std::string head_text = tok.decode(head).value(), tail_text = tok.decode(tail).value();
+    CHECK_THAT(head_text, !Contains("What is"));
+    CHECK(head_text + tail_text == tok.decode(p->tokens).value());
+    if (multi) {
+      CHECK_THAT(head_text, Contains("Some special magic numbers are hidden"));
+      CHECK_THAT(head_text, Contains(multi_key_sentence(t.label, t.key)));
+      for (const auto& o : t.others) CHECK_THAT(head_text, Contains(multi_key_sentence(o.label, o.key)));
+      // the question and the answer prefix only
+      CHECK(tail_text ==
+            "\n\nWhat is the special magic number for " + t.label + "? The special magic number for " + t.label + " is");
+      // the asked key sits at its depth, the others at theirs, in order of depth
+      const size_t at = head_text.find(multi_key_sentence(t.label, t.key));
+      CHECK(double(at) / double(head_text.size()) == Approx(0.5).margin(0.2));
+      CHECK(p->depth == Approx(0.5).margin(0.2));
+    } else {
+      CHECK_THAT(head_text, Contains("The pass key is 48213. Remember it."));
+      CHECK(tail_text == "\n\nWhat is the pass key? The pass key is");
+    }
+  }
+  auto no_label = make_multi_key_trial(400, 0.5, 0, 77);
+  no_label.label.clear();
+  auto bad = build_needle_prompt(tok, hay, no_label, prompt_template::plain);
+  REQUIRE_FALSE(bad.ok());
+  CHECK_THAT(bad.error().message(), Contains("without the label"));
+  auto far = make_multi_key_trial(400, 0.5, 0, 77);
+  far.others[1].depth = -0.5;
+  auto bad_depth = build_needle_prompt(tok, hay, far, prompt_template::plain);
+  REQUIRE_FALSE(bad_depth.ok());
+  CHECK_THAT(bad_depth.error().message(), Contains("depth -0.5"));
+}
+
+TEST_CASE("run_eval needle phase: both kinds, reference marks and rates per (kind, context)", "[needle]") {
+  eval_options o;
+  o.model_path = test::stories_path();
+  o.text_path = test::own_data("tiny_story.txt");
+  o.configs = {"fp16", "bf16"};
+  o.prefill = 8;
+  o.tokens = 8;
+  o.needle_contexts = {300, 400};
+  o.needle_depths = {0.5};
+  o.progress = false;
+  o.threads = 2;
+
+  SECTION("bad kind and too long a context are errors before any work") {
+    o.needle_kinds = {"single", "many"};
+    CHECK_THAT(validate_options(o).message(), Contains("--needle-kinds 'many'"));
+    o.needle_kinds = {};
+    CHECK_THAT(validate_options(o).message(), Contains("--needle-kinds is empty"));
+    o.needle_kinds = {"multi"};
+    o.needle_contexts = {400, 4096};
+    auto r = run_eval(o);
+    REQUIRE_FALSE(r.ok());
+    CHECK_THAT(r.error().message(), Contains("--needle-ctx 4096"));
+  }
+  SECTION("a run") {
+    auto r = run_eval(o);
+    REQUIRE(r.ok());
+    REQUIRE(r->trials.size() == 4);  // 2 contexts x 2 kinds
+    CHECK(r->trials[0].kind == needle_kind::single);
+    CHECK(r->trials[1].kind == needle_kind::multi_key);
+    CHECK(r->trials[2].context == 400);
+    const auto& ref = r->configs[r->reference];
+    for (const auto& c : r->configs) {
+      CAPTURE(c.config);
+      REQUIRE(c.needle.size() == 4);
+      for (size_t t = 0; t < 4; ++t) {
+        CHECK(c.needle[t].trial.kind == r->trials[t].kind);
+        CHECK(c.needle[t].reference_pass == ref.needle[t].pass);
+        CHECK(c.needle[t].pass == needle_passed(c.needle[t].output, r->trials[t].key));
+      }
+      const auto rates = needle_rates(c);
+      REQUIRE(rates.size() == 4);
+      CHECK(rates[1].kind == needle_kind::multi_key);
+      CHECK(rates[1].context == 300);
+      int trials = 0, passed = 0;
+      for (const auto& nr : rates) {
+        trials += nr.trials;
+        passed += nr.passed;
+        CHECK(nr.passed_where_reference_passed <= nr.reference_passed);
+        CHECK(nr.passed_where_reference_passed <= nr.passed);
+      }
+      CHECK(trials == 4);
+      CHECK(passed == c.needle_passed());
+      CHECK(c.needle_prefill_tokens > 0);
+      CHECK(c.needle_decode_tokens > 0);
+    }
+    // the reference's own rates count every trial it passed
+    for (const auto& nr : needle_rates(ref)) CHECK(nr.passed == nr.reference_passed);
+    // the shared prefill is one computation: the same time and tokens for every configuration
+    CHECK(r->configs[0].needle_prefill_seconds == r->configs[1].needle_prefill_seconds);
+    // the table has the pass counts per kind@context, the reference's beside the others
+    const std::string table = render_table(*r);
+    CHECK_THAT(table, Contains("single@300") && Contains("multi@300") && Contains("single@400") &&
+                          Contains("multi@400") && Contains("over the trials the reference passed"));
+  }
 }

@@ -85,7 +85,7 @@ int main(int argc, char** argv) {
     kvq::KVCache cache = std::move(made).value();
     if (auto s = cache.create_sequence(0); !s.ok()) return fail(s.to_string());
     const auto p0 = std::chrono::steady_clock::now();
-    if (auto s = model.prefill(cache, 0, std::span(ids.data(), size_t(prefill)), logits); !s.ok())
+    if (auto s = model.forward(cache, 0, std::span(ids.data(), size_t(prefill)), logits); !s.ok())
       return fail(s.to_string());
     const double prefill_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - p0).count();
     double decode_s = 0;

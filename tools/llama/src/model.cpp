@@ -28,6 +28,132 @@ float round_f16(float f) { return half_to_float(float_to_half(f)); }
 
 constexpr int64_t max_dim = 1 << 20;  // sanity bound on every hyper-parameter read from a file
 
+#if defined(__GNUC__) || defined(__clang__)
+#define KVQ_LLAMA_INLINE inline __attribute__((always_inline))
+#else
+#define KVQ_LLAMA_INLINE inline
+#endif
+
+/// 2^x for x <= 0 (below -126 it gives 2^-126), relative error below 1e-7: x = n + f with n an
+/// integer and |f| <= 1/2, e^(f ln 2) from its degree-7 Taylor polynomial (remainder < 6e-9),
+/// 2^n from the exponent bits. Branch-free, so loops over it vectorize.
+KVQ_LLAMA_INLINE float exp2_nonpositive(float x) {
+  x = x < -126.f ? -126.f : x;
+  const float n = (x + 12582912.f) - 12582912.f;  // round to an integer: 1.5 * 2^23 drops the fraction
+  const float f = (x - n) * 0.693147181f;
+  float p = 1.f / 5040.f;
+  p = p * f + 1.f / 720.f;
+  p = p * f + 1.f / 120.f;
+  p = p * f + 1.f / 24.f;
+  p = p * f + 1.f / 6.f;
+  p = p * f + 0.5f;
+  p = p * f + 1.f;
+  p = p * f + 1.f;
+  return p * std::bit_cast<float>((int32_t(n) + 127) << 23);
+}
+
+/// Query tokens per tile, keys per block and the vector width (floats) of `chunk_attention`.
+constexpr int64_t attention_tile = 16, attention_block = 64, attention_lanes = 8;
+
+/// One (kv head, query tile) of `chunk_attention`: the tile's rows = tokens x group query rows
+/// (row r: token t0 + r / group, query head kvh * group + r % group) against key blocks of
+/// `attention_block`, online softmax in base 2 (queries pre-scaled by log2(e) / sqrt(head_dim)).
+/// The K block is packed transposed so that a row's scores over 8 keys stay in one vector
+/// register across head_dim, and the output accumulates 8 channels at a time across the block's
+/// keys (head_dim a multiple of 8; other head sizes take the plain loops). `scratch` holds
+/// rows * (2 hd + 2) + hd * block + block floats.
+KVQ_LLAMA_INLINE void attention_tile_body(const float* q, const float* k, const float* v, float* o, int64_t t0,
+                                          int64_t t1, int64_t pos0, int kvh, int group, int q_heads, int kv_heads,
+                                          int hd, float qscale, float* scratch) {
+  constexpr int64_t B = attention_block, L = attention_lanes;
+  const int64_t rows = (t1 - t0) * group, ld = int64_t(kv_heads) * hd;
+  const bool lanes = hd % L == 0;
+  float* qs = scratch;
+  float* acc = qs + rows * hd;
+  float* mx = acc + rows * hd;
+  float* sum = mx + rows;
+  float* kt = sum + rows;
+  float* s = kt + int64_t(hd) * B;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* src = q + ((t0 + r / group) * q_heads + int64_t(kvh) * group + r % group) * hd;
+    for (int c = 0; c < hd; ++c) qs[r * hd + c] = src[c] * qscale;
+    std::fill_n(acc + r * hd, hd, 0.f);
+    mx[r] = -std::numeric_limits<float>::infinity();
+    sum[r] = 0.f;
+  }
+  const int64_t kend = pos0 + t1;  // keys the tile's last query reads
+  for (int64_t j0 = 0; j0 < kend; j0 += B) {
+    const int64_t nb = std::min(B, kend - j0);
+    for (int64_t j = 0; j < nb; ++j) {
+      const float* kr = k + (j0 + j) * ld + int64_t(kvh) * hd;
+      for (int c = 0; c < hd; ++c) kt[c * B + j] = kr[c];
+    }
+    for (int64_t j = nb; j < B; ++j)
+      for (int c = 0; c < hd; ++c) kt[c * B + j] = 0.f;  // finite padding of the last block
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t valid = std::min(nb, pos0 + t0 + r / group + 1 - j0);  // causal
+      if (valid <= 0) continue;
+      const float* qr = qs + r * hd;
+      for (int64_t jv = 0; jv < valid; jv += L) {
+        float d[L] = {};
+        for (int c = 0; c < hd; ++c) {
+          const float qc = qr[c];
+          const float* kc = kt + c * B + jv;
+          for (int64_t u = 0; u < L; ++u) d[u] += qc * kc[u];
+        }
+        for (int64_t u = 0; u < L; ++u) s[jv + u] = d[u];
+      }
+      float m = mx[r];
+      for (int64_t j = 0; j < valid; ++j) m = std::max(m, s[j]);
+      const float corr = exp2_nonpositive(mx[r] - m);
+      for (int64_t j = 0; j < valid; ++j) s[j] = exp2_nonpositive(s[j] - m);
+      float total = 0.f;
+      for (int64_t j = 0; j < valid; ++j) total += s[j];
+      sum[r] = sum[r] * corr + total;
+      mx[r] = m;
+      float* a = acc + r * hd;
+      const float* vb = v + j0 * ld + int64_t(kvh) * hd;
+      if (lanes) {
+        for (int c0 = 0; c0 < hd; c0 += int(L)) {
+          float e[L];
+          for (int64_t u = 0; u < L; ++u) e[u] = a[c0 + u] * corr;
+          for (int64_t j = 0; j < valid; ++j) {
+            const float p = s[j];
+            const float* vr = vb + j * ld + c0;
+            for (int64_t u = 0; u < L; ++u) e[u] += p * vr[u];
+          }
+          for (int64_t u = 0; u < L; ++u) a[c0 + u] = e[u];
+        }
+      } else {
+        for (int c = 0; c < hd; ++c) a[c] *= corr;
+        for (int64_t j = 0; j < valid; ++j)
+          for (int c = 0; c < hd; ++c) a[c] += s[j] * vb[j * ld + c];
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    float* dst = o + ((t0 + r / group) * q_heads + int64_t(kvh) * group + r % group) * hd;
+    const float inv = 1.f / sum[r];
+    for (int c = 0; c < hd; ++c) dst[c] = acc[r * hd + c] * inv;
+  }
+}
+
+#define KVQ_LLAMA_TILE_ARGS                                                                                         \
+  const float *q, const float *k, const float *v, float *o, int64_t t0, int64_t t1, int64_t pos0, int kvh, int group, \
+      int q_heads, int kv_heads, int hd, float qscale, float *scratch
+#define KVQ_LLAMA_TILE_CALL q, k, v, o, t0, t1, pos0, kvh, group, q_heads, kv_heads, hd, qscale, scratch
+
+void attention_tile_portable(KVQ_LLAMA_TILE_ARGS) { attention_tile_body(KVQ_LLAMA_TILE_CALL); }
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define KVQ_LLAMA_HAVE_AVX2_TILE 1
+/// The same loops compiled for AVX2 + FMA (8-float vectors); called only when `cpu_isa::avx2` is
+/// available.
+__attribute__((target("avx2,fma"))) void attention_tile_avx2(KVQ_LLAMA_TILE_ARGS) {
+  attention_tile_body(KVQ_LLAMA_TILE_CALL);
+}
+#endif
+
 }  // namespace
 
 // ---- loading ------------------------------------------------------------------------------------
@@ -275,20 +401,23 @@ void llama_model::output_logits(const std::vector<float>& x, int64_t T, std::spa
 
 // ---- forward through the cache ------------------------------------------------------------------
 
-status llama_model::forward(kvq::KVCache& cache, kvq::seq_id seq, std::span<const token_id> tokens,
-                            std::span<float> logits, logits_mode mode, const layer_observer& observer) const {
-  KVQ_TRY(check_chunk(tokens, logits, mode));
+status llama_model::check_cache_shape(const kvq::KVCache& cache, std::string_view what) const {
   const kvq::cache_shape& cs = cache.config().shape;
   if (cs.layers != hp_.n_layer || cs.q_heads != hp_.n_head || cs.kv_heads != hp_.n_head_kv ||
       cs.head_dim != hp_.head_dim)
     return {errc::invalid_argument,
-            fmt::format(
-                "forward: the cache is shaped layers {} q_heads {} kv_heads {} head_dim {}, the model {} {} {} {}",
-                cs.layers, cs.q_heads, cs.kv_heads, cs.head_dim, hp_.n_layer, hp_.n_head, hp_.n_head_kv, hp_.head_dim)};
+            fmt::format("{}: the cache is shaped layers {} q_heads {} kv_heads {} head_dim {}, the model {} {} {} {}",
+                        what, cs.layers, cs.q_heads, cs.kv_heads, cs.head_dim, hp_.n_layer, hp_.n_head, hp_.n_head_kv,
+                        hp_.head_dim)};
+  return {};
+}
+
+status llama_model::forward(kvq::KVCache& cache, kvq::seq_id seq, std::span<const token_id> tokens,
+                            std::span<float> logits, logits_mode mode, const layer_observer& observer) const {
+  KVQ_TRY(check_chunk(tokens, logits, mode));
+  KVQ_TRY(check_cache_shape(cache, "forward"));
+  const kvq::cache_shape& cs = cache.config().shape;
   const int64_t T = int64_t(tokens.size());
-  if (T > cs.window)
-    return {errc::invalid_argument,
-            fmt::format("forward: chunk of {} tokens exceeds the cache window {} (use prefill)", T, cs.window)};
   const int64_t pos0 = cache.length(seq, 0);
   if (pos0 < 0) return {errc::not_found, fmt::format("forward: sequence {} is not in the cache", seq)};
 
@@ -299,32 +428,92 @@ status llama_model::forward(kvq::KVCache& cache, kvq::seq_id seq, std::span<cons
     if (observer) observer(l, pos0, q, k, v);
     const kvq::tensor_view kv_k{k.data(), kvq::dtype::f32, T, hp_.n_head_kv, hp_.head_dim, 0};
     const kvq::tensor_view kv_v{v.data(), kvq::dtype::f32, T, hp_.n_head_kv, hp_.head_dim, 0};
-    KVQ_TRY(cache.append(seq, l, kv_k, kv_v));
-    const kvq::attend_item item{seq, int(T)};
     const kvq::tensor_view qv{q.data(), kvq::dtype::f32, T, hp_.n_head, hp_.head_dim, 0};
     const kvq::tensor_mut ov{o.data(), kvq::dtype::f32, T, hp_.n_head, hp_.head_dim, 0};
-    KVQ_TRY(cache.attend(std::span<const kvq::attend_item>(&item, 1), l, qv, ov));
+    if (T <= cs.window) {  // a decode step or a short chunk: what an engine's step does
+      KVQ_TRY(cache.append(seq, l, kv_k, kv_v));
+      const kvq::attend_item item{seq, int(T)};
+      KVQ_TRY(cache.attend(std::span<const kvq::attend_item>(&item, 1), l, qv, ov));
+    } else {  // the same semantics for a chunk of any length, in one call
+      KVQ_TRY(cache.prefill(seq, l, kv_k, kv_v, qv, ov));
+    }
     attention_output_and_ffn(l, x, o, T);
   }
   output_logits(x, T, logits, mode);
   return {};
 }
 
-status llama_model::prefill(kvq::KVCache& cache, kvq::seq_id seq, std::span<const token_id> tokens,
-                            std::span<float> logits, logits_mode mode, const layer_observer& observer) const {
+// ---- one prompt into several caches ------------------------------------------------------------
+
+status llama_model::prefill_shared(std::span<kvq::KVCache* const> caches, std::span<const kvq::seq_id> seqs,
+                                   std::span<const token_id> tokens, std::span<float> logits,
+                                   logits_mode mode) const {
   KVQ_TRY(check_chunk(tokens, logits, mode));
-  const size_t window = size_t(std::max(cache.config().shape.window, 1));
-  const size_t V = size_t(hp_.n_vocab);
-  std::vector<float> last(V);
-  for (size_t start = 0; start < tokens.size(); start += window) {
-    const size_t n = std::min(window, tokens.size() - start);
-    const auto chunk = tokens.subspan(start, n);
-    if (mode == logits_mode::all)
-      KVQ_TRY(forward(cache, seq, chunk, logits.subspan(start * V, n * V), logits_mode::all, observer));
-    else
-      KVQ_TRY(forward(cache, seq, chunk, last, logits_mode::last, observer));
+  if (caches.empty()) return {errc::invalid_argument, "prefill_shared: no cache given"};
+  if (caches.size() != seqs.size())
+    return {errc::invalid_argument,
+            fmt::format("prefill_shared: {} caches but {} sequences (one sequence per cache)", caches.size(),
+                        seqs.size())};
+  for (size_t i = 0; i < caches.size(); ++i) {
+    if (!caches[i]) return {errc::invalid_argument, fmt::format("prefill_shared: cache {} is null", i)};
+    KVQ_TRY(check_cache_shape(*caches[i], fmt::format("prefill_shared: cache {}", i)));
+    for (size_t j = 0; j < i; ++j)
+      if (caches[j] == caches[i] && seqs[j] == seqs[i])
+        return {errc::invalid_argument,
+                fmt::format("prefill_shared: sequence {} of cache {} is given twice (entries {} and {})", seqs[i], i,
+                            j, i)};
+    const int64_t held = caches[i]->length(seqs[i], 0);
+    if (held < 0)
+      return {errc::not_found, fmt::format("prefill_shared: sequence {} is not in cache {}", seqs[i], i)};
+    if (held != 0)
+      return {errc::invalid_argument,
+              fmt::format("prefill_shared: sequence {} of cache {} already holds {} tokens; it must be empty", seqs[i],
+                          i, held)};
   }
-  if (mode == logits_mode::last) std::copy(last.begin(), last.end(), logits.begin());
+  // A refused append (budget) leaves the sequences empty again, as they were.
+  auto undo = [&](status failed) {
+    for (size_t i = 0; i < caches.size(); ++i) {
+      (void)caches[i]->release_sequence(seqs[i]);
+      (void)caches[i]->create_sequence(seqs[i]);
+    }
+    return failed;
+  };
+
+  const int64_t N = int64_t(tokens.size()), V = hp_.n_vocab;
+  const int hd = hp_.head_dim, H = hp_.n_head, Hkv = hp_.n_head_kv;
+  const int64_t Dkv = int64_t(Hkv) * hd;
+  // K and V of every position so far, rounded to fp16 as every cache's ring holds them.
+  std::vector<std::vector<float>> K(size_t(hp_.n_layer)), Vs(size_t(hp_.n_layer));
+  std::vector<float> x, q, k, v, o;
+  for (int64_t start = 0; start < N; start += shared_chunk) {
+    const int64_t T = std::min(shared_chunk, N - start);
+    embed(tokens.subspan(size_t(start), size_t(T)), x);
+    o.resize(size_t(T) * H * hd);
+    for (int l = 0; l < hp_.n_layer; ++l) {
+      attention_inputs(l, x, T, start, q, k, v);
+      for (size_t i = 0; i < caches.size(); ++i) {
+        const int64_t window = std::max(caches[i]->config().shape.window, 1);
+        for (int64_t s0 = 0; s0 < T; s0 += window) {
+          const int64_t n = std::min(window, T - s0);
+          const kvq::tensor_view kv_k{k.data() + s0 * Dkv, kvq::dtype::f32, n, Hkv, hd, 0};
+          const kvq::tensor_view kv_v{v.data() + s0 * Dkv, kvq::dtype::f32, n, Hkv, hd, 0};
+          if (status st = caches[i]->append(seqs[i], l, kv_k, kv_v); !st.ok()) return undo(std::move(st));
+        }
+      }
+      for (float& e : k) e = round_f16(e);
+      for (float& e : v) e = round_f16(e);
+      auto& Kl = K[size_t(l)];
+      auto& Vl = Vs[size_t(l)];
+      Kl.insert(Kl.end(), k.begin(), k.end());
+      Vl.insert(Vl.end(), v.begin(), v.end());
+      chunk_attention(q.data(), Kl.data(), Vl.data(), o.data(), T, start, H, Hkv, hd, *pool_, isa_);
+      attention_output_and_ffn(l, x, o, T);
+    }
+    if (mode == logits_mode::all)
+      output_logits(x, T, logits.subspan(size_t(start * V), size_t(T * V)), logits_mode::all);
+    else if (start + T == N)
+      output_logits(x, T, logits, logits_mode::last);
+  }
   return {};
 }
 
@@ -392,6 +581,26 @@ status llama_model::forward_reference(reference_kv& kv, std::span<const token_id
 }
 
 // ---- helpers ------------------------------------------------------------------------------------
+
+void chunk_attention(const float* q, const float* k, const float* v, float* o, int64_t T, int64_t pos0, int q_heads,
+                     int kv_heads, int head_dim, thread_pool& pool, cpu_isa isa) {
+  const int group = q_heads / kv_heads;
+  const int64_t tiles = (T + attention_tile - 1) / attention_tile;
+  const float qscale = float(1.4426950408889634 / std::sqrt(double(head_dim)));  // log2(e) / sqrt(head_dim)
+  const int64_t rows = attention_tile * group;
+  const size_t scratch = size_t(rows * (2 * int64_t(head_dim) + 2) + int64_t(head_dim) * attention_block + attention_block);
+  auto* tile = &attention_tile_portable;
+#ifdef KVQ_LLAMA_HAVE_AVX2_TILE
+  if (isa == cpu_isa::avx2 && isa_available(cpu_isa::avx2)) tile = &attention_tile_avx2;
+#endif
+  pool.run(tiles * kv_heads, [&](int64_t task) {
+    thread_local std::vector<float> buf;
+    if (buf.size() < scratch) buf.resize(scratch);
+    const int kvh = int(task % kv_heads);
+    const int64_t t0 = (task / kv_heads) * attention_tile, t1 = std::min(T, t0 + attention_tile);
+    tile(q, k, v, o, t0, t1, pos0, kvh, group, q_heads, kv_heads, head_dim, qscale, buf.data());
+  });
+}
 
 token_id argmax(std::span<const float> logits) {
   if (logits.empty()) return -1;

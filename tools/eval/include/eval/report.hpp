@@ -26,7 +26,9 @@
 ///             "first_position", "positions": [first, last] },
 ///   "needle": { "haystack_path", "haystack_hash", "contexts": [...], "depths": [...],
 ///               "repetitions", "max_new_tokens", "seed", "sentence": "The pass key is {key}. Remember it.",
-///               "trials": [ { "context", "depth", "rep", "key" } ] },
+///               "kinds": ["single", "multi"],
+///               "multi_key_sentence": "The special magic number for {label} is {key}.",
+///               "trials": [ { "context", "depth", "rep", "key", "kind", "label" ("" for single) } ] },
 ///   "reference": "fp16",
 ///   "configs": [ {
 ///     "name", "policy", "reference": bool,
@@ -43,10 +45,14 @@
 ///                             "perplexity", "perplexity_delta" (vs the reference's bucket) } ],
 ///     "per_position": { "kl": [...], "top1": [0|1 ...], "nll": [...] } (every measured position,
 ///                       in order: what a resumed run reads back),
-///     "speed": { "decode_tokens_per_s", "decode_seconds", "decode_tokens", "prefill_tokens_per_s",
-///                "needle_prefill_seconds", "needle_prefill_tokens" },
+///     "speed": { "decode_tokens_per_s", "decode_seconds", "decode_tokens",
+///                "prefill_tokens_per_s" (the needle prompts' shared prefill, the same for all),
+///                "needle_decode_tokens_per_s" (needle question and answer steps through this cache) },
 ///     "needle": { "passed", "trials", "results": [ { "context", "depth", "actual_depth", "rep",
-///                 "key", "prompt_tokens", "pass", "output", "done" } ] },
+///                 "key", "kind", "label", "prompt_tokens", "pass",
+///                 "reference_pass" (the reference passed this trial), "output", "done" } ],
+///                 "by_context": [ { "kind", "context", "trials", "passed", "reference_passed",
+///                                   "passed_where_reference_passed" } ] },
 ///     "format_map": { "layers", "kv_heads", "k": [[name per kv head] per layer], "v": [[...]] },
 ///     "format_map_history": [ { "step", "position", "k": [[...]], "v": [[...]] } ]
 ///   } ] }

@@ -15,9 +15,19 @@
 ///
 /// **Reference.** The plain FP16 cache (`fp16`); added first when no configuration is fp16.
 ///
-/// **Needle.** For each context length, depth and repetition a prompt is built once
-/// (`build_needle_prompt`) and run by every configuration: prefill, then greedy decoding until the
-/// first digit run ends, an end-of-turn token, or `needle_max_new` tokens.
+/// **Needle.** For each context length, kind (single pass key, multi-key), depth and repetition
+/// a prompt is built once (`build_needle_prompt`) and answered by every configuration. Its
+/// haystack part (everything before the question, `needle_prompt::question_start`) is prefilled
+/// once for all configurations (`llama_model::prefill_shared`: attention in float over K/V
+/// rounded to fp16, as an engine prefills a prompt at full precision), its K and V appended to
+/// each configuration's cache, which stores them in its own format. Then each configuration feeds
+/// the question and the answer prefix one token at a time (decode steps, q_len 1) through its own
+/// cache, so the question reads the haystack as the cache stores it, as decoding does, and
+/// decodes greedily until the first digit run ends, an end-of-turn token, or `needle_max_new`
+/// tokens. A trial the reference fails says nothing about a cache: every result records whether
+/// the reference passed it, and `needle_rates` counts passes over all trials and over those.
+/// Trials run concurrently on `threads` workers, longest first; within a trial the configurations
+/// answer one after another.
 ///
 /// **Speed.** Decode tokens per second of each configuration = teacher-forced steps / the wall time
 /// of its own `forward` calls. With `threads` > 1 configurations run concurrently and share the
@@ -46,7 +56,8 @@ struct eval_options {
   std::vector<std::string> configs;  ///< configuration strings (config.hpp grammar)
   int64_t prefill = 256;             ///< tokens fed as a prefill before the measured decode steps
   int64_t tokens = 2048;             ///< teacher-forced decode steps (measured positions)
-  std::vector<int64_t> needle_contexts = {512, 1024, 2048};  ///< prompt lengths in tokens; empty: no needle
+  std::vector<int64_t> needle_contexts = {1024, 2048, 4096, 8192};  ///< prompt lengths in tokens; empty: no needle
+  std::vector<std::string> needle_kinds = {"single", "multi"};  ///< needle kinds (`parse_needle_kind` names)
   std::vector<double> needle_depths = {0.1, 0.5, 0.9};       ///< needle depths (fraction of the haystack)
   int needle_reps = 1;                                       ///< repetitions (keys) per (context, depth)
   int needle_max_new = 12;                                   ///< greedy tokens at most per needle answer
@@ -94,8 +105,19 @@ struct needle_result {
   int64_t prompt_tokens = 0;  ///< actual prompt length
   double depth = 0;           ///< actual depth (sentence boundary)
   bool pass = false;
-  std::string output;  ///< what the model wrote after "The pass key is"
-  bool done = false;   ///< the trial ran (a checkpoint holds trials not run yet too)
+  bool reference_pass = false;  ///< the reference configuration passed the same trial
+  std::string output;           ///< what the model wrote after the answer prefix
+  bool done = false;            ///< the trial ran (a checkpoint holds trials not run yet too)
+};
+
+/// Pass counts of one configuration for one (kind, context).
+struct needle_rate {
+  needle_kind kind = needle_kind::single;
+  int64_t context = 0;
+  int trials = 0;
+  int passed = 0;
+  int reference_passed = 0;           ///< trials the reference passed
+  int passed_where_reference_passed = 0;  ///< of those, the ones this configuration passed
 };
 
 /// The per-(layer, kv head) decisions of a policy at one moment.
@@ -115,14 +137,23 @@ struct config_result {
   int64_t tokens_held = 0;     ///< tokens in the cache then (per layer)
   double decode_seconds = 0;
   int64_t decode_tokens = 0;
+  /// Needle prompts' shared prefill (the same computation for every configuration: its wall
+  /// time and tokens over all trials).
   double needle_prefill_seconds = 0;
   int64_t needle_prefill_tokens = 0;
+  /// Needle decode steps through this configuration's own cache (question, answer prefix,
+  /// generated tokens) and their wall time.
+  double needle_decode_seconds = 0;
+  int64_t needle_decode_tokens = 0;
   std::vector<needle_result> needle;
   std::vector<format_map_snapshot> format_map_history;  ///< first sample, then each change
 
   double decode_tokens_per_s() const { return decode_seconds > 0 ? double(decode_tokens) / decode_seconds : 0; }
   double prefill_tokens_per_s() const {
     return needle_prefill_seconds > 0 ? double(needle_prefill_tokens) / needle_prefill_seconds : 0;
+  }
+  double needle_decode_tokens_per_s() const {
+    return needle_decode_seconds > 0 ? double(needle_decode_tokens) / needle_decode_seconds : 0;
   }
   int needle_passed() const;
   /// Bytes of pages and windows after the teacher-forced run.
@@ -152,6 +183,9 @@ struct eval_report {
 /// Mean bits per element of the formats of a format map (K and V averaged, scales and zeros
 /// included, window not): what pages cost under those decisions.
 double nominal_bits(const std::vector<kvq::format_pair>& map, const kvq::cache_shape& shape);
+
+/// Pass counts of `c` per (kind, context), in the order of the run's trials.
+std::vector<needle_rate> needle_rates(const config_result& c);
 
 /// fnv1a64 of `bytes` as "fnv1a64:<16 hex digits>".
 std::string hash_text(std::string_view bytes);

@@ -14,8 +14,17 @@
 /// does; F32 and F16 weights take float activations. Norm weights are float.
 ///
 /// Positions: a chunk's first token has position `cache.length(seq, 0)`, so a sequence is fed
-/// chunk after chunk (prefill) and then one token at a time (decode). A chunk holds at most the
-/// cache's window R tokens (the cache's limit on q_len); `prefill` splits longer inputs.
+/// chunk after chunk (prefill) and then one token at a time (decode). A chunk of any length is one
+/// call per layer: `append` + `attend` up to the cache's window R, `KVCache::prefill` beyond (the
+/// same semantics: the chunk attends to itself in FP16 and to the prefix as stored,
+/// docs/architecture.md "Prefill of any length").
+///
+/// `prefill_shared` feeds one prompt into several empty sequences (of several caches) at once:
+/// every layer's q, k and v are computed once, K and V are appended to every cache (each stores
+/// them in its own format), and the prompt's causal attention is computed once in float over K
+/// and V rounded to fp16, which is what each cache computes for a fresh sequence whose prompt
+/// attends to itself in FP16. A prompt is prefilled once, in full precision, as an inference
+/// engine does; decoding then reads it from each cache as stored.
 ///
 /// A reference path (`forward_reference`) recomputes attention from scratch in plain float over
 /// K and V kept in a `reference_kv`, with no kvq cache at all: the baseline that a cache
@@ -27,10 +36,12 @@
 #include <kvq/status.hpp>
 #include <llama/gguf.hpp>
 #include <llama/matmul.hpp>
+#include <llama/thread_pool.hpp>
 #include <llama/tokenizer.hpp>
 #include <memory>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace kvq::llama {
@@ -112,7 +123,7 @@ class llama_model {
 
   /// Runs one chunk of `tokens` of sequence `seq` through the model, appending its K and V to
   /// `cache` and attending through it. Positions start at `cache.length(seq, 0)`.
-  /// \param tokens [T] token ids, 1 <= T <= the cache's window
+  /// \param tokens [T] token ids, T >= 1
   /// \param logits [n_vocab] (mode last) or [T][n_vocab] (mode all) output
   /// \param observer called per layer with the chunk's q, k, v (see `layer_observer`)
   /// Errors: invalid_argument (bad chunk, token id or logits size), not_found (unknown sequence),
@@ -121,10 +132,22 @@ class llama_model {
   status forward(kvq::KVCache& cache, kvq::seq_id seq, std::span<const token_id> tokens, std::span<float> logits,
                  logits_mode mode = logits_mode::last, const layer_observer& observer = {}) const;
 
-  /// `forward` over any number of tokens, in chunks of at most the cache's window. Logits as in
-  /// `forward`, over all of `tokens` for mode all.
-  status prefill(kvq::KVCache& cache, kvq::seq_id seq, std::span<const token_id> tokens, std::span<float> logits,
-                 logits_mode mode = logits_mode::last, const layer_observer& observer = {}) const;
+  /// Prefills `tokens` (any number, at least one) into `seqs[i]` of `*caches[i]` for every i,
+  /// computing the model once: each layer's K and V are appended to every cache, the prompt's
+  /// causal attention is computed once in float over K and V rounded to fp16 (`chunk_attention`),
+  /// in chunks of `shared_chunk` tokens. Positions start at 0. Logits as in `forward`, over all
+  /// of `tokens` for mode all.
+  /// Errors (before anything is appended): invalid_argument (no cache, caches and seqs of
+  /// different sizes, a null or mis-shaped cache, a (cache, sequence) pair given twice, a
+  /// sequence that is not empty, bad tokens or logits size), not_found (unknown sequence). When
+  /// a cache refuses an append (budget), every sequence is released and created again (empty,
+  /// as before the call) and the cache's status is returned.
+  status prefill_shared(std::span<kvq::KVCache* const> caches, std::span<const kvq::seq_id> seqs,
+                        std::span<const token_id> tokens, std::span<float> logits,
+                        logits_mode mode = logits_mode::last) const;
+
+  /// Tokens per chunk of `prefill_shared` (bounds its activation memory).
+  static constexpr int64_t shared_chunk = 512;
 
   /// The same computation with attention recomputed from scratch in plain float over `kv` (no
   /// cache, no chunk limit). Positions start at `kv.length`.
@@ -149,6 +172,7 @@ class llama_model {
 
   // Shared pieces of both forward paths, on [T][...] row-major float buffers.
   status check_chunk(std::span<const token_id> tokens, std::span<const float> logits, logits_mode mode) const;
+  status check_cache_shape(const kvq::KVCache& cache, std::string_view what) const;
   void embed(std::span<const token_id> tokens, std::vector<float>& x) const;
   void attention_inputs(int layer, const std::vector<float>& x, int64_t T, int64_t pos0, std::vector<float>& q,
                         std::vector<float>& k, std::vector<float>& v) const;
@@ -167,6 +191,18 @@ class llama_model {
   std::shared_ptr<thread_pool> pool_ = std::make_shared<thread_pool>();
   cpu_isa isa_ = best_isa();
 };
+
+/// Causal attention of a chunk of T queries at positions pos0 .. pos0 + T - 1 over the keys and
+/// values of positions 0 .. pos0 + T - 1, in float, with GQA (query head h reads kv head
+/// h / (q_heads / kv_heads)) and softmax scale 1 / sqrt(head_dim). Blocked over keys with an
+/// online softmax; query tiles of one kv head run as tasks on `pool`; `isa` avx2 runs the loops
+/// compiled for AVX2 + FMA (when the CPU has them), scalar the portable build.
+/// \param q [T][q_heads][head_dim]
+/// \param k [pos0 + T][kv_heads][head_dim] (all positions so far, the chunk's last)
+/// \param v same shape as k
+/// \param o [T][q_heads][head_dim] output
+void chunk_attention(const float* q, const float* k, const float* v, float* o, int64_t T, int64_t pos0, int q_heads,
+                     int kv_heads, int head_dim, thread_pool& pool, cpu_isa isa = best_isa());
 
 /// Index of the largest logit (the first on ties); -1 for an empty span.
 token_id argmax(std::span<const float> logits);
