@@ -479,6 +479,7 @@ TEST_CASE("run_eval --resume: the teacher-forced phase and finished trials are r
   o.configs = {"fp16", "bf16"};
   o.needle_contexts = {256};
   o.needle_depths = {0.5};
+  o.needle_kinds = {"single"};
   scratch_file rec("resume_run.json", "");
   std::filesystem::remove(rec.path);
   o.resume_path = rec.path;  // missing: the run starts afresh
@@ -491,13 +492,13 @@ TEST_CASE("run_eval --resume: the teacher-forced phase and finished trials are r
   INFO((first.ok() ? std::string() : first.error().to_string()));
   REQUIRE(first.ok());
   CHECK_FALSE(first->resumed);
-  CHECK(checkpoints == 1);
-  REQUIRE(std::filesystem::exists(rec.path));  // the checkpoint: needle trials not run
+  CHECK(checkpoints == 2);  // after the teacher-forced phase and after the trial
+  REQUIRE(std::filesystem::exists(rec.path));
 
   auto second = run_eval(o);
   REQUIRE(second.ok());
   CHECK(second->resumed);
-  CHECK(checkpoints == 1);  // nothing new to save before the needle phase
+  CHECK(checkpoints == 2);  // nothing new to save: every trial was read back
   REQUIRE(second->configs.size() == 2);
   for (size_t i = 0; i < 2; ++i) {
     CAPTURE(i);
