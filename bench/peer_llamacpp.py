@@ -47,6 +47,7 @@ class llamacpp_peer:
         return self.llm.tokenize(text.encode("utf-8"), add_bos=True, special=False)
 
     def run(self, ids, prefill, tokens):
+        import llama_cpp
         import numpy as np
         llm = self.llm
         llm.reset()  # position 0 again; eval drops the cache entries past n_tokens
@@ -56,7 +57,8 @@ class llamacpp_peer:
         for t in range(tokens):
             t0 = time.perf_counter()
             llm.eval([ids[prefill + t]])
-            sink[:] = llm.scores[llm.n_tokens - 1]  # the step's logits, copied out
+            # the step's logits, copied out
+            sink[:] = np.ctypeslib.as_array(llama_cpp.llama_get_logits(llm._ctx.ctx), shape=(llm.n_vocab(),))
             elapsed += time.perf_counter() - t0
         return tokens / elapsed
 

@@ -16,11 +16,16 @@ bool isa_available(cpu_isa isa) {
     case cpu_isa::avx2:
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
     {
-      // F16C from CPUID leaf 1 (ECX bit 29): clang's __builtin_cpu_supports does not know "f16c".
-      unsigned a = 0, b = 0, c = 0, d = 0;
-      const bool f16c = __get_cpuid(1, &a, &b, &c, &d) && (c & (1u << 29)) != 0;
-      return detail::avx2_kernels().q8_0 != nullptr && __builtin_cpu_supports("avx2") &&
-             __builtin_cpu_supports("fma") && f16c;
+      // Asked once: CPUID traps to the hypervisor in a virtual machine (microseconds), and
+      // `find_dot` asks on every matrix product.
+      static const bool available = [] {
+        // F16C from CPUID leaf 1 (ECX bit 29): clang's __builtin_cpu_supports does not know "f16c".
+        unsigned a = 0, b = 0, c = 0, d = 0;
+        const bool f16c = __get_cpuid(1, &a, &b, &c, &d) && (c & (1u << 29)) != 0;
+        return detail::avx2_kernels().q8_0 != nullptr && __builtin_cpu_supports("avx2") &&
+               __builtin_cpu_supports("fma") && f16c;
+      }();
+      return available;
     }
 #else
       return false;

@@ -53,7 +53,12 @@ void weight_matrix::dequantize_row(int64_t r, float* out) const {
 
 namespace {
 
-constexpr int64_t rows_per_task = 16;
+// NOTE: tasks are few and long: one run of weight rows per thread for the whole call (at least 16
+// rows each), taken dynamically, so a worker that wakes late leaves its share to the others. With
+// 16-row tasks SmolLM2's decode on two threads of this project's 2-core virtual machine ran slower
+// than on one (77 against 111 tokens/s); with one task per thread, 145-181 (docs/performance.md).
+constexpr int64_t min_rows_per_task = 16;
+constexpr int64_t tasks_per_thread = 1;
 constexpr int64_t tokens_per_task = 64;  // activation rows of one task (a prefill chunk is tiled)
 constexpr int activation_kinds = 3;  // f32, q8, q8_k
 
@@ -79,6 +84,10 @@ void matmul(std::span<const matmul_job> jobs, const float* x, int64_t T, thread_
   std::vector<dot_fn> dots(jobs.size());
   for (size_t i = 0; i < jobs.size(); ++i) dots[i] = find_dot(jobs[i].w->type(), isa);
 
+  int64_t all_rows = 0;
+  for (const auto& j : jobs) all_rows += j.w->rows();
+  const int64_t per = all_rows / (int64_t(pool.threads()) * tasks_per_thread);
+  const int64_t rows_per_task = std::max(min_rows_per_task, per / min_rows_per_task * min_rows_per_task);
   // Tasks: runs of rows_per_task rows of one job times a tile of tokens_per_task activation rows,
   // token tiles outermost: the tasks that run together share one activation tile (in cache), and
   // a task reads each of its weight rows once for the whole tile.

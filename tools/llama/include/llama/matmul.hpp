@@ -4,8 +4,8 @@
 /// computed on the quantized blocks (`llama/dot.hpp`) over a thread pool.
 ///
 /// A product y[T][rows] = x[T][cols] * W^T quantizes each of the T activation rows once to the
-/// form W's type pairs with, then splits the work into tasks of 16 weight rows times a tile of
-/// 64 activation rows; a task reads each of its weight rows once and takes its dot product with
+/// form W's type pairs with, then splits the work into tasks of a run of weight rows (about one run
+/// per thread, at least 16 rows) times a tile of 64 activation rows; a task reads each of its weight rows once and takes its dot product with
 /// every activation row of the tile (so a prefill chunk reuses each weight block up to 64 times
 /// while it is in L1, and a tile of activations stays in cache across the tasks that share it).
 
