@@ -4,8 +4,8 @@
 /// for all (docs/architecture.md).
 ///
 /// **Teacher forcing.** The text is tokenized once. Every configuration gets its own cache and
-/// reads the same tokens: the first `prefill` tokens as a prefill (chunks of at most the window R,
-/// so they see earlier chunks as decoding would), then `tokens` decode steps of one token each
+/// reads the same tokens: the first `prefill` tokens as one prefill chunk (attending to itself in
+/// FP16, as an engine's prefill does), then `tokens` decode steps of one token each
 /// (q_len = 1). Step s feeds token `prefill + s` and yields the next-token distribution for
 /// token `prefill + s + 1`. Only decode steps are measured: every measured position saw exactly
 /// what a decoding engine sees (the step's own token in FP16, everything older from pages or the
