@@ -618,6 +618,7 @@ result<kvq::KVCache> make_cache(const llama_model& model, std::string_view polic
   cfg.shape.recent = recent;
   cfg.budget_bytes = budget_bytes;
   cfg.where = kvq::backend::cpu;
+  cfg.cpu_threads = model.threads();
   return kvq::KVCache::create(cfg, std::make_shared<kvq::static_policy>(std::move(pol).value()));
 }
 

@@ -209,8 +209,9 @@ token_id argmax(std::span<const float> logits);
 
 /// Creates a CPU cache for `model` under a static policy given by `policy_spec` (the grammar of
 /// `kvq::static_policy::parse`, e.g. "fp16", "k=kivi4/g32,v=kivi2/g32;0=fp16"), with a budget
-/// in bytes and the paging of `kvq::cache_shape` (page_tokens, window R, recent r). Errors: the
-/// spec parser's or the cache's (e.g. a quantized format with head_dim not a multiple of 32).
+/// in bytes and the paging of `kvq::cache_shape` (page_tokens, window R, recent r); its attention
+/// runs on as many threads as the model's products (`cache_config::cpu_threads`: one stream).
+/// Errors: the spec parser's or the cache's (e.g. a quantized format with head_dim not a multiple of 32).
 result<kvq::KVCache> make_cache(const llama_model& model, std::string_view policy_spec, uint64_t budget_bytes,
                                 int page_tokens = 64, int window = 128, int recent = 64);
 
