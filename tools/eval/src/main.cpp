@@ -39,14 +39,16 @@ CONFIGURATIONS (--config, repeatable; default: fp16 int8 kivi4/g32 kivi2/g32 ra4
   added when no configuration is fp16.
 
 WHAT IS MEASURED (every configuration on the same tokens and positions)
-  The text is tokenized; the first --prefill tokens are fed as a prefill (chunks of at most the
-  window), then --tokens decode steps of one token each (q_len = 1), exactly what decoding sees.
+  The text is tokenized; the first --prefill tokens are prefilled once at full precision into
+  every cache (each stores them in its format), then --tokens decode steps of one token each
+  (q_len = 1), exactly what decoding sees, all configurations in lockstep (one step of the model
+  over all of them, each attending through its own cache).
   At each decode step: KL(P_fp16 || P_config) of the next-token distributions (nats), top-1
   agreement with the FP16 cache, and the log-likelihood of the true next token (perplexity).
   Bits per element = bytes of pages + FP16 windows over all K/V elements held (scales and zeros
   included); page bits = pages only; KV bytes and the ratio to an FP16 cache of the same tokens.
-  Decode tok/s = steps / wall time of the configuration's own forward calls (configurations run
-  concurrently on --threads threads: compare speeds within one run, or use --threads 1).
+  Decode tok/s = steps / (the step's matrix products shared equally among the configurations +
+  the configuration's own cache calls): compare speeds within one run.
   Needle: for each --needle-ctx, --needle-kinds, --needle-depths and --needle-reps: single,
   "The pass key is NNNNN. Remember it." at that depth of the haystack, the prompt asks "What is
   the pass key?"; multi, four "The special magic number for <label> is NNNNNNN." at different
@@ -119,7 +121,7 @@ int main(int argc, char** argv) {
                  "needle prompt template: auto (chatml if the model has a chat template), chatml, plain")
       ->capture_default_str();
   app.add_option("--seed", o.seed, "seed of the needle keys")->capture_default_str();
-  app.add_option("-j,--threads", o.threads, "worker threads (configurations run concurrently); 0 = all cores")
+  app.add_option("-j,--threads", o.threads, "threads of the model's products and of the configurations' attention; 0 = all cores")
       ->capture_default_str();
   app.add_option("--page-tokens", o.cache.page_tokens, "cache page size in tokens")->capture_default_str();
   app.add_option("--window", o.cache.window, "FP16 recent window R (and the longest prefill chunk)")

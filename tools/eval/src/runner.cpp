@@ -38,33 +38,6 @@ kvq::result<std::string> read_file(const std::string& path, std::string_view wha
   return s;
 }
 
-/// Runs fn(i) for i in [0, n) on up to `threads` threads (the caller's thread included); the
-/// first failing status wins and stops the hand-out of further items.
-template <class F>
-kvq::status parallel_for(int64_t n, int threads, F&& fn) {
-  std::atomic<int64_t> next{0};
-  std::atomic<bool> failed{false};
-  kvq::status first_error;
-  std::mutex mu;
-  auto work = [&] {
-    while (!failed.load()) {
-      const int64_t i = next.fetch_add(1);
-      if (i >= n) return;
-      kvq::status s = fn(i);
-      if (!s.ok()) {
-        std::lock_guard lock(mu);
-        if (!failed.exchange(true)) first_error = std::move(s);
-      }
-    }
-  };
-  const int extra = int(std::min<int64_t>(std::max(threads, 1), n)) - 1;
-  std::vector<std::jthread> pool;
-  for (int t = 0; t < extra; ++t) pool.emplace_back(work);
-  work();
-  pool.clear();  // joins
-  return first_error;
-}
-
 std::string utc_now() {
   const std::time_t t = std::time(nullptr);
   std::tm tm{};
@@ -89,74 +62,82 @@ void sample_map(config_result& r, const kvq::KVCache& cache, int64_t step, int64
     r.format_map_history.push_back({step, position, std::move(m)});
 }
 
-/// Per configuration state of the teacher-forced run.
-struct lane {
-  kvq::KVCache cache;
-  std::vector<float> logits;
-  std::vector<double> logp;
-};
-
-kvq::status teacher_forced(const kvq::llama::llama_model& model, const eval_options& o,
-                           const std::vector<token_id>& text, std::vector<config_result>& results, size_t ref,
-                           int threads) {
-  const size_t V = size_t(model.hparams().n_vocab);
-  cache_settings cs = o.cache;
-  cs.max_tokens = o.prefill + o.tokens;
-  std::vector<lane> lanes;
-  lanes.reserve(results.size());
-  for (auto& r : results) {
-    auto c = make_eval_cache(model, r.config, cs);
-    if (!c) return c.error();
-    lanes.push_back({std::move(c).value(), std::vector<float>(V), std::vector<double>(V)});
-    KVQ_TRY(lanes.back().cache.create_sequence(0));
-    r.policy_name = lanes.back().cache.active_policy().name();
+/// Caches of every configuration for `max_tokens` tokens, each with an empty sequence 0.
+kvq::result<std::vector<kvq::KVCache>> make_caches(const kvq::llama::llama_model& model,
+                                                   const std::vector<config_result>& configs, cache_settings cs,
+                                                   int64_t max_tokens) {
+  cs.max_tokens = max_tokens;
+  std::vector<kvq::KVCache> caches;
+  caches.reserve(configs.size());
+  for (const auto& c : configs) {
+    auto cache = make_eval_cache(model, c.config, cs);
+    if (!cache) return cache.error();
+    caches.push_back(std::move(cache).value());
+    KVQ_TRY(caches.back().create_sequence(0));
   }
-  const int64_t n = int64_t(lanes.size());
+  return caches;
+}
+
+std::vector<kvq::KVCache*> pointers(std::vector<kvq::KVCache>& caches) {
+  std::vector<kvq::KVCache*> p;
+  for (auto& c : caches) p.push_back(&c);
+  return p;
+}
+
+/// The teacher-forced run: the first `o.prefill` tokens prefilled once for all configurations at
+/// full precision (`prefill_shared`), then every configuration in lockstep, one decode step per
+/// position for all of them (`forward_lanes`: one pass over the weights per position).
+kvq::status teacher_forced(const kvq::llama::llama_model& model, const eval_options& o,
+                           const std::vector<token_id>& text, std::vector<config_result>& results, size_t ref) {
+  const size_t V = size_t(model.hparams().n_vocab), n = results.size();
+  auto made = make_caches(model, results, o.cache, o.prefill + o.tokens);
+  if (!made) return made.error();
+  std::vector<kvq::KVCache> caches = std::move(made).value();
+  const std::vector<kvq::KVCache*> ptrs = pointers(caches);
+  const std::vector<kvq::seq_id> seqs(n, 0);
+  for (size_t i = 0; i < n; ++i) results[i].policy_name = caches[i].active_policy().name();
 
   // One unit per position of the lockstep (every configuration has fed it): positions per second.
   progress_bar bar("teacher-forced", o.prefill + o.tokens, o.progress, "pos");
+  std::vector<float> logits(n * V);
+  std::vector<double> logp(n * V), seconds(n);
   if (o.prefill > 0) {
     const std::span<const token_id> pre(text.data(), size_t(o.prefill));
-    KVQ_TRY(parallel_for(n, threads, [&](int64_t i) -> kvq::status {
-      return model.forward(lanes[size_t(i)].cache, 0, pre, lanes[size_t(i)].logits);
-    }));
+    KVQ_TRY(model.prefill_shared(ptrs, seqs, pre, std::span<float>(logits.data(), V)));
     bar.advance(o.prefill);
   }
+  std::vector<token_id> toks(n);
   for (int64_t s = 0; s < o.tokens; ++s) {
     const int64_t pos = o.prefill + s;
     if (o.map_every > 0 && s % o.map_every == 0)
-      for (size_t i = 0; i < lanes.size(); ++i) sample_map(results[i], lanes[i].cache, s, pos);
-    const token_id tok = text[size_t(pos)];
-    KVQ_TRY(parallel_for(n, threads, [&](int64_t i) -> kvq::status {
-      lane& L = lanes[size_t(i)];
-      const auto t0 = clock_type::now();
-      KVQ_TRY(model.forward(L.cache, 0, std::span<const token_id>(&tok, 1), L.logits));
-      results[size_t(i)].decode_seconds += seconds_since(t0);
-      results[size_t(i)].decode_tokens += 1;
-      log_softmax(L.logits, L.logp);
-      return {};
-    }));
+      for (size_t i = 0; i < n; ++i) sample_map(results[i], caches[i], s, pos);
+    std::fill(toks.begin(), toks.end(), text[size_t(pos)]);
+    std::fill(seconds.begin(), seconds.end(), 0.0);
+    KVQ_TRY(model.forward_lanes(ptrs, seqs, toks, logits, seconds));
+    for (size_t i = 0; i < n; ++i) {
+      results[i].decode_seconds += seconds[i];
+      results[i].decode_tokens += 1;
+      log_softmax(std::span<const float>(logits.data() + i * V, V), std::span<double>(logp.data() + i * V, V));
+    }
     bar.advance(1);
     const token_id next = text[size_t(pos) + 1];
-    const auto& ref_logp = lanes[ref].logp;
+    const std::span<const double> ref_logp(logp.data() + ref * V, V);
     const int64_t ref_top = argmax(ref_logp);
-    for (size_t i = 0; i < lanes.size(); ++i) {
-      const double kl = i == ref ? 0.0 : kl_divergence(ref_logp, lanes[i].logp);
-      results[i].quality.add(kl, argmax(lanes[i].logp) == ref_top, -lanes[i].logp[size_t(next)]);
+    for (size_t i = 0; i < n; ++i) {
+      const std::span<const double> lp(logp.data() + i * V, V);
+      const double kl = i == ref ? 0.0 : kl_divergence(ref_logp, lp);
+      results[i].quality.add(kl, argmax(lp) == ref_top, -lp[size_t(next)]);
     }
   }
   bar.finish();
-  for (size_t i = 0; i < lanes.size(); ++i) {
-    sample_map(results[i], lanes[i].cache, o.tokens, o.prefill + o.tokens);
-    results[i].stats = lanes[i].cache.stats();
-    results[i].tokens_held = lanes[i].cache.length(0, 0);
+  for (size_t i = 0; i < n; ++i) {
+    sample_map(results[i], caches[i], o.tokens, o.prefill + o.tokens);
+    results[i].stats = caches[i].stats();
+    results[i].tokens_held = caches[i].length(0, 0);
   }
   return {};
 }
 
-/// Greedy answer of one configuration whose cache holds the needle prompt's haystack part:
-/// the question and the answer prefix one token at a time, then greedy decoding until a run of
-/// digits has ended, an end-of-turn token, or `needle_max_new` tokens.
 /// Tokens of `p` prefilled once for every configuration: those before the question, at least
 /// the first token and at most all but the last.
 int64_t shared_part(const needle_prompt& p) {
@@ -169,64 +150,91 @@ struct needle_timing {
   int64_t decode_tokens = 0;
 };
 
-kvq::status answer_needle(const kvq::llama::llama_model& model, const kvq::llama::tokenizer& tok,
-                          const eval_options& o, kvq::KVCache& cache, const needle_trial& trial,
-                          const needle_prompt& prompt, int64_t shared, needle_result& out, needle_timing& time,
-                          progress_bar& bar) {
-  std::vector<float> logits(size_t(model.hparams().n_vocab));
-  const auto t0 = clock_type::now();
-  int64_t steps = 0;
-  for (size_t i = size_t(shared); i < prompt.tokens.size(); ++i, ++steps)
-    KVQ_TRY(model.forward(cache, 0, std::span<const token_id>(&prompt.tokens[i], 1), logits));
-  bar.advance(steps);
+/// Greedy answers of every configuration whose cache holds the needle prompt's haystack part, in
+/// lockstep (`forward_lanes`): the question and the answer prefix one token at a time, then each
+/// lane its own greedy tokens until a run of digits has ended, an end-of-turn token, or
+/// `needle_max_new` tokens; a lane that has finished leaves the lockstep.
+kvq::status answer_needles(const kvq::llama::llama_model& model, const kvq::llama::tokenizer& tok,
+                           const eval_options& o, std::vector<kvq::KVCache>& caches, const needle_trial& trial,
+                           const needle_prompt& prompt, int64_t shared, std::vector<needle_result>& out,
+                           std::vector<needle_timing>& time, progress_bar& bar) {
+  const size_t V = size_t(model.hparams().n_vocab), n = caches.size();
+  std::vector<kvq::KVCache*> ptrs = pointers(caches);
+  std::vector<kvq::seq_id> seqs(n, 0);
+  std::vector<float> logits(n * V);
+  std::vector<double> seconds(n);
+  std::vector<token_id> toks(n);
+  time.assign(n, {});
+  // lanes: indices of the configurations still decoding; step feeds toks[j] to lane j
+  std::vector<size_t> lanes(n);
+  std::iota(lanes.begin(), lanes.end(), size_t(0));
+  auto step = [&]() -> kvq::status {
+    std::vector<kvq::KVCache*> p;
+    for (size_t c : lanes) p.push_back(ptrs[c]);
+    const size_t m = lanes.size();
+    std::fill_n(seconds.begin(), m, 0.0);
+    KVQ_TRY(model.forward_lanes(p, std::span(seqs.data(), m), std::span(toks.data(), m),
+                                std::span(logits.data(), m * V), std::span(seconds.data(), m)));
+    for (size_t j = 0; j < m; ++j) {
+      time[lanes[j]].decode_seconds += seconds[j];
+      time[lanes[j]].decode_tokens += 1;
+    }
+    return {};
+  };
+  for (size_t i = size_t(shared); i < prompt.tokens.size(); ++i) {
+    std::fill(toks.begin(), toks.end(), prompt.tokens[i]);
+    KVQ_TRY(step());
+  }
+  bar.advance(int64_t(n) * (int64_t(prompt.tokens.size()) - shared));
 
   const auto im_end = tok.find("<|im_end|>");
-  std::string text;
-  for (int generated = 0; generated < o.needle_max_new; ++generated) {
-    const token_id t = kvq::llama::argmax(logits);
-    if (t == tok.eos() || (im_end && t == *im_end)) break;
-    auto piece = tok.piece(t);
-    if (!piece) return piece.error();
-    text += *piece;
-    // Stop as soon as a run of digits has ended: the answer is decided.
-    const std::string run = first_digit_run(text);
-    if (!run.empty() && text.find(run) + run.size() < text.size()) break;
-    if (generated + 1 == o.needle_max_new) break;
-    KVQ_TRY(model.forward(cache, 0, std::span<const token_id>(&t, 1), logits));
-    ++steps;
+  std::vector<std::string> text(n);
+  for (int generated = 0; generated < o.needle_max_new && !lanes.empty(); ++generated) {
+    std::vector<size_t> going;
+    std::vector<token_id> next;
+    for (size_t j = 0; j < lanes.size(); ++j) {
+      const size_t c = lanes[j];
+      const token_id t = kvq::llama::argmax(std::span<const float>(logits.data() + j * V, V));
+      if (t == tok.eos() || (im_end && t == *im_end)) continue;
+      auto piece = tok.piece(t);
+      if (!piece) return piece.error();
+      text[c] += *piece;
+      // Stop as soon as a run of digits has ended: the answer is decided.
+      const std::string run = first_digit_run(text[c]);
+      if (!run.empty() && text[c].find(run) + run.size() < text[c].size()) continue;
+      if (generated + 1 == o.needle_max_new) continue;
+      going.push_back(c);
+      next.push_back(t);
+    }
+    lanes = std::move(going);
+    std::copy(next.begin(), next.end(), toks.begin());
+    if (!lanes.empty()) KVQ_TRY(step());
   }
-  time.decode_seconds = seconds_since(t0);
-  time.decode_tokens = steps;
-  bar.advance(o.needle_max_new);
-  out.trial = trial;
-  out.prompt_tokens = int64_t(prompt.tokens.size());
-  out.depth = prompt.depth;
-  out.output = text;
-  out.pass = needle_passed(text, trial.key);
-  out.done = true;
+  bar.advance(int64_t(n) * o.needle_max_new);
+  for (size_t c = 0; c < n; ++c) {
+    needle_result& r = out[c];
+    r.trial = trial;
+    r.prompt_tokens = int64_t(prompt.tokens.size());
+    r.depth = prompt.depth;
+    r.output = text[c];
+    r.pass = needle_passed(text[c], trial.key);
+    r.done = true;
+  }
   return {};
 }
 
 /// One needle trial for every configuration: the haystack part prefilled once into all their
-/// caches (its wall time in `prefill_seconds`), then each configuration's own answer
-/// (`answer_needle`) into `results[i]`, its timing into `times[i]`.
+/// caches (its wall time in `prefill_seconds`), then the configurations' answers
+/// (`answer_needles`) into `results[i]`, their timings into `times[i]`.
 kvq::status run_needle_trial(const kvq::llama::llama_model& model, const kvq::llama::tokenizer& tok,
                              const eval_options& o, const std::vector<config_result>& configs,
                              const needle_trial& trial, const needle_prompt& prompt, double& prefill_seconds,
                              std::vector<needle_timing>& times, std::vector<needle_result>& results,
                              progress_bar& bar) {
-  cache_settings cs = o.cache;
-  cs.max_tokens = int64_t(prompt.tokens.size()) + o.needle_max_new;
-  std::vector<kvq::KVCache> caches;
-  caches.reserve(configs.size());
-  for (const auto& c : configs) {
-    auto cache = make_eval_cache(model, c.config, cs);
-    if (!cache) return cache.error();
-    caches.push_back(std::move(cache).value());
-    KVQ_TRY(caches.back().create_sequence(0));
-  }
-  std::vector<kvq::KVCache*> ptrs;
-  for (auto& c : caches) ptrs.push_back(&c);
+  auto made = make_caches(model, configs, o.cache, int64_t(prompt.tokens.size()) + o.needle_max_new);
+  if (!made) return made.error();
+  std::vector<kvq::KVCache> caches = std::move(made).value();
+  const std::vector<kvq::KVCache*> ptrs = pointers(caches);
   const std::vector<kvq::seq_id> seqs(caches.size(), 0);
   const int64_t shared = shared_part(prompt);
   std::vector<float> logits(size_t(model.hparams().n_vocab));
@@ -235,10 +243,7 @@ kvq::status run_needle_trial(const kvq::llama::llama_model& model, const kvq::ll
                                std::span<const token_id>(prompt.tokens.data(), size_t(shared)), logits));
   prefill_seconds = seconds_since(t0);
   bar.advance(shared);
-  times.resize(configs.size());
-  for (size_t i = 0; i < configs.size(); ++i)
-    KVQ_TRY(answer_needle(model, tok, o, caches[i], trial, prompt, shared, results[i], times[i], bar));
-  return {};
+  return answer_needles(model, tok, o, caches, trial, prompt, shared, results, times, bar);
 }
 
 /// The trials of the run: per context, kind, depth and repetition, keys drawn from `seed`.
@@ -357,13 +362,9 @@ kvq::result<eval_report> run_eval(const eval_options& given) {
   if (!file) return file.error();
   auto model_r = kvq::llama::llama_model::load(*file);
   if (!model_r) return model_r.error();
-  // The configurations run concurrently on up to rep.threads workers, each forward's matrix
-  // products on the model's own pool: split the cores between them rather than oversubscribe.
-  {
-    const int hw = int(std::max(1u, std::thread::hardware_concurrency()));
-    const int workers = std::max(1, std::min(rep.threads, int(o.configs.size()) + 1));
-    model_r.value().set_threads(std::max(1, hw / workers));
-  }
+  // Every phase runs on the model's pool: the products over all configurations at once, the
+  // configurations' attention one per task.
+  model_r.value().set_threads(rep.threads);
   auto tok_r = kvq::llama::tokenizer::from_gguf(*file);
   if (!tok_r) return tok_r.error();
   const kvq::llama::llama_model& model = *model_r;
@@ -464,7 +465,7 @@ kvq::result<eval_report> run_eval(const eval_options& given) {
                                             [](const needle_result& n) { return !n.done; }));
           }));
   } else {
-    KVQ_TRY(teacher_forced(model, o, tokens, rep.configs, ref, rep.threads));
+    KVQ_TRY(teacher_forced(model, o, tokens, rep.configs, ref));
   }
   if (o.on_checkpoint && !rep.trials.empty() && !rep.resumed) {
     rep.wall_seconds = seconds_since(t_start);
@@ -485,7 +486,7 @@ kvq::result<eval_report> run_eval(const eval_options& given) {
     }
     std::stable_sort(order.begin(), order.end(),
                      [&](size_t a, size_t b) { return prompts[a].tokens.size() > prompts[b].tokens.size(); });
-    // Each job writes only its own trial's entries; timings are summed afterwards.
+    // Timings are summed afterwards.
     for (auto& c : rep.configs) {
       c.needle.resize(rep.trials.size());
       for (size_t t = 0; t < rep.trials.size(); ++t) c.needle[t].trial = rep.trials[t];
@@ -494,15 +495,13 @@ kvq::result<eval_report> run_eval(const eval_options& given) {
     std::vector<double> prefill_s(rep.trials.size());
     std::vector<std::vector<needle_timing>> times(rep.trials.size());
     progress_bar bar("needle", total, o.progress);
-    // A finished trial is stored, and the record checkpointed, under one lock: a checkpoint never
-    // reads a trial while its job writes it, and an interrupted run resumes at the trials not done.
-    std::mutex done_mu;
-    KVQ_TRY(parallel_for(int64_t(order.size()), rep.threads, [&](int64_t j) -> kvq::status {
-      const size_t t = order[size_t(j)];
+    // Trials one at a time (each one's products and attention use every thread), longest first; a
+    // finished trial is stored and the record checkpointed, so an interrupted run resumes at the
+    // trials not done.
+    for (const size_t t : order) {
       std::vector<needle_result> results(rep.configs.size());
       KVQ_TRY(run_needle_trial(model, tok, o, rep.configs, rep.trials[t], prompts[t], prefill_s[t], times[t], results,
                                bar));
-      std::lock_guard lock(done_mu);
       for (size_t c = 0; c < rep.configs.size(); ++c) {
         results[c].reference_pass = results[ref].pass;
         rep.configs[c].needle[t] = std::move(results[c]);
@@ -511,8 +510,7 @@ kvq::result<eval_report> run_eval(const eval_options& given) {
         rep.wall_seconds = seconds_since(t_start);
         o.on_checkpoint(rep);
       }
-      return {};
-    }));
+    }
     bar.finish();
     for (size_t t = 0; t < rep.trials.size(); ++t)
       for (size_t c = 0; c < rep.configs.size() && c < times[t].size(); ++c) {

@@ -2,9 +2,11 @@
 
 #include <algorithm>
 #include <bit>
+#include <chrono>
 #include <cmath>
 #include <kvq/policy/static_policy.hpp>
 #include <limits>
+#include <numeric>
 #include <llama/model.hpp>
 
 namespace kvq::llama {
@@ -341,24 +343,33 @@ void llama_model::embed(std::span<const token_id> tokens, std::vector<float>& x)
   for (size_t t = 0; t < tokens.size(); ++t) tok_embd_.dequantize_row(tokens[t], x.data() + t * E);
 }
 
-void llama_model::rope(float* rows, int64_t T, int heads, int64_t pos0) const {
+void llama_model::rope(float* rows, int64_t T, int heads, std::span<const int64_t> pos) const {
   const int hd = hp_.head_dim, half = hp_.n_rot / 2;
   for (int64_t t = 0; t < T; ++t) {
-    const double pos = double(pos0 + t);
+    const double p = double(pos[size_t(t)]);
     for (int i = 0; i < half; ++i) {
-      const double theta = pos * inv_freq_[size_t(i)];
+      const double theta = p * inv_freq_[size_t(i)];
       const float c = float(std::cos(theta)), s = float(std::sin(theta));
       for (int h = 0; h < heads; ++h) {
-        float* p = rows + (t * heads + h) * hd + 2 * i;
-        const float x0 = p[0], x1 = p[1];
-        p[0] = x0 * c - x1 * s;
-        p[1] = x0 * s + x1 * c;
+        float* r = rows + (t * heads + h) * hd + 2 * i;
+        const float x0 = r[0], x1 = r[1];
+        r[0] = x0 * c - x1 * s;
+        r[1] = x0 * s + x1 * c;
       }
     }
   }
 }
 
-void llama_model::attention_inputs(int layer, const std::vector<float>& x, int64_t T, int64_t pos0,
+namespace {
+// Positions pos0, pos0 + 1, ... of a chunk of T rows.
+std::vector<int64_t> consecutive(int64_t pos0, int64_t T) {
+  std::vector<int64_t> pos(static_cast<size_t>(T));
+  std::iota(pos.begin(), pos.end(), pos0);
+  return pos;
+}
+}  // namespace
+
+void llama_model::attention_inputs(int layer, const std::vector<float>& x, int64_t T, std::span<const int64_t> pos,
                                    std::vector<float>& q, std::vector<float>& k, std::vector<float>& v) const {
   const llama_layer& L = layers_[size_t(layer)];
   const int64_t E = hp_.n_embd, Dq = int64_t(hp_.n_head) * hp_.head_dim, Dkv = int64_t(hp_.n_head_kv) * hp_.head_dim;
@@ -369,8 +380,8 @@ void llama_model::attention_inputs(int layer, const std::vector<float>& x, int64
   v.resize(size_t(T * Dkv));
   const matmul_job qkv[] = {{&L.wq, q.data()}, {&L.wk, k.data()}, {&L.wv, v.data()}};
   matmul(qkv, xn.data(), T, *pool_, isa_);
-  rope(q.data(), T, hp_.n_head, pos0);
-  rope(k.data(), T, hp_.n_head_kv, pos0);
+  rope(q.data(), T, hp_.n_head, pos);
+  rope(k.data(), T, hp_.n_head_kv, pos);
 }
 
 void llama_model::attention_output_and_ffn(int layer, std::vector<float>& x, const std::vector<float>& attn,
@@ -422,9 +433,10 @@ status llama_model::forward(kvq::KVCache& cache, kvq::seq_id seq, std::span<cons
   if (pos0 < 0) return {errc::not_found, fmt::format("forward: sequence {} is not in the cache", seq)};
 
   std::vector<float> x, q, k, v, o(size_t(T) * hp_.n_head * hp_.head_dim);
+  const std::vector<int64_t> pos = consecutive(pos0, T);
   embed(tokens, x);
   for (int l = 0; l < hp_.n_layer; ++l) {
-    attention_inputs(l, x, T, pos0, q, k, v);
+    attention_inputs(l, x, T, pos, q, k, v);
     if (observer) observer(l, pos0, q, k, v);
     const kvq::tensor_view kv_k{k.data(), kvq::dtype::f32, T, hp_.n_head_kv, hp_.head_dim, 0};
     const kvq::tensor_view kv_v{v.data(), kvq::dtype::f32, T, hp_.n_head_kv, hp_.head_dim, 0};
@@ -443,33 +455,89 @@ status llama_model::forward(kvq::KVCache& cache, kvq::seq_id seq, std::span<cons
   return {};
 }
 
+// ---- several streams in one step ----------------------------------------------------------------
+
+status llama_model::check_lanes(std::span<kvq::KVCache* const> caches, std::span<const kvq::seq_id> seqs,
+                                std::string_view what) const {
+  if (caches.empty()) return {errc::invalid_argument, fmt::format("{}: no cache given", what)};
+  if (caches.size() != seqs.size())
+    return {errc::invalid_argument, fmt::format("{}: {} caches but {} sequences (one sequence per cache)", what,
+                                                caches.size(), seqs.size())};
+  for (size_t i = 0; i < caches.size(); ++i) {
+    if (!caches[i]) return {errc::invalid_argument, fmt::format("{}: cache {} is null", what, i)};
+    KVQ_TRY(check_cache_shape(*caches[i], fmt::format("{}: cache {}", what, i)));
+    for (size_t j = 0; j < i; ++j)
+      if (caches[j] == caches[i] && seqs[j] == seqs[i])
+        return {errc::invalid_argument, fmt::format("{}: sequence {} of cache {} is given twice (entries {} and {})",
+                                                    what, seqs[i], i, j, i)};
+    if (caches[i]->length(seqs[i], 0) < 0)
+      return {errc::not_found, fmt::format("{}: sequence {} is not in cache {}", what, seqs[i], i)};
+  }
+  return {};
+}
+
+status llama_model::forward_lanes(std::span<kvq::KVCache* const> caches, std::span<const kvq::seq_id> seqs,
+                                  std::span<const token_id> tokens, std::span<float> logits,
+                                  std::span<double> seconds) const {
+  KVQ_TRY(check_lanes(caches, seqs, "forward_lanes"));
+  const size_t B = caches.size();
+  if (tokens.size() != B)
+    return {errc::invalid_argument, fmt::format("forward_lanes: {} tokens for {} lanes (one each)", tokens.size(), B)};
+  KVQ_TRY(check_chunk(tokens, logits, logits_mode::all));
+  if (!seconds.empty() && seconds.size() != B)
+    return {errc::invalid_argument,
+            fmt::format("forward_lanes: {} timings for {} lanes (give one per lane or none)", seconds.size(), B)};
+  const auto t_start = std::chrono::steady_clock::now();
+  const int64_t T = int64_t(B);
+  const int H = hp_.n_head, Hkv = hp_.n_head_kv, hd = hp_.head_dim;
+  std::vector<int64_t> pos(B);
+  for (size_t i = 0; i < B; ++i) pos[i] = caches[i]->length(seqs[i], 0);
+  std::vector<float> x, q, k, v, o(size_t(T) * H * hd);
+  std::vector<status> lane_status(B);
+  std::vector<double> cache_seconds(B, 0.0);
+  embed(tokens, x);
+  for (int l = 0; l < hp_.n_layer; ++l) {
+    attention_inputs(l, x, T, pos, q, k, v);
+    pool_->run(T, [&](int64_t i) {
+      const auto t0 = std::chrono::steady_clock::now();
+      const kvq::tensor_view kv_k{k.data() + i * Hkv * hd, kvq::dtype::f32, 1, Hkv, hd, 0};
+      const kvq::tensor_view kv_v{v.data() + i * Hkv * hd, kvq::dtype::f32, 1, Hkv, hd, 0};
+      const kvq::tensor_view qv{q.data() + i * H * hd, kvq::dtype::f32, 1, H, hd, 0};
+      const kvq::tensor_mut ov{o.data() + i * H * hd, kvq::dtype::f32, 1, H, hd, 0};
+      kvq::KVCache& cache = *caches[size_t(i)];
+      status st = cache.append(seqs[size_t(i)], l, kv_k, kv_v);
+      const kvq::attend_item item{seqs[size_t(i)], 1};
+      if (st.ok()) st = cache.attend(std::span<const kvq::attend_item>(&item, 1), l, qv, ov);
+      lane_status[size_t(i)] = std::move(st);
+      cache_seconds[size_t(i)] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    });
+    for (auto& st : lane_status)
+      if (!st.ok()) return std::move(st);
+    attention_output_and_ffn(l, x, o, T);
+  }
+  output_logits(x, T, logits, logits_mode::all);
+  if (!seconds.empty()) {
+    // The products' share: the step's wall time less the lanes' cache time spread over the threads.
+    const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+    const double cache_all = std::accumulate(cache_seconds.begin(), cache_seconds.end(), 0.0);
+    const double products = std::max(0.0, total - cache_all / std::min<double>(pool_->threads(), double(B)));
+    for (size_t i = 0; i < B; ++i) seconds[i] += products / double(B) + cache_seconds[i];
+  }
+  return {};
+}
+
 // ---- one prompt into several caches ------------------------------------------------------------
 
 status llama_model::prefill_shared(std::span<kvq::KVCache* const> caches, std::span<const kvq::seq_id> seqs,
                                    std::span<const token_id> tokens, std::span<float> logits,
                                    logits_mode mode) const {
   KVQ_TRY(check_chunk(tokens, logits, mode));
-  if (caches.empty()) return {errc::invalid_argument, "prefill_shared: no cache given"};
-  if (caches.size() != seqs.size())
-    return {errc::invalid_argument,
-            fmt::format("prefill_shared: {} caches but {} sequences (one sequence per cache)", caches.size(),
-                        seqs.size())};
-  for (size_t i = 0; i < caches.size(); ++i) {
-    if (!caches[i]) return {errc::invalid_argument, fmt::format("prefill_shared: cache {} is null", i)};
-    KVQ_TRY(check_cache_shape(*caches[i], fmt::format("prefill_shared: cache {}", i)));
-    for (size_t j = 0; j < i; ++j)
-      if (caches[j] == caches[i] && seqs[j] == seqs[i])
-        return {errc::invalid_argument,
-                fmt::format("prefill_shared: sequence {} of cache {} is given twice (entries {} and {})", seqs[i], i,
-                            j, i)};
-    const int64_t held = caches[i]->length(seqs[i], 0);
-    if (held < 0)
-      return {errc::not_found, fmt::format("prefill_shared: sequence {} is not in cache {}", seqs[i], i)};
-    if (held != 0)
+  KVQ_TRY(check_lanes(caches, seqs, "prefill_shared"));
+  for (size_t i = 0; i < caches.size(); ++i)
+    if (const int64_t held = caches[i]->length(seqs[i], 0); held != 0)
       return {errc::invalid_argument,
               fmt::format("prefill_shared: sequence {} of cache {} already holds {} tokens; it must be empty", seqs[i],
                           i, held)};
-  }
   // A refused append (budget) leaves the sequences empty again, as they were.
   auto undo = [&](status failed) {
     for (size_t i = 0; i < caches.size(); ++i) {
@@ -490,7 +558,7 @@ status llama_model::prefill_shared(std::span<kvq::KVCache* const> caches, std::s
     embed(tokens.subspan(size_t(start), size_t(T)), x);
     o.resize(size_t(T) * H * hd);
     for (int l = 0; l < hp_.n_layer; ++l) {
-      attention_inputs(l, x, T, start, q, k, v);
+      attention_inputs(l, x, T, consecutive(start, T), q, k, v);
       for (size_t i = 0; i < caches.size(); ++i) {
         const int64_t window = std::max(caches[i]->config().shape.window, 1);
         for (int64_t s0 = 0; s0 < T; s0 += window) {
@@ -536,9 +604,10 @@ status llama_model::forward_reference(reference_kv& kv, std::span<const token_id
   const float scale = 1.f / std::sqrt(float(hd));
 
   std::vector<float> x, q, k, v, o(size_t(T) * H * hd), scores;
+  const std::vector<int64_t> pos = consecutive(pos0, T);
   embed(tokens, x);
   for (int l = 0; l < hp_.n_layer; ++l) {
-    attention_inputs(l, x, T, pos0, q, k, v);
+    attention_inputs(l, x, T, pos, q, k, v);
     if (observer) observer(l, pos0, q, k, v);
     if (kv.round_to_f16) {
       for (float& e : k) e = round_f16(e);

@@ -436,6 +436,81 @@ TEST_CASE("prefill_shared errors name the problem and store nothing", "[model]")
   CHECK(tight.value().length(0, 0) == 0);
 }
 
+TEST_CASE("forward_lanes: one step of several streams equals each stream's own forward", "[model]") {
+  const llama_model& m = stories();
+  std::mt19937 rng(41);
+  // Three lanes at different positions, paging and windows; the twins take the same steps alone.
+  const int shapes[3][3] = {{64, 128, 64}, {32, 64, 16}, {32, 96, 32}};
+  const size_t prompt_len[3] = {5, 70, 150};
+  std::vector<kvq::KVCache> lanes, twins;
+  for (int i = 0; i < 3; ++i) {
+    lanes.push_back(fp16_cache(m, shapes[i][0], shapes[i][1], shapes[i][2]));
+    twins.push_back(fp16_cache(m, shapes[i][0], shapes[i][1], shapes[i][2]));
+  }
+  std::vector<float> logits(512), lane_logits(3 * 512);
+  for (int i = 0; i < 3; ++i) {
+    const auto prompt = random_tokens(rng, prompt_len[i]);
+    for (auto* c : {&lanes[size_t(i)], &twins[size_t(i)]}) {
+      REQUIRE(c->create_sequence(0).ok());
+      REQUIRE(m.forward(*c, 0, prompt, logits).ok());
+    }
+  }
+  kvq::KVCache* ptrs[] = {&lanes[0], &lanes[1], &lanes[2]};
+  const kvq::seq_id seqs[] = {0, 0, 0};
+  std::vector<double> seconds(3, 0.0);
+  for (int step = 0; step < 40; ++step) {
+    const auto toks = random_tokens(rng, 3);
+    REQUIRE(m.forward_lanes(ptrs, seqs, toks, lane_logits, seconds).ok());
+    for (size_t i = 0; i < 3; ++i) {
+      REQUIRE(m.forward(twins[i], 0, std::span(&toks[i], 1), logits).ok());
+      CAPTURE(step, i);
+      // each product's dot runs per token, so the lanes' logits are the twins' bit for bit
+      CHECK(std::equal(logits.begin(), logits.end(), lane_logits.begin() + std::ptrdiff_t(i * 512)));
+      CHECK(lanes[i].length(0, 0) == twins[i].length(0, 0));
+    }
+  }
+  for (double s : seconds) CHECK(s > 0);
+}
+
+TEST_CASE("forward_lanes errors name the problem and append nothing", "[model]") {
+  const llama_model& m = stories();
+  auto a = fp16_cache(m);
+  auto b = fp16_cache(m);
+  REQUIRE(a.create_sequence(0).ok());
+  REQUIRE(b.create_sequence(0).ok());
+  kvq::KVCache* both[] = {&a, &b};
+  const kvq::seq_id zeros[] = {0, 0};
+  const token_id two[] = {3, 4};
+  std::vector<float> logits(2 * 512);
+
+  const token_id one[] = {3};
+  auto s = m.forward_lanes(both, zeros, one, logits);
+  CHECK(s.code() == errc::invalid_argument);
+  CHECK_THAT(s.message(), Catch::Contains("1 tokens for 2 lanes"));
+
+  std::vector<float> short_logits(512);
+  s = m.forward_lanes(both, zeros, two, short_logits);
+  CHECK_THAT(s.message(), Catch::Contains("logits hold 512 floats"));
+
+  const token_id outside[] = {3, 900};
+  s = m.forward_lanes(both, zeros, outside, logits);
+  CHECK_THAT(s.message(), Catch::Contains("id 900"));
+
+  std::vector<double> seconds(1);
+  s = m.forward_lanes(both, zeros, two, logits, seconds);
+  CHECK_THAT(s.message(), Catch::Contains("1 timings for 2 lanes"));
+
+  kvq::KVCache* twice[] = {&a, &a};
+  s = m.forward_lanes(twice, zeros, two, logits);
+  CHECK_THAT(s.message(), Catch::Contains("forward_lanes: sequence 0 of cache 1 is given twice"));
+
+  const kvq::seq_id unknown[] = {0, 9};
+  s = m.forward_lanes(both, unknown, two, logits);
+  CHECK(s.code() == errc::not_found);
+  CHECK(a.length(0, 0) == 0);
+  CHECK(b.length(0, 0) == 0);
+}
+
 TEST_CASE("layer_observer sees every layer's q, k, v after RoPE", "[model]") {
   const llama_model& m = stories();
   const auto& hp = m.hparams();

@@ -4,8 +4,9 @@
 /// for all (docs/architecture.md).
 ///
 /// **Teacher forcing.** The text is tokenized once. Every configuration gets its own cache and
-/// reads the same tokens: the first `prefill` tokens as one prefill chunk (attending to itself in
-/// FP16, as an engine's prefill does), then `tokens` decode steps of one token each
+/// reads the same tokens: the first `prefill` tokens as one prefill, computed once for all
+/// configurations at full precision (`llama_model::prefill_shared`, as an engine's prefill attends
+/// in FP16) and stored by each cache in its format, then `tokens` decode steps of one token each
 /// (q_len = 1). Step s feeds token `prefill + s` and yields the next-token distribution for
 /// token `prefill + s + 1`. Only decode steps are measured: every measured position saw exactly
 /// what a decoding engine sees (the step's own token in FP16, everything older from pages or the
@@ -26,12 +27,15 @@
 /// decodes greedily until the first digit run ends, an end-of-turn token, or `needle_max_new`
 /// tokens. A trial the reference fails says nothing about a cache: every result records whether
 /// the reference passed it, and `needle_rates` counts passes over all trials and over those.
-/// Trials run concurrently on `threads` workers, longest first; within a trial the configurations
-/// answer one after another.
+/// Trials run one after another, longest first, the configurations answering in lockstep.
 ///
-/// **Speed.** Decode tokens per second of each configuration = teacher-forced steps / the wall time
-/// of its own `forward` calls. With `threads` > 1 configurations run concurrently and share the
-/// memory bandwidth, so compare speeds within one run only (or use --threads 1).
+/// **Lockstep.** Teacher forcing and needle answers run every configuration in one model step
+/// (`llama_model::forward_lanes`): the matrix products once over all configurations, each
+/// configuration's append and attention through its own cache, on the model's `threads`.
+///
+/// **Speed.** Decode tokens per second of each configuration = teacher-forced steps / (the steps'
+/// products shared equally among the configurations + the time of its own cache calls): compare
+/// speeds within one run only.
 
 #include <cstdint>
 #include <eval/config.hpp>
@@ -63,7 +67,7 @@ struct eval_options {
   int needle_max_new = 12;                                   ///< greedy tokens at most per needle answer
   std::string prompt_template = "auto";  ///< auto (chatml if the model has a chat template), chatml, plain
   uint64_t seed = 1234;                  ///< needle keys
-  int threads = 0;                       ///< worker threads; 0 = hardware concurrency
+  int threads = 0;                       ///< threads of the model's pool; 0 = hardware concurrency
   cache_settings cache;                  ///< paging and budget (budget 0 = automatic)
   /// Calibration artifact (kvq-calibrate) whose rolealign clip ratios every cache gets
   /// (--clip-ratios); loaded by `run_eval` into `cache.clip_ratios`. Empty: no clipping.

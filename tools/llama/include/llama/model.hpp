@@ -132,6 +132,23 @@ class llama_model {
   status forward(kvq::KVCache& cache, kvq::seq_id seq, std::span<const token_id> tokens, std::span<float> logits,
                  logits_mode mode = logits_mode::last, const layer_observer& observer = {}) const;
 
+  /// One decode step of several independent streams ("lanes"): lane i feeds `tokens[i]` to
+  /// sequence `seqs[i]` of `*caches[i]` at that sequence's own position. The matrix products run
+  /// once over all lanes (each weight read once per step, as in a batched engine), each lane
+  /// appends and attends through its own cache, the lanes' attention spread over the model's
+  /// threads (one lane per task: give the caches `cpu_threads` 1). Each lane's result equals a
+  /// `forward` of its token alone up to the products' summation order.
+  /// \param logits [lanes][n_vocab] output
+  /// \param seconds empty, or [lanes]: adds to each lane the wall time of the step's products
+  ///        divided equally among the lanes plus the time of its own cache calls
+  /// Errors (before anything is appended): invalid_argument (no lane, sizes that disagree, a
+  /// null or mis-shaped cache, a (cache, sequence) pair given twice, a token outside the
+  /// vocabulary), not_found (unknown sequence). A cache's refusal (budget, non-finite K/V) is
+  /// returned after the layer in which it happened: the lanes may then hold different lengths.
+  status forward_lanes(std::span<kvq::KVCache* const> caches, std::span<const kvq::seq_id> seqs,
+                       std::span<const token_id> tokens, std::span<float> logits,
+                       std::span<double> seconds = {}) const;
+
   /// Prefills `tokens` (any number, at least one) into `seqs[i]` of `*caches[i]` for every i,
   /// computing the model once: each layer's K and V are appended to every cache, the prompt's
   /// causal attention is computed once in float over K and V rounded to fp16 (`chunk_attention`),
@@ -174,11 +191,14 @@ class llama_model {
   status check_chunk(std::span<const token_id> tokens, std::span<const float> logits, logits_mode mode) const;
   status check_cache_shape(const kvq::KVCache& cache, std::string_view what) const;
   void embed(std::span<const token_id> tokens, std::vector<float>& x) const;
-  void attention_inputs(int layer, const std::vector<float>& x, int64_t T, int64_t pos0, std::vector<float>& q,
+  status check_lanes(std::span<kvq::KVCache* const> caches, std::span<const kvq::seq_id> seqs,
+                     std::string_view what) const;
+  // pos: the position of each of the T rows
+  void attention_inputs(int layer, const std::vector<float>& x, int64_t T, std::span<const int64_t> pos, std::vector<float>& q,
                         std::vector<float>& k, std::vector<float>& v) const;
   void attention_output_and_ffn(int layer, std::vector<float>& x, const std::vector<float>& attn, int64_t T) const;
   void output_logits(const std::vector<float>& x, int64_t T, std::span<float> logits, logits_mode mode) const;
-  void rope(float* rows, int64_t T, int heads, int64_t pos0) const;
+  void rope(float* rows, int64_t T, int heads, std::span<const int64_t> pos) const;
 
   std::string name_;
   llama_hparams hp_;
