@@ -91,11 +91,14 @@ struct softmax_rows {
     return int(std::clamp<int64_t>(last[r] - pos0 + 1, 0, tokens));
   }
 
-  // Folds in `tokens` keys/values at positions pos0.. (k, v: [tokens][d]). p: scratch
-  // [rows][tokens rounded up to 8]; corr: scratch [rows].
+  // Folds in `tokens` keys/values at positions pos0.. (k, v: [tokens][d], readable up to
+  // `tokens` rounded up to 8 rows, finite). p: scratch [rows][tokens rounded up to 8]; corr:
+  // scratch [rows].
   KVQ_CPU_INLINE void absorb(const float* k, const float* v, int tokens, int64_t pos0, float* p, float* corr) {
     const int stride = (tokens + 7) & ~7;
-    // the scores of each row, then its softmax weights (0 past what the row sees)
+    const f8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
+    const f8 none = splat8(-std::numeric_limits<float>::infinity());
+    // the scores of each row, eight keys at a time, then its softmax weights (0 past what it sees)
     for (int r = 0; r < rows; ++r) {
       float* pr = p + int64_t(r) * stride;
       const int vis = visible(r, pos0, tokens);
@@ -105,20 +108,27 @@ struct softmax_rows {
         continue;
       }
       const float* qr = q + int64_t(r) * d;
-      int t = 0;
-      for (; t + 4 <= vis; t += 4) dot4(qr, k + int64_t(t) * d, d, pr + t);
-      for (; t < vis; ++t) pr[t] = dot(qr, k + int64_t(t) * d, d);
-      float mx = m[r];
-      for (t = 0; t < vis; ++t) mx = pr[t] > mx ? pr[t] : mx;
-      for (t = vis; t < stride; ++t) pr[t] = mx;
-      const f8 mxv = splat8(mx);
-      for (t = 0; t < stride; t += 8) store8(pr + t, exp8_nonpositive(load8(pr + t) - mxv));
-      for (t = vis; t < stride; ++t) pr[t] = 0.f;
+      const int vis8 = (vis + 7) & ~7;
+      f8 mx = splat8(m[r]);
+      for (int t = 0; t < vis8; t += 8) {
+        f8 sc = dot8(qr, k + int64_t(t) * d, d);
+        sc = lane < float(vis - t) ? sc : none;  // keys the row does not see
+        mx = max8(mx, sc);
+        store8(pr + t, sc);
+      }
+      const float m_new = hmax8(mx);
+      const f8 mv = splat8(m_new);
       f8 sum = {};
-      for (t = 0; t < stride; t += 8) sum += load8(pr + t);
-      corr[r] = exp_nonpositive(m[r] - mx);
+      for (int t = 0; t < vis8; t += 8) {
+        const f8 e = exp8_nonpositive(load8(pr + t) - mv);
+        const f8 w = lane < float(vis - t) ? e : f8{};
+        sum += w;
+        store8(pr + t, w);
+      }
+      for (int t = vis8; t < stride; ++t) pr[t] = 0.f;
+      corr[r] = exp_nonpositive(m[r] - m_new);
       l[r] = l[r] * corr[r] + hsum8(sum);
-      m[r] = mx;
+      m[r] = m_new;
     }
     // acc = acc * corr + p V, up to four rows at a time sharing each load of V
     int r0 = 0;
@@ -131,21 +141,35 @@ struct softmax_rows {
     }
   }
 
+  // Rows r0..r0+N-1: acc = acc * corr + p V over the keys any of them sees, C channel blocks of
+  // 8 at a time from channel c (2N independent sums per key: enough to hide the FMA latency).
+  template <int N, int C>
+  KVQ_CPU_INLINE void accumulate_blocks(int r0, int c, const float* v, int vis, int stride, const float* p,
+                                        const float* corr) {
+    f8 x[C][N];
+    for (int b = 0; b < C; ++b)
+      for (int i = 0; i < N; ++i) x[b][i] = load8(acc + int64_t(r0 + i) * d + c + 8 * b) * corr[r0 + i];
+    for (int t = 0; t < vis; ++t) {
+      f8 vt[C];
+      for (int b = 0; b < C; ++b) vt[b] = load8(v + int64_t(t) * d + c + 8 * b);
+      for (int i = 0; i < N; ++i) {
+        const f8 w = splat8(p[int64_t(r0 + i) * stride + t]);
+        for (int b = 0; b < C; ++b) x[b][i] += w * vt[b];
+      }
+    }
+    for (int b = 0; b < C; ++b)
+      for (int i = 0; i < N; ++i) store8(acc + int64_t(r0 + i) * d + c + 8 * b, x[b][i]);
+  }
+
   template <int N>
   KVQ_CPU_INLINE void accumulate(int r0, const float* v, int64_t pos0, int tokens, int stride, const float* p,
                                  const float* corr) {
     int vis = 0;
     for (int i = 0; i < N; ++i) vis = std::max(vis, visible(r0 + i, pos0, tokens));
     if (vis == 0) return;
-    for (int c = 0; c < d; c += 8) {
-      f8 x[N];
-      for (int i = 0; i < N; ++i) x[i] = load8(acc + int64_t(r0 + i) * d + c) * corr[r0 + i];
-      for (int t = 0; t < vis; ++t) {
-        const f8 vt = load8(v + int64_t(t) * d + c);
-        for (int i = 0; i < N; ++i) x[i] += p[int64_t(r0 + i) * stride + t] * vt;
-      }
-      for (int i = 0; i < N; ++i) store8(acc + int64_t(r0 + i) * d + c, x[i]);
-    }
+    int c = 0;
+    for (; c + 16 <= d; c += 16) accumulate_blocks<N, 2>(r0, c, v, vis, stride, p, corr);
+    if (c < d) accumulate_blocks<N, 1>(r0, c, v, vis, stride, p, corr);
   }
 
   // Row r's output (acc / l) into o_row [d] and its log-sum-exp (-inf: no key seen, o = 0).
@@ -207,9 +231,12 @@ struct stored_blocks {
       for (int r = 0; r < 2; ++r) {
         const uint16_t* ring = kv.window + (int64_t(h) * 2 + r) * R * d;
         float* out = r == 0 ? kt : vt;
-        for (int t = 0; t < tokens; ++t) {
-          const uint16_t* src = ring + ((pos + t) % R) * d;
-          for (int c = 0; c < d; ++c) out[int64_t(t) * d + c] = half_to_float_finite(src[c]);
+        // the ring's slots of these tokens: at most two contiguous runs
+        for (int t = 0; t < tokens;) {
+          const int64_t slot = (pos + t) % R;
+          const int run = int(std::min<int64_t>(tokens - t, R - slot));
+          halves_to_floats(ring + slot * d, out + int64_t(t) * d, int64_t(run) * d);
+          t += run;
         }
       }
     }
@@ -334,8 +361,9 @@ void prefill(worker_pool& pool, const stored_layer& kv, int64_t prefix, const te
   const cache_shape& sh = *kv.shape;
   const int H = sh.kv_heads, d = sh.head_dim, group = sh.q_heads / H, tiles = query_tiles(q.tokens);
   const int64_t T = k.tokens;
-  // The chunk's K and V as the ring would hold them (fp16), per kv head: [kv_heads][T][d].
-  std::vector<float> ck(size_t(H) * T * d), cv(ck.size());
+  // The chunk's K and V as the ring would hold them (fp16), per kv head: [kv_heads][T][d], and 8
+  // rows of zeros after the last head's (`absorb` reads keys in eights).
+  std::vector<float> ck(size_t(H) * T * d + 8 * size_t(d)), cv(ck.size());
   for (int64_t i = 0; i < T; ++i)
     for (int h = 0; h < H; ++h)
       for (int c = 0; c < d; ++c) {

@@ -15,6 +15,12 @@
 #include <bit>
 #include <cstdint>
 
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(KVQ_NO_TARGET_CLONES) && \
+    !defined(__CUDACC__)
+#include <immintrin.h>
+#define KVQ_CPU_F16C 1
+#endif
+
 #if defined(__x86_64__) && defined(__clang__) && !defined(KVQ_NO_TARGET_CLONES)
 #define KVQ_CPU_CLONES __attribute__((target_clones("avx2", "default")))
 #elif defined(__x86_64__) && defined(__GNUC__) && !defined(__CUDACC__) && !defined(KVQ_NO_TARGET_CLONES)
@@ -35,6 +41,27 @@ namespace cpu {
 KVQ_CPU_INLINE float half_to_float_finite(uint16_t h) {
   const float mag = std::bit_cast<float>(uint32_t(h & 0x7fffu) << 13) * 0x1p112f;
   return std::bit_cast<float>(std::bit_cast<uint32_t>(mag) | (uint32_t(h & 0x8000u) << 16));
+}
+
+#if KVQ_CPU_F16C
+/// `halves_to_floats` with F16C (eight values per instruction); called only where the CPU has it.
+__attribute__((target("avx2,f16c"))) inline void halves_to_floats_f16c(const uint16_t* x, float* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i))));
+  for (; i < n; ++i) out[i] = half_to_float_finite(x[i]);
+}
+#endif
+
+/// n finite fp16 values -> float: the F16C conversion where the CPU has it (the one place with
+/// an intrinsic: compilers do not emit the 8-wide conversion from portable code), else
+/// `half_to_float_finite`.
+inline void halves_to_floats(const uint16_t* x, float* out, int64_t n) {
+#if KVQ_CPU_F16C
+  static const bool f16c = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  if (f16c) return halves_to_floats_f16c(x, out, n);
+#endif
+  for (int64_t i = 0; i < n; ++i) out[i] = half_to_float_finite(x[i]);
 }
 
 /// Eight floats: one AVX2 register in the AVX2 clone, two SSE registers in the baseline one
@@ -74,27 +101,37 @@ KVQ_CPU_INLINE f8 exp8_nonpositive(f8 x) {
 /// exp(x) for one x <= 0, as `exp8_nonpositive`.
 KVQ_CPU_INLINE float exp_nonpositive(float x) { return exp8_nonpositive(splat8(x))[0]; }
 
-/// a . b over d channels (d a multiple of 8).
-KVQ_CPU_INLINE float dot(const float* a, const float* b, int d) {
-  f8 s = {};
-  for (int c = 0; c < d; c += 8) s += load8(a + c) * load8(b + c);
-  return hsum8(s);
+/// Lane-pair sums of a and b: [a0+a1, a2+a3, b0+b1, b2+b3, a4+a5, a6+a7, b4+b5, b6+b7].
+KVQ_CPU_INLINE f8 hadd_pairs(f8 a, f8 b) {
+  return __builtin_shufflevector(a, b, 0, 2, 8, 10, 4, 6, 12, 14) +
+         __builtin_shufflevector(a, b, 1, 3, 9, 11, 5, 7, 13, 15);
 }
 
-/// q . k_t for four rows k_0..k_3 of a [.][d] tile starting at k (d a multiple of 8).
-KVQ_CPU_INLINE void dot4(const float* q, const float* k, int d, float* out) {
-  f8 s0 = {}, s1 = {}, s2 = {}, s3 = {};
+/// Eight horizontal sums at once: lane j of the result is the sum of s[j]'s lanes.
+KVQ_CPU_INLINE f8 hsum8x8(const f8* s) {
+  const f8 w0 = hadd_pairs(hadd_pairs(s[0], s[1]), hadd_pairs(s[2], s[3]));
+  const f8 w1 = hadd_pairs(hadd_pairs(s[4], s[5]), hadd_pairs(s[6], s[7]));
+  return __builtin_shufflevector(w0, w1, 0, 1, 2, 3, 8, 9, 10, 11) +
+         __builtin_shufflevector(w0, w1, 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+/// q . k_j for eight rows k_0..k_7 of a [.][d] tile starting at k (d a multiple of 8): eight
+/// independent accumulators, reduced together.
+KVQ_CPU_INLINE f8 dot8(const float* q, const float* k, int d) {
+  f8 s[8] = {};
   for (int c = 0; c < d; c += 8) {
     const f8 x = load8(q + c);
-    s0 += x * load8(k + c);
-    s1 += x * load8(k + d + c);
-    s2 += x * load8(k + 2 * d + c);
-    s3 += x * load8(k + 3 * d + c);
+    for (int j = 0; j < 8; ++j) s[j] += x * load8(k + int64_t(j) * d + c);
   }
-  out[0] = hsum8(s0);
-  out[1] = hsum8(s1);
-  out[2] = hsum8(s2);
-  out[3] = hsum8(s3);
+  return hsum8x8(s);
+}
+
+/// Lane-wise maximum.
+KVQ_CPU_INLINE f8 max8(f8 a, f8 b) { return a > b ? a : b; }
+KVQ_CPU_INLINE float hmax8(f8 s) {
+  float m = s[0];
+  for (int j = 1; j < 8; ++j) m = s[j] > m ? s[j] : m;
+  return m;
 }
 
 }  // namespace cpu

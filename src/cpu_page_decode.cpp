@@ -91,7 +91,7 @@ KVQ_CPU_CLONES void decode_page_rows(const codec::page_geom& g, const uint8_t* p
       const uint16_t* x = reinterpret_cast<const uint16_t*>(page);
       const int64_t count = int64_t(rows) * d;
       if (half)
-        for (int64_t i = 0; i < count; ++i) out[i] = half_to_float_finite(x[i]);
+        halves_to_floats(x, out, count);
       else
         for (int64_t i = 0; i < count; ++i) out[i] = bf16_to_float(x[i]);
       return;

@@ -4,6 +4,7 @@
 #include <bit>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <kvq/policy/static_policy.hpp>
 #include <limits>
 #include <numeric>
@@ -56,6 +57,18 @@ KVQ_LLAMA_INLINE float exp2_nonpositive(float x) {
 
 /// Query tokens per tile, keys per block and the vector width (floats) of `chunk_attention`.
 constexpr int64_t attention_tile = 16, attention_block = 64, attention_lanes = 8;
+static_assert(attention_block % (4 * attention_lanes) == 0, "the score loop reads keys in 32s");
+
+/// Eight floats (GCC/Clang vector extension: one AVX2 register in the AVX2 build of the tile,
+/// two SSE registers in the portable one).
+using v8 = float __attribute__((vector_size(32)));
+static_assert(attention_lanes == 8, "v8 holds one lane group");
+KVQ_LLAMA_INLINE v8 load_v8(const float* p) {
+  v8 x;
+  std::memcpy(&x, p, sizeof x);
+  return x;
+}
+KVQ_LLAMA_INLINE void store_v8(float* p, v8 x) { std::memcpy(p, &x, sizeof x); }
 
 /// One (kv head, query tile) of `chunk_attention`: the tile's rows = tokens x group query rows
 /// (row r: token t0 + r / group, query head kvh * group + r % group) against key blocks of
@@ -96,14 +109,22 @@ KVQ_LLAMA_INLINE void attention_tile_body(const float* q, const float* k, const 
       const int64_t valid = std::min(nb, pos0 + t0 + r / group + 1 - j0);  // causal
       if (valid <= 0) continue;
       const float* qr = qs + r * hd;
-      for (int64_t jv = 0; jv < valid; jv += L) {
-        float d[L] = {};
+      // scores of 4 x 8 keys at a time: four independent vector sums hide the FMA latency (the
+      // block's keys past `valid` are finite: the padding or this block's own later keys)
+      for (int64_t jv = 0; jv < valid; jv += 4 * L) {
+        v8 d0 = {}, d1 = {}, d2 = {}, d3 = {};
         for (int c = 0; c < hd; ++c) {
           const float qc = qr[c];
           const float* kc = kt + c * B + jv;
-          for (int64_t u = 0; u < L; ++u) d[u] += qc * kc[u];
+          d0 += qc * load_v8(kc);
+          d1 += qc * load_v8(kc + L);
+          d2 += qc * load_v8(kc + 2 * L);
+          d3 += qc * load_v8(kc + 3 * L);
         }
-        for (int64_t u = 0; u < L; ++u) s[jv + u] = d[u];
+        store_v8(s + jv, d0);
+        store_v8(s + jv + L, d1);
+        store_v8(s + jv + 2 * L, d2);
+        store_v8(s + jv + 3 * L, d3);
       }
       float m = mx[r];
       for (int64_t j = 0; j < valid; ++j) m = std::max(m, s[j]);
@@ -116,7 +137,27 @@ KVQ_LLAMA_INLINE void attention_tile_body(const float* q, const float* k, const 
       float* a = acc + r * hd;
       const float* vb = v + j0 * ld + int64_t(kvh) * hd;
       if (lanes) {
-        for (int c0 = 0; c0 < hd; c0 += int(L)) {
+        // four channel blocks of 8 at a time (fewer where head_dim is not a multiple of 32):
+        // four independent vector sums across the block's keys
+        int c0 = 0;
+        for (; c0 + 4 * int(L) <= hd; c0 += 4 * int(L)) {
+          float* ac = a + c0;
+          v8 e0 = load_v8(ac) * corr, e1 = load_v8(ac + L) * corr, e2 = load_v8(ac + 2 * L) * corr,
+             e3 = load_v8(ac + 3 * L) * corr;
+          for (int64_t j = 0; j < valid; ++j) {
+            const float p = s[j];
+            const float* vr = vb + j * ld + c0;
+            e0 += p * load_v8(vr);
+            e1 += p * load_v8(vr + L);
+            e2 += p * load_v8(vr + 2 * L);
+            e3 += p * load_v8(vr + 3 * L);
+          }
+          store_v8(ac, e0);
+          store_v8(ac + L, e1);
+          store_v8(ac + 2 * L, e2);
+          store_v8(ac + 3 * L, e3);
+        }
+        for (; c0 < hd; c0 += int(L)) {
           float e[L];
           for (int64_t u = 0; u < L; ++u) e[u] = a[c0 + u] * corr;
           for (int64_t j = 0; j < valid; ++j) {
