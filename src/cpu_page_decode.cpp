@@ -40,10 +40,15 @@ KVQ_CPU_INLINE void decode_sym(const codec::page_geom& g, const uint8_t* page, i
   const uint16_t* sc = g.scales(page);
   for (int t = 0; t < rows; ++t) {
     float* o = out + int64_t(t) * d;
-    unpack<Bits, (1 << (Bits - 1))>(page + t * rb, d, o);
+    const uint8_t* row = page + t * rb;
+    constexpr int offset = 1 << (Bits - 1);
+    if constexpr (Bits == 8) unpack<Bits, offset>(row, d, o);
     for (int j = 0; j < ng; ++j) {
       const float s = half_to_float_finite(sc[t * ng + j]);
-      for (int c = j * gs; c < (j + 1) * gs; c += 8) store8(o + c, load8(o + c) * s);
+      for (int c = j * gs; c < (j + 1) * gs; c += 8) {
+        const f8 u = Bits == 8 ? load8(o + c) : __builtin_convertvector(codes8<Bits>(row, c) - offset, f8);
+        store8(o + c, u * s);
+      }
     }
   }
 }
@@ -64,18 +69,28 @@ KVQ_CPU_INLINE void decode_kivi(const codec::page_geom& g, const uint8_t* page, 
           z[c] = half_to_float_finite(zr[(t / gs) * d + c]);
         }
       float* o = out + int64_t(t) * d;
-      unpack<Bits, 0>(page + t * rb, d, o);
-      for (int c = 0; c < d; c += 8) store8(o + c, load8(o + c) * load8(s + c) + load8(z + c));
+      const uint8_t* row = page + t * rb;
+      if constexpr (Bits == 8) {
+        unpack<Bits, 0>(row, d, o);
+        for (int c = 0; c < d; c += 8) store8(o + c, load8(o + c) * load8(s + c) + load8(z + c));
+      } else {  // codes, scale and zero in one pass: the row is written once
+        for (int c = 0; c < d; c += 8)
+          store8(o + c, __builtin_convertvector(codes8<Bits>(row, c), f8) * load8(s + c) + load8(z + c));
+      }
     }
     return;
   }
   const int ng = d / gs;
   for (int t = 0; t < rows; ++t) {
     float* o = out + int64_t(t) * d;
-    unpack<Bits, 0>(page + t * rb, d, o);
+    const uint8_t* row = page + t * rb;
+    if constexpr (Bits == 8) unpack<Bits, 0>(row, d, o);
     for (int j = 0; j < ng; ++j) {
       const float s = half_to_float_finite(sc[t * ng + j]), z = half_to_float_finite(zr[t * ng + j]);
-      for (int c = j * gs; c < (j + 1) * gs; c += 8) store8(o + c, load8(o + c) * s + z);
+      for (int c = j * gs; c < (j + 1) * gs; c += 8) {
+        const f8 u = Bits == 8 ? load8(o + c) : __builtin_convertvector(codes8<Bits>(row, c), f8);
+        store8(o + c, u * s + z);
+      }
     }
   }
 }
