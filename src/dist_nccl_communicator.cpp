@@ -1,8 +1,8 @@
 // The NCCL communicator (see nccl_communicator.hpp). Without KVQ_WITH_NCCL only the stubs that
 // say so are compiled.
-#include <kvq/dist/nccl_communicator.hpp>
-
 #include <fmt/format.h>
+
+#include <kvq/dist/nccl_communicator.hpp>
 
 #ifdef KVQ_WITH_NCCL
 #include <cuda_runtime.h>
@@ -55,11 +55,16 @@ class device_scope {
 
 ncclDataType_t nccl_type(element_type t) {
   switch (t) {
-    case element_type::u8: return ncclUint8;
-    case element_type::i32: return ncclInt32;
-    case element_type::i64: return ncclInt64;
-    case element_type::f32: return ncclFloat32;
-    case element_type::f64: return ncclFloat64;
+    case element_type::u8:
+      return ncclUint8;
+    case element_type::i32:
+      return ncclInt32;
+    case element_type::i64:
+      return ncclInt64;
+    case element_type::f32:
+      return ncclFloat32;
+    case element_type::f64:
+      return ncclFloat64;
   }
   return ncclUint8;
 }
@@ -80,8 +85,10 @@ class nccl_communicator final : public communicator {
         // Flush what was enqueued, bounded by the timeout; then free.
         ncclResult_t r = ncclCommFinalize(comm_);
         if (r == ncclInProgress) r = wait_comm("destroy");
-        if (r == ncclSuccess) (void)ncclCommDestroy(comm_);
-        else (void)ncclCommAbort(comm_);
+        if (r == ncclSuccess)
+          (void)ncclCommDestroy(comm_);
+        else
+          (void)ncclCommAbort(comm_);
       }
     }
     if (ev_) (void)cudaEventDestroy(ev_);
@@ -113,8 +120,9 @@ class nccl_communicator final : public communicator {
   std::string name() const override { return fmt::format("nccl(rank {} of {}, device {})", rank_, size_, device_); }
 
   status all_gather(const void* send, void* recv, size_t bytes, memory_space where, void* stream) override {
-    return run("all_gather", send, recv, bytes, bytes * size_t(size_), where, stream,
-               [&](const void* s, void* r, cudaStream_t st) { return ncclAllGather(s, r, bytes, ncclUint8, comm_, st); });
+    return run(
+        "all_gather", send, recv, bytes, bytes * size_t(size_), where, stream,
+        [&](const void* s, void* r, cudaStream_t st) { return ncclAllGather(s, r, bytes, ncclUint8, comm_, st); });
   }
 
   status all_reduce(const void* send, void* recv, size_t count, element_type type, reduce_op op, memory_space where,

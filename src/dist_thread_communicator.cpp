@@ -2,13 +2,12 @@
 // Each rank deposits its contribution; the last to arrive computes the result for all, moves the
 // generation on and wakes the others, who copy the result out. A rank that waits past the timeout,
 // aborts, or arrives with a call that differs from the first arrival's breaks the group.
-#include <kvq/dist/thread_communicator.hpp>
-
 #include <fmt/format.h>
 
 #include <algorithm>
 #include <condition_variable>
 #include <cstring>
+#include <kvq/dist/thread_communicator.hpp>
 #include <mutex>
 
 KVQ_NAMESPACE_BEGIN
@@ -30,7 +29,8 @@ struct call_desc {
     if (kind == op_kind::all_gather) return fmt::format("all_gather of {} bytes", bytes);
     static constexpr const char* types[] = {"u8", "i32", "i64", "f32", "f64"};
     static constexpr const char* ops[] = {"sum", "max", "min"};
-    return fmt::format("all_reduce({}, {}) of {} elements", ops[int(op)], types[int(type)], bytes / element_bytes(type));
+    return fmt::format("all_reduce({}, {}) of {} elements", ops[int(op)], types[int(type)],
+                       bytes / element_bytes(type));
   }
 };
 
@@ -48,11 +48,16 @@ void reduce_into(std::vector<std::byte>& acc, const std::vector<std::byte>& in, 
 
 void reduce_into(std::vector<std::byte>& acc, const std::vector<std::byte>& in, element_type t, reduce_op op) {
   switch (t) {
-    case element_type::u8: return reduce_into<uint8_t>(acc, in, op);
-    case element_type::i32: return reduce_into<int32_t>(acc, in, op);
-    case element_type::i64: return reduce_into<int64_t>(acc, in, op);
-    case element_type::f32: return reduce_into<float>(acc, in, op);
-    case element_type::f64: return reduce_into<double>(acc, in, op);
+    case element_type::u8:
+      return reduce_into<uint8_t>(acc, in, op);
+    case element_type::i32:
+      return reduce_into<int32_t>(acc, in, op);
+    case element_type::i64:
+      return reduce_into<int64_t>(acc, in, op);
+    case element_type::f32:
+      return reduce_into<float>(acc, in, op);
+    case element_type::f64:
+      return reduce_into<double>(acc, in, op);
   }
 }
 
@@ -64,10 +69,10 @@ struct rendezvous {
   const std::chrono::milliseconds timeout;
   std::mutex mu;
   std::condition_variable cv;
-  uint64_t generation = 0;                    // collectives completed
-  int arrived = 0;                            // ranks deposited in the current generation
-  call_desc current{};                        // the first arrival's call
-  std::vector<std::vector<std::byte>> slots;  // [size] contributions of the current generation
+  uint64_t generation = 0;                             // collectives completed
+  int arrived = 0;                                     // ranks deposited in the current generation
+  call_desc current{};                                 // the first arrival's call
+  std::vector<std::vector<std::byte>> slots;           // [size] contributions of the current generation
   std::shared_ptr<const std::vector<std::byte>> last;  // result of the last completed generation
   bool is_broken = false;
   std::string why;  // the first failure
@@ -160,8 +165,10 @@ class thread_communicator final : public communicator {
   // Bad arguments on one rank break the group, so that the others fail now rather than wait.
   status check_args(const char* what, const void* send, const void* recv, size_t n, memory_space where) {
     std::string bad;
-    if (!send || !recv) bad = fmt::format("{}: null buffer", what);
-    else if (n == 0) bad = fmt::format("{}: empty buffer", what);
+    if (!send || !recv)
+      bad = fmt::format("{}: null buffer", what);
+    else if (n == 0)
+      bad = fmt::format("{}: empty buffer", what);
     else if (where != memory_space::host)
       bad = fmt::format("{}: device buffers given to a thread communicator (host buffers only)", what);
     if (bad.empty()) return {};

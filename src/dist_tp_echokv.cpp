@@ -1,9 +1,8 @@
 // EchoKV's tier vote across tensor-parallel ranks (see tp_echokv.hpp).
-#include <kvq/dist/tp_echokv.hpp>
-
 #include <fmt/format.h>
 
 #include <cstring>
+#include <kvq/dist/tp_echokv.hpp>
 
 KVQ_NAMESPACE_BEGIN
 
@@ -64,10 +63,9 @@ result<tp_echokv> tp_echokv::create(KVCache& cache, communicator& comm) {
                   "per-layer units are voted on"};
   const rank_config mine = config_of(*pol, cache.config().shape.layers);
   std::vector<rank_config> all(size_t(comm.size()));
-  if (status s = comm.all_gather(&mine, all.data(), sizeof(rank_config), memory_space::host, cache.config().stream);
-      !s)
-    return status{s.code(), fmt::format("tensor-parallel vote: configuration exchange on rank {}: {}", comm.rank(),
-                                        s.message())};
+  if (status s = comm.all_gather(&mine, all.data(), sizeof(rank_config), memory_space::host, cache.config().stream); !s)
+    return status{s.code(),
+                  fmt::format("tensor-parallel vote: configuration exchange on rank {}: {}", comm.rank(), s.message())};
   for (size_t r = 1; r < all.size(); ++r)
     if (const char* f = differing_field(all[r], all[0]))
       return status{errc::invalid_argument,
@@ -112,7 +110,8 @@ status tp_echokv::vote() {
   }
   std::vector<std::vector<uint8_t>> snapshots(ranks);
   for (size_t r = 0; r < ranks; ++r)
-    snapshots[r].assign(gathered_.begin() + std::ptrdiff_t(r * units), gathered_.begin() + std::ptrdiff_t((r + 1) * units));
+    snapshots[r].assign(gathered_.begin() + std::ptrdiff_t(r * units),
+                        gathered_.begin() + std::ptrdiff_t((r + 1) * units));
   auto agreed = echokv_policy::majority_vote(snapshots);
   if (!agreed) return agreed.error();  // unreachable: equal lengths, checked at create
   if (status a = pol_->apply_agreed(agreed.value()); !a) {

@@ -12,11 +12,10 @@
 /// `errc::comm_error` naming the first failure. A broken group is not repaired; the engine makes
 /// a new one.
 
-#include <kvq/config.hpp>
-#include <kvq/status.hpp>
-
 #include <cstddef>
 #include <cstdint>
+#include <kvq/config.hpp>
+#include <kvq/status.hpp>
 #include <string>
 
 KVQ_NAMESPACE_BEGIN
@@ -29,11 +28,16 @@ enum class element_type : uint8_t { u8, i32, i64, f32, f64 };
 /// Bytes of one element of `t`.
 constexpr size_t element_bytes(element_type t) {
   switch (t) {
-    case element_type::u8: return 1;
-    case element_type::i32: return 4;
-    case element_type::f32: return 4;
-    case element_type::i64: return 8;
-    case element_type::f64: return 8;
+    case element_type::u8:
+      return 1;
+    case element_type::i32:
+      return 4;
+    case element_type::f32:
+      return 4;
+    case element_type::i64:
+      return 8;
+    case element_type::f64:
+      return 8;
   }
   return 0;
 }
@@ -76,8 +80,8 @@ class KVQ_EXPORT communicator {
   /// a timeout or a mismatch with the other ranks' calls (`comm_error`).
   virtual status all_gather(const void* send, void* recv, size_t bytes, memory_space where, void* stream) = 0;
 
-  /// Element-wise reduction of every rank's `count` elements, in rank order (so a floating-point
-  /// sum is the same on every rank and every run); every rank receives the result.
+  /// Element-wise reduction of every rank's `count` elements; every rank receives the same result
+  /// (the thread communicator reduces in rank order; NCCL in the order of its algorithm).
   /// \param send [count] elements of `type`
   /// \param recv [count] elements of `type`; may equal `send`
   /// Errors as `all_gather`.

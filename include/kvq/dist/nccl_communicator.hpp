@@ -10,10 +10,9 @@
 /// collectives stage through device and pinned buffers the communicator allocates at creation
 /// (`max_host_bytes`), so the collective itself allocates nothing.
 
-#include <kvq/dist/communicator.hpp>
-
 #include <array>
 #include <chrono>
+#include <kvq/dist/communicator.hpp>
 #include <memory>
 
 KVQ_NAMESPACE_BEGIN

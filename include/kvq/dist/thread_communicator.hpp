@@ -6,9 +6,8 @@
 /// breaks and every rank's call returns `errc::comm_error` (docs/architecture.md, "Tensor
 /// parallel").
 
-#include <kvq/dist/communicator.hpp>
-
 #include <chrono>
+#include <kvq/dist/communicator.hpp>
 #include <memory>
 #include <vector>
 

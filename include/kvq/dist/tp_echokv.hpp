@@ -13,11 +13,10 @@
 /// A failed exchange (a rank fails, times out or aborts: `communicator`) is a status on every
 /// rank, and every rank keeps the tiers agreed before it (its proposal returns to them).
 
+#include <cstdint>
 #include <kvq/cache/cache.hpp>
 #include <kvq/dist/communicator.hpp>
 #include <kvq/policy/echokv.hpp>
-
-#include <cstdint>
 #include <span>
 #include <vector>
 
@@ -27,10 +26,10 @@ namespace dist {
 
 /// What one rank's vote did so far.
 struct tp_vote_counters {
-  uint64_t votes = 0;          ///< exchanges completed
-  uint64_t moves = 0;          ///< (vote, layer) pairs whose agreed tier changed
-  uint64_t overruled = 0;      ///< (vote, layer) pairs where this rank's proposal lost
-  uint64_t failures = 0;       ///< exchanges that returned an error
+  uint64_t votes = 0;      ///< exchanges completed
+  uint64_t moves = 0;      ///< (vote, layer) pairs whose agreed tier changed
+  uint64_t overruled = 0;  ///< (vote, layer) pairs where this rank's proposal lost
+  uint64_t failures = 0;   ///< exchanges that returned an error
 };
 
 /// One rank's side of the tier vote. Holds references to the rank's cache and communicator,
