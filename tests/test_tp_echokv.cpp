@@ -176,6 +176,36 @@ TEST_CASE("tensor-parallel echokv: every rank keeps the same format map with dif
   CHECK(traces[0].agreed.back()[0] < traces[0].agreed.back()[4]);
 }
 
+TEST_CASE("tensor-parallel echokv: a decision that lands between votes stores nothing alone", "[tp][echokv]") {
+  // On CUDA a canary is ingested a step or more after it ran, at a moment that differs between
+  // ranks. Here rank 0 ingests one between two votes and then both ranks write pages: the pages
+  // must still take the agreed tiers on both.
+  auto comms = make_thread_group(2, 10s).value_or_throw();
+  std::vector<cache_stats> stats(2);
+  std::vector<std::vector<uint8_t>> proposal(2), agreed(2);
+  auto errors = run_ranks(2, [&](int r) {
+    echokv_options o = scripted();
+    o.rate = 1e-9;  // no canary of its own in these steps
+    auto pol = std::make_shared<echokv_policy>(o);
+    KVCache cache = rank_cache(pol);
+    auto tp = tp_echokv::create(cache, *comms[size_t(r)]).value_or_throw();
+    check(cache.create_sequence(0));
+    if (r == 0) propose(*pol, {0, 0, 0, 0, 0, 0}, 4096);  // a late measurement: every layer down
+    step(cache, r, 0, 128);
+    for (int s = 0; s < 128; ++s) step(cache, r, 128 + s, 1);  // three pages per (layer, kv head)
+    stats[size_t(r)] = cache.stats();
+    proposal[size_t(r)] = pol->snapshot();
+    agreed[size_t(r)] = pol->agreed();
+  });
+  REQUIRE(all_ok(errors));
+  CHECK(proposal[0] == std::vector<uint8_t>(layers, 0));
+  CHECK(agreed[0] == std::vector<uint8_t>(layers, 2));
+  CHECK(stats[0].pages == stats[1].pages);
+  CHECK(stats[0].pages > 0);
+  CHECK(stats[0].pages_by_format == stats[1].pages_by_format);
+  CHECK(stats[0].format_map == stats[1].format_map);
+}
+
 TEST_CASE("tensor-parallel echokv: without the vote the same ranks diverge", "[tp][echokv]") {
   const auto traces = decode(2, 400, false);
   CHECK(per_layer(traces[0].stats) != per_layer(traces[1].stats));
