@@ -207,7 +207,8 @@ class KVQ_EXPORT echokv_policy final : public policy, public canary_protocol {
   /// True while frozen.
   bool frozen() const { return frozen_; }
 
-  /// The tier vector, [units] (units = layers, or layers*kv_heads in per-head mode, row-major).
+  /// The tier vector, [units] (units = layers, or layers*kv_heads in per-head mode, row-major);
+  /// in agreement mode the proposal (as are the tiers of `history`).
   std::vector<uint8_t> snapshot() const { return tiers_; }
   /// Sets the tier vector (e.g. one from `snapshot` or `majority_vote`) and clears the hysteresis
   /// streaks; EMAs are kept. Errors name a wrong length or a tier out of range.
