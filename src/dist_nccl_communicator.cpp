@@ -212,7 +212,11 @@ class nccl_communicator final : public communicator {
     auto* dsend = static_cast<std::byte*>(dev_buf_);
     std::byte* drecv = dsend + opt_.max_host_bytes;
     if (where == memory_space::host) {
-      if (cudaMemcpyAsync(dsend, send, send_bytes, cudaMemcpyHostToDevice, st) != cudaSuccess)
+      // Through pinned memory: an async copy from pageable memory is staged by the driver
+      // synchronously; from pinned memory it is one DMA ordered on the stream.
+      std::byte* pinned_send = static_cast<std::byte*>(host_buf_) + opt_.max_host_bytes * size_t(size_);
+      std::memcpy(pinned_send, send, send_bytes);
+      if (cudaMemcpyAsync(dsend, pinned_send, send_bytes, cudaMemcpyHostToDevice, st) != cudaSuccess)
         return fail(errc::comm_error, fmt::format("{}: staging copy failed", what));
       s = dsend;
       r = drecv;
@@ -233,7 +237,7 @@ class nccl_communicator final : public communicator {
   nccl_options opt_;
   ncclComm_t comm_ = nullptr;
   void* dev_buf_ = nullptr;   // [max_host_bytes] send, then [size][max_host_bytes] recv
-  void* host_buf_ = nullptr;  // pinned [size + 1][max_host_bytes]; the first size x max_host_bytes receive
+  void* host_buf_ = nullptr;  // pinned [size][max_host_bytes] receive, then [max_host_bytes] send
   cudaEvent_t ev_ = nullptr;
   bool broken_ = false;
   std::string why_;
