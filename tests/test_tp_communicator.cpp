@@ -90,12 +90,12 @@ TEST_CASE("thread communicator: all_reduce of every type and op, the same on eve
 TEST_CASE("thread communicator: a rank that never comes breaks the group on every rank", "[tp]") {
   auto comms = group(3, 150ms);
   std::vector<status> got(3);
+  kvq_test::signal timed_out;
   auto errors = run_ranks(3, [&](int r) {
     uint8_t s = uint8_t(r), out[3] = {};
-    if (r == 2) {
-      std::this_thread::sleep_for(400ms);  // past the others' timeout
-    }
+    if (r == 2) timed_out.wait();  // comes after the others gave up
     got[size_t(r)] = comms[size_t(r)]->all_gather(&s, out, 1, memory_space::host, nullptr);
+    if (r == 0) timed_out.set();
   });
   REQUIRE(all_ok(errors));
   for (int r = 0; r < 3; ++r) {

@@ -148,7 +148,7 @@ TEST_CASE("echokv agreement mode: decisions move the proposal, choose answers th
 TEST_CASE("tensor-parallel echokv: every rank keeps the same format map with different data", "[tp][echokv]") {
   const int ranks = GENERATE(2, 3);
   CAPTURE(ranks);
-  constexpr int steps = 400;
+  constexpr int steps = 256;
   const auto traces = decode(ranks, steps, true);
   uint64_t overruled = 0, moves = traces[0].counters.moves;
   for (int r = 0; r < ranks; ++r) {
@@ -207,7 +207,7 @@ TEST_CASE("tensor-parallel echokv: a decision that lands between votes stores no
 }
 
 TEST_CASE("tensor-parallel echokv: without the vote the same ranks diverge", "[tp][echokv]") {
-  const auto traces = decode(2, 400, false);
+  const auto traces = decode(2, 256, false);
   CHECK(per_layer(traces[0].stats) != per_layer(traces[1].stats));
 }
 
@@ -244,7 +244,8 @@ TEST_CASE("tensor-parallel echokv: ties go to the higher tier, the same on every
 TEST_CASE("tensor-parallel echokv: a failed or timed-out exchange keeps every rank's tiers", "[tp][echokv]") {
   const bool timeout = GENERATE(false, true);
   CAPTURE(timeout);
-  auto comms = make_thread_group(2, 200ms).value_or_throw();
+  auto comms = make_thread_group(2, 1s).value_or_throw();
+  kvq_test::signal rank0_done;
   std::vector<status> got(2), later(2);
   std::vector<std::vector<uint8_t>> before(2), after(2), proposal_after(2);
   std::vector<std::vector<format_pair>> map_before(2), map_after(2);
@@ -261,11 +262,12 @@ TEST_CASE("tensor-parallel echokv: a failed or timed-out exchange keeps every ra
     propose(*pol, r == 0 ? std::vector<int>{2, 2, 2, 0, 0, 0} : std::vector<int>{1, 2, 0, 2, 0, 1}, 4097);
     if (r == 1) {
       if (timeout)
-        std::this_thread::sleep_for(600ms);  // misses rank 0's deadline
+        rank0_done.wait();  // misses rank 0's deadline, then comes late
       else
         comms[1]->abort("forward pass failed");
     }
     got[size_t(r)] = tp.vote();
+    if (r == 0) rank0_done.set();
     after[size_t(r)] = pol->agreed();
     proposal_after[size_t(r)] = pol->snapshot();
     map_after[size_t(r)] = cache.stats().format_map;
@@ -276,7 +278,7 @@ TEST_CASE("tensor-parallel echokv: a failed or timed-out exchange keeps every ra
     CAPTURE(r, got[size_t(r)].to_string());
     CHECK(got[size_t(r)].code() == errc::comm_error);
     CHECK(got[size_t(r)].message().find("tiers kept") != std::string::npos);
-    CHECK(got[size_t(r)].message().find(timeout ? "waited 200 ms" : "forward pass failed") != std::string::npos);
+    CHECK(got[size_t(r)].message().find(timeout ? "waited 1000 ms" : "forward pass failed") != std::string::npos);
     CHECK(before[size_t(r)] == std::vector<uint8_t>{0, 0, 1, 1, 2, 2});
     CHECK(after[size_t(r)] == before[size_t(r)]);
     CHECK(proposal_after[size_t(r)] == before[size_t(r)]);

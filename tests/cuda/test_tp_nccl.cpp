@@ -169,7 +169,8 @@ TEST_CASE("tensor-parallel echokv over NCCL: two CUDA caches agree after every s
 }
 
 TEST_CASE("tensor-parallel echokv over NCCL: a rank that misses the vote fails both, tiers kept", "[tp_nccl]") {
-  auto comms = nccl_group(1500ms);
+  auto comms = nccl_group(5s);  // creation included: NCCL's first init can take seconds
+  kvq_test::signal rank0_done;
   echokv_options o;
   o.rate = 1.0;
   std::vector<status> got(ranks);
@@ -180,8 +181,9 @@ TEST_CASE("tensor-parallel echokv over NCCL: a rank that misses the vote fails b
     auto tp = tp_echokv::create(cache, *comms[size_t(r)]).value_or_throw();
     check(tp.vote());
     before[size_t(r)] = tp.policy().agreed();
-    if (r == 1) std::this_thread::sleep_for(4s);  // misses rank 0's deadline, then comes late
+    if (r == 1) rank0_done.wait();  // misses rank 0's deadline, then comes late (and times out)
     got[size_t(r)] = tp.vote();
+    if (r == 0) rank0_done.set();
     after[size_t(r)] = tp.policy().agreed();
   });
   INFO(errors[0] << " | " << errors[1]);
