@@ -33,7 +33,8 @@ struct tp_vote_counters {
 };
 
 /// One rank's side of the tier vote. Holds references to the rank's cache and communicator,
-/// which must outlive it. Used from the thread that drives the rank's cache.
+/// which must outlive it and not move (a moved-from `KVCache` is empty). Used from the thread
+/// that drives the rank's cache.
 class KVQ_EXPORT tp_echokv {
  public:
   /// Checks that the cache's policy is an `echokv_policy` in per-layer mode and, with one
