@@ -128,6 +128,7 @@ status echokv_policy::bind(const cache_shape& shape) {
   spec_ = {o.tiers, align_, o.softmax_scale > 0.f ? o.softmax_scale : 1.0f / std::sqrt(float(shape.head_dim)),
            o.granularity == echokv_granularity::per_head};
   tiers_.assign(U, uint8_t(o.initial_tier < 0 ? int(T) - 1 : o.initial_tier));
+  agreed_ = tiers_;
   ema_.assign(U * T, std::numeric_limits<double>::quiet_NaN());
   streak_.assign(U * T, 0);
   counters_ = {};
@@ -142,7 +143,7 @@ status echokv_policy::bind(const cache_shape& shape) {
 format_pair echokv_policy::current(int layer, int kv_head) const {
   if (!bound_ || layer < 0 || layer >= shape_.layers || kv_head < 0 || kv_head >= shape_.kv_heads)
     return pair_of_tier(opt_.tiers.size() - 1);
-  return pair_of_tier(tiers_[size_t(unit_of(layer, kv_head))]);
+  return pair_of_tier((agreement_ ? agreed_ : tiers_)[size_t(unit_of(layer, kv_head))]);
 }
 
 bool echokv_policy::is_canary(seq_id seq, int64_t context) const {
@@ -409,17 +410,30 @@ status echokv_policy::ingest(const canary_measurement& m) {
   return {};
 }
 
-status echokv_policy::restore(std::span<const uint8_t> tiers) {
-  if (!bound_) return {errc::invalid_argument, "echokv: restore before bind"};
+status echokv_policy::check_tiers(std::span<const uint8_t> tiers, const char* what) const {
+  if (!bound_) return {errc::invalid_argument, fmt::format("echokv: {} before bind", what)};
   if (tiers.size() != tiers_.size())
     return {errc::invalid_argument,
-            fmt::format("echokv: restore of {} tiers, the policy has {} units", tiers.size(), tiers_.size())};
+            fmt::format("echokv: {} of {} tiers, the policy has {} units", what, tiers.size(), tiers_.size())};
   for (size_t u = 0; u < tiers.size(); ++u)
     if (tiers[u] >= opt_.tiers.size())
-      return {errc::invalid_argument, fmt::format("echokv: restore: unit {} has tier {}, there are {} tiers", u,
+      return {errc::invalid_argument, fmt::format("echokv: {}: unit {} has tier {}, there are {} tiers", what, u,
                                                   int(tiers[u]), opt_.tiers.size())};
-  std::copy(tiers.begin(), tiers.end(), tiers_.begin());
+  return {};
+}
+
+status echokv_policy::restore(std::span<const uint8_t> tiers) {
+  if (status s = check_tiers(tiers, "restore"); !s) return s;
+  tiers_.assign(tiers.begin(), tiers.end());
+  agreed_ = tiers_;
   std::fill(streak_.begin(), streak_.end(), 0);
+  return {};
+}
+
+status echokv_policy::apply_agreed(std::span<const uint8_t> tiers) {
+  if (status s = check_tiers(tiers, "apply_agreed"); !s) return s;
+  tiers_.assign(tiers.begin(), tiers.end());
+  agreed_ = tiers_;
   return {};
 }
 

@@ -23,6 +23,7 @@ enum class errc {
   io_error,          ///< a file could not be read or is corrupt
   cuda_error,        ///< a CUDA runtime call failed
   unsupported,       ///< a valid request this build cannot serve (e.g. no CUDA)
+  comm_error,        ///< a collective between ranks failed, timed out or was aborted
 };
 
 /// Readable name of an error code.
@@ -36,6 +37,7 @@ constexpr const char* errc_name(errc c) {
     case errc::io_error: return "io error";
     case errc::cuda_error: return "cuda error";
     case errc::unsupported: return "unsupported";
+    case errc::comm_error: return "communication error";
   }
   return "unknown";
 }

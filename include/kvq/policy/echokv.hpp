@@ -207,11 +207,29 @@ class KVQ_EXPORT echokv_policy final : public policy, public canary_protocol {
   /// True while frozen.
   bool frozen() const { return frozen_; }
 
-  /// The tier vector, [units] (units = layers, or layers*kv_heads in per-head mode, row-major).
+  /// The tier vector, [units] (units = layers, or layers*kv_heads in per-head mode, row-major);
+  /// in agreement mode the proposal (as are the tiers of `history`).
   std::vector<uint8_t> snapshot() const { return tiers_; }
   /// Sets the tier vector (e.g. one from `snapshot` or `majority_vote`) and clears the hysteresis
   /// streaks; EMAs are kept. Errors name a wrong length or a tier out of range.
   status restore(std::span<const uint8_t> tiers);
+  /// Agreement mode, for tensor-parallel ranks that must store every layer in one format
+  /// (docs/architecture.md, "Tensor parallel"). While on, canary decisions move only the
+  /// *proposal* (`snapshot`); the tiers `choose` and `current` answer with (`agreed`) change only
+  /// through `apply_agreed` or `restore`. Turning it on makes the current tiers the agreed ones;
+  /// turning it off makes the proposal current.
+  void set_agreement(bool on) {
+    agreement_ = on;
+    agreed_ = tiers_;
+  }
+  /// True while in agreement mode.
+  bool agreement() const { return agreement_; }
+  /// The tiers `choose` answers with, [units]: the agreed ones in agreement mode, else `snapshot`.
+  std::vector<uint8_t> agreed() const { return agreement_ ? agreed_ : tiers_; }
+  /// Makes `tiers` (the ranks' majority vote) both the agreed tiers and the proposal, keeping the
+  /// EMAs and the hysteresis streaks: a unit that was outvoted proposes its move again at its next
+  /// canary, as its own measurements warrant. Errors name a wrong length or a tier out of range.
+  status apply_agreed(std::span<const uint8_t> tiers);
   /// Per unit, the tier most of the snapshots hold; a tie goes to the highest of the tied tiers
   /// (the safer precision). What tensor-parallel ranks exchange. Errors: no
   /// snapshots, or snapshots of different lengths.
@@ -268,6 +286,7 @@ class KVQ_EXPORT echokv_policy final : public policy, public canary_protocol {
   void decide(int unit, double tau);
   format_pair pair_of_tier(size_t t) const;  // `tier_formats` without the range check
   void update_controller(int64_t context);
+  status check_tiers(std::span<const uint8_t> tiers, const char* what) const;
 
   echokv_options opt_;
   cache_shape shape_{};
@@ -276,7 +295,9 @@ class KVQ_EXPORT echokv_policy final : public policy, public canary_protocol {
   int align_ = 1;                  // token alignment of the canary window (largest K token group)
   canary_spec spec_;               // what `device_canary` hands a backend
   std::vector<double> tier_bits_;  // [tiers]
-  std::vector<uint8_t> tiers_;     // [units]
+  std::vector<uint8_t> tiers_;     // [units] the decisions (the proposal in agreement mode)
+  bool agreement_ = false;
+  std::vector<uint8_t> agreed_;    // [units] what `choose` answers in agreement mode
   std::vector<double> ema_;        // [units][tiers]
   std::vector<int> streak_;        // [units][tiers] consecutive canaries below τ(1-h)
   echokv_counters counters_;
