@@ -138,4 +138,19 @@ dot_fn find_dot(ggml_type t, cpu_isa isa) {
   }
 }
 
+dot4_fn find_dot4(ggml_type t, cpu_isa isa) {
+  if (!isa_available(isa)) return nullptr;
+  const detail::dot_kernels k = isa == cpu_isa::avx2 ? detail::avx2_kernels() : detail::scalar_kernels();
+  switch (t) {
+    case ggml_type::q4_0:
+      return k.q4_0x4;
+    case ggml_type::q4_1:
+      return k.q4_1x4;
+    case ggml_type::q8_0:
+      return k.q8_0x4;
+    default:
+      return nullptr;
+  }
+}
+
 }  // namespace kvq::llama

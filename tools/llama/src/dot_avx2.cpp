@@ -93,6 +93,46 @@ float dot_q4_1(const uint8_t* w, const uint8_t* act, int64_t n) {
   return hsum(acc) + mins;
 }
 
+// Four activation rows (act, act + stride, ...) against one weight row: the weight's bytes are
+// unpacked once per block for all four, and each row's sum is formed in exactly the order of
+// `dot_q4_1` (so the results are equal bit for bit).
+void dot4_q4_1(const uint8_t* w, const uint8_t* act, size_t stride, int64_t n, float* out) {
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  float mins[4] = {};
+  for (int64_t b = 0; b < n / 32; ++b, w += sizeof(block_q4_1)) {
+    const __m256i bytes = _mm256_cvtepu8_epi16(load128(w + 4));
+    const __m256i lo = _mm256_and_si256(bytes, _mm256_set1_epi16(0x0f));
+    const __m256i hi = _mm256_srli_epi16(bytes, 4);
+    const float d = f16_at(w), m = f16_at(w + 2);
+    for (int i = 0; i < 4; ++i) {
+      const q16_block* a = reinterpret_cast<const q16_block*>(act + i * stride + size_t(b) * sizeof(q16_block));
+      const __m256i p = _mm256_add_epi32(madd16(lo, a->qs), madd16(hi, a->qs + 16));
+      acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(d * a->d), _mm256_cvtepi32_ps(p), acc[i]);
+      mins[i] += m * a->s;
+    }
+  }
+  for (int i = 0; i < 4; ++i) out[i] = hsum(acc[i]) + mins[i];
+}
+
+// `dot_q4_0` for four activation rows, as `dot4_q4_1`.
+void dot4_q4_0(const uint8_t* w, const uint8_t* act, size_t stride, int64_t n, float* out) {
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  float offset[4] = {};
+  for (int64_t b = 0; b < n / 32; ++b, w += sizeof(block_q4_0)) {
+    const __m256i bytes = _mm256_cvtepu8_epi16(load128(w + 2));
+    const __m256i lo = _mm256_and_si256(bytes, _mm256_set1_epi16(0x0f));
+    const __m256i hi = _mm256_srli_epi16(bytes, 4);
+    const float d = f16_at(w);
+    for (int i = 0; i < 4; ++i) {
+      const q16_block* a = reinterpret_cast<const q16_block*>(act + i * stride + size_t(b) * sizeof(q16_block));
+      const __m256i p = _mm256_add_epi32(madd16(lo, a->qs), madd16(hi, a->qs + 16));
+      acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(d * a->d), _mm256_cvtepi32_ps(p), acc[i]);
+      offset[i] += d * a->s;
+    }
+  }
+  for (int i = 0; i < 4; ++i) out[i] = hsum(acc[i]) - 8.f * offset[i];
+}
+
 float dot_q8_0(const uint8_t* w, const uint8_t* act, int64_t n) {
   __m256 acc = _mm256_setzero_ps();
   for (int64_t b = 0; b < n / 32; ++b, w += sizeof(block_q8_0), act += sizeof(q16_block)) {
@@ -103,6 +143,22 @@ float dot_q8_0(const uint8_t* w, const uint8_t* act, int64_t n) {
     acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_at(w) * a->d), _mm256_cvtepi32_ps(p), acc);
   }
   return hsum(acc);
+}
+
+// `dot_q8_0` for four activation rows, as `dot4_q4_1`.
+void dot4_q8_0(const uint8_t* w, const uint8_t* act, size_t stride, int64_t n, float* out) {
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int64_t b = 0; b < n / 32; ++b, w += sizeof(block_q8_0)) {
+    const __m256i q0 = _mm256_cvtepi8_epi16(load128(w + 2));
+    const __m256i q1 = _mm256_cvtepi8_epi16(load128(w + 18));
+    const float d = f16_at(w);
+    for (int i = 0; i < 4; ++i) {
+      const q16_block* a = reinterpret_cast<const q16_block*>(act + i * stride + size_t(b) * sizeof(q16_block));
+      const __m256i p = _mm256_add_epi32(madd16(q0, a->qs), madd16(q1, a->qs + 16));
+      acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(d * a->d), _mm256_cvtepi32_ps(p), acc[i]);
+    }
+  }
+  for (int i = 0; i < 4; ++i) out[i] = hsum(acc[i]);
 }
 
 float dot_q4_k(const uint8_t* w, const uint8_t* act, int64_t n) {
@@ -168,7 +224,9 @@ float dot_q6_k(const uint8_t* w, const uint8_t* act, int64_t n) {
 
 }  // namespace
 
-dot_kernels avx2_kernels() { return {dot_f32, dot_f16, dot_q4_0, dot_q4_1, dot_q8_0, dot_q4_k, dot_q6_k}; }
+dot_kernels avx2_kernels() {
+  return {dot_f32, dot_f16, dot_q4_0, dot_q4_1, dot_q8_0, dot_q4_k, dot_q6_k, dot4_q4_0, dot4_q4_1, dot4_q8_0};
+}
 
 }  // namespace kvq::llama::detail
 

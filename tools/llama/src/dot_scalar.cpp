@@ -117,6 +117,8 @@ float dot_q6_k(const uint8_t* w, const uint8_t* act, int64_t n) {
 
 }  // namespace
 
-dot_kernels scalar_kernels() { return {dot_f32, dot_f16, dot_q4_0, dot_q4_1, dot_q8_0, dot_q4_k, dot_q6_k}; }
+dot_kernels scalar_kernels() {
+  return {dot_f32, dot_f16, dot_q4_0, dot_q4_1, dot_q8_0, dot_q4_k, dot_q6_k, nullptr, nullptr, nullptr};
+}
 
 }  // namespace kvq::llama::detail

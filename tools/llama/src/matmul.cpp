@@ -82,7 +82,11 @@ void matmul(std::span<const matmul_job> jobs, const float* x, int64_t T, thread_
   }
 
   std::vector<dot_fn> dots(jobs.size());
-  for (size_t i = 0; i < jobs.size(); ++i) dots[i] = find_dot(jobs[i].w->type(), isa);
+  std::vector<dot4_fn> dots4(jobs.size());
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    dots[i] = find_dot(jobs[i].w->type(), isa);
+    dots4[i] = find_dot4(jobs[i].w->type(), isa);
+  }
 
   int64_t all_rows = 0;
   for (const auto& j : jobs) all_rows += j.w->rows();
@@ -107,13 +111,21 @@ void matmul(std::span<const matmul_job> jobs, const float* x, int64_t T, thread_
     const dot_fn dot = dots[j];
     const int64_t r0 = (row_task - first_task[j]) * rows_per_task, r1 = std::min(w.rows(), r0 + rows_per_task);
     const int64_t t0 = tile * tokens_per_task, t1 = std::min(T, t0 + tokens_per_task);
+    const dot4_fn dot4 = dots4[j];
+    auto put = [&](int64_t t, int64_t r, float v) {
+      float& out = job.y[t * w.rows() + r];
+      out = job.accumulate ? out + v : v;
+    };
     for (int64_t r = r0; r < r1; ++r) {
       const uint8_t* wr = w.row(r);
-      for (int64_t t = t0; t < t1; ++t) {
-        const float v = dot(wr, a + size_t(t) * stride, cols);
-        float& out = job.y[t * w.rows() + r];
-        out = job.accumulate ? out + v : v;
-      }
+      int64_t t = t0;
+      if (dot4)  // four tokens per pass over the weight row
+        for (; t + 4 <= t1; t += 4) {
+          float v[4];
+          dot4(wr, a + size_t(t) * stride, stride, cols, v);
+          for (int i = 0; i < 4; ++i) put(t + i, r, v[i]);
+        }
+      for (; t < t1; ++t) put(t, r, dot(wr, a + size_t(t) * stride, cols));
     }
   });
 }

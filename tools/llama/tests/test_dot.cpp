@@ -160,6 +160,37 @@ TEST_CASE("every dot kernel equals dequantize-then-dot, scalar and AVX2", "[quan
   }
 }
 
+TEST_CASE("four-row kernels equal the one-row kernel bit for bit", "[quant][dot]") {
+  std::mt19937_64 rng(seed + 4);
+  int tested = 0;
+  for (const ggml_type t : kernel_types)
+    for (const cpu_isa isa : {cpu_isa::scalar, cpu_isa::avx2}) {
+      const dot4_fn dot4 = find_dot4(t, isa);
+      if (!dot4) continue;
+      const type_info* info = find_type(uint32_t(t));
+      const activation_kind kind = activation_of(t);
+      for (const int64_t nb : {1, 7, 18}) {
+        const int64_t n = nb * info->block_elems;
+        CAPTURE(info->name, isa_name(isa), n);
+        const auto w = random_row(t, n, rng);
+        const size_t stride = activation_bytes(kind, n);
+        std::vector<uint8_t> act(4 * stride);
+        std::normal_distribution<float> nd;
+        for (int r = 0; r < 4; ++r) {
+          std::vector<float> x(static_cast<size_t>(n));
+          for (auto& v : x) v = nd(rng) * float(r + 1);
+          quantize_activation(kind, x.data(), n, act.data() + size_t(r) * stride);
+        }
+        float got[4];
+        dot4(w.data(), act.data(), stride, n, got);
+        const dot_fn dot = find_dot(t, isa);
+        for (int r = 0; r < 4; ++r) CHECK(got[r] == dot(w.data(), act.data() + size_t(r) * stride, n));
+        ++tested;
+      }
+    }
+  if (isa_available(cpu_isa::avx2)) CHECK(tested >= 9);  // q4_0, q4_1 and q8_0 in AVX2
+}
+
 TEST_CASE("types without a kernel have none, and the ISA query is consistent", "[quant][dot]") {
   for (const ggml_type t :
        {ggml_type::q5_0, ggml_type::q5_1, ggml_type::q2_k, ggml_type::q3_k, ggml_type::q5_k, ggml_type::bf16}) {

@@ -99,10 +99,21 @@ using dot_fn = float (*)(const uint8_t* w, const uint8_t* act, int64_t n);
 /// without a kernel, or `isa` not available).
 dot_fn find_dot(ggml_type t, cpu_isa isa);
 
+/// Four dot products at once: one weight row `w` against the activation rows act, act + stride,
+/// act + 2 stride, act + 3 stride, into out[4]; each equal bit for bit to the `dot_fn` of the
+/// same type and ISA on that row (the weight's blocks are unpacked once for the four).
+using dot4_fn = void (*)(const uint8_t* w, const uint8_t* act, size_t stride, int64_t n, float* out);
+
+/// The four-row kernel of weight type `t` in `isa`, or nullptr (then `matmul` calls the `dot_fn`
+/// per row).
+dot4_fn find_dot4(ggml_type t, cpu_isa isa);
+
 namespace detail {
-/// The kernels of one instruction set, one per weight type with a kernel.
+/// The kernels of one instruction set, one per weight type with a kernel (four-row kernels:
+/// nullptr where there is none).
 struct dot_kernels {
   dot_fn f32, f16, q4_0, q4_1, q8_0, q4_k, q6_k;
+  dot4_fn q4_0x4 = nullptr, q4_1x4 = nullptr, q8_0x4 = nullptr;
 };
 /// Per-ISA kernel tables (dot_scalar.cpp, dot_avx2.cpp); the AVX2 one is all nullptr in a build
 /// without AVX2 kernels.
