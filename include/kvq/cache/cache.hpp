@@ -63,6 +63,22 @@ struct cache_config {
   int cpu_threads = 1;
 };
 
+/// Memory a cache holds outside `budget_bytes`: the CUDA backend's page tables, workspaces and
+/// canary buffers (all zero on the CPU, whose only memory is the budget's arena). `budget_bytes`
+/// is what the KV data may take; a cache takes `budget_bytes` plus these in all.
+struct cache_overhead {
+  /// Device page tables, fixed at creation: a block offset per (slot, layer, page) and a format id
+  /// per (slot, layer, page, kv head, role), for `max_sequences` slots of `max_tokens` tokens.
+  uint64_t device_tables = 0;
+  /// Device workspaces: the attention's split partials, the undo record of multi-launch appends,
+  /// the canary's query staging and the value-check flag. They grow to the largest call shape
+  /// seen (a batch's size and lengths, not the tokens stored), then never again.
+  uint64_t device_workspace = 0;
+  /// Mapped pinned host memory of the device canary's results (EchoKV on CUDA).
+  uint64_t pinned_host = 0;
+  uint64_t device_bytes() const { return device_tables + device_workspace; }
+};
+
 /// Statistics at any moment.
 struct cache_stats {
   uint64_t budget_bytes = 0;
@@ -80,6 +96,7 @@ struct cache_stats {
   std::array<uint64_t, format_count> bytes_by_format{};
   std::array<uint64_t, format_count> pages_by_format{};
   std::vector<format_pair> format_map;           ///< [layers][kv_heads] current policy decision
+  cache_overhead overhead;                       ///< memory held outside the budget now
 
   /// Average bits per element of the pages, scales and zeros included.
   double page_bits() const { return encoded_elements ? 8.0 * page_bytes / double(encoded_elements) : 0.0; }
@@ -114,6 +131,12 @@ class KVQ_EXPORT KVCache {
   /// Validates the configuration and binds the policy (shared: a policy may serve several caches
   /// only if it says it is safe to). Errors name the bad field.
   static result<KVCache> create(const cache_config& cfg, std::shared_ptr<policy> pol);
+
+  /// What a cache of this configuration allocates outside `budget_bytes` when it is created (the
+  /// CUDA page tables; zero on the CPU), without creating it: an engine sizes `budget_bytes` as the
+  /// memory it gives the cache minus this. Workspaces come later and grow with the call shapes
+  /// (`cache_stats::overhead` reports them). Errors: an invalid configuration.
+  static result<cache_overhead> overhead(const cache_config& cfg);
 
   KVCache(KVCache&&) noexcept;
   KVCache& operator=(KVCache&&) noexcept;

@@ -32,7 +32,11 @@
 KVQ_NAMESPACE_BEGIN
 namespace cuda {
 
-/// Non-owning view of a paged store in device memory (see file comment).
+/// Non-owning view of a paged store in device memory (see file comment). Every call checks the
+/// indices it is given on the host before launching: page counts against `max_pages`, and where
+/// the view states its extents (`slots`, `arena_bytes`: the checked mode, which `KVCache` always
+/// uses) slots, window blocks and new page blocks against them. The block offsets already stored
+/// in the device tables are the caller's (they were checked when appended).
 struct paged_view {
   const uint8_t* arena = nullptr;
   const uint32_t* blocks = nullptr;  ///< [slots][layers][max_pages]
@@ -43,6 +47,12 @@ struct paged_view {
   int page_tokens = 0;
   int window = 0;
   int max_pages = 0;
+  /// Rows of the page tables (sequence slots), for the index checks of every call: a slot outside
+  /// [0, slots) is refused, naming the item. 0: unknown, slots unchecked.
+  int slots = 0;
+  /// Bytes of `arena`, for the index checks: a window block or (append) a new page block that
+  /// does not lie inside the arena is refused, naming the item or page. 0: unknown, unchecked.
+  uint64_t arena_bytes = 0;
   std::array<uint32_t, format_count> k_page_bytes{};  ///< page bytes of each format, role K
   std::array<uint32_t, format_count> v_page_bytes{};  ///< page bytes of each format, role V
 };
