@@ -217,3 +217,25 @@ TEST_CASE("a window that cannot grow is out_of_budget and changes nothing", "[wi
   feed(c, 0, 3, 20);
   require_as_alone(c, 0, {{0, 3}, {0, 20}});
 }
+
+TEST_CASE("overhead(cfg) states the memory outside the budget before creation", "[windows][stats]") {
+  cache_config cfg;
+  cfg.shape = {32, 32, 8, 128, 64, 128, 64};  // Llama-3-8B's attention shape
+  cfg.budget_bytes = 40ull << 30;
+  cfg.max_sequences = 256;
+  cfg.max_tokens = 1 << 17;
+  CHECK(KVCache::overhead(cfg).value_or_throw().device_bytes() == 0);  // the CPU holds only the budget
+  cfg.where = backend::cuda;
+  // [256 slots][32 layers][2048 pages]: a 4-byte block offset and 8 x 2 format ids each.
+  const cache_overhead o = KVCache::overhead(cfg).value_or_throw();
+  CHECK(o.device_tables == 256ull * 32 * 2048 * (4 + 16));
+  CHECK(o.device_tables == 320ull << 20);
+  CHECK(o.device_workspace == 0);  // workspaces grow with the calls, after creation
+  cfg.max_tokens = 0;
+  CHECK(KVCache::overhead(cfg).error().code() == errc::invalid_argument);
+  cfg.max_tokens = 1 << 17;
+  cfg.shape.layers = 0;
+  CHECK(KVCache::overhead(cfg).error().code() == errc::invalid_argument);
+  // The CPU cache's statistics report nothing outside the budget.
+  CHECK(make().stats().overhead.device_bytes() == 0);
+}
