@@ -16,7 +16,7 @@ page_store::page_store(const cache_shape& shape, uint64_t budget, int max_sequen
 }
 
 uint64_t page_store::window_block_bytes() const {
-  return uint64_t(shape_.layers) * shape_.kv_heads * 2 * shape_.window * shape_.head_dim * 2;
+  return (uint64_t(shape_.layers) * shape_.kv_heads * 2 * shape_.window + ring_slack_slots) * shape_.head_dim * 2;
 }
 
 int page_store::lanes_for(int64_t tokens) const {

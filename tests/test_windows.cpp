@@ -7,6 +7,7 @@
 #include <catch2/catch.hpp>
 #include <kvq/cache/cache.hpp>
 #include <kvq/policy/static_policy.hpp>
+#include <kvq/store/window_layout.hpp>
 #include <map>
 #include <random>
 #include <string>
@@ -20,7 +21,8 @@ namespace {
 
 // P = 32, R = 128 (4 lanes per ring block), r = 16.
 constexpr int layers = 2, hq = 4, kvh = 2, d = 32, page = 32, window = 128, recent = 16;
-constexpr uint64_t block = uint64_t(layers) * kvh * 2 * window * d * 2;  // a ring block: 64 KiB
+// A ring block: 64 KiB of rings and a 16-slot slack (window_layout.hpp).
+constexpr uint64_t block = (uint64_t(layers) * kvh * 2 * window + ring_slack_slots) * d * 2;
 
 KVCache make(uint64_t budget = 8ull << 20, int max_sequences = 64) {
   cache_config cfg;

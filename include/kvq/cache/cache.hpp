@@ -142,7 +142,9 @@ class KVQ_EXPORT KVCache {
   KVCache& operator=(KVCache&&) noexcept;
   ~KVCache();
 
-  /// Starts an empty sequence; allocates its windows from the budget.
+  /// Starts an empty sequence with a window of one lane (page_tokens slots of every ring), taken
+  /// from a ring block that has one free, else from a new ring block of the budget; the window
+  /// grows a lane at a time with the appends, up to the full window (include/kvq/store/store.hpp).
   status create_sequence(seq_id id);
   /// Returns every page and window of the sequence to the budget.
   status release_sequence(seq_id id);
@@ -153,8 +155,8 @@ class KVQ_EXPORT KVCache {
   /// Starts sequence `dst` as a copy of `src` (a shared prompt, beams, parallel samples): dst
   /// lists every encoded page of src, shared and reference-counted (stored and counted once; a
   /// page's bytes return to the budget when its last sharer releases or truncates it), and gets
-  /// its own copy of src's FP16 windows, so both then append and attend independently. Costs one
-  /// window block of the budget. Errors: unknown src (`not_found`), existing dst
+  /// its own copy of src's FP16 windows, so both then append and attend independently. Costs as
+  /// many lanes as src's window (a new ring block when no block has them free). Errors: unknown src (`not_found`), existing dst
   /// (`invalid_argument`), no slot or no budget for the window (`out_of_budget`); then nothing
   /// changed.
   status fork(seq_id src, seq_id dst);
@@ -170,11 +172,14 @@ class KVQ_EXPORT KVCache {
   status truncate(seq_id id, int64_t length);
 
   /// Budget bytes that appending `tokens` more tokens to every layer of sequence `seq` would
-  /// allocate (its new page blocks, in the formats the policy holds now: `current`), or, without
-  /// `seq`, what a new sequence of `tokens` tokens takes (its window block and its pages). For
-  /// admission control against `stats().free_bytes` (a new sequence's window also needs a
-  /// contiguous block: `stats().largest_free_block`). Exact for policies whose formats do not
-  /// change meanwhile. Errors: tokens < 0, an unknown sequence.
+  /// allocate (its new page blocks, in the formats the policy holds now: `current`, and a ring
+  /// block when its window must grow and no free lanes serve it), or, without `seq`, what a new
+  /// sequence of `tokens` tokens takes (its pages, and a ring block unless free lanes serve its
+  /// window). For admission control against `stats().free_bytes` (a ring block is one contiguous
+  /// block: `stats().largest_free_block`). Exact, for the cache as it is now, for policies whose
+  /// formats do not change meanwhile: free lanes counted for one request are free for the next
+  /// too, so an engine that reserves for several requests before creating them counts a ring
+  /// block for each. Errors: tokens < 0, an unknown sequence.
   result<uint64_t> bytes_for(int64_t tokens, std::optional<seq_id> seq = std::nullopt) const;
 
   /// Appends the K and V of `k.tokens` new tokens of one sequence and layer.

@@ -12,7 +12,9 @@
 /// - `blocks`: [slots][layers][max_pages] uint32 block offsets in 256-byte units.
 /// - `fmts`:   [slots][layers][max_pages][kv_heads][2] format ids.
 /// - windows: per sequence, [layers][kv_heads][2][window][head_dim] fp16 rings at
-///   `window_unit * 256`; token j lives in slot j % window.
+///   `window_unit * 256`; token j lives in slot j % window. A sequence of n < window tokens uses
+///   only slots [0, n) of each ring, so the rings of short sequences may interleave in one block
+///   (`KVCache` places them in lanes of page_tokens slots: include/kvq/store/store.hpp).
 ///
 /// Supported: head_dim 64 or 128, page_tokens a power of two of at least 64 (64 and 128 tested),
 /// q_heads / kv_heads <= 16, any mix of formats per page. Launches take the caller's stream,

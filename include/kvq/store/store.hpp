@@ -98,7 +98,8 @@ class KVQ_EXPORT page_store {
   page_store(const cache_shape& shape, uint64_t budget, int max_sequences);
 
   const cache_shape& shape() const { return shape_; }
-  /// Bytes of one ring block (every lane): [layers][kv_heads][2][window][head_dim] fp16.
+  /// Bytes of one ring block: every lane, [layers][kv_heads][2][window][head_dim] fp16, and
+  /// `ring_slack_slots` slots of slack after it (window_layout.hpp).
   uint64_t window_block_bytes() const;
   /// Lanes of a ring block: window / page_tokens.
   int lanes_per_block() const { return shape_.window / shape_.page_tokens; }
