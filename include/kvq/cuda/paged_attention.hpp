@@ -14,7 +14,10 @@
 /// - windows: per sequence, [layers][kv_heads][2][window][head_dim] fp16 rings at
 ///   `window_unit * 256`; token j lives in slot j % window. A sequence of n < window tokens uses
 ///   only slots [0, n) of each ring, so the rings of short sequences may interleave in one block
-///   (`KVCache` places them in lanes of page_tokens slots: include/kvq/store/store.hpp).
+///   (`KVCache` places them in lanes of page_tokens slots: include/kvq/store/store.hpp). The
+///   decode kernels read the ring in 16-token slabs and may read up to 15 slots past the last
+///   token (values they select away): such a window needs `ring_slack_slots` slots of arena
+///   after its last ring (kvq/store/window_layout.hpp).
 ///
 /// Supported: head_dim 64 or 128, page_tokens a power of two of at least 64 (64 and 128 tested),
 /// q_heads / kv_heads <= 16, any mix of formats per page. Launches take the caller's stream,
