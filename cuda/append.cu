@@ -7,7 +7,9 @@
 
 #include "attention/layout.hpp"
 #include "dtype.cuh"
+#include "launch.hpp"
 #include "status.hpp"
+#include "view_checks.hpp"
 
 #include <cuda_runtime.h>
 
@@ -135,6 +137,7 @@ status append_run(const append_args& a, void* stream) {
                   it.first_page, ", pages ", it.pages, ") is inconsistent: need slot >= 0, m >= 1, 0 <= e <= n, e a ",
                   "multiple of page_tokens ", kv.page_tokens, ", first_page = e / page_tokens, first_page + pages <= ",
                   "max_pages ", kv.max_pages, " and the new pages within the n + m tokens")};
+    KVQ_TRY(detail::check_item_indices(kv, "append", i, it.slot, it.window_unit, int64_t(it.n) + it.m));
     pages += it.pages, rows += it.m, max_m = std::max(max_m, int(it.m));
   }
   if (pages > max_append_pages)
@@ -170,6 +173,10 @@ status append_run(const append_args& a, void* stream) {
       return {errc::invalid_argument, msg("append: new page ", i / (kv.kv_heads * 2), " has format id ",
                                           int(a.page_fmts[i]), ", which the paged view cannot store")};
   for (int i = 0; i < pages; ++i) {
+    uint64_t bytes = 0;
+    for (int j = 0; j < kv.kv_heads * 2; ++j)
+      bytes += (j % 2 == 0 ? kv.k_page_bytes : kv.v_page_bytes)[a.page_fmts[i * kv.kv_heads * 2 + j]];
+    KVQ_TRY(detail::check_page_block(kv, "append", i, a.page_blocks[i], bytes));
     p.page_blocks[i] = a.page_blocks[i];
     for (int j = 0; j < kv.kv_heads * 2; ++j) p.page_fmts[i][j] = a.page_fmts[i * kv.kv_heads * 2 + j];
   }
@@ -178,12 +185,13 @@ status append_run(const append_args& a, void* stream) {
     const int smem = kv.page_tokens * kv.head_dim * 2;
     KVQ_TRY(cuda_status(cudaFuncSetAttribute(encode_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
                         "cudaFuncSetAttribute"));
-    encode_kernel<<<dim3(unsigned(pages), unsigned(kv.kv_heads), 2), threads, smem, st>>>(p);
+    KVQ_TRY(detail::launch("append launch (encode)", encode_kernel, dim3(unsigned(pages), unsigned(kv.kv_heads), 2),
+                           dim3(threads), size_t(smem), st, p));
   }
   const int64_t ring_chunks = int64_t(std::min(max_m, kv.window)) * kv.kv_heads * 2 * (kv.head_dim / 8);
   const int blocks = int(std::min<int64_t>(1024, (ring_chunks + 255) / 256));
-  ring_kernel<<<dim3(unsigned(std::max(1, blocks)), unsigned(a.items.size())), 256, 0, st>>>(p);
-  return cuda_status(cudaGetLastError(), "append launch");
+  return detail::launch("append launch (ring)", ring_kernel, dim3(unsigned(std::max(1, blocks)), unsigned(a.items.size())),
+                        dim3(256), 0, st, p);
 }
 
 }  // namespace cuda

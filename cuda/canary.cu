@@ -22,6 +22,7 @@
 #include <kvq/cuda/canary.hpp>
 
 #include "dtype.cuh"
+#include "launch.hpp"
 #include "status.hpp"
 
 KVQ_NAMESPACE_BEGIN
@@ -38,6 +39,7 @@ constexpr int max_items = 64;
 constexpr int key_pad = 8, err_pad = 4;  // items per launch (parameter space); more are launched in turn
 
 using detail::cuda_status;
+using detail::launch;
 using detail::load_any;
 using detail::msg;
 
@@ -314,9 +316,9 @@ status canary_run(const canary_args& a, void* stream) {
     // The opt-in belongs to the current device: set on every launch (a host call), as attend does.
     KVQ_TRY(cuda_status(cudaFuncSetAttribute(canary_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
                         "cudaFuncSetAttribute"));
-    canary_kernel<<<dim3(unsigned(a.kv_heads), unsigned(count)), threads, smem, st>>>(p);
+    KVQ_TRY(launch("canary launch", canary_kernel, dim3(unsigned(a.kv_heads), unsigned(count)), dim3(threads), smem, st, p));
   }
-  return cuda_status(cudaGetLastError(), "canary launch");
+  return {};
 }
 
 }  // namespace cuda

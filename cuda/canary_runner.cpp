@@ -151,8 +151,7 @@ status canary_runner::take_slot(size_t& index) {
   }
   // Grows to the number of launches in flight (how far the host runs ahead), then never again.
   slot c;
-  const size_t bytes =
-      size_t(cfg_.shape.layers) * cfg_.max_sequences * cfg_.shape.kv_heads * spec_.tiers.size() * sizeof(double);
+  const size_t bytes = slot_bytes();
   KVQ_TRY(cuda_status(cudaHostAlloc(reinterpret_cast<void**>(&c.host), bytes, cudaHostAllocMapped), "cudaHostAlloc"));
   slots_.push_back(c);  // owned from here on: the destructor frees it
   slot& owned = slots_.back();
@@ -174,7 +173,6 @@ status canary_runner::drain(bool wait) {
     const cudaError_t e = wait ? cudaEventSynchronize(c.done) : cudaEventQuery(c.done);
     if (e == cudaErrorNotReady) break;
     if (e != cudaSuccess) {
-      (void)cudaGetLastError();
       if (first.ok()) first = cuda_status(e, "canary event");
     } else {
       for (size_t i = 0; i < l.entries.size(); ++i) {

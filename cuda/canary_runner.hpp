@@ -54,6 +54,10 @@ class canary_runner {
   status flush();
   /// Ingests the finished launches in step order; with `wait`, all of them.
   status drain(bool wait);
+  /// Device bytes of the query staging buffer.
+  size_t staging_bytes() const { return q_stage_.count * sizeof(float); }
+  /// Mapped pinned host bytes of the result slots.
+  size_t pinned_bytes() const { return slots_.size() * slot_bytes(); }
 
  private:
   struct slot {
@@ -78,6 +82,9 @@ class canary_runner {
   };
 
   cuda::canary_args args(std::span<const cuda::canary_item> items) const;
+  size_t slot_bytes() const {
+    return size_t(cfg_.shape.layers) * cfg_.max_sequences * cfg_.shape.kv_heads * spec_.tiers.size() * sizeof(double);
+  }
   status take_slot(size_t& slot);
 
   const cache_config& cfg_;

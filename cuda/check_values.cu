@@ -4,6 +4,7 @@
 #include <kvq/format/numeric.hpp>
 
 #include "dtype.cuh"
+#include "launch.hpp"
 #include "status.hpp"
 
 #include <cuda_runtime.h>
@@ -15,6 +16,7 @@ namespace cuda {
 namespace {
 
 using detail::cuda_status;
+using detail::launch;
 using detail::load_any;
 
 __global__ void check_kernel(const void* k, const void* v, dtype kt, dtype vt, int64_t tokens, int hd, int64_t ks,
@@ -34,9 +36,8 @@ status check_values(const tensor_view& k, const tensor_view& v, int* flag, void*
   KVQ_TRY(cuda_status(cudaMemsetAsync(flag, 0, sizeof(int), st), "cudaMemsetAsync"));
   const int64_t total = k.tokens * k.heads * k.head_dim;
   const int blocks = int(std::min<int64_t>(1024, (total + 255) / 256));
-  check_kernel<<<std::max(1, blocks), 256, 0, st>>>(k.data, v.data, k.type, v.type, k.tokens, k.heads * k.head_dim,
-                                                    k.stride(), v.stride(), flag);
-  return cuda_status(cudaGetLastError(), "check launch");
+  return launch("check launch", check_kernel, dim3(unsigned(std::max(1, blocks))), dim3(256), 0, st, k.data, v.data, k.type,
+                v.type, k.tokens, k.heads * k.head_dim, k.stride(), v.stride(), flag);
 }
 
 }  // namespace cuda

@@ -8,6 +8,7 @@
 #include "canary_runner.hpp"
 #include "device_buffer.hpp"
 #include "launch_plan.hpp"
+#include "ring_undo.hpp"
 #include "status.hpp"
 
 #include <cuda_runtime.h>
@@ -22,21 +23,57 @@ namespace {
 
 using cuda::detail::cuda_status;
 
+// Makes a device current for the length of a call and gives the caller's back afterwards, so that
+// a cache created on one device serves calls made while another is current (two caches on two
+// devices in one process), and the engine's current device never changes under it.
+class device_scope {
+ public:
+  device_scope() = default;
+  explicit device_scope(int dev) { (void)enter(dev); }
+  device_scope(const device_scope&) = delete;
+  device_scope& operator=(const device_scope&) = delete;
+  ~device_scope() {
+    if (switched_) (void)cudaSetDevice(prev_);
+  }
+  /// Makes `dev` current until the scope ends; the status says if that failed.
+  status enter(int dev) {
+    if (status st = cuda_status(cudaGetDevice(&prev_), "cudaGetDevice"); !st.ok()) return error_ = st;
+    if (prev_ != dev) {
+      if (status st = cuda_status(cudaSetDevice(dev), "cudaSetDevice (the cache's device)"); !st.ok()) return error_ = st;
+      switched_ = true;
+    }
+    return {};
+  }
+  const status& error() const { return error_; }
+
+ private:
+  int prev_ = 0;
+  bool switched_ = false;
+  status error_;
+};
+
+// The first statement of every backend entry point: the cache's device is current until the call
+// returns, or the call fails naming why it is not.
+#define KVQ_ON_DEVICE()              \
+  const device_scope on_device_(dev_); \
+  KVQ_TRY(on_device_.error())
+
 class cuda_backend final : public cache_backend {
  public:
   explicit cuda_backend(const cache_state& st) : cache_backend(st), canary_(cfg_, *pol_, store_) {}
 
   ~cuda_backend() override {
+    (void)teardown_.enter(dev_);  // the members free their memory on the cache's device; restored last
     if (flag_host_) cudaFreeHost(flag_host_);
   }
 
+  // Binds the cache to the device current at creation.
   status init() {
     const auto& sh = cfg_.shape;
+    KVQ_TRY(cuda_status(cudaGetDevice(&dev_), "cudaGetDevice"));
     KVQ_TRY(canary_.init());
-    int dev = 0;
-    KVQ_TRY(cuda_status(cudaGetDevice(&dev), "cudaGetDevice"));
-    KVQ_TRY(cuda_status(cudaDeviceGetAttribute(&sms_, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute"));
-    max_pages_ = int((cfg_.max_tokens + sh.page_tokens - 1) / sh.page_tokens);
+    KVQ_TRY(cuda_status(cudaDeviceGetAttribute(&sms_, cudaDevAttrMultiProcessorCount, dev_), "cudaDeviceGetAttribute"));
+    max_pages_ = int(cuda_max_pages(cfg_));
     layer_bits_.assign(size_t(sh.layers), 2);
     head_pair_.assign(size_t(sh.layers) * sh.kv_heads, -1);
     KVQ_TRY(arena_.allocate(store_.arena().capacity(), "cache arena"));
@@ -54,6 +91,8 @@ class cuda_backend final : public cache_backend {
     view_.page_tokens = sh.page_tokens;
     view_.window = sh.window;
     view_.max_pages = max_pages_;
+    view_.slots = cfg_.max_sequences;
+    view_.arena_bytes = arena_.count;
     for (size_t f = 0; f < format_count; ++f) {
       view_.k_page_bytes[f] = uint32_t(store_.page_bytes_of(format_id(f), role::k));
       view_.v_page_bytes[f] = uint32_t(store_.page_bytes_of(format_id(f), role::v));
@@ -83,55 +122,73 @@ class cuda_backend final : public cache_backend {
   }
 
   status write(sequence_state& s, int layer, const tensor_view& k, const tensor_view& v, const append_plan& plan) override {
+    KVQ_ON_DEVICE();
     KVQ_TRY(check(k, v, fmt::format("append: K or V of sequence {} layer {}", s.id, layer)));
     KVQ_TRY(canary_.flush_of(layer));  // before the layer's rings change
-    return write_pieces(s, layer, k, v, plan);
+    calls_used_ = 0;
+    undo_rows_.clear();
+    add_pieces(s, layer, plan, 0, k.tokens);
+    KVQ_TRY(launch_calls(layer, k, v));
+    note_pages(layer, plan);
+    return {};
   }
 
   status write_batch(std::span<const batch_entry> entries, int layer, const tensor_view& k, const tensor_view& v) override {
+    KVQ_ON_DEVICE();
     KVQ_TRY(check(k, v, fmt::format("append_batch: K or V of the batch (layer {})", layer)));
     KVQ_TRY(canary_.flush_of(layer));  // before the layer's rings change
     // One launch pair for as many sequences as fit (max_append_items, max_append_pages); a
-    // sequence with more new pages than that (a long prefill) goes through the piecewise path.
+    // sequence with more new pages than that (a long prefill) goes through pieces of its own.
     const int per_page = cfg_.shape.kv_heads * 2;
-    batch_items_.clear();
-    batch_blocks_.clear();
-    batch_fmts_.clear();
-    int64_t first_row = 0, rows = 0;
-    auto flush = [&]() -> status {
-      if (batch_items_.empty()) return {};
-      cuda::append_args a = append_args(layer);
-      a.items = batch_items_;
-      a.k = rows_of(k, first_row, rows);
-      a.v = rows_of(v, first_row, rows);
-      a.page_blocks = batch_blocks_.data();
-      a.page_fmts = batch_fmts_.data();
-      KVQ_TRY(cuda::append_run(a, cfg_.stream));
-      batch_items_.clear();
-      batch_blocks_.clear();
-      batch_fmts_.clear();
-      first_row += rows;
-      rows = 0;
-      return {};
-    };
+    calls_used_ = 0;
+    undo_rows_.clear();
+    append_call* open = nullptr;  // the call that gathers sequences, if any
     for (const batch_entry& b : entries) {
       const layer_state& ls = b.s->layers[size_t(layer)];
       const int pages = int(b.plan->entries.size() / size_t(per_page));
       if (pages > cuda::max_append_pages) {
-        KVQ_TRY(flush());
-        KVQ_TRY(write_pieces(*b.s, layer, rows_of(k, b.row, b.tokens), rows_of(v, b.row, b.tokens), *b.plan));
-        first_row = b.row + b.tokens;
+        add_pieces(*b.s, layer, *b.plan, b.row, b.tokens);
+        open = nullptr;
         continue;
       }
-      if (batch_items_.size() == size_t(cuda::max_append_items) ||
-          int(batch_blocks_.size()) + pages > cuda::max_append_pages)
-        KVQ_TRY(flush());
-      batch_items_.push_back({b.s->slot, int32_t(ls.n), int32_t(ls.e), int32_t(b.tokens), uint32_t(b.s->window_offset / block_unit),
-                              int(b.plan->first_page), pages});
-      add_pages(layer, *b.plan, 0, pages, batch_blocks_, batch_fmts_);
-      rows += b.tokens;
+      if (!open || open->items.size() == size_t(cuda::max_append_items) ||
+          int(open->blocks.size()) + pages > cuda::max_append_pages || open->first_row + open->rows != b.row)
+        open = &next_call(b.row);
+      open->items.push_back({b.s->slot, int32_t(ls.n), int32_t(ls.e), int32_t(b.tokens),
+                             uint32_t(b.s->window_offset / block_unit), int(b.plan->first_page), pages});
+      add_pages(*b.plan, 0, pages, *open);
+      open->rows += b.tokens;
+      undo_rows_.push_back(undo_of(*b.s, layer, b.tokens));
     }
-    return flush();
+    KVQ_TRY(launch_calls(layer, k, v));
+    for (const batch_entry& b : entries) note_pages(layer, *b.plan);
+    return {};
+  }
+
+  // One append_run of a write: its sequences, their new pages' blocks and formats, its rows of K/V.
+  struct append_call {
+    std::vector<cuda::append_seq> items;
+    std::vector<uint32_t> blocks;
+    std::vector<uint8_t> fmts;
+    int64_t first_row = 0, rows = 0;
+  };
+
+  // A cleared call at the end of the list (the list keeps its vectors' memory across writes).
+  append_call& next_call(int64_t first_row) {
+    if (calls_used_ == calls_.size()) calls_.emplace_back();
+    append_call& c = calls_[calls_used_++];
+    c.items.clear();
+    c.blocks.clear();
+    c.fmts.clear();
+    c.first_row = first_row;
+    c.rows = 0;
+    return c;
+  }
+
+  // The ring rows an append of `m` tokens to (s, layer) overwrites: its last min(m, window) tokens.
+  cuda::detail::ring_rows undo_of(const sequence_state& s, int layer, int64_t m) const {
+    const int64_t n = s.layers[size_t(layer)].n, count = std::min<int64_t>(m, cfg_.shape.window);
+    return {uint32_t(s.window_offset / block_unit), int32_t(n + m - count), int32_t(count), 0};
   }
 
   // The fields of an append call shared by every sequence of the layer.
@@ -146,19 +203,23 @@ class cuda_backend final : public cache_backend {
     return a;
   }
 
-  // Appends pages [first, first + count) of a plan to the block and format lists of a call (and
-  // notes, for the decode kernel's choice, the widest format and whether each head has kept one
-  // format pair).
-  void add_pages(int layer, const append_plan& plan, int first, int count, std::vector<uint32_t>& blocks,
-                 std::vector<uint8_t>& fmts) {
+  // Appends pages [first, first + count) of a plan to the block and format lists of a call.
+  void add_pages(const append_plan& plan, int first, int count, append_call& c) const {
     const int per_page = cfg_.shape.kv_heads * 2;
     for (int i = first; i < first + count; ++i) {
       const size_t at = size_t(i) * per_page;
-      blocks.push_back(uint32_t(plan.entries[at].offset / block_unit));
-      for (int j = 0; j < per_page; ++j) {
-        fmts.push_back(plan.entries[at + size_t(j)].fmt);
+      c.blocks.push_back(uint32_t(plan.entries[at].offset / block_unit));
+      for (int j = 0; j < per_page; ++j) c.fmts.push_back(plan.entries[at + size_t(j)].fmt);
+    }
+  }
+
+  // After a write succeeded: notes, for the decode kernel's choice, the widest format of the
+  // layer and whether each head has kept one format pair.
+  void note_pages(int layer, const append_plan& plan) {
+    const int per_page = cfg_.shape.kv_heads * 2;
+    for (size_t at = 0; at < plan.entries.size(); at += size_t(per_page)) {
+      for (int j = 0; j < per_page; ++j)
         layer_bits_[size_t(layer)] = std::max(layer_bits_[size_t(layer)], traits_of(plan.entries[at + size_t(j)].fmt).bits);
-      }
       for (int h = 0; h < cfg_.shape.kv_heads; ++h) {
         const int pair =
             256 * int(plan.entries[at + size_t(2 * h)].fmt) + int(plan.entries[at + size_t(2 * h + 1)].fmt);
@@ -169,40 +230,70 @@ class cuda_backend final : public cache_backend {
     }
   }
 
-  // One sequence's append, in pieces of at most max_append_pages new pages each.
-  status write_pieces(sequence_state& s, int layer, const tensor_view& k, const tensor_view& v, const append_plan& plan) {
+  // One sequence's append (rows [row, row + m) of K/V), in calls of at most max_append_pages new
+  // pages each.
+  void add_pieces(const sequence_state& s, int layer, const append_plan& plan, int64_t row, int64_t m) {
     const auto& sh = cfg_.shape;
     const layer_state& ls = s.layers[size_t(layer)];
     int64_t n = ls.n, e = ls.e, done = 0;
     int page = 0;
-    std::vector<uint32_t> blocks;
-    std::vector<uint8_t> fmts;
-    while (done < k.tokens) {
-      int64_t piece = k.tokens - done;
+    while (done < m) {
+      int64_t piece = m - done;
       const int64_t cap = int64_t(cuda::max_append_pages) * sh.page_tokens;
       if (store_.pages_after(n, e, piece) > cuda::max_append_pages) piece = std::max<int64_t>(1, e + cap + sh.recent - n);
       const int pages = int(store_.pages_after(n, e, piece));
-      blocks.clear();
-      fmts.clear();
-      add_pages(layer, plan, page, pages, blocks, fmts);
-      const cuda::append_seq item{s.slot, int32_t(n), int32_t(e), int32_t(piece), uint32_t(s.window_offset / block_unit),
-                                  int(plan.first_page) + page, pages};
-      cuda::append_args a = append_args(layer);
-      a.items = {&item, 1};
-      a.k = rows_of(k, done, piece);
-      a.v = rows_of(v, done, piece);
-      a.page_blocks = blocks.data();
-      a.page_fmts = fmts.data();
-      KVQ_TRY(cuda::append_run(a, cfg_.stream));
+      append_call& c = next_call(row + done);
+      c.items.push_back({s.slot, int32_t(n), int32_t(e), int32_t(piece), uint32_t(s.window_offset / block_unit),
+                         int(plan.first_page) + page, pages});
+      add_pages(plan, page, pages, c);
+      c.rows = piece;
       n += piece;
       e += int64_t(pages) * sh.page_tokens;
       page += pages;
       done += piece;
     }
+    undo_rows_.push_back(undo_of(s, layer, m));
+  }
+
+  // Runs the planned calls. All or nothing on the device too: a call's ring write is its last
+  // launch, so a single call that fails changed nothing the cache reads (its encoder may have
+  // written page bytes into the planned blocks, which the cache gives back, and page-table rows
+  // past the sequences' listed pages, which nothing reads). With several calls, a failure after
+  // the first would leave earlier calls' ring writes behind: those rows are copied aside before
+  // the first launch and copied back after a failure.
+  status launch_calls(int layer, const tensor_view& k, const tensor_view& v) {
+    const bool undo = calls_used_ > 1;
+    if (undo) {
+      int64_t rows = 0;
+      for (cuda::detail::ring_rows& r : undo_rows_) r.saved_row = uint32_t(rows), rows += r.count;
+      const size_t halves = cuda::detail::ring_undo_bytes(view_, rows) / 2;
+      if (halves > undo_.count)  // grows to the largest multi-call append seen
+        KVQ_TRY(undo_.allocate(halves, "append undo record"));
+      KVQ_TRY(cuda::detail::ring_undo(view_, arena_.ptr, layer, undo_rows_, undo_.ptr, true, cfg_.stream));
+    }
+    for (size_t i = 0; i < calls_used_; ++i) {
+      const append_call& c = calls_[i];
+      cuda::append_args a = append_args(layer);
+      a.items = c.items;
+      a.k = rows_of(k, c.first_row, c.rows);
+      a.v = rows_of(v, c.first_row, c.rows);
+      a.page_blocks = c.blocks.data();
+      a.page_fmts = c.fmts.data();
+      status st = cuda::append_run(a, cfg_.stream);
+      if (st.ok()) continue;
+      if (undo && i > 0)
+        if (status back = cuda::detail::ring_undo(view_, arena_.ptr, layer, undo_rows_, undo_.ptr, false, cfg_.stream);
+            !back.ok())
+          return {st.code(), fmt::format("{}; restoring the rings of the earlier launches failed too ({}): the FP16 "
+                                         "windows of layer {} may hold tokens of the failed call",
+                                         st.message(), back.message(), layer)};
+      return st;
+    }
     return {};
   }
 
   status attend(std::span<const attend_item> items, int layer, const tensor_view& q, const tensor_mut& o) override {
+    KVQ_ON_DEVICE();
     KVQ_TRY(canary_.flush_of(layer));  // a repeated step of the layer
     const auto& sh = cfg_.shape;
     items_.clear();
@@ -242,11 +333,27 @@ class cuda_backend final : public cache_backend {
     return {};
   }
 
-  void poll_policy() override { note(canary_.drain(false)); }
+  cache_overhead overhead() const override {
+    cache_overhead o;
+    o.device_tables = blocks_.count * sizeof(uint32_t) + fmts_.count;
+    o.device_workspace = workspace_.count + undo_.count * sizeof(uint16_t) + flag_.count * sizeof(int) + canary_.staging_bytes();
+    o.pinned_host = canary_.pinned_bytes() + (flag_host_ ? sizeof(int) : 0);
+    return o;
+  }
 
-  status flush_policy() override { return canary_.flush(); }
+  void poll_policy() override {
+    const device_scope on_device(dev_);
+    if (!on_device.error().ok()) return note(on_device.error());
+    note(canary_.drain(false));
+  }
+
+  status flush_policy() override {
+    KVQ_ON_DEVICE();
+    return canary_.flush();
+  }
 
   status sync_policy() override {
+    KVQ_ON_DEVICE();
     note(canary_.flush());
     note(canary_.drain(true));
     status s = canary_error_;
@@ -258,12 +365,11 @@ class cuda_backend final : public cache_backend {
   // page tables ([slot][layers][max_pages] blocks, [...][kv_heads][2] formats), so the kernels
   // read dst's pages through the same offsets as src's. No synchronization.
   status fork(const sequence_state& src, const sequence_state& dst) override {
+    KVQ_ON_DEVICE();
     const auto& sh = cfg_.shape;
     const size_t row = size_t(sh.layers) * max_pages_;
     const size_t fmt_row = row * sh.kv_heads * 2;
-    KVQ_TRY(cuda_status(cudaMemcpyAsync(arena_.ptr + dst.window_offset, arena_.ptr + src.window_offset,
-                                        store_.window_bytes_per_sequence(), cudaMemcpyDeviceToDevice, stream()),
-                        "cudaMemcpyAsync (fork: window)"));
+    KVQ_TRY(copy_rings(src.window_offset, dst.window_offset, int64_t(src.ring_lanes) * sh.page_tokens));
     KVQ_TRY(cuda_status(cudaMemcpyAsync(blocks_.ptr + size_t(dst.slot) * row, blocks_.ptr + size_t(src.slot) * row,
                                         row * sizeof(uint32_t), cudaMemcpyDeviceToDevice, stream()),
                         "cudaMemcpyAsync (fork: page table)"));
@@ -272,11 +378,24 @@ class cuda_backend final : public cache_backend {
                        "cudaMemcpyAsync (fork: format table)");
   }
 
+  // One 2D copy on the caller's stream: a row per ring, `slots` slots wide. Staged canaries are
+  // launched first: they read rings at their current place, whose lanes a move frees.
+  status copy_rings(uint64_t from, uint64_t to, int64_t slots) override {
+    KVQ_ON_DEVICE();
+    KVQ_TRY(canary_.flush());
+    const auto& sh = cfg_.shape;
+    const size_t pitch = size_t(sh.window) * sh.head_dim * 2;
+    return cuda_status(cudaMemcpy2DAsync(arena_.ptr + to, pitch, arena_.ptr + from, pitch, size_t(slots) * sh.head_dim * 2,
+                                         size_t(sh.layers) * sh.kv_heads * 2, cudaMemcpyDeviceToDevice, stream()),
+                       "cudaMemcpy2DAsync (the FP16 windows)");
+  }
+
   // A cut in the ring needs nothing on the device (the lengths are launch arguments). A cut page
   // whose overwritten tokens must come back is read to the host, decoded there with the codec and
   // written back into the ring: every read happens before the first write, so a failed read
   // changes nothing. Two stream synchronizations when anything must be restored.
   status restore_ring(const sequence_state& s, int64_t length) override {
+    KVQ_ON_DEVICE();
     const auto& sh = cfg_.shape;
     struct pending {
       uint64_t offset;              // first ring byte of the rows
@@ -321,11 +440,13 @@ class cuda_backend final : public cache_backend {
   }
 
   status read(const sequence_state& s, int layer, role r, std::span<float> out) const override {
+    KVQ_ON_DEVICE();
     const auto& sh = cfg_.shape;
     KVQ_TRY(cuda_status(cudaStreamSynchronize(stream()), "cudaStreamSynchronize"));
     const layer_state& ls = s.layers[size_t(layer)];
     std::vector<std::vector<uint8_t>> pages;
-    std::vector<uint16_t> ring(size_t(sh.window) * sh.head_dim);
+    // The slots of the sequence's lanes (a short sequence's rings interleave with others').
+    std::vector<uint16_t> ring(size_t(std::min(sh.window, s.ring_lanes * sh.page_tokens)) * sh.head_dim);
     std::vector<uint8_t> buf;
     int ring_head = -1;
     status err;
@@ -352,6 +473,8 @@ class cuda_backend final : public cache_backend {
   }
 
  private:
+  device_scope teardown_;  // first member: destroyed last, after every buffer is freed on dev_
+  int dev_ = 0;            // the device current at creation: every call runs on it
   int sms_ = 132;
   int max_pages_ = 0;
   device_buffer<uint8_t> arena_;
@@ -364,9 +487,10 @@ class cuda_backend final : public cache_backend {
   std::vector<cuda::decode_item> items_;
   std::vector<uint8_t> layer_bits_;  // [layers] the widest code bits of any page the layer has held
   std::vector<int16_t> head_pair_;   // [layers][kv_heads] 256 K + V of the head's pages; -1 none yet, -2 several
-  std::vector<cuda::append_seq> batch_items_;  // reused by write_batch
-  std::vector<uint32_t> batch_blocks_;
-  std::vector<uint8_t> batch_fmts_;
+  std::vector<append_call> calls_;  // the launches of the current write ([0, calls_used_)), reused
+  size_t calls_used_ = 0;
+  std::vector<cuda::detail::ring_rows> undo_rows_;  // per sequence of the current write
+  device_buffer<uint16_t> undo_;                    // the rings' rows saved by a multi-call write
 
   void note(status s) {
     if (!s.ok() && canary_error_.ok()) canary_error_ = std::move(s);
@@ -379,9 +503,6 @@ class cuda_backend final : public cache_backend {
 }  // namespace
 
 result<std::unique_ptr<cache_backend>> make_cuda_backend(const cache_state& st) {
-  const cache_config& cfg = st.cfg;
-  if (cfg.max_tokens <= 0 || cfg.max_tokens > (int64_t(1) << 30))
-    return status{errc::invalid_argument, fmt::format("cache_config: max_tokens {} must be in [1, 2^30]", cfg.max_tokens)};
   auto b = std::make_unique<cuda_backend>(st);
   KVQ_TRY(b->init());
   return std::unique_ptr<cache_backend>(std::move(b));

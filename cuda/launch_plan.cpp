@@ -5,6 +5,7 @@
 
 #include "attention/layout.hpp"
 #include "status.hpp"
+#include "view_checks.hpp"
 
 #include <algorithm>
 #include <climits>
@@ -130,11 +131,19 @@ status attend_can_implement(const attend_args& a) {
     return {errc::unsupported, msg("CUDA attention supports kv_heads <= ", max_kv_heads, " and a GQA group of at most 16; got ",
                                    a.q_heads, " query heads over ", kv.kv_heads, " kv heads")};
   if (a.items.empty()) return {errc::invalid_argument, "attend: empty batch"};
-  for (const auto& it : a.items)
+  for (size_t i = 0; i < a.items.size(); ++i) {
+    const decode_item& it = a.items[i];
     if (it.q_len < 1 || it.q_len > it.n || it.from_pages < 0 || it.from_pages > it.n - it.q_len ||
         it.n - it.from_pages > kv.window)
       return {errc::invalid_argument, msg("attend: inconsistent item (slot ", it.slot, ", q_len ", it.q_len, ", n ", it.n,
-                                          ", from_pages ", it.from_pages, ")")};
+                                          ", from_pages ", it.from_pages, "), item ", i, " of the batch")};
+    if (int64_t(it.from_pages) > int64_t(kv.max_pages) * kv.page_tokens)
+      return {errc::invalid_argument, msg("attend: item ", i, " (slot ", it.slot, ") reads ", it.from_pages,
+                                          " tokens from pages, past the page tables' ", kv.max_pages, " pages of ",
+                                          kv.page_tokens, " tokens")};
+    if (it.q_row < 0) return {errc::invalid_argument, msg("attend: item ", i, " has q_row ", it.q_row)};
+    KVQ_TRY(detail::check_item_indices(kv, "attend", i, it.slot, it.window_unit, it.n));
+  }
   return {};
 }
 

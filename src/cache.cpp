@@ -29,6 +29,8 @@ status validate_config(const cache_config& c) {
   if (c.cpu_threads < 1 || c.cpu_threads > 256)
     return bad(fmt::format("cpu_threads {} must be in [1, 256]", c.cpu_threads));
   if (c.max_sequences <= 0) return bad(fmt::format("max_sequences {} must be positive", c.max_sequences));
+  if (c.where == backend::cuda && (c.max_tokens <= 0 || c.max_tokens > (int64_t(1) << 30)))
+    return bad(fmt::format("max_tokens {} must be in [1, 2^30]", c.max_tokens));
   if (!(c.softmax_scale >= 0.f) || !std::isfinite(c.softmax_scale))
     return bad(fmt::format("softmax_scale {} must be finite and >= 0 (0 = 1/sqrt(head_dim))", c.softmax_scale));
   return {};
@@ -83,6 +85,16 @@ status check_capacity(const cache_config& cfg, const char* call, seq_id id, int 
 }
 // Asks the policy for the formats of the pages an append of m tokens to (s, layer) creates and
 // has the store allocate them; the store knows formats, not policies.
+// A planned append that moves the sequence's window to a longer run of lanes: its rings are copied
+// there and the backend writes the append there (the caller restores `window_offset` if the
+// append fails; the store commits or abandons the move with the plan).
+status move_window(const cache_shape& sh, detail::cache_backend& b, sequence_state& s, const append_plan& plan) {
+  if (!plan.moved) return {};
+  KVQ_TRY(b.copy_rings(s.window_offset, plan.window_offset, int64_t(s.ring_lanes) * sh.page_tokens));
+  s.window_offset = plan.window_offset;
+  return {};
+}
+
 result<append_plan> plan_pages(page_store& store, policy& pol, sequence_state& s, int layer, int64_t m) {
   const cache_shape& sh = store.shape();
   const int pages = store.new_pages(s, layer, m);
@@ -114,6 +126,13 @@ result<KVCache> KVCache::create(const cache_config& cfg, std::shared_ptr<policy>
   auto b = detail::make_cuda_backend(*st);
   if (!b) return b.error();
   return KVCache(std::move(st), std::move(b).value());
+}
+
+result<cache_overhead> KVCache::overhead(const cache_config& cfg) {
+  KVQ_TRY(validate_config(cfg));
+  cache_overhead o;
+  if (cfg.where == backend::cuda) o.device_tables = detail::cuda_table_bytes(cfg);
+  return o;
 }
 
 KVCache::KVCache(std::unique_ptr<detail::cache_state> st, std::unique_ptr<detail::cache_backend> b)
@@ -167,7 +186,7 @@ result<uint64_t> KVCache::bytes_for(int64_t tokens, std::optional<seq_id> seq) c
   if (seq && !(s = store.find(*seq)))
     return status{errc::not_found, fmt::format("bytes_for: unknown sequence {}", *seq)};
   const auto& sh = state_->cfg.shape;
-  uint64_t bytes = s ? 0 : arena_allocator::rounded(store.window_bytes_per_sequence());
+  uint64_t bytes = store.window_bytes_for(s, tokens);
   std::vector<format_pair> pairs(size_t(sh.kv_heads));
   for (int l = 0; l < sh.layers; ++l) {
     const int64_t pages = s ? store.new_pages(*s, l, tokens) : store.pages_after(0, 0, tokens);
@@ -194,7 +213,11 @@ status KVCache::append(seq_id id, int layer, const tensor_view& k, const tensor_
   impl_->poll_policy();  // decisions of finished canaries reach the pages planned now
   auto plan = plan_pages(state_->store, *state_->pol, *s, layer, k.tokens);
   if (!plan) return plan.error();
-  if (status st = impl_->write(*s, layer, k, v, *plan); !st.ok()) {
+  const uint64_t window = s->window_offset;
+  status st = move_window(state_->cfg.shape, *impl_, *s, *plan);
+  if (st.ok()) st = impl_->write(*s, layer, k, v, *plan);
+  if (!st.ok()) {
+    s->window_offset = window;
     state_->store.abandon(std::move(plan).value());  // nothing was committed: give the pages back
     return st;
   }
@@ -243,8 +266,17 @@ status KVCache::append_batch(std::span<const append_item> items, int layer, cons
     }
     plans.push_back(std::move(plan).value());
   }
-  for (size_t i = 0; i < entries.size(); ++i) entries[i].plan = &plans[i];
-  if (status st = impl_->write_batch(entries, layer, k, v); !st.ok()) {
+  std::vector<uint64_t> windows;
+  windows.reserve(entries.size());
+  status st;
+  for (size_t i = 0; i < entries.size(); ++i) {
+    entries[i].plan = &plans[i];
+    windows.push_back(entries[i].s->window_offset);
+    if (st.ok()) st = move_window(state_->cfg.shape, *impl_, *entries[i].s, plans[i]);
+  }
+  if (st.ok()) st = impl_->write_batch(entries, layer, k, v);
+  if (!st.ok()) {
+    for (size_t i = 0; i < entries.size(); ++i) entries[i].s->window_offset = windows[i];
     abandon_all();
     return st;
   }
@@ -371,6 +403,7 @@ cache_stats KVCache::stats() const {
   out.format_map.reserve(size_t(sh.layers) * sh.kv_heads);
   for (int l = 0; l < sh.layers; ++l)
     for (int h = 0; h < sh.kv_heads; ++h) out.format_map.push_back(state_->pol->current(l, h));
+  out.overhead = impl_->overhead();
   return out;
 }
 

@@ -151,7 +151,14 @@ class cpu_backend final : public cache_backend {
   }
 
   status fork(const sequence_state& src, const sequence_state& dst) override {
-    std::memcpy(bytes_.get() + dst.window_offset, bytes_.get() + src.window_offset, store_.window_bytes_per_sequence());
+    return copy_rings(src.window_offset, dst.window_offset, int64_t(src.ring_lanes) * cfg_.shape.page_tokens);
+  }
+
+  status copy_rings(uint64_t from, uint64_t to, int64_t slots) override {
+    const auto& sh = cfg_.shape;
+    const uint64_t pitch = uint64_t(sh.window) * sh.head_dim * 2;
+    for (uint64_t ring = 0; ring < uint64_t(sh.layers) * sh.kv_heads * 2; ++ring)
+      std::memcpy(bytes_.get() + to + ring * pitch, bytes_.get() + from + ring * pitch, size_t(slots) * sh.head_dim * 2);
     return {};
   }
 

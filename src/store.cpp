@@ -15,8 +15,72 @@ page_store::page_store(const cache_shape& shape, uint64_t budget, int max_sequen
       page_bytes_[r == role::k ? 0 : 1][f] = layout_of(format_table[f], r, shape.page_tokens, shape.head_dim).total();
 }
 
-uint64_t page_store::window_bytes_per_sequence() const {
-  return uint64_t(shape_.layers) * shape_.kv_heads * 2 * shape_.window * shape_.head_dim * 2;
+uint64_t page_store::window_block_bytes() const {
+  return (uint64_t(shape_.layers) * shape_.kv_heads * 2 * shape_.window + ring_slack_slots) * shape_.head_dim * 2;
+}
+
+int page_store::lanes_for(int64_t tokens) const {
+  const int64_t lanes = (tokens + shape_.page_tokens - 1) / shape_.page_tokens;
+  return int(std::clamp<int64_t>(lanes, 1, lanes_per_block()));
+}
+
+bool page_store::lanes_free(uint64_t block, int lane, int count) const {
+  if (lane + count > lanes_per_block()) return false;
+  const std::vector<uint8_t>& taken = ring_blocks_.at(block);
+  return std::none_of(taken.begin() + lane, taken.begin() + lane + count, [](uint8_t t) { return t != 0; });
+}
+
+std::optional<lane_run> page_store::free_run(int lanes) const {
+  for (const auto& [block, taken] : ring_blocks_)
+    for (int lane = 0; lane + lanes <= lanes_per_block(); ++lane)
+      if (lanes_free(block, lane, lanes)) return lane_run{block, lane, lanes};
+  return std::nullopt;
+}
+
+std::optional<lane_run> page_store::take_lanes(int lanes) {
+  std::optional<lane_run> run = free_run(lanes);
+  if (!run) {
+    const std::optional<uint64_t> block = arena_.allocate(window_block_bytes());
+    if (!block) return std::nullopt;
+    ring_blocks_[*block].assign(size_t(lanes_per_block()), 0);
+    totals_.window_bytes += window_block_bytes();
+    run = lane_run{*block, 0, lanes};
+  }
+  std::vector<uint8_t>& taken = ring_blocks_[run->block];
+  std::fill(taken.begin() + run->lane, taken.begin() + run->lane + lanes, uint8_t(1));
+  return run;
+}
+
+void page_store::give_lanes(const lane_run& run) {
+  if (run.lanes == 0) return;
+  auto it = ring_blocks_.find(run.block);
+  std::fill(it->second.begin() + run.lane, it->second.begin() + run.lane + run.lanes, uint8_t(0));
+  if (std::any_of(it->second.begin(), it->second.end(), [](uint8_t t) { return t != 0; })) return;
+  arena_.free(run.block);
+  ring_blocks_.erase(it);
+  totals_.window_bytes -= window_block_bytes();
+}
+
+uint64_t page_store::window_bytes_for(const sequence_state* s, int64_t tokens) const {
+  if (s) {
+    int64_t most = 0;
+    for (const layer_state& ls : s->layers) most = std::max(most, ls.n);
+    const int need = lanes_for(most + tokens);
+    if (need <= s->ring_lanes || lanes_free(s->ring_block, s->ring_lane + s->ring_lanes, need - s->ring_lanes))
+      return 0;
+    return free_run(need) ? 0 : arena_allocator::rounded(window_block_bytes());
+  }
+  // A new sequence takes one lane, then grows to its tokens' lanes: free when some block has a
+  // free lane with the rest of the run free after it (or a free run elsewhere besides it).
+  const int need = lanes_for(tokens);
+  const std::optional<lane_run> first = free_run(1);
+  if (!first) return arena_allocator::rounded(window_block_bytes());
+  if (need == 1 || lanes_free(first->block, first->lane + 1, need - 1)) return 0;
+  for (const auto& [block, taken] : ring_blocks_)  // a run that does not use the first lane
+    for (int lane = 0; lane + need <= lanes_per_block(); ++lane)
+      if (lanes_free(block, lane, need) && !(block == first->block && lane <= first->lane && first->lane < lane + need))
+        return 0;
+  return arena_allocator::rounded(window_block_bytes());
 }
 
 uint64_t page_store::window_offset(const sequence_state& s, int layer, int kv_head, role r) const {
@@ -24,27 +88,30 @@ uint64_t page_store::window_offset(const sequence_state& s, int layer, int kv_he
 }
 
 result<sequence_state*> page_store::create(seq_id id) {
-  return add_sequence(id, fmt::format("create_sequence({})", id));
+  return add_sequence(id, fmt::format("create_sequence({})", id), 1);
 }
 
-result<sequence_state*> page_store::add_sequence(seq_id id, const std::string& call) {
+result<sequence_state*> page_store::add_sequence(seq_id id, const std::string& call, int lanes) {
   if (seqs_.count(id)) return status{errc::invalid_argument, fmt::format("{}: sequence {} already exists", call, id)};
   if (free_slots_.empty())
     return status{errc::out_of_budget,
                   fmt::format("{}: all {} sequence slots are in use (cache_config.max_sequences)", call, max_sequences_)};
-  const uint64_t wb = window_bytes_per_sequence();
-  auto off = arena_.allocate(wb);
-  if (!off)
+  const std::optional<lane_run> run = take_lanes(lanes);
+  if (!run)
     return status{errc::out_of_budget,
-                  fmt::format("{} needs {} bytes for its FP16 windows; {} of {} budget bytes free (largest block {})",
-                              call, wb, arena_.free_bytes(), arena_.capacity(), arena_.largest_free())};
+                  fmt::format("{} needs a ring block of {} bytes for its FP16 windows (no block has {} free lanes); {} "
+                              "of {} budget bytes free (largest block {})",
+                              call, window_block_bytes(), lanes, arena_.free_bytes(), arena_.capacity(),
+                              arena_.largest_free())};
   sequence_state s;
   s.id = id;
-  s.window_offset = *off;
+  s.ring_block = run->block;
+  s.ring_lane = run->lane;
+  s.ring_lanes = run->lanes;
+  s.window_offset = run->block + uint64_t(run->lane) * lane_bytes();
   s.slot = free_slots_.back();
   free_slots_.pop_back();
   s.layers.resize(size_t(shape_.layers));
-  totals_.window_bytes += wb;
   return &(seqs_[id] = std::move(s));
 }
 
@@ -52,7 +119,7 @@ result<sequence_state*> page_store::fork(seq_id src, seq_id dst) {
   const std::string call = fmt::format("fork({}, {})", src, dst);
   const sequence_state* from = find(src);
   if (!from) return status{errc::not_found, fmt::format("{}: unknown sequence {}", call, src)};
-  auto made = add_sequence(dst, call);
+  auto made = add_sequence(dst, call, from->ring_lanes);
   if (!made) return made;
   sequence_state& to = **made;
   const size_t per_page = size_t(shape_.kv_heads) * 2;
@@ -153,8 +220,7 @@ status page_store::release(seq_id id) {
     for (size_t i = 0; i < ls.pages.size(); i += size_t(shape_.kv_heads) * 2) unref_block(ls, i);
     totals_.tokens -= ls.n;
   }
-  arena_.free(s.window_offset);
-  totals_.window_bytes -= window_bytes_per_sequence();
+  give_lanes({s.ring_block, s.ring_lane, s.ring_lanes});
   free_slots_.push_back(s.slot);
   seqs_.erase(it);
   return {};
@@ -180,6 +246,7 @@ result<append_plan> page_store::plan_append(sequence_state& s, int layer, int64_
                                             std::span<const format_id> formats) {
   layer_state& ls = s.layers[size_t(layer)];
   append_plan plan;
+  plan.window_offset = s.window_offset;
   plan.pages = new_pages(s, layer, m);
   plan.first_page = int64_t(ls.pages.size()) / (2 * shape_.kv_heads);
   const size_t per_page = size_t(shape_.kv_heads) * 2;
@@ -195,6 +262,25 @@ result<append_plan> page_store::plan_append(sequence_state& s, int layer, int64_
       return status{errc::invalid_argument, fmt::format("sequence {} layer {} page {} head {} {}: {}", s.id, layer,
                                                         plan.first_page + int64_t(j / per_page), h, role_name(r),
                                                         st.message())};
+  }
+  // The window first: the lanes after the sequence's run, or a run elsewhere.
+  if (const int lanes = lanes_for(ls.n + m); lanes > s.ring_lanes) {
+    const int more = lanes - s.ring_lanes;
+    if (lanes_free(s.ring_block, s.ring_lane + s.ring_lanes, more)) {
+      plan.grown = {s.ring_block, s.ring_lane + s.ring_lanes, more};
+      std::fill_n(ring_blocks_[s.ring_block].begin() + plan.grown.lane, more, uint8_t(1));
+    } else if (const std::optional<lane_run> run = take_lanes(lanes)) {
+      plan.grown = *run;
+      plan.moved = true;
+      plan.window_offset = run->block + uint64_t(run->lane) * lane_bytes();
+    } else {
+      return status{errc::out_of_budget,
+                    fmt::format("append of {} tokens to sequence {} layer {} grows its FP16 windows to {} lanes and needs "
+                                "a ring block of {} bytes; {} of {} budget bytes free, largest block {}; nothing was "
+                                "stored",
+                                m, s.id, layer, lanes, window_block_bytes(), arena_.free_bytes(), arena_.capacity(),
+                                arena_.largest_free())};
+    }
   }
   plan.entries.reserve(formats.size());
   uint64_t need = 0;
@@ -227,6 +313,8 @@ result<append_plan> page_store::plan_append(sequence_state& s, int layer, int64_
 void page_store::abandon(append_plan&& plan) {
   const size_t per_page = size_t(shape_.kv_heads) * 2;
   for (size_t i = 0; i < plan.entries.size(); i += per_page) arena_.free(plan.entries[i].offset);
+  give_lanes(plan.grown);
+  plan.grown = {};
 }
 
 void page_store::commit_append(sequence_state& s, int layer, int64_t m, append_plan&& plan) {
@@ -234,6 +322,15 @@ void page_store::commit_append(sequence_state& s, int layer, int64_t m, append_p
   const size_t first = ls.pages.size();
   ls.pages.insert(ls.pages.end(), plan.entries.begin(), plan.entries.end());
   for (size_t i = first; i < ls.pages.size(); i += size_t(shape_.kv_heads) * 2) ref_block(ls, i);
+  if (plan.moved) {
+    give_lanes({s.ring_block, s.ring_lane, s.ring_lanes});
+    s.ring_block = plan.grown.block;
+    s.ring_lane = plan.grown.lane;
+    s.ring_lanes = plan.grown.lanes;
+    s.window_offset = plan.window_offset;
+  } else {
+    s.ring_lanes += plan.grown.lanes;
+  }
   ls.n += m;
   ls.e += int64_t(plan.pages) * shape_.page_tokens;
   ls.ring_from = std::max(ls.ring_from, ls.n - shape_.window);

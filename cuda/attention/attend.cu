@@ -6,6 +6,7 @@
 #include "attention/decode_staged.cuh"
 #include "attention/decode_wide.cuh"
 #include "attention/merge.cuh"
+#include "launch.hpp"
 #include "launch_plan.hpp"
 #include "status.hpp"
 
@@ -25,26 +26,24 @@ status launch_attend(const attend_params& p, const launch_plan& lp, int kv_heads
   if (lp.decode) {
     const dim3 grid(unsigned(lp.max_splits), unsigned(kv_heads), unsigned(items));
     if (lp.wide) {
-      decode_wide_kernel<D><<<grid, dec_warps * 32, 0, st>>>(p);
+      KVQ_TRY(launch("attention launch", decode_wide_kernel<D>, grid, dim3(dec_warps * 32), 0, st, p));
     } else {
       const auto kernel = !lp.page_stage ? decode_kernel<D>
                           : lp.two_full  ? decode_paged_kernel<D, true, false>
                           : lp.whole     ? decode_paged_kernel<D, false, true>
                                          : decode_paged_kernel<D, false, false>;
+      // The shared-memory opt-in belongs to the current device: set before every launch.
       KVQ_TRY(cuda_status(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, lp.smem), "cudaFuncSetAttribute"));
-      kernel<<<grid, dec_warps * 32, lp.smem, st>>>(p);
+      KVQ_TRY(launch("attention launch", kernel, grid, dim3(dec_warps * 32), size_t(lp.smem), st, p));
     }
   } else {
     const int smem = int(sizeof(attend_smem<D>));
     KVQ_TRY(cuda_status(cudaFuncSetAttribute(attend_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
                         "cudaFuncSetAttribute"));
-    attend_kernel<D><<<dim3(unsigned(lp.max_splits), unsigned(kv_heads * lp.mtiles), unsigned(items)), threads, smem, st>>>(p);
+    KVQ_TRY(launch("attention launch", attend_kernel<D>,
+                   dim3(unsigned(lp.max_splits), unsigned(kv_heads * lp.mtiles), unsigned(items)), dim3(threads),
+                   size_t(smem), st, p));
   }
-  KVQ_TRY(cuda_status(cudaGetLastError(), "attention launch"));
-  cudaLaunchConfig_t mc = {};
-  mc.gridDim = mgrid;
-  mc.blockDim = dim3(merge_threads);
-  mc.stream = st;
   cudaLaunchAttribute pdl[1];
   pdl[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;  // `pdl_trigger` / `pdl_wait`
   pdl[0].val.programmaticStreamSerializationAllowed = 1;
@@ -52,9 +51,8 @@ status launch_attend(const attend_params& p, const launch_plan& lp, int kv_heads
   KVQ_TRY(cuda_status(cudaGetDevice(&dev), "cudaGetDevice"));
   KVQ_TRY(cuda_status(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev),
                       "cudaDeviceGetAttribute"));
-  mc.attrs = pdl;
-  mc.numAttrs = major >= 9 ? 1 : 0;
-  return cuda_status(cudaLaunchKernelEx(&mc, merge_kernel<D>, p), "merge launch");
+  return launch("merge launch", merge_kernel<D>, mgrid, dim3(merge_threads), 0, st,
+                std::span<cudaLaunchAttribute>(pdl, major >= 9 ? 1 : 0), p);
 }
 
 }  // namespace

@@ -2,6 +2,7 @@
 // The launch parameters of every attention kernel (one `__grid_constant__` struct: the layer's
 // paged view, the query and output, the split plan and the batch's items).
 #include <kvq/cuda/paged_attention.hpp>
+#include <kvq/store/window_layout.hpp>
 
 #include "attention/layout.hpp"
 #include "dtype.cuh"
@@ -30,6 +31,7 @@ struct attend_params {
   decode_item items[max_items];
 };
 
+static_assert(slab <= ring_slack_slots, "the ring blocks' slack covers a slab read past a sequence's last slot");
 static_assert(sizeof(attend_params) <= 32764, "kernel parameters of at most 32764 bytes (sm_70+, CUDA 12.1+)");
 
 }  // namespace cuda::detail

@@ -9,6 +9,9 @@
 //   formats, in 256-byte blocks). A request that does not fit is queued and admitted when a finished sequence's `release_sequence` returns
 //   its bytes, so no append ever fails for lack of budget;
 // - `stats()` reports what is held (used bytes, pages per format) at any moment;
+// - memory outside the budget is known before creation: `KVCache::overhead(cfg)` (the CUDA page
+//   tables), and `stats().overhead` reports it and the workspaces as they grow, so the engine
+//   sizes `budget_bytes` as the memory it gives the cache minus that;
 // - the same program runs on the CPU backend (host tensors) and on the CUDA backend (device
 //   tensors); only where the tensors live changes.
 //
@@ -122,6 +125,9 @@ int serve(kvq::backend where) {
   cfg.shape = {layers, q_heads, kv_heads, d, 64, 128, 64};
   cfg.budget_bytes = 1536 << 10;
   cfg.where = where;
+  const kvq::cache_overhead extra = kvq::KVCache::overhead(cfg).value_or_throw();
+  fmt::print("{}: budget {} bytes; {} bytes outside it at creation (device page tables)\n", name, cfg.budget_bytes,
+             extra.device_bytes());
   auto pol = std::make_shared<kvq::static_policy>(kvq::static_policy::parse(spec).value_or_throw());
   auto cache = kvq::KVCache::create(cfg, pol).value_or_throw();
   // The reference: an FP16 cache on the CPU with room for everything, fed the same tokens.
@@ -234,6 +240,11 @@ int serve(kvq::backend where) {
   expect(completed == 8, "every request completes");
   expect(waited > 0, "some request waited for memory (the scenario shows admission control)");
   expect(st.used_bytes == 0, "released sequences return every byte");
+  expect(st.overhead.device_tables == extra.device_tables, "the page tables are what overhead(cfg) announced");
+  expect((where == kvq::backend::cpu) == (st.overhead.device_bytes() == 0), "only the CUDA backend holds memory "
+                                                                             "outside the budget");
+  fmt::print("{}: outside the budget now: {} bytes of device tables, {} of workspaces, {} pinned\n", name,
+             st.overhead.device_tables, st.overhead.device_workspace, st.overhead.pinned_host);
   expect(rel <= max_rel_error, "the attention output stays within its bound of the FP16 cache");
   return failures;
 }

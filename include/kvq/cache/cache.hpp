@@ -63,6 +63,22 @@ struct cache_config {
   int cpu_threads = 1;
 };
 
+/// Memory a cache holds outside `budget_bytes`: the CUDA backend's page tables, workspaces and
+/// canary buffers (all zero on the CPU, whose only memory is the budget's arena). `budget_bytes`
+/// is what the KV data may take; a cache takes `budget_bytes` plus these in all.
+struct cache_overhead {
+  /// Device page tables, fixed at creation: a block offset per (slot, layer, page) and a format id
+  /// per (slot, layer, page, kv head, role), for `max_sequences` slots of `max_tokens` tokens.
+  uint64_t device_tables = 0;
+  /// Device workspaces: the attention's split partials, the undo record of multi-launch appends,
+  /// the canary's query staging and the value-check flag. They grow to the largest call shape
+  /// seen (a batch's size and lengths, not the tokens stored), then never again.
+  uint64_t device_workspace = 0;
+  /// Mapped pinned host memory of the device canary's results (EchoKV on CUDA).
+  uint64_t pinned_host = 0;
+  uint64_t device_bytes() const { return device_tables + device_workspace; }
+};
+
 /// Statistics at any moment.
 struct cache_stats {
   uint64_t budget_bytes = 0;
@@ -80,6 +96,7 @@ struct cache_stats {
   std::array<uint64_t, format_count> bytes_by_format{};
   std::array<uint64_t, format_count> pages_by_format{};
   std::vector<format_pair> format_map;           ///< [layers][kv_heads] current policy decision
+  cache_overhead overhead;                       ///< memory held outside the budget now
 
   /// Average bits per element of the pages, scales and zeros included.
   double page_bits() const { return encoded_elements ? 8.0 * page_bytes / double(encoded_elements) : 0.0; }
@@ -115,11 +132,19 @@ class KVQ_EXPORT KVCache {
   /// only if it says it is safe to). Errors name the bad field.
   static result<KVCache> create(const cache_config& cfg, std::shared_ptr<policy> pol);
 
+  /// What a cache of this configuration allocates outside `budget_bytes` when it is created (the
+  /// CUDA page tables; zero on the CPU), without creating it: an engine sizes `budget_bytes` as the
+  /// memory it gives the cache minus this. Workspaces come later and grow with the call shapes
+  /// (`cache_stats::overhead` reports them). Errors: an invalid configuration.
+  static result<cache_overhead> overhead(const cache_config& cfg);
+
   KVCache(KVCache&&) noexcept;
   KVCache& operator=(KVCache&&) noexcept;
   ~KVCache();
 
-  /// Starts an empty sequence; allocates its windows from the budget.
+  /// Starts an empty sequence with a window of one lane (page_tokens slots of every ring), taken
+  /// from a ring block that has one free, else from a new ring block of the budget; the window
+  /// grows a lane at a time with the appends, up to the full window (include/kvq/store/store.hpp).
   status create_sequence(seq_id id);
   /// Returns every page and window of the sequence to the budget.
   status release_sequence(seq_id id);
@@ -130,8 +155,8 @@ class KVQ_EXPORT KVCache {
   /// Starts sequence `dst` as a copy of `src` (a shared prompt, beams, parallel samples): dst
   /// lists every encoded page of src, shared and reference-counted (stored and counted once; a
   /// page's bytes return to the budget when its last sharer releases or truncates it), and gets
-  /// its own copy of src's FP16 windows, so both then append and attend independently. Costs one
-  /// window block of the budget. Errors: unknown src (`not_found`), existing dst
+  /// its own copy of src's FP16 windows, so both then append and attend independently. Costs as
+  /// many lanes as src's window (a new ring block when no block has them free). Errors: unknown src (`not_found`), existing dst
   /// (`invalid_argument`), no slot or no budget for the window (`out_of_budget`); then nothing
   /// changed.
   status fork(seq_id src, seq_id dst);
@@ -147,11 +172,14 @@ class KVQ_EXPORT KVCache {
   status truncate(seq_id id, int64_t length);
 
   /// Budget bytes that appending `tokens` more tokens to every layer of sequence `seq` would
-  /// allocate (its new page blocks, in the formats the policy holds now: `current`), or, without
-  /// `seq`, what a new sequence of `tokens` tokens takes (its window block and its pages). For
-  /// admission control against `stats().free_bytes` (a new sequence's window also needs a
-  /// contiguous block: `stats().largest_free_block`). Exact for policies whose formats do not
-  /// change meanwhile. Errors: tokens < 0, an unknown sequence.
+  /// allocate (its new page blocks, in the formats the policy holds now: `current`, and a ring
+  /// block when its window must grow and no free lanes serve it), or, without `seq`, what a new
+  /// sequence of `tokens` tokens takes (its pages, and a ring block unless free lanes serve its
+  /// window). For admission control against `stats().free_bytes` (a ring block is one contiguous
+  /// block: `stats().largest_free_block`). Exact, for the cache as it is now, for policies whose
+  /// formats do not change meanwhile: free lanes counted for one request are free for the next
+  /// too, so an engine that reserves for several requests before creating them counts a ring
+  /// block for each. Errors: tokens < 0, an unknown sequence.
   result<uint64_t> bytes_for(int64_t tokens, std::optional<seq_id> seq = std::nullopt) const;
 
   /// Appends the K and V of `k.tokens` new tokens of one sequence and layer.

@@ -12,7 +12,12 @@
 /// - `blocks`: [slots][layers][max_pages] uint32 block offsets in 256-byte units.
 /// - `fmts`:   [slots][layers][max_pages][kv_heads][2] format ids.
 /// - windows: per sequence, [layers][kv_heads][2][window][head_dim] fp16 rings at
-///   `window_unit * 256`; token j lives in slot j % window.
+///   `window_unit * 256`; token j lives in slot j % window. A sequence of n < window tokens uses
+///   only slots [0, n) of each ring, so the rings of short sequences may interleave in one block
+///   (`KVCache` places them in lanes of page_tokens slots: include/kvq/store/store.hpp). The
+///   decode kernels read the ring in 16-token slabs and may read up to 15 slots past the last
+///   token (values they select away): such a window needs `ring_slack_slots` slots of arena
+///   after its last ring (kvq/store/window_layout.hpp).
 ///
 /// Supported: head_dim 64 or 128, page_tokens a power of two of at least 64 (64 and 128 tested),
 /// q_heads / kv_heads <= 16, any mix of formats per page. Launches take the caller's stream,
@@ -32,7 +37,11 @@
 KVQ_NAMESPACE_BEGIN
 namespace cuda {
 
-/// Non-owning view of a paged store in device memory (see file comment).
+/// Non-owning view of a paged store in device memory (see file comment). Every call checks the
+/// indices it is given on the host before launching: page counts against `max_pages`, and where
+/// the view states its extents (`slots`, `arena_bytes`: the checked mode, which `KVCache` always
+/// uses) slots, window blocks and new page blocks against them. The block offsets already stored
+/// in the device tables are the caller's (they were checked when appended).
 struct paged_view {
   const uint8_t* arena = nullptr;
   const uint32_t* blocks = nullptr;  ///< [slots][layers][max_pages]
@@ -43,6 +52,12 @@ struct paged_view {
   int page_tokens = 0;
   int window = 0;
   int max_pages = 0;
+  /// Rows of the page tables (sequence slots), for the index checks of every call: a slot outside
+  /// [0, slots) is refused, naming the item. 0: unknown, slots unchecked.
+  int slots = 0;
+  /// Bytes of `arena`, for the index checks: a window block or (append) a new page block that
+  /// does not lie inside the arena is refused, naming the item or page. 0: unknown, unchecked.
+  uint64_t arena_bytes = 0;
   std::array<uint32_t, format_count> k_page_bytes{};  ///< page bytes of each format, role K
   std::array<uint32_t, format_count> v_page_bytes{};  ///< page bytes of each format, role V
 };

@@ -77,9 +77,13 @@ class cache_backend {
   /// Called after a sequence is created or released (device tables).
   virtual void on_sequence_change(const sequence_state&, bool /*created*/) {}
   /// After the store forked `src` into `dst` (dst lists src's pages): copies src's FP16 windows
-  /// into dst's window block and dst's page-table rows where the backend keeps them. On failure
+  /// into dst's (`copy_rings`) and dst's page-table rows where the backend keeps them. On failure
   /// the caller releases `dst`.
   virtual status fork(const sequence_state& src, const sequence_state& dst) = 0;
+  /// Copies the first `slots` slots of every ring of the window at arena offset `from` into the
+  /// window at `to` (two `sequence_state::window_offset`s, whose lanes do not overlap): a window
+  /// that moves to a longer run of lanes, or a fork.
+  virtual status copy_rings(uint64_t from, uint64_t to, int64_t slots) = 0;
   /// Before the store truncates `s` to `length` tokens per layer: writes into the ring, as fp16,
   /// the kept tokens that go back to the ring but whose slots a later token overwrote
   /// (`ring_restore_range`), decoded from their page. Nothing is written when it fails.
@@ -92,6 +96,8 @@ class cache_backend {
   virtual status sync_policy() { return {}; }
   /// Launches the deferred canaries without waiting (`KVCache::flush_policy`).
   virtual status flush_policy() { return {}; }
+  /// Memory held outside the budget now (`cache_stats::overhead`).
+  virtual cache_overhead overhead() const { return {}; }
 
  protected:
   const cache_config& cfg_;
@@ -136,6 +142,17 @@ inline std::pair<int64_t, int64_t> ring_restore_range(const page_store& store, c
 /// page_tokens), `ring` [window][head_dim] halves.
 void restore_rows(const cache_shape& sh, const page_entry& pe, role r, const uint8_t* page, int64_t first, int64_t last,
                   uint16_t* ring);
+
+/// Pages the CUDA page tables index per sequence: ceil(max_tokens / page_tokens).
+inline int64_t cuda_max_pages(const cache_config& cfg) {
+  return (cfg.max_tokens + cfg.shape.page_tokens - 1) / cfg.shape.page_tokens;
+}
+/// Bytes of the CUDA page tables of a configuration: [max_sequences][layers][max_pages] uint32
+/// block offsets and [...][kv_heads][2] format ids.
+inline uint64_t cuda_table_bytes(const cache_config& cfg) {
+  const uint64_t rows = uint64_t(cfg.max_sequences) * uint64_t(cfg.shape.layers) * uint64_t(cuda_max_pages(cfg));
+  return rows * (sizeof(uint32_t) + uint64_t(cfg.shape.kv_heads) * 2);
+}
 
 /// The CPU reference backend, or an `out_of_budget` status when its arena cannot be allocated.
 result<std::unique_ptr<cache_backend>> make_cpu_backend(const cache_state& st);

@@ -5,7 +5,19 @@
 /// knows offsets and formats, never bytes: the backend owns the memory (host or device) the
 /// offsets point into.
 ///
-/// Window layout of one sequence: [layers][kv_heads][2 roles][window][head_dim] fp16, one block.
+/// Window layout of one sequence: [layers][kv_heads][2 roles][window][head_dim] fp16 from its
+/// `window_offset`; token j in slot j % window.
+///
+/// Windows grow with the sequence. A *ring block* of that layout (`window_block_bytes`) is cut
+/// into window / page_tokens *lanes* of page_tokens slots: lane i starts i * page_tokens slots
+/// into every ring of the block. A sequence holds a run of lanes, whose first lane gives its
+/// `window_offset`; with k lanes it can hold k * page_tokens tokens before its slots wrap, which
+/// only a sequence of every lane does (k = window / page_tokens). Every address is the layout's
+/// own (slot j % window of ring (layer, kv head, role)), so the rings of several short
+/// sequences interleave in one block and the backends and kernels read them unchanged. A new
+/// sequence takes one lane; an append that needs more takes the lanes after its run when they are
+/// free, else moves the sequence to a free run elsewhere (a new block if none: the backend copies
+/// the rings). A block's bytes return to the budget when its last lane does.
 /// Page list of (layer): entry (page i, kv head h, role r) at index (i*kv_heads + h)*2 + r.
 /// The pages of one page index (all kv heads and roles) share one arena block, back to back in
 /// that order; the first entry's offset is the block's.
@@ -22,6 +34,8 @@
 
 #include <array>
 #include <cstdint>
+#include <map>
+#include <optional>
 #include <span>
 #include <string>
 #include <unordered_map>
@@ -49,16 +63,33 @@ struct layer_state {
 
 struct sequence_state {
   seq_id id = 0;
-  uint64_t window_offset = 0;
+  uint64_t window_offset = 0;  ///< its rings: ring_block + ring_lane lanes
+  uint64_t ring_block = 0;     ///< the ring block holding its lanes
+  int ring_lane = 0;           ///< its first lane
+  int ring_lanes = 0;          ///< its lanes: it holds up to ring_lanes * page_tokens tokens
   int slot = 0;  ///< dense index (0 .. max_sequences-1), for device tables
   std::vector<layer_state> layers;
 };
 
-/// Pages an append will create, allocated up front (all or nothing).
+/// A run of lanes of one ring block.
+struct lane_run {
+  uint64_t block = 0;
+  int lane = 0;
+  int lanes = 0;  ///< 0: none
+};
+
+/// Pages an append will create, allocated up front (all or nothing), and the lanes its window
+/// grows by.
 struct append_plan {
   int64_t first_page = 0;  ///< index of the first new page in the layer's list
   int pages = 0;           ///< new pages per (kv head, role)
   std::vector<page_entry> entries;  ///< [pages][kv_heads][2]
+  /// Lanes taken for the window: after the sequence's own run (it grows in place) or, when
+  /// `moved`, a run elsewhere that replaces its run at commit (the backend copies its rings to
+  /// `window_offset` first). None when the window holds the append.
+  lane_run grown;
+  bool moved = false;
+  uint64_t window_offset = 0;  ///< the sequence's window_offset from commit on
 };
 
 class KVQ_EXPORT page_store {
@@ -67,7 +98,18 @@ class KVQ_EXPORT page_store {
   page_store(const cache_shape& shape, uint64_t budget, int max_sequences);
 
   const cache_shape& shape() const { return shape_; }
-  uint64_t window_bytes_per_sequence() const;
+  /// Bytes of one ring block: every lane, [layers][kv_heads][2][window][head_dim] fp16, and
+  /// `ring_slack_slots` slots of slack after it (window_layout.hpp).
+  uint64_t window_block_bytes() const;
+  /// Lanes of a ring block: window / page_tokens.
+  int lanes_per_block() const { return shape_.window / shape_.page_tokens; }
+  /// Bytes from one lane to the next: page_tokens slots.
+  uint64_t lane_bytes() const { return uint64_t(shape_.page_tokens) * shape_.head_dim * 2; }
+  /// Lanes a sequence of `tokens` tokens needs: ceil(tokens / page_tokens), 1 to lanes_per_block.
+  int lanes_for(int64_t tokens) const;
+  /// Budget bytes that giving `s` (or, without it, a new sequence) room for `tokens` tokens would
+  /// allocate now: a ring block when no free run of lanes serves it, else 0.
+  uint64_t window_bytes_for(const sequence_state* s, int64_t tokens) const;
   /// Offset of the ring of (layer, kv head, role) inside the arena.
   uint64_t window_offset(const sequence_state& s, int layer, int kv_head, role r) const;
 
@@ -75,9 +117,9 @@ class KVQ_EXPORT page_store {
   /// Releases the sequence's window block and drops its reference to each of its page blocks
   /// (a block shared with another sequence stays).
   status release(seq_id id);
-  /// Creates `dst` listing every page of `src` (shared, reference-counted) with a window block of
-  /// its own (the caller copies the ring bytes). Costs one window block; on failure (unknown
-  /// `src`, existing `dst`, no slot, no budget) nothing changed and the status names the problem.
+  /// Creates `dst` listing every page of `src` (shared, reference-counted) with a window of its own
+  /// of src's lanes (the caller copies the ring bytes). On failure (unknown `src`, existing `dst`,
+  /// no slot, no budget for a ring block) nothing changed and the status names the problem.
   result<sequence_state*> fork(seq_id src, seq_id dst);
   /// Every layer of `s` keeps its first `length` tokens (the caller checked length <= n of each
   /// layer) and its first `kept_encoded(layer, length)` tokens encoded: the later pages are
@@ -114,9 +156,9 @@ class KVQ_EXPORT page_store {
   /// a format that cannot store this shape is `invalid_argument`, a full budget `out_of_budget`;
   /// on failure nothing is allocated and the status names the page.
   result<append_plan> plan_append(sequence_state& s, int layer, int64_t m, std::span<const format_id> formats);
-  /// Returns the planned pages to the budget (the backend rejected the data).
+  /// Returns the planned pages and lanes to the budget (the backend rejected the data).
   void abandon(append_plan&& plan);
-  /// Records the planned pages and the new token count (after the backend wrote the bytes).
+  /// Records the planned pages, lanes and the new token count (after the backend wrote the bytes).
   void commit_append(sequence_state& s, int layer, int64_t m, append_plan&& plan);
 
   uint64_t page_bytes_of(format_id f, role r) const { return page_bytes_[r == role::k ? 0 : 1][f]; }
@@ -139,7 +181,16 @@ class KVQ_EXPORT page_store {
 
  private:
   void account(const page_entry& p, role r, int sign);
-  result<sequence_state*> add_sequence(seq_id id, const std::string& call);
+  // A free run of `lanes` lanes: the first that fits, by block offset, or a new block (nothing
+  // when the budget has no room for one).
+  std::optional<lane_run> take_lanes(int lanes);
+  // Marks a run free; a block whose lanes are all free goes back to the budget.
+  void give_lanes(const lane_run& run);
+  // The first free run of `lanes` lanes in the existing blocks, if any.
+  std::optional<lane_run> free_run(int lanes) const;
+  // True when lanes [lane, lane + count) of `block` are free and inside it.
+  bool lanes_free(uint64_t block, int lane, int count) const;
+  result<sequence_state*> add_sequence(seq_id id, const std::string& call, int lanes);
   // Layout bytes of the page block whose first entry is ls.pages[first].
   uint64_t listed_bytes(const layer_state& ls, size_t first) const;
   // One more / one fewer sequence lists the page block at ls.pages[first]; the first listing
@@ -153,6 +204,7 @@ class KVQ_EXPORT page_store {
   std::unordered_map<seq_id, sequence_state> seqs_;
   std::vector<int> free_slots_;
   std::unordered_map<uint64_t, uint32_t> refs_;  // page block offset -> sequences listing it
+  std::map<uint64_t, std::vector<uint8_t>> ring_blocks_;  // ring block offset -> [lanes] 1 where taken
   std::array<std::array<uint64_t, format_count>, 2> page_bytes_{};
   counters totals_;
 };

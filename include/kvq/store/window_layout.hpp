@@ -12,6 +12,12 @@ KVQ_NAMESPACE_BEGIN
 /// 128-byte lines); device page tables and window offsets count in this unit.
 inline constexpr uint32_t block_unit = 256;
 
+/// Slots after the last ring of a ring block that reads may touch: the decode kernels read the
+/// ring in whole 16-token slabs, and select away the rows past the tokens held. A sequence whose
+/// lanes end its ring block (include/kvq/store/store.hpp) has no slots of its own after its last
+/// ring, so each ring block carries this slack.
+inline constexpr int ring_slack_slots = 16;
+
 /// Offset in halves of the FP16 ring of (`layer`, `kv_head`, role `r`: 0 K, 1 V) from the start of
 /// a sequence's window block. Rings are laid out [layers][kv_heads][K, V][window][head_dim] halves.
 KVQ_HOST_DEVICE constexpr uint64_t ring_halves(int layer, int kv_heads, int kv_head, int r, int window, int head_dim) {
