@@ -1,12 +1,14 @@
 // Quantize-on-append: each new page's fp16 rows (old tokens from the sequence's ring, new ones from
 // the input) encoded with the shared codec, so the bytes equal the CPU's, and the new tokens that
-// stay in the window written to the FP16 ring.
+// stay in the window written to the FP16 ring. The new rows of a rotated head are rotated by a
+// warp each (rotation.cuh) before they are rounded to fp16, in both kernels.
 #include <kvq/codec/codec.hpp>
 #include <kvq/cuda/paged_attention.hpp>
 #include <kvq/store/window_layout.hpp>
 
 #include "attention/layout.hpp"
 #include "dtype.cuh"
+#include "rotation.cuh"
 #include "status.hpp"
 
 #include <cuda_runtime.h>
@@ -18,9 +20,13 @@ namespace cuda {
 namespace {
 
 using detail::cuda_status;
+using detail::head_rotated;
+using detail::load_any;
 using detail::max_kv_heads;
 using detail::msg;
 using detail::threads;
+using detail::warp_rotate;
+using detail::with_per_lane;
 
 struct append_params {
   paged_view kv;
@@ -44,6 +50,7 @@ struct append_params {
   uint8_t page_item[max_append_pages];
   uint8_t page_fmts[max_append_pages][max_kv_heads * 2];
   float clip[max_kv_heads * 2];
+  head_rotation rot;
 };
 static_assert(max_append_items <= 256, "page_item is one byte");
 
@@ -54,6 +61,21 @@ __device__ __forceinline__ uint16_t src_half(const append_params& p, int r, int6
     if constexpr (std::is_same_v<T, float>) return float_to_half(static_cast<const float*>(p.src[r])[i]);
     else if constexpr (std::is_same_v<T, __half>) return static_cast<const uint16_t*>(p.src[r])[i];
     else return float_to_half(bf16_to_float(static_cast<const uint16_t*>(p.src[r])[i]));
+  });
+}
+
+// The warp's input row (row, kv head h) of role r rotated (R x) and rounded to fp16 into
+// out [head_dim]: lane l writes channels [l * head_dim / 32, (l + 1) * head_dim / 32).
+__device__ __forceinline__ void rotated_row(const append_params& p, int r, int64_t row, int h, int lane, uint16_t* out) {
+  with_per_lane(p.kv.head_dim, [&](auto pl) {
+    constexpr int per_lane = decltype(pl)::value;
+    const int64_t base = row * p.src_stride[r] + int64_t(h) * p.kv.head_dim + lane * per_lane;
+    float x[per_lane];
+#pragma unroll
+    for (int i = 0; i < per_lane; ++i) x[i] = load_any(p.src[r], p.src_type[r], base + i);
+    warp_rotate<per_lane>(x, lane, p.rot.seed, p.layer, h, false);
+#pragma unroll
+    for (int i = 0; i < per_lane; ++i) out[lane * per_lane + i] = float_to_half(x[i]);
   });
 }
 
@@ -72,10 +94,15 @@ __global__ void __launch_bounds__(threads) encode_kernel(const __grid_constant__
   const append_params::item& it = p.items[p.page_item[pg]];
   const uint16_t* ring = ring_of(p, it, h, r);
   const int first_tok = it.e + (pg - it.page0) * P;
+  const bool rotated = head_rotated(p.rot, h);
   for (int idx = threadIdx.x; idx < P * d; idx += threads) {
     const int row = idx / d, c = idx % d, j = first_tok + row;
-    src[idx] = j < it.n ? ring[size_t(j % p.kv.window) * d + c] : src_half(p, r, it.src_row + (j - it.n), h, c);
+    if (j < it.n) src[idx] = ring[size_t(j % p.kv.window) * d + c];
+    else if (!rotated) src[idx] = src_half(p, r, it.src_row + (j - it.n), h, c);
   }
+  if (rotated)  // the new rows, a warp each
+    for (int row = max(0, it.n - first_tok) + threadIdx.x / 32; row < P; row += threads / 32)
+      rotated_row(p, r, it.src_row + (first_tok + row - it.n), h, threadIdx.x % 32, src + size_t(row) * d);
   const uint8_t* fm = p.page_fmts[pg];
   uint32_t off = 0;
   for (int hh = 0; hh < h; ++hh) off += p.kv.k_page_bytes[fm[2 * hh]] + p.kv.v_page_bytes[fm[2 * hh + 1]];
@@ -101,6 +128,19 @@ __global__ void ring_kernel(const __grid_constant__ append_params p) {
   const append_params::item& it = p.items[blockIdx.y];
   const int32_t first = max(it.n, it.n + it.m - p.kv.window);
   const int d8 = p.kv.head_dim / 8, rows = (it.n + it.m - first) * p.kv.kv_heads * 2;
+  if (p.rot.mask != 0) {  // a layer with rotated heads: a warp per row
+    const int lane = threadIdx.x % 32, warps = gridDim.x * blockDim.x / 32;
+    for (int row = (blockIdx.x * blockDim.x + threadIdx.x) / 32; row < rows; row += warps) {
+      const int r = row % 2, h = (row / 2) % p.kv.kv_heads;
+      const int32_t j = first + row / (2 * p.kv.kv_heads);
+      const int64_t src_row = it.src_row + (j - it.n);
+      uint16_t* dst = ring_of(p, it, h, r) + size_t(j % p.kv.window) * p.kv.head_dim;
+      if (head_rotated(p.rot, h)) rotated_row(p, r, src_row, h, lane, dst);
+      else
+        for (int c = lane; c < p.kv.head_dim; c += 32) dst[c] = src_half(p, r, src_row, h, c);
+    }
+    return;
+  }
   for (int idx = blockIdx.x * blockDim.x + threadIdx.x; idx < rows * d8; idx += gridDim.x * blockDim.x) {
     const int c = (idx % d8) * 8, row = idx / d8;
     const int r = row % 2, h = (row / 2) % p.kv.kv_heads;
@@ -141,6 +181,12 @@ status append_run(const append_args& a, void* stream) {
     return {errc::invalid_argument, msg("append: ", pages, " new pages in one call, at most ", max_append_pages)};
   if (rows != a.k.tokens || rows != a.v.tokens)
     return {errc::invalid_argument, msg("append: the items append ", rows, " tokens, K has ", a.k.tokens, " and V ", a.v.tokens)};
+  if (a.rotation.mask != 0 &&
+      (!rotation::is_power_of_two(kv.head_dim) || kv.head_dim < 32 || kv.head_dim > 256 ||
+       (kv.kv_heads < 32 && (a.rotation.mask >> kv.kv_heads) != 0)))
+    return {errc::invalid_argument, msg("append: rotation (mask ", a.rotation.mask, ") needs head_dim a power of two in [32, ",
+                                        "256] (got head_dim ", kv.head_dim, ") and names only the layer's ", kv.kv_heads,
+                                        " kv heads")};
   if (a.items.empty()) return {};
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   append_params p{};
@@ -174,6 +220,7 @@ status append_run(const append_args& a, void* stream) {
     for (int j = 0; j < kv.kv_heads * 2; ++j) p.page_fmts[i][j] = a.page_fmts[i * kv.kv_heads * 2 + j];
   }
   for (int j = 0; j < kv.kv_heads * 2; ++j) p.clip[j] = a.clip ? a.clip[j] : 1.0f;
+  p.rot = a.rotation;
   if (pages > 0) {  // before the ring kernel: pages read ring slots that the new tokens overwrite
     const int smem = kv.page_tokens * kv.head_dim * 2;
     KVQ_TRY(cuda_status(cudaFuncSetAttribute(encode_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),

@@ -1,8 +1,9 @@
 #pragma once
 // The split merge `merge_kernel`: the log-sum-exp merge of every split's partial result into the
-// output rows.
+// output rows, rotated back for a rotated head.
 #include "attention/params.cuh"
 #include "ptx.cuh"
+#include "rotation.cuh"
 
 #include <cub/block/block_reduce.cuh>
 
@@ -83,12 +84,24 @@ __global__ void __launch_bounds__(merge_threads) merge_kernel(const __grid_const
   __syncthreads();
   const int mm = mt * 16 + r, i = mm / p.group, qh = h * p.group + mm % p.group;
   const int64_t out = int64_t(item.q_row + i) * p.o_stride + int64_t(qh) * D;
+  const bool rotated = head_rotated(p.rot, h);
   for (int c = threadIdx.x; c < D; c += merge_threads) {
     float o = 0.f;
 #pragma unroll
     for (int w = 0; w < warps; ++w) o += wo_sum[w][c];
-    store_any(p.o, p.o_type, out + c, o / l);
+    if (rotated) f_s[c] = o / l;  // (f_s's readers finished before the reductions' barriers)
+    else store_any(p.o, p.o_type, out + c, o / l);
   }
+  if (!rotated) return;
+  // A rotated head's output is R o: the first warp rotates it back (R^T) and stores it.
+  __syncthreads();
+  if (warp != 0) return;
+  float x[per_lane];
+#pragma unroll
+  for (int c = 0; c < per_lane; ++c) x[c] = f_s[lane * per_lane + c];
+  warp_rotate<per_lane>(x, lane, p.rot.seed, p.layer, h, true);
+#pragma unroll
+  for (int c = 0; c < per_lane; ++c) store_any(p.o, p.o_type, out + lane * per_lane + c, x[c]);
 }
 
 }  // namespace cuda::detail

@@ -1,9 +1,10 @@
 #pragma once
 // The decode kernels' query: the block's query columns as MMA B fragments, their fp16 copy in
-// shared memory, and the KIVI key fold (a token group's channel scales into q, its zeros into one
-// score offset per column).
+// shared memory, the KIVI key fold (a token group's channel scales into q, its zeros into one
+// score offset per column), and the rotation of the queries of rotated heads.
 #include "attention/dequant.cuh"
 #include "attention/params.cuh"
+#include "rotation.cuh"
 
 KVQ_NAMESPACE_BEGIN
 namespace cuda::detail {
@@ -86,6 +87,27 @@ __device__ __forceinline__ void fold_kivi(const uint8_t* scales, const uint8_t* 
     }
   }
   cz_col[0] = cz[0], cz_col[1] = cz[1];
+}
+
+// The queries of a call with rotated heads as fp32 into the workspace, which the attention
+// kernels then read: one warp per (row, query head); the heads of a rotated kv head get R q
+// (docs/architecture.md, "Rotation"), the others are copied. One small launch for the batch,
+// before the attention kernel.
+constexpr int rotate_query_threads = 128;
+template <int D>
+__global__ void __launch_bounds__(rotate_query_threads)
+    rotate_query_kernel(const void* q, dtype q_type, int64_t q_stride, int rows, int q_heads, int group, int layer,
+                        head_rotation rot, float* out /* [rows][q_heads][D] */) {
+  constexpr int per_lane = D / 32;
+  const int lane = threadIdx.x % 32, w = blockIdx.x * (rotate_query_threads / 32) + threadIdx.x / 32;
+  if (w >= rows * q_heads) return;  // (warp-uniform)
+  const int row = w / q_heads, qh = w % q_heads, kvh = qh / group;
+  float x[per_lane];
+#pragma unroll
+  for (int i = 0; i < per_lane; ++i) x[i] = load_any(q, q_type, int64_t(row) * q_stride + int64_t(qh) * D + lane * per_lane + i);
+  if (head_rotated(rot, kvh)) warp_rotate<per_lane>(x, lane, rot.seed, layer, kvh, false);
+#pragma unroll
+  for (int i = 0; i < per_lane; ++i) out[(int64_t(row) * q_heads + qh) * D + lane * per_lane + i] = x[i];
 }
 
 }  // namespace cuda::detail
