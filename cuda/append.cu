@@ -86,7 +86,9 @@ __device__ __forceinline__ uint16_t* ring_of(const append_params& p, const appen
 
 // One block per (new page of any item, kv head, role): stage the page's fp16 rows (old tokens
 // from the item's ring, new ones from the input) in shared memory, then encode every unit with
-// the shared codec.
+// the shared codec. `Rotating`: an instance for layers with rotated heads (the plain one keeps its
+// registers).
+template <bool Rotating>
 __global__ void __launch_bounds__(threads) encode_kernel(const __grid_constant__ append_params p) {
   extern __shared__ __align__(16) uint8_t smem_raw[];
   uint16_t* src = reinterpret_cast<uint16_t*>(smem_raw);
@@ -94,7 +96,7 @@ __global__ void __launch_bounds__(threads) encode_kernel(const __grid_constant__
   const append_params::item& it = p.items[p.page_item[pg]];
   const uint16_t* ring = ring_of(p, it, h, r);
   const int first_tok = it.e + (pg - it.page0) * P;
-  const bool rotated = head_rotated(p.rot, h);
+  const bool rotated = Rotating && head_rotated(p.rot, h);
   for (int idx = threadIdx.x; idx < P * d; idx += threads) {
     const int row = idx / d, c = idx % d, j = first_tok + row;
     if (j < it.n) src[idx] = ring[size_t(j % p.kv.window) * d + c];
@@ -128,19 +130,6 @@ __global__ void ring_kernel(const __grid_constant__ append_params p) {
   const append_params::item& it = p.items[blockIdx.y];
   const int32_t first = max(it.n, it.n + it.m - p.kv.window);
   const int d8 = p.kv.head_dim / 8, rows = (it.n + it.m - first) * p.kv.kv_heads * 2;
-  if (p.rot.mask != 0) {  // a layer with rotated heads: a warp per row
-    const int lane = threadIdx.x % 32, warps = gridDim.x * blockDim.x / 32;
-    for (int row = (blockIdx.x * blockDim.x + threadIdx.x) / 32; row < rows; row += warps) {
-      const int r = row % 2, h = (row / 2) % p.kv.kv_heads;
-      const int32_t j = first + row / (2 * p.kv.kv_heads);
-      const int64_t src_row = it.src_row + (j - it.n);
-      uint16_t* dst = ring_of(p, it, h, r) + size_t(j % p.kv.window) * p.kv.head_dim;
-      if (head_rotated(p.rot, h)) rotated_row(p, r, src_row, h, lane, dst);
-      else
-        for (int c = lane; c < p.kv.head_dim; c += 32) dst[c] = src_half(p, r, src_row, h, c);
-    }
-    return;
-  }
   for (int idx = blockIdx.x * blockDim.x + threadIdx.x; idx < rows * d8; idx += gridDim.x * blockDim.x) {
     const int c = (idx % d8) * 8, row = idx / d8;
     const int r = row % 2, h = (row / 2) % p.kv.kv_heads;
@@ -152,6 +141,24 @@ __global__ void ring_kernel(const __grid_constant__ append_params p) {
     *reinterpret_cast<uint4*>(ring_of(p, it, h, r) + size_t(j % p.kv.window) * p.kv.head_dim + c) =
         make_uint4(x[0] | uint32_t(x[1]) << 16, x[2] | uint32_t(x[3]) << 16, x[4] | uint32_t(x[5]) << 16,
                    x[6] | uint32_t(x[7]) << 16);
+  }
+}
+
+// `ring_kernel` for a layer with rotated heads (a kernel of its own: the plain one keeps its
+// registers): a warp per (token, head, role) row, rotated where the head is.
+__global__ void ring_rotated_kernel(const __grid_constant__ append_params p) {
+  const append_params::item& it = p.items[blockIdx.y];
+  const int32_t first = max(it.n, it.n + it.m - p.kv.window);
+  const int rows = (it.n + it.m - first) * p.kv.kv_heads * 2;
+  const int lane = threadIdx.x % 32, warps = gridDim.x * blockDim.x / 32;
+  for (int row = (blockIdx.x * blockDim.x + threadIdx.x) / 32; row < rows; row += warps) {
+    const int r = row % 2, h = (row / 2) % p.kv.kv_heads;
+    const int32_t j = first + row / (2 * p.kv.kv_heads);
+    const int64_t src_row = it.src_row + (j - it.n);
+    uint16_t* dst = ring_of(p, it, h, r) + size_t(j % p.kv.window) * p.kv.head_dim;
+    if (head_rotated(p.rot, h)) rotated_row(p, r, src_row, h, lane, dst);
+    else
+      for (int c = lane; c < p.kv.head_dim; c += 32) dst[c] = src_half(p, r, src_row, h, c);
   }
 }
 }  // namespace
@@ -223,13 +230,16 @@ status append_run(const append_args& a, void* stream) {
   p.rot = a.rotation;
   if (pages > 0) {  // before the ring kernel: pages read ring slots that the new tokens overwrite
     const int smem = kv.page_tokens * kv.head_dim * 2;
-    KVQ_TRY(cuda_status(cudaFuncSetAttribute(encode_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+    const auto kernel = a.rotation.mask != 0 ? encode_kernel<true> : encode_kernel<false>;
+    KVQ_TRY(cuda_status(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
                         "cudaFuncSetAttribute"));
-    encode_kernel<<<dim3(unsigned(pages), unsigned(kv.kv_heads), 2), threads, smem, st>>>(p);
+    kernel<<<dim3(unsigned(pages), unsigned(kv.kv_heads), 2), threads, smem, st>>>(p);
   }
   const int64_t ring_chunks = int64_t(std::min(max_m, kv.window)) * kv.kv_heads * 2 * (kv.head_dim / 8);
   const int blocks = int(std::min<int64_t>(1024, (ring_chunks + 255) / 256));
-  ring_kernel<<<dim3(unsigned(std::max(1, blocks)), unsigned(a.items.size())), 256, 0, st>>>(p);
+  const dim3 ring_grid(unsigned(std::max(1, blocks)), unsigned(a.items.size()));
+  if (a.rotation.mask != 0) ring_rotated_kernel<<<ring_grid, 256, 0, st>>>(p);
+  else ring_kernel<<<ring_grid, 256, 0, st>>>(p);
   return cuda_status(cudaGetLastError(), "append launch");
 }
 

@@ -71,6 +71,11 @@ result<format_id> parse_format(std::string_view spec) {
 result<format_pair> parse_format_pair(std::string_view spec) {
   const std::string_view orig = trim(spec);
   if (orig.empty()) return status{errc::invalid_argument, "empty format spec"};
+  if (std::string_view rest = orig; detail::eat_rotation_suffix(rest))
+    return status{errc::invalid_argument,
+                  fmt::format("format spec '{}': '+rot' asks for a rotated head, which is a property of the cache "
+                              "(cache_config::rotation), not of a page format; parse_format_spec reads it",
+                              orig)};
   if (orig.find('=') == std::string_view::npos) {
     auto f = parse_format(orig);
     if (!f) return f.error();

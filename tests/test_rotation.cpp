@@ -235,6 +235,9 @@ TEST_CASE("the +rot suffix of a format spec", "[rotation]") {
   REQUIRE_THAT(parse_format_spec("kivi2+rot/g32").error().message(), Catch::Contains("only suffix is '+rot'"));
   REQUIRE_THAT(parse_format_spec("kivi2/g32+rotx").error().message(), Catch::Contains("only suffix"));
   REQUIRE_FALSE(parse_format_spec("kivi5+rot").ok());
+  // a page format has no rotation: the pair parser points to where it belongs
+  REQUIRE_THAT(parse_format_pair("kivi2/g32+rot").error().message(),
+               Catch::Contains("cache_config::rotation") && Catch::Contains("parse_format_spec"));
 }
 
 TEST_CASE("EchoKV's canary on a rotated cache measures the damage in the rotated space", "[rotation]") {

@@ -55,7 +55,8 @@ status launch_attend(const attend_params& p, const launch_plan& lp, int kv_heads
                       "cudaDeviceGetAttribute"));
   mc.attrs = pdl;
   mc.numAttrs = major >= 9 ? 1 : 0;
-  return cuda_status(cudaLaunchKernelEx(&mc, merge_kernel<D>, p), "merge launch");
+  const auto merge = p.rot.mask != 0 ? merge_kernel<D, true> : merge_kernel<D, false>;
+  return cuda_status(cudaLaunchKernelEx(&mc, merge, p), "merge launch");
 }
 
 }  // namespace

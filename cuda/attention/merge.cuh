@@ -19,8 +19,9 @@ namespace cuda::detail {
 // up to 8 loads in flight per lane; the warps' sums meet in shared memory. (A thread per output
 // element walking the splits one dependent load at a time took 21 us of a 1 x 128K step: 49
 // splits on 8 blocks.)
+// `Rotated`: the instance for layers with rotated heads (the plain one stays as it is).
 constexpr int merge_threads = 256;
-template <int D>
+template <int D, bool Rotated = false>
 __global__ void __launch_bounds__(merge_threads) merge_kernel(const __grid_constant__ attend_params p) {
   pdl_wait();  // the attention grid's partials
   constexpr int warps = merge_threads / 32, per_lane = D / 32;
@@ -84,7 +85,7 @@ __global__ void __launch_bounds__(merge_threads) merge_kernel(const __grid_const
   __syncthreads();
   const int mm = mt * 16 + r, i = mm / p.group, qh = h * p.group + mm % p.group;
   const int64_t out = int64_t(item.q_row + i) * p.o_stride + int64_t(qh) * D;
-  const bool rotated = head_rotated(p.rot, h);
+  const bool rotated = Rotated && head_rotated(p.rot, h);
   for (int c = threadIdx.x; c < D; c += merge_threads) {
     float o = 0.f;
 #pragma unroll
@@ -92,16 +93,18 @@ __global__ void __launch_bounds__(merge_threads) merge_kernel(const __grid_const
     if (rotated) f_s[c] = o / l;  // (f_s's readers finished before the reductions' barriers)
     else store_any(p.o, p.o_type, out + c, o / l);
   }
-  if (!rotated) return;
-  // A rotated head's output is R o: the first warp rotates it back (R^T) and stores it.
-  __syncthreads();
-  if (warp != 0) return;
-  float x[per_lane];
+  if constexpr (Rotated) {
+    if (!rotated) return;
+    // A rotated head's output is R o: the first warp rotates it back (R^T) and stores it.
+    __syncthreads();
+    if (warp != 0) return;
+    float x[per_lane];
 #pragma unroll
-  for (int c = 0; c < per_lane; ++c) x[c] = f_s[lane * per_lane + c];
-  warp_rotate<per_lane>(x, lane, p.rot.seed, p.layer, h, true);
+    for (int c = 0; c < per_lane; ++c) x[c] = f_s[lane * per_lane + c];
+    warp_rotate<per_lane>(x, lane, p.rot.seed, p.layer, h, true);
 #pragma unroll
-  for (int c = 0; c < per_lane; ++c) store_any(p.o, p.o_type, out + lane * per_lane + c, x[c]);
+    for (int c = 0; c < per_lane; ++c) store_any(p.o, p.o_type, out + lane * per_lane + c, x[c]);
+  }
 }
 
 }  // namespace cuda::detail
