@@ -121,7 +121,7 @@ size_t rotated_q_offset(const attend_args& a, const launch_plan& lp) {
 }
 
 size_t rotated_q_bytes(const attend_args& a) {
-  if (a.rotation.mask == 0) return 0;
+  if (a.rotation.mask == 0) return 0;  // (also reserved under a decode plan, whose kernels rotate in their prologue)
   size_t rows = 0;
   for (const decode_item& it : a.items) rows = std::max(rows, size_t(std::max(it.q_row + it.q_len, 0)));
   return rows * size_t(a.q_heads) * size_t(a.kv.head_dim) * sizeof(float);

@@ -67,11 +67,13 @@ status launch_planned(const attend_args& a, const launch_plan& lp, void* workspa
   if (workspace_bytes_given < need)
     return {errc::invalid_argument, msg("attend: workspace of ", workspace_bytes_given, " bytes, need ", need)};
   cudaStream_t st = static_cast<cudaStream_t>(stream);
-  // Rotated heads: the queries rotated into the workspace once for the batch (query.cuh).
+  // Rotated heads: the decode kernels rotate their queries in the prologue (`load_query`); for
+  // the tile kernel they are rotated into the workspace once for the batch (query.cuh).
   const void* q = a.q;
   dtype q_type = a.q_type;
   int64_t q_stride = a.q_stride ? a.q_stride : int64_t(a.q_heads) * a.kv.head_dim;
-  if (a.rotation.mask != 0) {
+  const bool q_rotated = a.rotation.mask != 0 && !lp.decode;
+  if (q_rotated) {
     float* qr = reinterpret_cast<float*>(static_cast<uint8_t*>(workspace) + rotated_q_offset(a, lp));
     const int rows = int(rotated_q_bytes(a) / (sizeof(float) * size_t(a.q_heads) * a.kv.head_dim));
     const int warps = rotate_query_threads / 32, blocks = (rows * a.q_heads + warps - 1) / warps;
@@ -93,6 +95,7 @@ status launch_planned(const attend_args& a, const launch_plan& lp, void* workspa
     p.q_type = q_type;
     p.q_stride = q_stride;
     p.rot = a.rotation;
+    p.q_rotated = q_rotated ? 1 : 0;
     p.o = a.o;
     p.o_type = a.o_type;
     p.o_stride = a.o_stride ? a.o_stride : int64_t(a.q_heads) * a.kv.head_dim;

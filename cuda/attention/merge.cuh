@@ -36,12 +36,26 @@ __global__ void __launch_bounds__(merge_threads) merge_kernel(const __grid_const
   if (mt * 16 + r >= rows_used) return;
   if (r == 0 && p.q_stage && item.stage_row >= 0) {  // the canary's copy of this m-tile's query rows
     const int width = p.q_heads * D;
-    for (int idx = threadIdx.x; idx < 16 * D; idx += merge_threads) {
-      const int mm = mt * 16 + idx / D, c = idx % D;
-      if (mm >= rows_used) break;
-      const int i = mm / p.group, qh = h * p.group + mm % p.group;
-      p.q_stage[int64_t(item.stage_row + i) * width + qh * D + c] =
-          load_any(p.q, p.q_type, int64_t(item.q_row + i) * p.q_stride + int64_t(qh) * D + c);
+    if (Rotated && !p.q_rotated && head_rotated(p.rot, h)) {  // rotated here, a warp per row: the canary measures R q
+      const int w = threadIdx.x / 32, ln = threadIdx.x % 32;
+      for (int rr = w; rr < 16 && mt * 16 + rr < rows_used; rr += merge_threads / 32) {
+        const int mm = mt * 16 + rr, i = mm / p.group, qh = h * p.group + mm % p.group;
+        float x[D / 32];
+#pragma unroll
+        for (int c = 0; c < D / 32; ++c)
+          x[c] = load_any(p.q, p.q_type, int64_t(item.q_row + i) * p.q_stride + int64_t(qh) * D + ln * (D / 32) + c);
+        warp_rotate<D / 32>(x, ln, p.rot.seed, p.layer, h, false);
+#pragma unroll
+        for (int c = 0; c < D / 32; ++c) p.q_stage[int64_t(item.stage_row + i) * width + qh * D + ln * (D / 32) + c] = x[c];
+      }
+    } else {
+      for (int idx = threadIdx.x; idx < 16 * D; idx += merge_threads) {
+        const int mm = mt * 16 + idx / D, c = idx % D;
+        if (mm >= rows_used) break;
+        const int i = mm / p.group, qh = h * p.group + mm % p.group;
+        p.q_stage[int64_t(item.stage_row + i) * width + qh * D + c] =
+            load_any(p.q, p.q_type, int64_t(item.q_row + i) * p.q_stride + int64_t(qh) * D + c);
+      }
     }
   }
   const int T = ceil_div(item.from_pages, p.unit_tokens) + ceil_div(item.n - item.from_pages, p.unit_tokens);

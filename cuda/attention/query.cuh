@@ -11,12 +11,23 @@ namespace cuda::detail {
 
 // The block's query columns as MMA B fragments: column n is query n / group of head
 // h * group + n % group; lane (g, t) holds column g, the pairs of its channels [(D/4) t, (D/4)(t+1)).
+// A rotated head's queries are rotated here, in the prologue (R q, the quad's 4 lanes holding the
+// row), unless the call rotated them already (`attend_params::q_rotated`).
 template <int D>
 __device__ __forceinline__ void load_query(const attend_params& p, const decode_item& item, int h, int g, int t,
                                            uint32_t (&qb)[D / 8]) {
   const bool live = g < p.group * item.q_len;
   const int i = g / p.group, qh_i = h * p.group + g % p.group;
   const int64_t base = int64_t(item.q_row + i) * p.q_stride + int64_t(qh_i) * D + t * (D / 4);
+  if (!p.q_rotated && head_rotated(p.rot, h)) {  // (warp-uniform: every lane takes part in the shuffles)
+    float x[D / 4];
+#pragma unroll
+    for (int c = 0; c < D / 4; ++c) x[c] = live ? load_any(p.q, p.q_type, base + c) : 0.f;
+    warp_rotate<D / 4, 4>(x, t, p.rot.seed, p.layer, h, false);
+#pragma unroll
+    for (int c = 0; c < D / 8; ++c) qb[c] = h2_bits(__floats2half2_rn(x[2 * c], x[2 * c + 1]));
+    return;
+  }
 #pragma unroll
   for (int c = 0; c < D / 8; ++c)
     qb[c] = h2_bits(__floats2half2_rn(live ? load_any(p.q, p.q_type, base + 2 * c) : 0.f,
@@ -89,10 +100,10 @@ __device__ __forceinline__ void fold_kivi(const uint8_t* scales, const uint8_t* 
   cz_col[0] = cz[0], cz_col[1] = cz[1];
 }
 
-// The queries of a call with rotated heads as fp32 into the workspace, which the attention
-// kernels then read: one warp per (row, query head); the heads of a rotated kv head get R q
+// The queries of a tile-kernel call with rotated heads as fp32 into the workspace, which the
+// tile kernel then reads: one warp per (row, query head); the heads of a rotated kv head get R q
 // (docs/architecture.md, "Rotation"), the others are copied. One small launch for the batch,
-// before the attention kernel.
+// before the attention kernel (the decode kernels rotate in `load_query` instead).
 constexpr int rotate_query_threads = 128;
 template <int D>
 __global__ void __launch_bounds__(rotate_query_threads)
