@@ -96,9 +96,10 @@ struct attend_args {
   /// ([rows][q_heads * head_dim] float, packed) from that row on. No extra launch: the split
   /// merge does it.
   float* q_stage = nullptr;
-  /// The layer's rotated heads. q and o stay unrotated for the caller: the call rotates the
-  /// queries of rotated heads into the workspace (one small launch for the batch; the staged
-  /// canary rows are the rotated ones), and the split merge rotates their output back.
+  /// The layer's rotated heads. q and o stay unrotated for the caller: the decode kernels rotate
+  /// the queries of rotated heads in their prologue (a tile-kernel call rotates them into the
+  /// workspace first, one small launch for the batch), the split merge rotates their output
+  /// back, and the staged canary rows are the rotated queries.
   head_rotation rotation;
 };
 
