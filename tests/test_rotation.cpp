@@ -351,3 +351,76 @@ TEST_CASE("a K/V row whose rotation leaves the fp16 range is rejected and nothin
   check(plain.create_sequence(7));
   REQUIRE(plain.append(7, 1, view(k, 1, H, d), view(v, 1, H, d)).ok());
 }
+
+TEST_CASE("fork and truncate of a rotated cache leave it as a direct append would", "[rotation]") {
+  const int d = 64;
+  // n = 230: pages [0, 192), the ring holds [102, 230). Cuts that leave the kept tokens' pages as
+  // a direct append would (the rule of docs/architecture.md, "Truncation")
+  const int64_t n = 230, keep = GENERATE(229, 200, 192, 170, 166);
+  CAPTURE(keep);
+  std::mt19937 rng{uint32_t(keep)};
+  auto k = randn(rng, size_t(n) * H * d), v = randn(rng, size_t(n) * H * d);
+  const format_pair p = *parse_format_pair("kivi4/g32");
+  KVCache c = make_cache(p, d, true), direct = make_cache(p, d, true);
+  check(c.create_sequence(1));
+  for (int l = 0; l < L; ++l) check(c.append(1, l, view(k, n, H, d), view(v, n, H, d)));
+  check(c.fork(1, 7));
+  check(c.truncate(7, keep));
+  check(direct.create_sequence(7));
+  for (int l = 0; l < L; ++l) check(direct.append(7, l, view(k, keep, H, d), view(v, keep, H, d)));
+  for (role r : {role::k, role::v}) REQUIRE(read_all(c, 7, 1, r) == read_all(direct, 7, 1, r));
+  // both continue alike, and attend alike
+  auto k2 = randn(rng, size_t(40) * H * d), v2 = randn(rng, k2.size()), q = randn(rng, size_t(Hq) * d);
+  for (KVCache* x : {&c, &direct})
+    for (int l = 0; l < L; ++l) check(x->append(7, l, view(k2, 40, H, d), view(v2, 40, H, d)));
+  for (role r : {role::k, role::v}) REQUIRE(read_all(c, 7, 1, r) == read_all(direct, 7, 1, r));
+  REQUIRE(decode(c, q, 1) == decode(direct, q, 1));
+  REQUIRE(read_all(c, 1, 1, role::k).size() == size_t(n) * H * d);  // the source is untouched
+}
+
+TEST_CASE("a cut inside a rotated page whose tokens left the ring restores them to fp16 rounding", "[rotation]") {
+  const int d = 64;
+  const int64_t n = 230, keep = 100;  // inside page [64, 128), whose tokens 64..101 left the ring
+  std::mt19937 rng(8);
+  auto k = randn(rng, size_t(n) * H * d), v = randn(rng, size_t(n) * H * d);
+  KVCache c = make_cache(*parse_format_pair("kivi2/g32"), d, true);
+  check(c.create_sequence(1));
+  for (int l = 0; l < L; ++l) check(c.append(1, l, view(k, n, H, d), view(v, n, H, d)));
+  const auto before = read_all(c, 1, 1, role::k);
+  check(c.truncate(1, keep));
+  const auto after = read_all(c, 1, 1, role::k);
+  REQUIRE(after.size() == size_t(keep) * H * d);
+  const std::vector<float> kept(before.begin(), before.begin() + ptrdiff_t(after.size()));
+  REQUIRE(nmse(after, kept) < 1e-6);  // the page's values, rounded to fp16 in the rotated space
+}
+
+TEST_CASE("a rotated cache takes f16/bf16 and strided views, and writes f16 outputs", "[rotation]") {
+  const int d = 128;
+  const int64_t n = 150;
+  std::mt19937 rng(31);
+  auto k = randn(rng, size_t(n) * H * d), v = randn(rng, size_t(n) * H * d), q = randn(rng, size_t(3) * Hq * d);
+  // K as bf16 and V as f16, then q with a padded token stride and an f16 output with one too
+  std::vector<uint16_t> kb(k.size()), vh(v.size());
+  for (size_t i = 0; i < k.size(); ++i) kb[i] = float_to_bf16(k[i]), k[i] = bf16_to_float(kb[i]);
+  for (size_t i = 0; i < v.size(); ++i) vh[i] = float_to_half(v[i]), v[i] = half_to_float(vh[i]);
+  const int64_t qs = int64_t(Hq) * d + 16, os = int64_t(Hq) * d + 8;
+  std::vector<float> qpad(size_t(3) * qs, 1e30f);
+  for (int i = 0; i < 3; ++i) std::copy_n(q.begin() + i * Hq * d, Hq * d, qpad.begin() + i * qs);
+  KVCache a = make_cache({}, d, true), b = make_cache({}, d, true);
+  check(a.create_sequence(7));
+  check(b.create_sequence(7));
+  check(a.append(7, 1, {kb.data(), dtype::bf16, n, H, d}, {vh.data(), dtype::f16, n, H, d}));
+  check(b.append(7, 1, view(k, n, H, d), view(v, n, H, d)));
+  for (role r : {role::k, role::v}) REQUIRE(read_all(a, 7, 1, r) == read_all(b, 7, 1, r));
+  std::vector<uint16_t> oh(size_t(3) * os, 0);
+  const attend_item it{7, 3};
+  check(a.attend({&it, 1}, 1, {qpad.data(), dtype::f32, 3, Hq, d, qs}, {oh.data(), dtype::f16, 3, Hq, d, os}));
+  const auto ref = decode(b, q, 3);
+  for (int i = 0; i < 3; ++i)
+    for (int e = 0; e < Hq * d; ++e) {
+      CAPTURE(i, e);
+      REQUIRE(half_to_float(oh[size_t(i) * os + e]) == half_to_float(float_to_half(ref[size_t(i) * Hq * d + e])));
+    }
+  for (int i = 0; i < 3; ++i)
+    for (int64_t e = Hq * d; e < os; ++e) REQUIRE(oh[size_t(i * os + e)] == 0);  // the padding is not written
+}
