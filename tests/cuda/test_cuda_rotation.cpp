@@ -109,7 +109,7 @@ TEST_CASE("gpu rotation: decode and extend attention of rotated heads match the 
   const std::string spec = GENERATE("fp16", "fp8", "int8", "sym4/g32", "kivi8/g32", "kivi4/g32", "kivi2/g32",
                                     "ra4/g32", "k=kivi4/g32,v=kivi2/g32");
   const int d = GENERATE(64, 128);
-  const int q_len = GENERATE(1, 3, 16);  // 16: the tile kernel (more than 8 rows per kv head)
+  const int q_len = GENERATE(1, 2, 3, 16);  // GQA 4: 1 and 2 decode kernels, 3 and 16 the tile kernel (> 8 rows)
   CAPTURE(spec, d, q_len);
   twin t = make_static(spec, d);
   std::mt19937 rng(uint32_t(spec.size() * 31 + d + q_len));
@@ -165,11 +165,13 @@ TEST_CASE("gpu rotation: EchoKV's device canary measures what its host canary me
   std::mt19937 rng{uint32_t(d + 1)};
   check(t.cpu.create_sequence(1));
   check(t.gpu.create_sequence(1));
-  for (int64_t len : {100, 1, 1}) {
+  // steps of 1 query (decode kernels: the merge rotates the staged rows) and of 3 (the tile
+  // kernel: the rows come rotated from the workspace)
+  for (int64_t len : {100, 1, 3, 1}) {
     for (int layer = 0; layer < L; ++layer) {
       auto k = randn_h(rng, size_t(len) * H * d), v = randn_h(rng, k.size());
       append_both(t, {{1, len}}, layer, k, v, len, d);
-      (void)attend_both(t, {{1, 1}}, layer, rng);
+      (void)attend_both(t, {{1, int(std::min<int64_t>(len, 3))}}, layer, rng);
     }
   }
   check(t.gpu.sync_policy());
