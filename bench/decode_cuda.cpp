@@ -4,6 +4,9 @@
 // than the L2, bytes processed = the bytes the kernel must read (pages with scales + the FP16
 // window part), counters: TB/s and the fraction of the copy-bandwidth floor measured in this run.
 // Run beside ../shared/bench/peer_decode.py (see bench/run_gpu.sh) and compare ratios.
+// Every format also runs rotated (spec suffix `+rot`: every kv head under the Hadamard rotation,
+// docs/architecture.md "Rotation"), beside the same format unrotated, shape by shape;
+// KVQ_BENCH_ROTATED=0 leaves the rotated runs out, =only runs just them.
 #include <kvq/cache/cache.hpp>
 #include <kvq/format/numeric.hpp>
 #include <kvq/policy/static_policy.hpp>
@@ -103,13 +106,23 @@ class striped_policy final : public kvq::policy {
   int64_t page_ = 64;
 };
 
+// Removes a trailing `+rot` from `spec`; true when it was there (every head then rotated).
+bool strip_rotation(std::string& spec) {
+  const std::string suffix = "+rot";
+  if (spec.size() < suffix.size() || spec.compare(spec.size() - suffix.size(), suffix.size(), suffix) != 0) return false;
+  spec.resize(spec.size() - suffix.size());
+  return true;
+}
+
 double pair_bits(const kvq::format_pair& fp) {
   return 0.5 * (kvq::bits_per_element(kvq::traits_of(fp.k), kvq::role::k, 64, D) +
                 kvq::bits_per_element(kvq::traits_of(fp.v), kvq::role::v, 64, D));
 }
 
-// spec: a format pair, or two joined by '|' (pages alternating between them: `striped_policy`).
+// spec: a format pair, or two joined by '|' (pages alternating between them: `striped_policy`),
+// optionally followed by `+rot`.
 void bm_decode(benchmark::State& state, std::string spec, int batch, int context) {
+  const bool rotated = strip_rotation(spec);
   // memory: pages for every set + windows
   const size_t bar = spec.find('|');
   const auto fp = kvq::parse_format_pair(spec.substr(0, bar)).value();
@@ -123,6 +136,7 @@ void bm_decode(benchmark::State& state, std::string spec, int batch, int context
   cfg.max_sequences = batch * sets;
   cfg.max_tokens = context;
   cfg.budget_bytes = uint64_t(set_bytes * sets * 1.05) + uint64_t(batch) * sets * (H * 2 * 128 * D * 2 + 4096) + (64 << 20);
+  if (rotated) cfg.rotation = kvq::rotation_config::all(cfg.shape);
   std::shared_ptr<kvq::policy> pol;
   if (bar == std::string::npos) pol = std::make_shared<kvq::static_policy>(fp);
   else pol = std::make_shared<striped_policy>(fp, fp2);
@@ -193,6 +207,7 @@ void bm_decode(benchmark::State& state, std::string spec, int batch, int context
 // is timed in the same process; append_frac = batched append time / attention time is the
 // quantity the 5 % goal is about. Each iteration appends 2 tokens per sequence (both paths).
 void bm_append_step(benchmark::State& state, std::string spec, int batch, int context) {
+  const bool rotated = strip_rotation(spec);
   const auto fp = kvq::parse_format_pair(spec).value();
   const double bpe = pair_bits(fp);
   const int steps = 512;  // tokens appended at most (warm-up: two per step; iterations: three)
@@ -204,6 +219,7 @@ void bm_append_step(benchmark::State& state, std::string spec, int batch, int co
   cfg.check_values = false;
   cfg.budget_bytes = uint64_t(double(batch) * (context + steps) * H * D * 2 * bpe / 8 * 1.1) +
                      uint64_t(batch) * (H * 2 * 128 * D * 2 + 4096) + (64 << 20);
+  if (rotated) cfg.rotation = kvq::rotation_config::all(cfg.shape);
   auto cr = kvq::KVCache::create(cfg, std::make_shared<kvq::static_policy>(fp));
   if (!cr.ok()) {
     state.SkipWithError(cr.error().to_string().c_str());
@@ -303,6 +319,14 @@ const int registered = [] {
       p = q + 1;
     }
   }
+  const char* rot_env = std::getenv("KVQ_BENCH_ROTATED");
+  const std::string rot = rot_env ? rot_env : "";
+  std::vector<std::string> runs;  // each format, then (unless excluded) the same rotated
+  for (const auto& f : formats) {
+    if (rot != "only") runs.push_back(f);
+    if (rot != "0" && f.find("+rot") == std::string::npos) runs.push_back(f + "+rot");
+  }
+  formats = runs;
   const std::pair<int, int> shapes[] = {{1, 4096}, {8, 4096}, {32, 4096}, {1, 32768}, {8, 32768}, {32, 32768}, {1, 131072}, {8, 131072}};
   for (const auto& f : formats)
     for (auto [b, l] : shapes)
@@ -310,7 +334,7 @@ const int registered = [] {
           ->UseManualTime()
           ->Iterations(100)
           ->Unit(benchmark::kMicrosecond);
-  for (const char* f : {"kivi4/g32", "fp16"})
+  for (const char* f : {"kivi4/g32", "fp16", "kivi4/g32+rot"})
     for (int l : {4096, 32768})
       benchmark::RegisterBenchmark(("append_step/" + std::string(f) + "/B64/L" + std::to_string(l)).c_str(), bm_append_step, f, 64, l)
           ->UseManualTime()

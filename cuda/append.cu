@@ -1,6 +1,7 @@
 // Quantize-on-append: each new page's fp16 rows (old tokens from the sequence's ring, new ones from
 // the input) encoded with the shared codec, so the bytes equal the CPU's, and the new tokens that
-// stay in the window written to the FP16 ring.
+// stay in the window written to the FP16 ring. The new rows of a rotated head are rotated by a
+// warp each (rotation.cuh) before they are rounded to fp16, in both kernels.
 #include <kvq/codec/codec.hpp>
 #include <kvq/cuda/paged_attention.hpp>
 #include <kvq/store/window_layout.hpp>
@@ -8,6 +9,7 @@
 #include "attention/layout.hpp"
 #include "dtype.cuh"
 #include "launch.hpp"
+#include "rotation.cuh"
 #include "status.hpp"
 #include "view_checks.hpp"
 
@@ -20,9 +22,13 @@ namespace cuda {
 namespace {
 
 using detail::cuda_status;
+using detail::head_rotated;
+using detail::load_any;
 using detail::max_kv_heads;
 using detail::msg;
 using detail::threads;
+using detail::warp_rotate;
+using detail::with_per_lane;
 
 struct append_params {
   paged_view kv;
@@ -46,6 +52,7 @@ struct append_params {
   uint8_t page_item[max_append_pages];
   uint8_t page_fmts[max_append_pages][max_kv_heads * 2];
   float clip[max_kv_heads * 2];
+  head_rotation rot;
 };
 static_assert(max_append_items <= 256, "page_item is one byte");
 
@@ -59,6 +66,21 @@ __device__ __forceinline__ uint16_t src_half(const append_params& p, int r, int6
   });
 }
 
+// The warp's input row (row, kv head h) of role r rotated (R x) and rounded to fp16 into
+// out [head_dim]: lane l writes channels [l * head_dim / 32, (l + 1) * head_dim / 32).
+__device__ __forceinline__ void rotated_row(const append_params& p, int r, int64_t row, int h, int lane, uint16_t* out) {
+  with_per_lane(p.kv.head_dim, [&](auto pl) {
+    constexpr int per_lane = decltype(pl)::value;
+    const int64_t base = row * p.src_stride[r] + int64_t(h) * p.kv.head_dim + lane * per_lane;
+    float x[per_lane];
+#pragma unroll
+    for (int i = 0; i < per_lane; ++i) x[i] = load_any(p.src[r], p.src_type[r], base + i);
+    warp_rotate<per_lane>(x, lane, p.rot.seed, p.layer, h, false);
+#pragma unroll
+    for (int i = 0; i < per_lane; ++i) out[lane * per_lane + i] = float_to_half(x[i]);
+  });
+}
+
 __device__ __forceinline__ uint16_t* ring_of(const append_params& p, const append_params::item& it, int h, int r) {
   return reinterpret_cast<uint16_t*>(p.arena + size_t(it.window_unit) * block_unit) +
          ring_halves(p.layer, p.kv.kv_heads, h, r, p.kv.window, p.kv.head_dim);
@@ -66,7 +88,9 @@ __device__ __forceinline__ uint16_t* ring_of(const append_params& p, const appen
 
 // One block per (new page of any item, kv head, role): stage the page's fp16 rows (old tokens
 // from the item's ring, new ones from the input) in shared memory, then encode every unit with
-// the shared codec.
+// the shared codec. `Rotating`: an instance for layers with rotated heads (the plain one keeps its
+// registers).
+template <bool Rotating>
 __global__ void __launch_bounds__(threads) encode_kernel(const __grid_constant__ append_params p) {
   extern __shared__ __align__(16) uint8_t smem_raw[];
   uint16_t* src = reinterpret_cast<uint16_t*>(smem_raw);
@@ -74,10 +98,15 @@ __global__ void __launch_bounds__(threads) encode_kernel(const __grid_constant__
   const append_params::item& it = p.items[p.page_item[pg]];
   const uint16_t* ring = ring_of(p, it, h, r);
   const int first_tok = it.e + (pg - it.page0) * P;
+  const bool rotated = Rotating && head_rotated(p.rot, h);
   for (int idx = threadIdx.x; idx < P * d; idx += threads) {
     const int row = idx / d, c = idx % d, j = first_tok + row;
-    src[idx] = j < it.n ? ring[size_t(j % p.kv.window) * d + c] : src_half(p, r, it.src_row + (j - it.n), h, c);
+    if (j < it.n) src[idx] = ring[size_t(j % p.kv.window) * d + c];
+    else if (!rotated) src[idx] = src_half(p, r, it.src_row + (j - it.n), h, c);
   }
+  if (rotated)  // the new rows, a warp each
+    for (int row = max(0, it.n - first_tok) + threadIdx.x / 32; row < P; row += threads / 32)
+      rotated_row(p, r, it.src_row + (first_tok + row - it.n), h, threadIdx.x % 32, src + size_t(row) * d);
   const uint8_t* fm = p.page_fmts[pg];
   uint32_t off = 0;
   for (int hh = 0; hh < h; ++hh) off += p.kv.k_page_bytes[fm[2 * hh]] + p.kv.v_page_bytes[fm[2 * hh + 1]];
@@ -116,6 +145,24 @@ __global__ void ring_kernel(const __grid_constant__ append_params p) {
                    x[6] | uint32_t(x[7]) << 16);
   }
 }
+
+// `ring_kernel` for a layer with rotated heads (a kernel of its own: the plain one keeps its
+// registers): a warp per (token, head, role) row, rotated where the head is.
+__global__ void ring_rotated_kernel(const __grid_constant__ append_params p) {
+  const append_params::item& it = p.items[blockIdx.y];
+  const int32_t first = max(it.n, it.n + it.m - p.kv.window);
+  const int rows = (it.n + it.m - first) * p.kv.kv_heads * 2;
+  const int lane = threadIdx.x % 32, warps = gridDim.x * blockDim.x / 32;
+  for (int row = (blockIdx.x * blockDim.x + threadIdx.x) / 32; row < rows; row += warps) {
+    const int r = row % 2, h = (row / 2) % p.kv.kv_heads;
+    const int32_t j = first + row / (2 * p.kv.kv_heads);
+    const int64_t src_row = it.src_row + (j - it.n);
+    uint16_t* dst = ring_of(p, it, h, r) + size_t(j % p.kv.window) * p.kv.head_dim;
+    if (head_rotated(p.rot, h)) rotated_row(p, r, src_row, h, lane, dst);
+    else
+      for (int c = lane; c < p.kv.head_dim; c += 32) dst[c] = src_half(p, r, src_row, h, c);
+  }
+}
 }  // namespace
 
 status append_run(const append_args& a, void* stream) {
@@ -144,6 +191,12 @@ status append_run(const append_args& a, void* stream) {
     return {errc::invalid_argument, msg("append: ", pages, " new pages in one call, at most ", max_append_pages)};
   if (rows != a.k.tokens || rows != a.v.tokens)
     return {errc::invalid_argument, msg("append: the items append ", rows, " tokens, K has ", a.k.tokens, " and V ", a.v.tokens)};
+  if (a.rotation.mask != 0 &&
+      (!rotation::is_power_of_two(kv.head_dim) || kv.head_dim < 32 || kv.head_dim > 256 ||
+       (kv.kv_heads < 32 && (a.rotation.mask >> kv.kv_heads) != 0)))
+    return {errc::invalid_argument, msg("append: rotation (mask ", a.rotation.mask, ") needs head_dim a power of two in [32, ",
+                                        "256] (got head_dim ", kv.head_dim, ") and names only the layer's ", kv.kv_heads,
+                                        " kv heads")};
   if (a.items.empty()) return {};
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   append_params p{};
@@ -181,16 +234,19 @@ status append_run(const append_args& a, void* stream) {
     for (int j = 0; j < kv.kv_heads * 2; ++j) p.page_fmts[i][j] = a.page_fmts[i * kv.kv_heads * 2 + j];
   }
   for (int j = 0; j < kv.kv_heads * 2; ++j) p.clip[j] = a.clip ? a.clip[j] : 1.0f;
+  p.rot = a.rotation;
   if (pages > 0) {  // before the ring kernel: pages read ring slots that the new tokens overwrite
     const int smem = kv.page_tokens * kv.head_dim * 2;
-    KVQ_TRY(cuda_status(cudaFuncSetAttribute(encode_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+    const auto kernel = a.rotation.mask != 0 ? encode_kernel<true> : encode_kernel<false>;
+    KVQ_TRY(cuda_status(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
                         "cudaFuncSetAttribute"));
-    KVQ_TRY(detail::launch("append launch (encode)", encode_kernel, dim3(unsigned(pages), unsigned(kv.kv_heads), 2),
+    KVQ_TRY(detail::launch("append launch (encode)", kernel, dim3(unsigned(pages), unsigned(kv.kv_heads), 2),
                            dim3(threads), size_t(smem), st, p));
   }
   const int64_t ring_chunks = int64_t(std::min(max_m, kv.window)) * kv.kv_heads * 2 * (kv.head_dim / 8);
   const int blocks = int(std::min<int64_t>(1024, (ring_chunks + 255) / 256));
-  return detail::launch("append launch (ring)", ring_kernel, dim3(unsigned(std::max(1, blocks)), unsigned(a.items.size())),
+  const dim3 ring_grid(unsigned(std::max(1, blocks)), unsigned(a.items.size()));
+  return detail::launch("append launch (ring)", a.rotation.mask != 0 ? ring_rotated_kernel : ring_kernel, ring_grid,
                         dim3(256), 0, st, p);
 }
 

@@ -3,6 +3,7 @@
 #include <kvq/cuda/canary.hpp>
 #include <kvq/cuda/paged_attention.hpp>
 #include <kvq/detail/backend.hpp>
+#include <kvq/rotation/rotation.hpp>
 #include <kvq/store/window_layout.hpp>
 
 #include "canary_runner.hpp"
@@ -200,7 +201,16 @@ class cuda_backend final : public cache_backend {
     a.fmts = fmts_.ptr;
     a.layer = layer;
     a.clip = clip_.data() + size_t(layer) * cfg_.shape.kv_heads * 2;
+    a.rotation = rotation_of(layer);
     return a;
+  }
+
+  // The rotated kv heads of a layer, for the kernels (docs/architecture.md, "Rotation").
+  cuda::head_rotation rotation_of(int layer) const {
+    cuda::head_rotation r{cfg_.rotation.seed, 0};
+    for (int h = 0; h < cfg_.shape.kv_heads; ++h)
+      if (cfg_.rotation.rotated(layer, h, cfg_.shape.kv_heads)) r.mask |= 1u << h;
+    return r;
   }
 
   // Appends pages [first, first + count) of a plan to the block and format lists of a call.
@@ -319,6 +329,7 @@ class cuda_backend final : public cache_backend {
     a.scale = softmax_scale();
     a.num_sms = sms_;
     a.max_page_bits = layer_bits_[size_t(layer)];
+    a.rotation = rotation_of(layer);  // before the plan: the workspace holds the rotated queries
     const auto heads = head_pair_.begin() + ptrdiff_t(layer) * cfg_.shape.kv_heads;
     a.one_format_per_head = std::find(heads, heads + cfg_.shape.kv_heads, int16_t(-2)) == heads + cfg_.shape.kv_heads;
     const result<cuda::detail::launch_plan> plan = cuda::detail::checked_plan(a);  // once per call
@@ -469,6 +480,7 @@ class cuda_backend final : public cache_backend {
       return ring.data();
     };
     gather(sh, ls, r, 0, page_at, ring_at, out.data());
+    rotation::apply_rows(cfg_.rotation, layer, sh.kv_heads, 1, out.data(), ls.n, sh.kv_heads, sh.head_dim, true);
     return err;
   }
 

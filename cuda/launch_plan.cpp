@@ -111,7 +111,21 @@ result<launch_plan> checked_plan(const attend_args& a) {
 size_t workspace_bytes(const attend_args& a, const launch_plan& lp) {
   const size_t batch = std::min<size_t>(a.items.size(), max_items);
   const size_t parts = batch * a.kv.kv_heads * lp.mtiles * lp.max_splits;
-  return parts * 16 * (size_t(a.kv.head_dim) + 2) * sizeof(float);
+  const size_t partials = parts * 16 * (size_t(a.kv.head_dim) + 2) * sizeof(float);
+  return a.rotation.mask == 0 ? partials : rotated_q_offset(a, lp) + rotated_q_bytes(a);
+}
+
+size_t rotated_q_offset(const attend_args& a, const launch_plan& lp) {
+  const size_t batch = std::min<size_t>(a.items.size(), max_items);
+  const size_t parts = batch * a.kv.kv_heads * lp.mtiles * lp.max_splits;
+  return (parts * 16 * (size_t(a.kv.head_dim) + 2) * sizeof(float) + 255) / 256 * 256;
+}
+
+size_t rotated_q_bytes(const attend_args& a) {
+  if (a.rotation.mask == 0) return 0;  // (also reserved under a decode plan, whose kernels rotate in their prologue)
+  size_t rows = 0;
+  for (const decode_item& it : a.items) rows = std::max(rows, size_t(std::max(it.q_row + it.q_len, 0)));
+  return rows * size_t(a.q_heads) * size_t(a.kv.head_dim) * sizeof(float);
 }
 
 }  // namespace detail
@@ -131,6 +145,9 @@ status attend_can_implement(const attend_args& a) {
     return {errc::unsupported, msg("CUDA attention supports kv_heads <= ", max_kv_heads, " and a GQA group of at most 16; got ",
                                    a.q_heads, " query heads over ", kv.kv_heads, " kv heads")};
   if (a.items.empty()) return {errc::invalid_argument, "attend: empty batch"};
+  if (kv.kv_heads < 32 && (a.rotation.mask >> kv.kv_heads) != 0)
+    return {errc::invalid_argument, msg("attend: rotation mask ", a.rotation.mask, " names kv heads beyond the layer's ",
+                                        kv.kv_heads)};
   for (size_t i = 0; i < a.items.size(); ++i) {
     const decode_item& it = a.items[i];
     if (it.q_len < 1 || it.q_len > it.n || it.from_pages < 0 || it.from_pages > it.n - it.q_len ||

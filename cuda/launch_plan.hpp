@@ -28,6 +28,11 @@ launch_plan plan_for(const attend_args& a);
 result<launch_plan> checked_plan(const attend_args& a);
 /// Device workspace of a call under its plan: every part's partial results.
 size_t workspace_bytes(const attend_args& a, const launch_plan& lp);
+/// Where the rotated queries of a call with rotated heads start in its workspace (after the
+/// partial results, 256-byte aligned), and their bytes: [rows][q_heads][head_dim] float, rows up
+/// to the last item's q_row + q_len; 0 bytes without rotation.
+size_t rotated_q_offset(const attend_args& a, const launch_plan& lp);
+size_t rotated_q_bytes(const attend_args& a);
 /// Launches a call under its plan (`checked_plan(a)`): the attention kernel and the split merge of
 /// each part of at most `max_items` items. Defined in attention/attend.cu.
 status launch_planned(const attend_args& a, const launch_plan& lp, void* workspace, size_t workspace_bytes,

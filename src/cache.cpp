@@ -33,7 +33,7 @@ status validate_config(const cache_config& c) {
     return bad(fmt::format("max_tokens {} must be in [1, 2^30]", c.max_tokens));
   if (!(c.softmax_scale >= 0.f) || !std::isfinite(c.softmax_scale))
     return bad(fmt::format("softmax_scale {} must be finite and >= 0 (0 = 1/sqrt(head_dim))", c.softmax_scale));
-  return {};
+  return c.rotation.validate(s);
 }
 
 status check_kv_view(const tensor_view& t, const char* call, const char* which, const cache_shape& s) {

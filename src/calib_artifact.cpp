@@ -138,8 +138,8 @@ std::string artifact::hash_text(std::string_view text) {
 
 status artifact::validate() const {
   const auto bad = [](std::string m) { return status{errc::invalid_argument, "artifact: " + std::move(m)}; };
-  if (version != current_version)
-    return bad(fmt::format("version {}, this build writes version {}", version, current_version));
+  if (version < oldest_version || version > current_version)
+    return bad(fmt::format("version {}, this build writes versions {} to {}", version, oldest_version, current_version));
   if (shape.layers <= 0 || shape.q_heads <= 0 || shape.kv_heads <= 0 || shape.head_dim <= 0)
     return bad(fmt::format("model shape {} layers, {} q heads, {} kv heads, head_dim {} must be positive", shape.layers,
                            shape.q_heads, shape.kv_heads, shape.head_dim));
@@ -182,6 +182,13 @@ status artifact::validate() const {
                                (i / o.formats.size()) % size_t(shape.kv_heads),
                                format_name(o.formats[i % o.formats.size()]), o.kl[i]));
   }
+  if (has_rotated()) {
+    if (version < 2) return bad(fmt::format("rotated damages need version 2, the artifact is version {}", version));
+    if (rotated_sensitivity.layers != shape.layers || rotated_sensitivity.kv_heads != shape.kv_heads ||
+        rotated_sensitivity.formats != sensitivity.formats)
+      return bad("rotated sensitivity must cover the same layers, kv heads and formats as sensitivity");
+    if (status s = rotated_sensitivity.validate(); !s.ok()) return bad("rotated: " + s.message());
+  }
   return {};
 }
 
@@ -221,6 +228,13 @@ result<std::string> artifact::to_json() const {
                       {"kl", grid_json(shape.layers, shape.kv_heads, output_kl.formats.size(),
                                        [&](int l, int h, size_t f) { return output_kl.at(l, h, int(f)); })}};
   }
+  if (has_rotated()) {
+    j["rotated"]["seed"] = fmt::format("0x{:016x}", rotation_seed);
+    for (role r : {role::k, role::v})
+      j["rotated"][r == role::k ? "k_attention_kl" : "v_output_perturbation"] =
+          grid_json(shape.layers, shape.kv_heads, sensitivity.formats.size(),
+                    [&](int l, int h, size_t f) { return rotated_sensitivity.at(l, h, r, int(f)); });
+  }
   return j.dump(1);
 }
 
@@ -258,8 +272,9 @@ result<artifact> read_artifact(const json& j, std::string_view source, const mod
     if (kind_s != artifact_kind) return rd.fail("kind", fmt::format("is '{}', expected '{}'", kind_s, artifact_kind));
     KVQ_ASSIGN(ver, rd.member(j, "", "version"));
     KVQ_ASSIGN(v, rd.integer(*ver, "version", std::numeric_limits<int>::min(), std::numeric_limits<int>::max()));
-    if (v != artifact::current_version)
-      return rd.fail("version", fmt::format("is {}, this build reads version {}", v, artifact::current_version));
+    if (v < artifact::oldest_version || v > artifact::current_version)
+      return rd.fail("version", fmt::format("is {}, this build reads versions {} to {}", v, artifact::oldest_version,
+                                            artifact::current_version));
     a.version = int(v);
   }
   {
@@ -371,6 +386,28 @@ result<artifact> read_artifact(const json& j, std::string_view source, const mod
     KVQ_ASSIGN(kl, rd.member(o, "output_kl", "kl"));
     KVQ_TRY(rd.grid(*kl, "output_kl.kl", L, H, a.output_kl.formats.size(), "one per output_kl format",
                     [&](int l, int h, size_t f, double x) { a.output_kl.at(l, h, int(f)) = x; }));
+  }
+  if (j.contains("rotated")) {  // optional, version 2
+    const json& o = j["rotated"];
+    if (a.version < 2) return rd.fail("rotated", fmt::format("needs version 2, the file is version {}", a.version));
+    if (!o.is_object()) return rd.fail("rotated", fmt::format("must be an object, is {}", o.type_name()));
+    KVQ_ASSIGN(seed, rd.member(o, "rotated", "seed"));
+    KVQ_ASSIGN(seed_s, rd.string(*seed, "rotated.seed"));
+    uint64_t sv = 0;
+    const char* b = seed_s.data() + (seed_s.starts_with("0x") ? 2 : 0);
+    const auto [end, ec] = std::from_chars(b, seed_s.data() + seed_s.size(), sv, 16);
+    if (!seed_s.starts_with("0x") || ec != std::errc() || end != seed_s.data() + seed_s.size())
+      return rd.fail("rotated.seed", fmt::format("is '{}', must be 0x and up to 16 hex digits", seed_s));
+    a.rotation_seed = sv;
+    auto rp = sensitivity_profile::make(L, H, formats);
+    if (!rp) return rd.fail("rotated", rp.error().message());
+    a.rotated_sensitivity = std::move(rp).value();
+    for (role r : {role::k, role::v}) {
+      const char* key = r == role::k ? "k_attention_kl" : "v_output_perturbation";
+      KVQ_ASSIGN(arr, rd.member(o, "rotated", key));
+      KVQ_TRY(rd.grid(*arr, fmt::format("rotated.{}", key), L, H, formats.size(), "one per format",
+                      [&](int l, int h, size_t f, double x) { a.rotated_sensitivity.at(l, h, r, int(f)) = x; }));
+    }
   }
   if (status s = a.validate(); !s.ok()) return status{s.code(), fmt::format("artifact '{}': {}", source, s.message())};
   return a;

@@ -9,6 +9,7 @@
 #include <kvq/calib/calibrate.hpp>
 #include <kvq/codec/codec.hpp>
 #include <kvq/format/numeric.hpp>
+#include <kvq/rotation/hadamard.hpp>
 #include <limits>
 
 KVQ_NAMESPACE_BEGIN
@@ -122,6 +123,8 @@ kvq::result<calibrator> calibrator::create(const cache_shape& shape, calibrator_
                            shape.layers, shape.q_heads, shape.kv_heads, shape.head_dim, shape.page_tokens));
   if (shape.q_heads % shape.kv_heads != 0)
     return bad(fmt::format("q_heads {} is not a multiple of kv_heads {}", shape.q_heads, shape.kv_heads));
+  if (opt.rotated && !(rotation::is_power_of_two(shape.head_dim) && shape.head_dim <= 256))
+    return bad(fmt::format("rotated candidates need head_dim a power of two up to 256; got head_dim {}", shape.head_dim));
   if (opt.formats.empty()) return bad("no candidate formats");
   for (size_t i = 0; i < opt.formats.size(); ++i) {
     if (opt.formats[i] >= format_count) return bad(fmt::format("candidate {} is outside the format table", i));
@@ -158,20 +161,22 @@ kvq::result<calibrator> calibrator::create(const cache_shape& shape, calibrator_
     for (role r : {role::k, role::v})
       if (status s = check_shape(f, r, shape.page_tokens, shape.head_dim); !s.ok()) return bad(s.message());
 
-  const auto add = [&](format_id f, float clip) {
+  const auto add = [&](format_id f, float clip, bool rotated) {
     if (traits_of(f).fam == family::rolealign && clip == 1.f) {
       const format_traits t = traits_of(f);
       f = format_id(find_format(family::kivi, t.bits, t.group));
     }
     if (traits_of(f).fam != family::rolealign) clip = 1.f;
     for (const variant& v : c.variants_)
-      if (v.f == f && v.clip == clip) return;
-    c.variants_.push_back({f, clip});
+      if (v.f == f && v.clip == clip && v.rotated == rotated) return;
+    c.variants_.push_back({f, clip, rotated});
   };
-  for (format_id f : c.opt_.formats) add(f, 1.f);
+  for (format_id f : c.opt_.formats) add(f, 1.f, false);
+  if (c.opt_.rotated)
+    for (format_id f : c.opt_.formats) add(f, 1.f, true);
   for (format_id f : grid_formats) {
-    add(f, 1.f);  // the normalization of the clip objective
-    for (float r : c.opt_.clip_grid) add(f, r);
+    add(f, 1.f, false);  // the normalization of the clip objective
+    for (float r : c.opt_.clip_grid) add(f, r, false);
   }
 
   const size_t units = size_t(shape.layers) * size_t(shape.kv_heads);
@@ -183,7 +188,7 @@ kvq::result<calibrator> calibrator::create(const cache_shape& shape, calibrator_
   return c;
 }
 
-int calibrator::variant_of(format_id f, float clip) const {
+int calibrator::variant_of(format_id f, float clip, bool rotated) const {
   if (f >= format_count) return -1;
   const format_traits t = traits_of(f);
   if (t.fam == family::rolealign && clip == 1.f) f = format_id(find_format(family::kivi, t.bits, t.group));
@@ -191,7 +196,7 @@ int calibrator::variant_of(format_id f, float clip) const {
     if (clip != 1.f) return -1;
   }
   for (size_t i = 0; i < variants_.size(); ++i)
-    if (variants_[i].f == f && variants_[i].clip == clip) return int(i);
+    if (variants_[i].f == f && variants_[i].clip == clip && variants_[i].rotated == rotated) return int(i);
   return -1;
 }
 
@@ -241,14 +246,31 @@ status calibrator::observe(int layer, const tensor_view& q, const tensor_view& k
   std::vector<float> o(size_t(rows) * size_t(dp));
   std::vector<double> pz(static_cast<size_t>(rows));  // 1 / Σ_j P_j of each row
   std::vector<uint8_t> page;
-  // Loads head h of k or v as fp16 bits and their float values, [T][d].
+  // Rotated variants: the head's rows rotated, as fp16 bits and floats, and the rotated queries.
+  const bool any_rotated = opt_.rotated;
+  std::vector<uint16_t> x16r(any_rotated ? x16.size() : 0);
+  std::vector<float> xfr(any_rotated ? xf.size() : 0), qhr(any_rotated ? qh.size() : 0);
+  // Loads head h of k or v as fp16 bits and their float values, [T][d], and with rotated
+  // variants the same of the rotated rows.
   const auto load_head = [&](const tensor_view& src, int h) {
-    for (int t = 0; t < T; ++t)
+    const rotation::signs sg = rotation::signs::of(opt_.rotation_seed, layer, h);
+    float row[256];
+    for (int t = 0; t < T; ++t) {
       for (int c = 0; c < d; ++c) {
-        const uint16_t b = float_to_half(load(src, t, h, c));
+        const float x = load(src, t, h, c);
+        const uint16_t b = float_to_half(x);
         x16[size_t(t) * size_t(d) + size_t(c)] = b;
         xf[size_t(t) * size_t(d) + size_t(c)] = half_to_float(b);
+        if (any_rotated) row[c] = x;
       }
+      if (!any_rotated) continue;
+      rotation::rotate(row, d, sg);  // as the cache stores it: rotated, then rounded to fp16
+      for (int c = 0; c < d; ++c) {
+        const uint16_t b = float_to_half(row[c]);
+        x16r[size_t(t) * size_t(d) + size_t(c)] = b;
+        xfr[size_t(t) * size_t(d) + size_t(c)] = half_to_float(b);
+      }
+    }
   };
   const auto transpose = [&](const float* a /* [tp][dp] */, float* at /* [dp][tp] */) {
     for (int t = 0; t < tp; ++t)
@@ -263,6 +285,11 @@ status calibrator::observe(int layer, const tensor_view& q, const tensor_view& k
       for (int g = 0; g < group; ++g)
         for (int c = 0; c < d; ++c)
           qh[size_t(t * group + g) * size_t(dp) + size_t(c)] = load(q, t, h * group + g, c) * scale_;
+    if (any_rotated) {
+      const rotation::signs sg = rotation::signs::of(opt_.rotation_seed, layer, h);
+      qhr = qh;
+      for (int r = 0; r < rows; ++r) rotation::rotate(&qhr[size_t(r) * size_t(dp)], d, sg);
+    }
 
     // Reference attention P over the fp16 keys, stored in place of the scores: [rows][tp].
     load_head(k, h);
@@ -282,10 +309,11 @@ status calibrator::observe(int layer, const tensor_view& q, const tensor_view& k
 
     // K: per variant, δ = scaled q·(K̂ − K) and the KL of each row.
     for (size_t vi = 0; vi < nv; ++vi) {
-      round_trip_error(variants_[vi].f, variants_[vi].clip, role::k, shape_.page_tokens, d, T, x16.data(), xf.data(),
-                       dp, page, err.data());
+      const bool rot = variants_[vi].rotated;  // δ = (R q)·(R̂k − R k): the error in the rotated space
+      round_trip_error(variants_[vi].f, variants_[vi].clip, role::k, shape_.page_tokens, d, T,
+                       rot ? x16r.data() : x16.data(), rot ? xfr.data() : xf.data(), dp, page, err.data());
       transpose(err.data(), errt.data());
-      causal_scores(qh.data(), errt.data(), T, group, dp, tp, ds.data());
+      causal_scores(rot ? qhr.data() : qh.data(), errt.data(), T, group, dp, tp, ds.data());
       double kl = 0.0;
       for (int r = 0; r < rows; ++r) {
         const float* pr = &s[size_t(r) * size_t(tp)];
@@ -315,8 +343,9 @@ status calibrator::observe(int layer, const tensor_view& q, const tensor_view& k
     }
     v_ref_[unit] += ref;
     for (size_t vi = 0; vi < nv; ++vi) {
-      round_trip_error(variants_[vi].f, variants_[vi].clip, role::v, shape_.page_tokens, d, T, x16.data(), xf.data(),
-                       dp, page, err.data());
+      const bool rot = variants_[vi].rotated;  // ‖P(R̂v − Rv)‖ = ‖R^T P(R̂v − Rv)‖: R is orthogonal
+      round_trip_error(variants_[vi].f, variants_[vi].clip, role::v, shape_.page_tokens, d, T,
+                       rot ? x16r.data() : x16.data(), rot ? xfr.data() : xf.data(), dp, page, err.data());
       causal_mix(s.data(), err.data(), T, group, dp, tp, o.data());
       double e2 = 0.0;
       for (int r = 0; r < rows; ++r) {
@@ -371,38 +400,52 @@ std::vector<float> calibrator::clip_ratios() const {
   return out;
 }
 
-kvq::result<double> calibrator::damage(int layer, int kv_head, role r, format_id f, float clip) const {
+kvq::result<double> calibrator::damage(int layer, int kv_head, role r, format_id f, float clip, bool rotated) const {
   if (layer < 0 || layer >= shape_.layers || kv_head < 0 || kv_head >= shape_.kv_heads)
     return status{errc::invalid_argument,
                   fmt::format("calibrator: layer {} head {} is outside the shape", layer, kv_head)};
   if (tokens_[size_t(layer)] == 0)
     return status{errc::not_found, fmt::format("calibrator: layer {} was never observed", layer)};
-  const int vi = variant_of(f, clip);
+  const int vi = variant_of(f, clip, rotated);
   if (vi < 0)
-    return status{errc::not_found, fmt::format("calibrator: {} at clip ratio {} was not measured",
-                                               f < format_count ? format_name(f) : std::to_string(int(f)), clip)};
+    return status{errc::not_found, fmt::format("calibrator: {}{} at clip ratio {} was not measured",
+                                               f < format_count ? format_name(f) : std::to_string(int(f)),
+                                               rotated ? " rotated" : "", clip)};
   return mean_damage(layer, kv_head, r, vi);
 }
 
-kvq::result<sensitivity_profile> calibrator::result(artifact* out, std::string_view calibration_text) const {
+kvq::result<sensitivity_profile> calibrator::profile(bool rotated, const std::vector<float>& clips) const {
   for (int l = 0; l < shape_.layers; ++l)
     if (tokens_[size_t(l)] == 0)
       return status{errc::not_found, fmt::format("calibrator: layer {} was never observed", l)};
   auto made = sensitivity_profile::make(shape_.layers, shape_.kv_heads, opt_.formats);
   if (!made) return made.error();
   sensitivity_profile p = std::move(made).value();
-  const std::vector<float> clips = clip_ratios();
   for (int l = 0; l < shape_.layers; ++l)
     for (int h = 0; h < shape_.kv_heads; ++h)
       for (role r : {role::k, role::v}) {
         const float clip = clips[(size_t(l) * size_t(shape_.kv_heads) + size_t(h)) * 2 + (r == role::k ? 0 : 1)];
         for (size_t fi = 0; fi < opt_.formats.size(); ++fi) {
           const format_id f = opt_.formats[fi];
-          const int vi = variant_of(f, traits_of(f).fam == family::rolealign ? clip : 1.f);
+          const bool clipped = traits_of(f).fam == family::rolealign && !rotated;
+          const int vi = variant_of(f, clipped ? clip : 1.f, rotated);
           p.at(l, h, r, int(fi)) = std::max(0.0, mean_damage(l, h, r, vi));
         }
       }
   if (status s = p.validate(); !s.ok()) return status{s.code(), "calibrator: " + s.message()};
+  return p;
+}
+
+kvq::result<sensitivity_profile> calibrator::rotated_result() const {
+  if (!opt_.rotated) return status{errc::not_found, "calibrator: rotated candidates were not measured (options.rotated)"};
+  return profile(true, clip_ratios());
+}
+
+kvq::result<sensitivity_profile> calibrator::result(artifact* out, std::string_view calibration_text) const {
+  const std::vector<float> clips = clip_ratios();
+  auto made = profile(false, clips);
+  if (!made) return made.error();
+  sensitivity_profile p = std::move(made).value();
   if (out != nullptr) {
     artifact a;
     a.model_name = opt_.model_name;
@@ -411,6 +454,12 @@ kvq::result<sensitivity_profile> calibrator::result(artifact* out, std::string_v
     a.calibration_tokens = *std::min_element(tokens_.begin(), tokens_.end());
     a.sensitivity = p;
     a.clip_ratios = clips;
+    if (opt_.rotated) {
+      auto rp = profile(true, clips);
+      if (!rp) return rp.error();
+      a.rotated_sensitivity = std::move(rp).value();
+      a.rotation_seed = opt_.rotation_seed;
+    }
     if (status s = a.validate(); !s.ok()) return status{s.code(), "calibrator: " + s.message()};
     *out = std::move(a);
   }

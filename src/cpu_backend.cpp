@@ -4,6 +4,7 @@
 #include <kvq/attention/cpu_attention.hpp>
 #include <kvq/codec/codec.hpp>
 #include <kvq/detail/backend.hpp>
+#include <kvq/rotation/rotation.hpp>
 
 #include <fmt/format.h>
 
@@ -44,6 +45,22 @@ class cpu_backend final : public cache_backend {
                                 call, t == &k ? "K" : "V", first_row + i, e / d, e % d, x, s.id, layer,
                                 std::isfinite(x) ? "outside the fp16 range" : "not finite")};
         }
+      // A rotated head stores R x in fp16: its rotated values must fit too.
+      float row[256];
+      for (int h = 0; h < H; ++h) {
+        if (!cfg_.rotation.rotated(layer, h, H)) continue;
+        const rotation::signs sg = cfg_.rotation.signs_of(layer, h);
+        for (int64_t i = 0; i < t->tokens; ++i) {
+          for (int c = 0; c < d; ++c) row[c] = load(t->data, t->type, i * t->stride() + h * d + c);
+          rotation::rotate(row, d, sg);
+          for (int c = 0; c < d; ++c)
+            if (std::fabs(row[c]) > fp16_max)
+              return {errc::invalid_argument,
+                      fmt::format("{}: {}[token {}][head {}] of sequence {} layer {} rotated has {} in channel {}, "
+                                  "outside the fp16 range; nothing was stored",
+                                  call, t == &k ? "K" : "V", first_row + i, h, s.id, layer, row[c], c)};
+        }
+      }
     }
     return {};
   }
@@ -68,12 +85,15 @@ class cpu_backend final : public cache_backend {
     layer_state& ls = s.layers[size_t(layer)];
     int64_t n = ls.n, e = ls.e;
     int page = 0;
+    float row[256];
     for (int64_t i = 0; i < k.tokens; ++i, ++n) {
       for (int h = 0; h < H; ++h)
         for (role r : {role::k, role::v}) {
           const tensor_view& t = r == role::k ? k : v;
           uint16_t* dst = ring(s, layer, h, r) + (n % R) * d;
-          for (int c = 0; c < d; ++c) dst[c] = float_to_half(load(t.data, t.type, i * t.stride() + h * d + c));
+          for (int c = 0; c < d; ++c) row[c] = load(t.data, t.type, i * t.stride() + h * d + c);
+          if (cfg_.rotation.rotated(layer, h, H)) rotation::rotate(row, d, cfg_.rotation.signs_of(layer, h));
+          for (int c = 0; c < d; ++c) dst[c] = float_to_half(row[c]);
         }
       if (n + 1 - e == P + sh.recent) {  // the oldest P unencoded tokens become a page
         for (int h = 0; h < H; ++h)
@@ -115,38 +135,89 @@ class cpu_backend final : public cache_backend {
     pol_->observe({s.id, layer, n, q_len, qf_.data(), ring(s, layer, 0, role::k), std::max<int64_t>(0, n - sh.window)});
   }
 
-  status attend(std::span<const attend_item> items, int layer, const tensor_view& q, const tensor_mut& o) override {
+  // True when some kv head of `layer` is rotated: its queries, chunk K/V and outputs go through
+  // f32 scratch rotated per head (docs/architecture.md, "Rotation").
+  bool rotated(int layer) const { return cfg_.rotation.layer_rotated(layer, cfg_.shape.kv_heads); }
+
+  // The rows of `t` as packed floats in `buf`, rotated where their kv head is; `group` heads of t
+  // per kv head (the GQA group for queries, 1 for K/V).
+  tensor_view rotated_rows(const tensor_view& t, int layer, int group, std::vector<float>& buf) const {
+    const int w = t.heads * t.head_dim;
+    buf.resize(size_t(t.tokens) * w);
+    for (int64_t i = 0; i < t.tokens; ++i)
+      for (int e = 0; e < w; ++e) buf[size_t(i) * w + e] = load(t.data, t.type, i * t.stride() + e);
+    rotation::apply_rows(cfg_.rotation, layer, cfg_.shape.kv_heads, group, buf.data(), t.tokens, t.heads, t.head_dim,
+                         false);
+    return {buf.data(), dtype::f32, t.tokens, t.heads, t.head_dim, 0};
+  }
+  // A packed f32 output of o's shape over `buf`, in the rotated space.
+  static tensor_mut scratch_like(const tensor_mut& o, std::vector<float>& buf) {
+    buf.resize(size_t(o.tokens) * o.heads * o.head_dim);
+    return {buf.data(), dtype::f32, o.tokens, o.heads, o.head_dim, 0};
+  }
+  // o <- the rotated output of `scratch` rotated back per head.
+  void unrotate_into(const tensor_mut& scratch, int layer, const tensor_mut& o) const {
+    const auto& sh = cfg_.shape;
+    float* x = static_cast<float*>(scratch.data);
+    rotation::apply_rows(cfg_.rotation, layer, sh.kv_heads, sh.q_heads / sh.kv_heads, x, o.tokens, o.heads, o.head_dim,
+                         true);
+    const int w = o.heads * o.head_dim;
+    for (int64_t i = 0; i < o.tokens; ++i)
+      for (int e = 0; e < w; ++e) cpu::store(o.data, o.type, i * o.stride() + e, x[size_t(i) * w + e]);
+  }
+  int q_group() const { return cfg_.shape.q_heads / cfg_.shape.kv_heads; }
+
+  status attend(std::span<const attend_item> items, int layer, const tensor_view& q_in, const tensor_mut& o_in) override {
+    const bool rot = rotated(layer);
+    const tensor_view q = rot ? rotated_rows(q_in, layer, q_group(), q_rot_) : q_in;
+    const tensor_mut o = rot ? scratch_like(o_in, o_rot_) : o_in;
     items_.clear();
     int64_t row = 0;
     for (const auto& it : items) {
       const sequence_state& s = *store_.find(it.seq);
-      observe(s, layer, q, row, it.q_len);
+      observe(s, layer, q, row, it.q_len);  // the canary measures in the space the pages live in
       items_.push_back({stored(s, layer), it.q_len, row});
       row += it.q_len;
     }
     cpu::attend(pool_, items_, q, o, softmax_scale());
+    if (rot) unrotate_into(o, layer, o_in);
     return {};
   }
 
   bool prefill_any_length() const override { return true; }
 
-  status prefill(const sequence_state& s, int layer, int64_t prefix, const tensor_view& k, const tensor_view& v,
-                 const tensor_view& q, const tensor_mut& o) override {
+  status prefill(const sequence_state& s, int layer, int64_t prefix, const tensor_view& k_in, const tensor_view& v_in,
+                 const tensor_view& q_in, const tensor_mut& o_in) override {
+    // A rotated layer's chunk K/V are rotated as the ring holds them, so both parts of the merge
+    // are in the rotated space.
+    const bool rot = rotated(layer);
+    const tensor_view q = rot ? rotated_rows(q_in, layer, q_group(), q_rot_) : q_in;
+    const tensor_view k = rot ? rotated_rows(k_in, layer, 1, k_rot_) : k_in;
+    const tensor_view v = rot ? rotated_rows(v_in, layer, 1, v_rot_) : v_in;
+    const tensor_mut o = rot ? scratch_like(o_in, o_rot_) : o_in;
     // The policy sees the chunk's last queries, at most a window of them, as a step would.
     const int64_t seen = std::min<int64_t>(q.tokens, cfg_.shape.window);
     observe(s, layer, q, q.tokens - seen, int(seen));
     cpu::prefill(pool_, stored(s, layer), prefix, k, v, q, o, softmax_scale());
+    if (rot) unrotate_into(o, layer, o_in);
     return {};
   }
 
-  status attend_prefix(const sequence_state& s, int layer, int64_t prefix, const tensor_view& q, const tensor_mut& o,
-                       float* lse) override {
+  status attend_prefix(const sequence_state& s, int layer, int64_t prefix, const tensor_view& q_in,
+                       const tensor_mut& o_in, float* lse) override {
+    const bool rot = rotated(layer);
+    const tensor_view q = rot ? rotated_rows(q_in, layer, q_group(), q_rot_) : q_in;
+    const tensor_mut o = rot ? scratch_like(o_in, o_rot_) : o_in;
     cpu::attend_prefix(pool_, stored(s, layer), prefix, q, o, lse, softmax_scale());
+    if (rot) unrotate_into(o, layer, o_in);
     return {};
   }
 
   status read(const sequence_state& s, int layer, role r, std::span<float> out) const override {
     gather(s, layer, r, 0, out.data());
+    const auto& sh = cfg_.shape;
+    rotation::apply_rows(cfg_.rotation, layer, sh.kv_heads, 1, out.data(), s.layers[size_t(layer)].n, sh.kv_heads,
+                         sh.head_dim, true);
     return {};
   }
 
@@ -182,6 +253,7 @@ class cpu_backend final : public cache_backend {
   cpu::worker_pool pool_;
   std::vector<cpu::attend_task_item> items_;  // the current attend's items (kept: no allocation per call)
   std::vector<float> qf_;                      // the queries handed to the policy
+  std::vector<float> q_rot_, k_rot_, v_rot_, o_rot_;  // a rotated layer's rows (kept: no allocation per call)
 };
 
 }  // namespace

@@ -2,6 +2,7 @@
 // kvq's format list.
 #include <kvq/format/format.hpp>
 #include <kvq/format/spec.hpp>
+#include <kvq/rotation/rotation.hpp>
 
 #include <fmt/format.h>
 
@@ -70,6 +71,11 @@ result<format_id> parse_format(std::string_view spec) {
 result<format_pair> parse_format_pair(std::string_view spec) {
   const std::string_view orig = trim(spec);
   if (orig.empty()) return status{errc::invalid_argument, "empty format spec"};
+  if (std::string_view rest = orig; detail::eat_rotation_suffix(rest))
+    return status{errc::invalid_argument,
+                  fmt::format("format spec '{}': '+rot' asks for a rotated head, which is a property of the cache "
+                              "(cache_config::rotation), not of a page format; parse_format_spec reads it",
+                              orig)};
   if (orig.find('=') == std::string_view::npos) {
     auto f = parse_format(orig);
     if (!f) return f.error();
@@ -97,6 +103,23 @@ result<format_pair> parse_format_pair(std::string_view spec) {
   if (!have_k || !have_v)
     return status{errc::invalid_argument, fmt::format("bad format spec '{}': needs both k= and v=", orig)};
   return out;
+}
+
+result<format_spec> parse_format_spec(std::string_view spec) {
+  std::string_view rest = trim(spec);
+  const bool rotated = detail::eat_rotation_suffix(rest);
+  if (rotated && trim(rest).empty())
+    return status{errc::invalid_argument, fmt::format("bad format spec '{}': '+rot' needs a format before it", trim(spec))};
+  if (rest.find('+') != std::string_view::npos)
+    return status{errc::invalid_argument,
+                  fmt::format("bad format spec '{}': the only suffix is '+rot', at the end (e.g. kivi2/g32+rot)", trim(spec))};
+  auto p = parse_format_pair(rest);
+  if (!p) return p.error();
+  return format_spec{*p, rotated};
+}
+
+std::string format_spec_name(const format_spec& s) {
+  return format_pair_name(s.pair) + (s.rotated ? std::string(detail::rotation_suffix) : std::string());
 }
 
 KVQ_NAMESPACE_END

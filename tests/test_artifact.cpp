@@ -107,11 +107,11 @@ TEST_CASE("artifact round trip through a file is exact", "[artifact]") {
   const std::string path = dir.file("sens.json");
   REQUIRE(a.save(path).ok());
   const std::string text = read_text(path);
-  CHECK_THAT(text, Catch::Contains("\"version\": 1"));
+  CHECK_THAT(text, Catch::Contains("\"version\": 2"));
   CHECK_THAT(text, Catch::Contains("\"kind\": \"kvq.calibration\""));
   CHECK_THAT(text, Catch::Contains("0.9,"));  // floats written as their shortest decimal
   auto b = artifact::load(path, tiny).value_or_throw();
-  CHECK(b.version == 1);
+  CHECK(b.version == 2);
   CHECK(b.model_name == a.model_name);
   CHECK(b.shape == a.shape);
   CHECK(b.text_hash == a.text_hash);
@@ -236,9 +236,11 @@ TEST_CASE("artifact load rejects bad files, naming the file and the field", "[ar
                Catch::Contains("field 'clip_ratios' is missing"));
   }
   SECTION("wrong kind or version") {
-    CHECK_THAT(load_text(edit(good, "\"version\": 1", "\"version\": 2")),
-               Catch::Contains("field 'version' is 2, this build reads version 1"));
-    CHECK_THAT(load_text(edit(good, "\"version\": 1", "\"version\": \"1\"")),
+    CHECK_THAT(load_text(edit(good, "\"version\": 2", "\"version\": 3")),
+               Catch::Contains("field 'version' is 3, this build reads versions 1 to 2"));
+    CHECK_THAT(load_text(edit(good, "\"version\": 2", "\"version\": 0")),
+               Catch::Contains("field 'version' is 0, this build reads versions 1 to 2"));
+    CHECK_THAT(load_text(edit(good, "\"version\": 2", "\"version\": \"1\"")),
                Catch::Contains("field 'version' must be an integer"));
     CHECK_THAT(load_text(edit(good, "kvq.calibration", "kvq.something")), Catch::Contains("is 'kvq.something'"));
   }
@@ -290,8 +292,8 @@ TEST_CASE("artifact save validates first and never writes NaN", "[artifact]") {
   a.clip_ratios.pop_back();
   CHECK_THAT(a.save(p).message(), Catch::Contains("7 clip ratios, the model needs 8"));
   a = make_artifact();
-  a.version = 2;
-  CHECK_THAT(a.save(p).message(), Catch::Contains("version 2"));
+  a.version = 3;
+  CHECK_THAT(a.save(p).message(), Catch::Contains("version 3"));
   a = make_artifact_with_output_kl();
   a.output_kl.kl[5] = NAN;
   CHECK_THAT(a.save(p).message(), Catch::Contains("output_kl of layer 1 head 0 format kivi2/g32 is nan"));
@@ -319,12 +321,12 @@ TEST_CASE("artifact parse turns every JSON library exception into a status namin
   };
   // numbers the library cannot hold (out_of_range.406 from the parser)
   CHECK_THAT(parse_error(edit(good, "\"tokens\": 96", "\"tokens\": 1e400")), Catch::Contains("1e400"));
-  CHECK_THAT(parse_error(edit(good, "\"version\": 1", "\"version\": -1e400")), Catch::Contains("-1e400"));
+  CHECK_THAT(parse_error(edit(good, "\"version\": 2", "\"version\": -1e400")), Catch::Contains("-1e400"));
   CHECK_THAT(parse_error("{\"kind\": 1e999999999999}"), Catch::Contains("malformed JSON"));
   // integers past 64 bits parse as doubles: a type error naming the field
   CHECK_THAT(parse_error(edit(good, "\"tokens\": 4096", "\"tokens\": 18446744073709551616")),
              Catch::Contains("'calibration.tokens' must be an integer"));
-  CHECK_THAT(parse_error(edit(good, "\"version\": 1", "\"version\": 1.5")),
+  CHECK_THAT(parse_error(edit(good, "\"version\": 2", "\"version\": 1.5")),
              Catch::Contains("'version' must be an integer"));
   // wrong types where objects and arrays are expected
   CHECK_THAT(parse_error(edit(good, "\"model\": {", "\"model\": 3, \"x\": {")),

@@ -1,11 +1,12 @@
 // Launch glue of the attention kernels: the launch parameters of a planned call
-// (launch_plan.hpp), the attention kernel its plan names, then the split merge as a
-// programmatic dependent launch. The kernels, by concept: cuda/README.md.
+// (launch_plan.hpp), the query rotation of rotated heads, the attention kernel its plan names,
+// then the split merge as a programmatic dependent launch. The kernels, by concept: cuda/README.md.
 #include "attention/attend_tile.cuh"
 #include "attention/decode_paged.cuh"
 #include "attention/decode_staged.cuh"
 #include "attention/decode_wide.cuh"
 #include "attention/merge.cuh"
+#include "attention/query.cuh"
 #include "launch.hpp"
 #include "launch_plan.hpp"
 #include "status.hpp"
@@ -51,7 +52,8 @@ status launch_attend(const attend_params& p, const launch_plan& lp, int kv_heads
   KVQ_TRY(cuda_status(cudaGetDevice(&dev), "cudaGetDevice"));
   KVQ_TRY(cuda_status(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev),
                       "cudaDeviceGetAttribute"));
-  return launch("merge launch", merge_kernel<D>, mgrid, dim3(merge_threads), 0, st,
+  const auto merge = p.rot.mask != 0 ? merge_kernel<D, true> : merge_kernel<D, false>;
+  return launch("merge launch", merge, mgrid, dim3(merge_threads), 0, st,
                 std::span<cudaLaunchAttribute>(pdl, major >= 9 ? 1 : 0), p);
 }
 
@@ -63,6 +65,21 @@ status launch_planned(const attend_args& a, const launch_plan& lp, void* workspa
   if (workspace_bytes_given < need)
     return {errc::invalid_argument, msg("attend: workspace of ", workspace_bytes_given, " bytes, need ", need)};
   cudaStream_t st = static_cast<cudaStream_t>(stream);
+  // Rotated heads: the decode kernels rotate their queries in the prologue (`load_query`); for
+  // the tile kernel they are rotated into the workspace once for the batch (query.cuh).
+  const void* q = a.q;
+  dtype q_type = a.q_type;
+  int64_t q_stride = a.q_stride ? a.q_stride : int64_t(a.q_heads) * a.kv.head_dim;
+  const bool q_rotated = a.rotation.mask != 0 && !lp.decode;
+  if (q_rotated) {
+    float* qr = reinterpret_cast<float*>(static_cast<uint8_t*>(workspace) + rotated_q_offset(a, lp));
+    const int rows = int(rotated_q_bytes(a) / (sizeof(float) * size_t(a.q_heads) * a.kv.head_dim));
+    const int warps = rotate_query_threads / 32, blocks = (rows * a.q_heads + warps - 1) / warps;
+    const auto kernel = a.kv.head_dim == 128 ? rotate_query_kernel<128> : rotate_query_kernel<64>;
+    KVQ_TRY(launch("query rotation launch", kernel, dim3(unsigned(blocks)), dim3(rotate_query_threads), 0, st, a.q,
+                   a.q_type, q_stride, rows, a.q_heads, a.q_heads / a.kv.kv_heads, a.layer, a.rotation, qr));
+    q = qr, q_type = dtype::f32, q_stride = int64_t(a.q_heads) * a.kv.head_dim;
+  }
   for (size_t first = 0; first < a.items.size(); first += max_items) {
     const std::span<const decode_item> items = a.items.subspan(first, std::min<size_t>(max_items, a.items.size() - first));
     attend_params p{};
@@ -71,9 +88,11 @@ status launch_planned(const attend_args& a, const launch_plan& lp, void* workspa
     p.q_heads = a.q_heads;
     p.group = a.q_heads / a.kv.kv_heads;
     p.mtiles = lp.mtiles;
-    p.q = a.q;
-    p.q_type = a.q_type;
-    p.q_stride = a.q_stride ? a.q_stride : int64_t(a.q_heads) * a.kv.head_dim;
+    p.q = q;
+    p.q_type = q_type;
+    p.q_stride = q_stride;
+    p.rot = a.rotation;
+    p.q_rotated = q_rotated ? 1 : 0;
     p.o = a.o;
     p.o_type = a.o_type;
     p.o_stride = a.o_stride ? a.o_stride : int64_t(a.q_heads) * a.kv.head_dim;

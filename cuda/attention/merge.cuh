@@ -1,8 +1,9 @@
 #pragma once
 // The split merge `merge_kernel`: the log-sum-exp merge of every split's partial result into the
-// output rows.
+// output rows, rotated back for a rotated head.
 #include "attention/params.cuh"
 #include "ptx.cuh"
+#include "rotation.cuh"
 
 #include <cub/block/block_reduce.cuh>
 
@@ -18,8 +19,9 @@ namespace cuda::detail {
 // up to 8 loads in flight per lane; the warps' sums meet in shared memory. (A thread per output
 // element walking the splits one dependent load at a time took 21 us of a 1 x 128K step: 49
 // splits on 8 blocks.)
+// `Rotated`: the instance for layers with rotated heads (the plain one stays as it is).
 constexpr int merge_threads = 256;
-template <int D>
+template <int D, bool Rotated = false>
 __global__ void __launch_bounds__(merge_threads) merge_kernel(const __grid_constant__ attend_params p) {
   pdl_wait();  // the attention grid's partials
   constexpr int warps = merge_threads / 32, per_lane = D / 32;
@@ -34,12 +36,26 @@ __global__ void __launch_bounds__(merge_threads) merge_kernel(const __grid_const
   if (mt * 16 + r >= rows_used) return;
   if (r == 0 && p.q_stage && item.stage_row >= 0) {  // the canary's copy of this m-tile's query rows
     const int width = p.q_heads * D;
-    for (int idx = threadIdx.x; idx < 16 * D; idx += merge_threads) {
-      const int mm = mt * 16 + idx / D, c = idx % D;
-      if (mm >= rows_used) break;
-      const int i = mm / p.group, qh = h * p.group + mm % p.group;
-      p.q_stage[int64_t(item.stage_row + i) * width + qh * D + c] =
-          load_any(p.q, p.q_type, int64_t(item.q_row + i) * p.q_stride + int64_t(qh) * D + c);
+    if (Rotated && !p.q_rotated && head_rotated(p.rot, h)) {  // rotated here, a warp per row: the canary measures R q
+      const int w = threadIdx.x / 32, ln = threadIdx.x % 32;
+      for (int rr = w; rr < 16 && mt * 16 + rr < rows_used; rr += merge_threads / 32) {
+        const int mm = mt * 16 + rr, i = mm / p.group, qh = h * p.group + mm % p.group;
+        float x[D / 32];
+#pragma unroll
+        for (int c = 0; c < D / 32; ++c)
+          x[c] = load_any(p.q, p.q_type, int64_t(item.q_row + i) * p.q_stride + int64_t(qh) * D + ln * (D / 32) + c);
+        warp_rotate<D / 32>(x, ln, p.rot.seed, p.layer, h, false);
+#pragma unroll
+        for (int c = 0; c < D / 32; ++c) p.q_stage[int64_t(item.stage_row + i) * width + qh * D + ln * (D / 32) + c] = x[c];
+      }
+    } else {
+      for (int idx = threadIdx.x; idx < 16 * D; idx += merge_threads) {
+        const int mm = mt * 16 + idx / D, c = idx % D;
+        if (mm >= rows_used) break;
+        const int i = mm / p.group, qh = h * p.group + mm % p.group;
+        p.q_stage[int64_t(item.stage_row + i) * width + qh * D + c] =
+            load_any(p.q, p.q_type, int64_t(item.q_row + i) * p.q_stride + int64_t(qh) * D + c);
+      }
     }
   }
   const int T = ceil_div(item.from_pages, p.unit_tokens) + ceil_div(item.n - item.from_pages, p.unit_tokens);
@@ -83,11 +99,25 @@ __global__ void __launch_bounds__(merge_threads) merge_kernel(const __grid_const
   __syncthreads();
   const int mm = mt * 16 + r, i = mm / p.group, qh = h * p.group + mm % p.group;
   const int64_t out = int64_t(item.q_row + i) * p.o_stride + int64_t(qh) * D;
+  const bool rotated = Rotated && head_rotated(p.rot, h);
   for (int c = threadIdx.x; c < D; c += merge_threads) {
     float o = 0.f;
 #pragma unroll
     for (int w = 0; w < warps; ++w) o += wo_sum[w][c];
-    store_any(p.o, p.o_type, out + c, o / l);
+    if (rotated) f_s[c] = o / l;  // (f_s's readers finished before the reductions' barriers)
+    else store_any(p.o, p.o_type, out + c, o / l);
+  }
+  if constexpr (Rotated) {
+    if (!rotated) return;
+    // A rotated head's output is R o: the first warp rotates it back (R^T) and stores it.
+    __syncthreads();
+    if (warp != 0) return;
+    float x[per_lane];
+#pragma unroll
+    for (int c = 0; c < per_lane; ++c) x[c] = f_s[lane * per_lane + c];
+    warp_rotate<per_lane>(x, lane, p.rot.seed, p.layer, h, true);
+#pragma unroll
+    for (int c = 0; c < per_lane; ++c) store_any(p.o, p.o_type, out + lane * per_lane + c, x[c]);
   }
 }
 

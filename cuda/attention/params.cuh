@@ -27,6 +27,8 @@ struct attend_params {
   float* ws_o;   // [partials][16][D]
   float* ws_ml;  // [partials][16][2]
   float* q_stage;  // optional: items' query rows copied here as fp32 (decode_item::stage_row)
+  head_rotation rot;  // the layer's rotated heads: the merge rotates their output back
+  int q_rotated;      // 1: q holds the rotated queries (tile kernel); 0: the decode kernels rotate them
   int n_items;
   decode_item items[max_items];
 };

@@ -1,21 +1,33 @@
 #pragma once
 // The decode kernels' query: the block's query columns as MMA B fragments, their fp16 copy in
-// shared memory, and the KIVI key fold (a token group's channel scales into q, its zeros into one
-// score offset per column).
+// shared memory, the KIVI key fold (a token group's channel scales into q, its zeros into one
+// score offset per column), and the rotation of the queries of rotated heads.
 #include "attention/dequant.cuh"
 #include "attention/params.cuh"
+#include "rotation.cuh"
 
 KVQ_NAMESPACE_BEGIN
 namespace cuda::detail {
 
 // The block's query columns as MMA B fragments: column n is query n / group of head
 // h * group + n % group; lane (g, t) holds column g, the pairs of its channels [(D/4) t, (D/4)(t+1)).
+// A rotated head's queries are rotated here, in the prologue (R q, the quad's 4 lanes holding the
+// row), unless the call rotated them already (`attend_params::q_rotated`).
 template <int D>
 __device__ __forceinline__ void load_query(const attend_params& p, const decode_item& item, int h, int g, int t,
                                            uint32_t (&qb)[D / 8]) {
   const bool live = g < p.group * item.q_len;
   const int i = g / p.group, qh_i = h * p.group + g % p.group;
   const int64_t base = int64_t(item.q_row + i) * p.q_stride + int64_t(qh_i) * D + t * (D / 4);
+  if (!p.q_rotated && head_rotated(p.rot, h)) {  // (warp-uniform: every lane takes part in the shuffles)
+    float x[D / 4];
+#pragma unroll
+    for (int c = 0; c < D / 4; ++c) x[c] = live ? load_any(p.q, p.q_type, base + c) : 0.f;
+    warp_rotate<D / 4, 4>(x, t, p.rot.seed, p.layer, h, false);
+#pragma unroll
+    for (int c = 0; c < D / 8; ++c) qb[c] = h2_bits(__floats2half2_rn(x[2 * c], x[2 * c + 1]));
+    return;
+  }
 #pragma unroll
   for (int c = 0; c < D / 8; ++c)
     qb[c] = h2_bits(__floats2half2_rn(live ? load_any(p.q, p.q_type, base + 2 * c) : 0.f,
@@ -86,6 +98,27 @@ __device__ __forceinline__ void fold_kivi(const uint8_t* scales, const uint8_t* 
     }
   }
   cz_col[0] = cz[0], cz_col[1] = cz[1];
+}
+
+// The queries of a tile-kernel call with rotated heads as fp32 into the workspace, which the
+// tile kernel then reads: one warp per (row, query head); the heads of a rotated kv head get R q
+// (docs/architecture.md, "Rotation"), the others are copied. One small launch for the batch,
+// before the attention kernel (the decode kernels rotate in `load_query` instead).
+constexpr int rotate_query_threads = 128;
+template <int D>
+__global__ void __launch_bounds__(rotate_query_threads)
+    rotate_query_kernel(const void* q, dtype q_type, int64_t q_stride, int rows, int q_heads, int group, int layer,
+                        head_rotation rot, float* out /* [rows][q_heads][D] */) {
+  constexpr int per_lane = D / 32;
+  const int lane = threadIdx.x % 32, w = blockIdx.x * (rotate_query_threads / 32) + threadIdx.x / 32;
+  if (w >= rows * q_heads) return;  // (warp-uniform)
+  const int row = w / q_heads, qh = w % q_heads, kvh = qh / group;
+  float x[per_lane];
+#pragma unroll
+  for (int i = 0; i < per_lane; ++i) x[i] = load_any(q, q_type, int64_t(row) * q_stride + int64_t(qh) * D + lane * per_lane + i);
+  if (head_rotated(rot, kvh)) warp_rotate<per_lane>(x, lane, rot.seed, layer, kvh, false);
+#pragma unroll
+  for (int i = 0; i < per_lane; ++i) out[(int64_t(row) * q_heads + qh) * D + lane * per_lane + i] = x[i];
 }
 
 }  // namespace cuda::detail

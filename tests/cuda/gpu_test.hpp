@@ -1,6 +1,8 @@
 #pragma once
 // Helpers shared by the GPU test files (and the host-only plan test): a device buffer, a
-// synchronous upload, random fp16 data, NMSE, the page bytes of every format.
+// synchronous upload, random fp16 data, NMSE, the page bytes of every format, the check that a
+// CPU and a CUDA cache store the same.
+#include <kvq/cache/cache.hpp>
 #include <kvq/format/format.hpp>
 #include <kvq/format/numeric.hpp>
 
@@ -59,6 +61,25 @@ inline double nmse(const std::vector<float>& got, const std::vector<float>& want
     n += double(want[i]) * want[i];
   }
   return e / n;
+}
+
+// A CPU-backend and a CUDA-backend cache hold the same (sequence, layer): `read` equal bit for
+// bit for both roles, and the same page bytes.
+inline void require_same_store(const KVCache& cpu, const KVCache& gpu, seq_id s, int layer) {
+  const auto& sh = cpu.config().shape;
+  const size_t n = size_t(cpu.length(s, layer)) * sh.kv_heads * sh.head_dim;
+  for (role r : {role::k, role::v}) {
+    std::vector<float> a(n), b(n);
+    check(cpu.read(s, layer, r, a));
+    check(gpu.read(s, layer, r, b));
+    for (size_t i = 0; i < n; ++i) {
+      if (a[i] != b[i]) {
+        CAPTURE(int(r), i, a[i], b[i]);
+        REQUIRE(a[i] == b[i]);
+      }
+    }
+  }
+  REQUIRE(cpu.stats().page_bytes == gpu.stats().page_bytes);
 }
 
 }  // namespace kvq::gpu_test

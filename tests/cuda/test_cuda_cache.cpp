@@ -62,22 +62,7 @@ void append_both(pair_of_caches& c, seq_id s, int layer, const std::vector<uint1
   REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
 }
 
-void require_same_store(pair_of_caches& c, seq_id s, int layer) {
-  const auto& sh = c.cpu.config().shape;
-  const size_t n = size_t(c.cpu.length(s, layer)) * sh.kv_heads * sh.head_dim;
-  for (role r : {role::k, role::v}) {
-    std::vector<float> a(n), b(n);
-    check(c.cpu.read(s, layer, r, a));
-    check(c.gpu.read(s, layer, r, b));
-    for (size_t i = 0; i < n; ++i) {
-      if (a[i] != b[i]) {
-        CAPTURE(int(r), i, a[i], b[i]);
-        REQUIRE(a[i] == b[i]);
-      }
-    }
-  }
-  REQUIRE(c.cpu.stats().page_bytes == c.gpu.stats().page_bytes);
-}
+void require_same_store(pair_of_caches& c, seq_id s, int layer) { gpu_test::require_same_store(c.cpu, c.gpu, s, layer); }
 
 // Sequences 0, 1, ... of the given lengths on both caches (layer 0, 2 kv heads of head_dim d, the
 // same random tokens): one decode query each.

@@ -28,6 +28,7 @@
 #include <kvq/config.hpp>
 #include <kvq/format/format.hpp>
 #include <kvq/policy/policy.hpp>
+#include <kvq/rotation/rotation.hpp>
 #include <kvq/status.hpp>
 #include <kvq/tensor.hpp>
 
@@ -61,6 +62,12 @@ struct cache_config {
   /// pool the cache keeps for its lifetime. 1 (the default) runs everything on the caller; an
   /// application that runs several caches concurrently (kvq-eval) keeps 1.
   int cpu_threads = 1;
+  /// The rotated (layer, kv head)s (docs/architecture.md, "Rotation"): their pages of every
+  /// format and their FP16 window hold K and V rotated by a randomized Hadamard transform, q is
+  /// rotated at attend and the output rotated back, so attention and `read` see the same values
+  /// as unrotated up to rounding. Empty (the default): nothing rotated. Needs head_dim a power of
+  /// two when any head is rotated.
+  rotation_config rotation;
 };
 
 /// Memory a cache holds outside `budget_bytes`: the CUDA backend's page tables, workspaces and

@@ -5,12 +5,12 @@
 /// section 6). Loading validates everything and fails with a message naming the file and the
 /// field; nothing half-read is returned.
 ///
-/// File format, version 1 (every field required unless marked optional):
+/// File format, version 2 (every field required unless marked optional):
 ///
 /// ```json
 /// {
 ///   "kind": "kvq.calibration",
-///   "version": 1,
+///   "version": 2,
 ///   "model": { "name": "SmolLM2-135M",            // optional, informational
 ///              "layers": 30, "q_heads": 9, "kv_heads": 3, "head_dim": 64 },
 ///   "calibration": { "text_hash": "fnv1a64:8c3d9a0e5b7f1a22",  // of the calibration text
@@ -26,9 +26,17 @@
 ///     "formats": ["kivi2/g32", "kivi4/g32"],        // a subset of "formats", no repeats
 ///     "tokens": 128,                                // teacher-forced tokens of each run
 ///     "kl": [[[...per output_kl format...] ...per kv head...] ...per layer...]   // nats
+///   },
+///   "rotated": {                                    // optional (calibrator_options::rotated)
+///     "seed": "0x6b76712d726f7461",                 // rotation_config::seed, 16 hex digits
+///     "k_attention_kl":        [[[...per format...] ...per kv head...] ...per layer...],
+///     "v_output_perturbation": [[[...per format...] ...per kv head...] ...per layer...]
 ///   }
 /// }
 /// ```
+///
+/// `rotated` holds the damage of each of "formats" on rotated (layer, kv head)s
+/// (docs/architecture.md, "Rotation"; calib/calibrate.hpp): what a spec `<format>+rot` costs.
 ///
 /// `output_kl.kl[l][h][f]` is the mean KL(P_fp16 ‖ P) of the model's next-token distribution
 /// over the teacher-forced positions, P from a run whose cache is FP16 except (layer l, kv head h),
@@ -36,11 +44,14 @@
 /// with `artifact::output_kl` empty; a file that has it must have it complete and valid.
 ///
 /// Numbers must be finite (JSON has no NaN; a NaN written by another tool appears as `null` or a
-/// string and is rejected), sensitivities >= 0, clip ratios in (0, 1]. A file of another
-/// `version` is rejected: this build reads exactly `artifact::current_version`.
+/// string and is rejected), sensitivities >= 0, clip ratios in (0, 1]. This build reads versions
+/// 1 and 2 (`artifact::current_version`); version 1 is version 2 without `rotated` (a version 1
+/// file that has it is rejected), any other version is rejected naming it. It writes the
+/// artifact's `version`: 2 for what the calibrator makes.
 
 #include <kvq/config.hpp>
 #include <kvq/policy/sensitivity.hpp>
+#include <kvq/rotation/hadamard.hpp>
 #include <kvq/status.hpp>
 
 #include <cstdint>
@@ -89,7 +100,9 @@ struct output_kl_table {
 /// Contents of a calibration artifact.
 struct KVQ_EXPORT artifact {
   /// The version this build writes and reads.
-  static constexpr int current_version = 1;
+  static constexpr int current_version = 2;
+  /// The oldest version this build reads (the same fields without `rotated`).
+  static constexpr int oldest_version = 1;
 
   int version = current_version;   ///< format version of the file
   std::string model_name;          ///< informational, may be empty
@@ -104,6 +117,14 @@ struct KVQ_EXPORT artifact {
   std::vector<float> clip_ratios;
   /// Optional output KL with one unit quantized at a time; `empty()` when the file has none.
   output_kl_table output_kl;
+  /// Optional (version 2): the damage of each of `sensitivity.formats` on rotated heads, same
+  /// layout; `formats` empty when the file has none.
+  sensitivity_profile rotated_sensitivity;
+  /// The rotation seed `rotated_sensitivity` was measured with (`rotation_config::seed`).
+  uint64_t rotation_seed = rotation::default_seed;
+
+  /// True when the artifact holds rotated damages.
+  bool has_rotated() const { return !rotated_sensitivity.formats.empty(); }
 
   /// Checks internal consistency (dimensions, numbers, ranges); the message names the field.
   status validate() const;

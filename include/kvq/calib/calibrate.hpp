@@ -25,6 +25,14 @@
 ///
 /// Both accumulate over all `observe` calls of a layer. `result` reports the means.
 ///
+/// **Rotated candidates.** With `calibrator_options::rotated`, every candidate of `formats` is
+/// also measured rotated (docs/architecture.md, "Rotation"): q, K and V of the head rotated by
+/// the cache's randomized Hadamard transform of `rotation_seed`, K̂ and V̂ the codec round trip of
+/// the rotated fp16 rows, the damage measured in the rotated space against the rotated fp16 rows
+/// (where a rotated cache's window lives; the reference attention P is the unrotated one, equal
+/// in exact arithmetic). A rolealign candidate is measured rotated at ratio 1 (clip ratios are
+/// chosen on the unrotated data). `result` puts them in `artifact::rotated_sensitivity`.
+///
 /// **Clip ratios.** For each (layer, kv head, role) the ratio is the one of `clip_grid` that
 /// minimizes the mean over `clip_formats` of damage(f, ratio) / damage(f, 1), K damage for K and
 /// V damage for V (a format whose damage at ratio 1 is 0 is left out; if all are, the ratio is
@@ -45,6 +53,7 @@
 #include <kvq/format/format.hpp>
 #include <kvq/policy/policy.hpp>
 #include <kvq/policy/sensitivity.hpp>
+#include <kvq/rotation/hadamard.hpp>
 #include <kvq/status.hpp>
 #include <kvq/tensor.hpp>
 #include <string>
@@ -69,6 +78,10 @@ struct calibrator_options {
                                          format_id(find_format(family::rolealign, 2, 32))};
   float softmax_scale = 0.f;  ///< s·q·k; 0: 1/sqrt(head_dim), as the cache's default
   std::string model_name;     ///< recorded in the artifact (informational)
+  /// Also measure every candidate rotated (see the file comment; head_dim a power of two).
+  bool rotated = false;
+  /// Seed of the rotation's signs: the `rotation_config::seed` of the caches it is for.
+  uint64_t rotation_seed = rotation::default_seed;
 };
 
 /// Accumulates sensitivities over calibration chunks; see the file comment.
@@ -94,6 +107,10 @@ class KVQ_EXPORT calibrator {
   /// tokens, profile and clip ratios. Errors: a layer that was never observed.
   kvq::result<sensitivity_profile> result(artifact* out = nullptr, std::string_view calibration_text = {}) const;
 
+  /// The profile of the rotated candidates (`calibrator_options::rotated`), with the formats of
+  /// `result`'s. Errors: rotation not measured, a layer never observed.
+  kvq::result<sensitivity_profile> rotated_result() const;
+
   /// Chosen clip ratios, [layers][kv_heads][2] (K then V): the layout of
   /// `KVCache::set_clip_ratios`. 1 where a layer has not been observed.
   std::vector<float> clip_ratios() const;
@@ -102,7 +119,7 @@ class KVQ_EXPORT calibrator {
   /// but rolealign): K attention KL or V perturbation. Errors name a combination that was not
   /// measured (a format outside the candidates and clip formats, a ratio outside the grid) or a
   /// layer never observed.
-  kvq::result<double> damage(int layer, int kv_head, role r, format_id f, float clip = 1.f) const;
+  kvq::result<double> damage(int layer, int kv_head, role r, format_id f, float clip = 1.f, bool rotated = false) const;
 
   /// Tokens observed in `layer` (sum of the chunks' T).
   int64_t tokens(int layer) const { return layer >= 0 && layer < shape_.layers ? tokens_[size_t(layer)] : 0; }
@@ -112,14 +129,17 @@ class KVQ_EXPORT calibrator {
   const calibrator_options& options() const { return opt_; }
 
  private:
-  // One codec configuration measured: a format at a clip ratio. rolealign at ratio 1 is stored as
-  // the kivi format of the same bits and group (the codec writes the same bytes).
+  // One codec configuration measured: a format at a clip ratio, rotated or not. rolealign at
+  // ratio 1 is stored as the kivi format of the same bits and group (the codec writes the same
+  // bytes).
   struct variant {
     format_id f;
     float clip;
+    bool rotated;
   };
   calibrator() = default;
-  int variant_of(format_id f, float clip) const;
+  int variant_of(format_id f, float clip, bool rotated = false) const;
+  kvq::result<sensitivity_profile> profile(bool rotated, const std::vector<float>& clips) const;
   float choose_clip(int layer, int kv_head, role r) const;
   double mean_damage(int layer, int kv_head, role r, int variant) const;
 

@@ -73,6 +73,15 @@ struct decode_item {
   int32_t stage_row = -1;  ///< >= 0: copy the item's query rows to this row of `attend_args::q_stage`
 };
 
+/// The rotated kv heads of one layer (docs/architecture.md, "Rotation"; rotation/hadamard.hpp):
+/// bit h of `mask` set means kv head h's pages and ring hold K and V rotated by the randomized
+/// Hadamard transform of (`seed`, layer, h). Needs head_dim a power of two (32 to 256) when
+/// `mask` is not 0.
+struct head_rotation {
+  uint64_t seed = 0;
+  uint32_t mask = 0;  ///< bit h: kv head h rotated (kv_heads <= 32)
+};
+
 /// Arguments of one attention call over one layer.
 struct attend_args {
   paged_view kv;
@@ -102,6 +111,11 @@ struct attend_args {
   /// ([rows][q_heads * head_dim] float, packed) from that row on. No extra launch: the split
   /// merge does it.
   float* q_stage = nullptr;
+  /// The layer's rotated heads. q and o stay unrotated for the caller: the decode kernels rotate
+  /// the queries of rotated heads in their prologue (a tile-kernel call rotates them into the
+  /// workspace first, one small launch for the batch), the split merge rotates their output
+  /// back, and the staged canary rows are the rotated queries.
+  head_rotation rotation;
 };
 
 /// Checks that the arguments are supported; the message names what is not.
@@ -168,6 +182,9 @@ struct append_args {
   const uint32_t* page_blocks = nullptr;  ///< host [sum of pages] block offsets, 256-byte units, items in order
   const uint8_t* page_fmts = nullptr;     ///< host [sum of pages][kv_heads][2]
   const float* clip = nullptr;            ///< host [kv_heads][2] rolealign clip ratios of the layer
+  /// The layer's rotated heads: their K and V rows are rotated inside the append kernels before
+  /// they are rounded to fp16, in the ring and in the pages alike (the bytes equal the CPU's).
+  head_rotation rotation;
 };
 
 /// Writes each sequence's m tokens into its ring and encodes the new pages (at most

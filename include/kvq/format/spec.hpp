@@ -47,6 +47,14 @@ std::string family_values(family fam, bool bits, std::string_view sep, std::stri
   for (int i = 0; i < n; ++i) out += std::string(i == 0 ? "" : i + 1 == n ? last_sep : sep) + std::to_string(seen[i]);
   return out;
 }
+/// The suffix of a rotated format spec (`kivi2/g32+rot`; rotation/rotation.hpp).
+inline constexpr std::string_view rotation_suffix = "+rot";
+/// Removes a trailing `rotation_suffix` from `s`; true when there was one.
+inline bool eat_rotation_suffix(std::string_view& s) {
+  if (s.size() < rotation_suffix.size() || s.substr(s.size() - rotation_suffix.size()) != rotation_suffix) return false;
+  s.remove_suffix(rotation_suffix.size());
+  return true;
+}
 inline bool eat_prefix(std::string_view& s, std::string_view prefix) {
   if (s.substr(0, prefix.size()) != prefix) return false;
   s.remove_prefix(prefix.size());

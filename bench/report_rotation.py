@@ -1,0 +1,55 @@
+#!/usr/bin/env python3
+"""Rotated against unrotated decode and append, from one run of kvq_bench_decode_cuda.
+
+Usage: report_rotation.py decode.json [--goal 1.05]
+
+For every shape (format, B, L) the benchmark ran both as `<format>` and `<format>+rot`
+(bench/decode_cuda.cpp), prints the median times and their ratio rotated / unrotated, and marks
+the ratios above the goal (the 5 % of docs/decisions.md, "Rotation"). The append-step rows compare
+`append_step/<format>+rot` with `append_step/<format>` the same way (append_us and append_frac).
+Exits 1 when a decode ratio is above the goal, so a script can gate on it.
+"""
+import json
+import re
+import sys
+
+
+def main():
+    bench = json.load(open(sys.argv[1]))
+    goal = float(sys.argv[sys.argv.index("--goal") + 1]) if "--goal" in sys.argv else 1.05
+    decode, append = {}, {}
+    for b in bench["benchmarks"]:
+        m = re.match(r"(decode|append_step)/(.+?)(\+rot)?/B(\d+)/L(\d+)/", b["name"])
+        if not m:
+            continue
+        kind, fmt, rot, B, L = m.group(1), m.group(2), m.group(3) is not None, int(m.group(4)), int(m.group(5))
+        (decode if kind == "decode" else append).setdefault((fmt, B, L), {})[rot] = b
+    over = 0
+    print("| format | B | context | unrotated µs | rotated µs | rotated / unrotated | |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for (fmt, B, L), pair in decode.items():
+        if False not in pair or True not in pair:
+            continue
+        a, r = pair[False]["median_us"], pair[True]["median_us"]
+        ratio = r / a
+        over += ratio > goal
+        mark = f"above {goal:g}" if ratio > goal else ""
+        name = fmt.replace("|", " \\| ")  # (a striped pair: a|b)
+        print(f"| {name} | {B} | {L} | {a:.1f} | {r:.1f} | {ratio:.3f} | {mark} |")
+    if append:
+        print()
+        print("| format | B | context | append µs | rotated append µs | ratio | append / attention | rotated |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+        for (fmt, B, L), pair in append.items():
+            if False not in pair or True not in pair:
+                continue
+            a, r = pair[False], pair[True]
+            print(f"| {fmt} | {B} | {L} | {a['append_us']:.1f} | {r['append_us']:.1f} | "
+                  f"{r['append_us'] / a['append_us']:.3f} | {a['append_frac']:.3f} | {r['append_frac']:.3f} |")
+    print()
+    print(f"{over} decode shape(s) above {goal:g}")
+    return 1 if over else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
