@@ -2,6 +2,7 @@
 // the input) encoded with the shared codec, so the bytes equal the CPU's, and the new tokens that
 // stay in the window written to the FP16 ring.
 #include <kvq/codec/codec.hpp>
+#include <kvq/format/kinds.hpp>
 #include <kvq/cuda/paged_attention.hpp>
 #include <kvq/store/window_layout.hpp>
 
@@ -165,10 +166,14 @@ status append_run(const append_args& a, void* stream) {
     row += it.m;
     page += it.pages;
   }
-  for (int i = 0; i < pages * kv.kv_heads * 2; ++i)
+  for (int i = 0; i < pages * kv.kv_heads * 2; ++i) {
     if (a.page_fmts[i] >= format_count || (i % 2 == 0 ? kv.k_page_bytes : kv.v_page_bytes)[a.page_fmts[i]] == 0)
       return {errc::invalid_argument, msg("append: new page ", i / (kv.kv_heads * 2), " has format id ",
                                           int(a.page_fmts[i]), ", which the paged view cannot store")};
+    if (!kernels_read(a.page_fmts[i]))
+      return {errc::unsupported, msg("append: format ", format_name(a.page_fmts[i]),
+                                     " is not read by the CUDA attention kernels (the CPU backend reads it)")};
+  }
   for (int i = 0; i < pages; ++i) {
     p.page_blocks[i] = a.page_blocks[i];
     for (int j = 0; j < kv.kv_heads * 2; ++j) p.page_fmts[i][j] = a.page_fmts[i * kv.kv_heads * 2 + j];

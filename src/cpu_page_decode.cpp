@@ -33,14 +33,39 @@ KVQ_CPU_INLINE void unpack(const uint8_t* row, int d, float* u) {
   }
 }
 
+// The 3-bit codes of channels c0..c0+7 of token t (c0 a multiple of 8): the 2-bit plane's codes
+// plus bit 2 from the 1-bit plane (codec::page_code).
+KVQ_CPU_INLINE i8 codes8_3(const codec::page_geom& g, const uint8_t* page, int t, int c0) {
+  const int d = g.head_dim;
+  const int32_t hi = page[g.page_tokens * (d / 4) + t * (d / 8) + c0 / 8];
+  return codes8<2>(page + t * (d / 4), c0) | ((((i8{} + hi) >> i8{0, 1, 2, 3, 4, 5, 6, 7}) & 1) << 2);
+}
+
+// The codes of channels c0..c0+7 of token t, any width below 8.
+template <int Bits>
+KVQ_CPU_INLINE i8 page_codes8(const codec::page_geom& g, const uint8_t* page, int t, int c0) {
+  if constexpr (Bits == 3) return codes8_3(g, page, t, c0);
+  else return codes8<Bits>(page + t * g.row_bytes(), c0);
+}
+
+// The codes of token t minus `Offset`, as floats: u [d] (3 bits: from the two planes).
+template <int Bits, int Offset>
+KVQ_CPU_INLINE void unpack_row(const codec::page_geom& g, const uint8_t* page, int t, float* u) {
+  if constexpr (Bits == 3) {
+    for (int c = 0; c < g.head_dim; c += 8) store8(u + c, __builtin_convertvector(page_codes8<3>(g, page, t, c) - Offset, f8));
+  } else {
+    unpack<Bits, Offset>(page + t * g.row_bytes(), g.head_dim, u);
+  }
+}
+
 // sym: x = (u - 2^(b-1)) * s, one fp16 scale per token per channel group.
 template <int Bits>
 KVQ_CPU_INLINE void decode_sym(const codec::page_geom& g, const uint8_t* page, int rows, float* out) {
-  const int d = g.head_dim, gs = g.group(), ng = d / gs, rb = g.row_bytes();
+  const int d = g.head_dim, gs = g.group(), ng = d / gs;
   const uint16_t* sc = g.scales(page);
   for (int t = 0; t < rows; ++t) {
     float* o = out + int64_t(t) * d;
-    unpack<Bits, (1 << (Bits - 1))>(page + t * rb, d, o);
+    unpack_row<Bits, (1 << (Bits - 1))>(g, page, t, o);
     for (int j = 0; j < ng; ++j) {
       const float s = half_to_float_finite(sc[t * ng + j]);
       for (int c = j * gs; c < (j + 1) * gs; c += 8) store8(o + c, load8(o + c) * s);
@@ -52,7 +77,7 @@ KVQ_CPU_INLINE void decode_sym(const codec::page_geom& g, const uint8_t* page, i
 // G tokens), V groups along channels.
 template <int Bits>
 KVQ_CPU_INLINE void decode_kivi(const codec::page_geom& g, const uint8_t* page, int rows, float* out) {
-  const int d = g.head_dim, gs = g.fmt.group, rb = g.row_bytes();
+  const int d = g.head_dim, gs = g.fmt.group;
   const uint16_t* sc = g.scales(page);
   const uint16_t* zr = g.zeros(page);
   if (g.k_columns()) {
@@ -64,7 +89,7 @@ KVQ_CPU_INLINE void decode_kivi(const codec::page_geom& g, const uint8_t* page, 
           z[c] = half_to_float_finite(zr[(t / gs) * d + c]);
         }
       float* o = out + int64_t(t) * d;
-      unpack<Bits, 0>(page + t * rb, d, o);
+      unpack_row<Bits, 0>(g, page, t, o);
       for (int c = 0; c < d; c += 8) store8(o + c, load8(o + c) * load8(s + c) + load8(z + c));
     }
     return;
@@ -72,10 +97,48 @@ KVQ_CPU_INLINE void decode_kivi(const codec::page_geom& g, const uint8_t* page, 
   const int ng = d / gs;
   for (int t = 0; t < rows; ++t) {
     float* o = out + int64_t(t) * d;
-    unpack<Bits, 0>(page + t * rb, d, o);
+    unpack_row<Bits, 0>(g, page, t, o);
     for (int j = 0; j < ng; ++j) {
       const float s = half_to_float_finite(sc[t * ng + j]), z = half_to_float_finite(zr[t * ng + j]);
       for (int c = j * gs; c < (j + 1) * gs; c += 8) store8(o + c, load8(o + c) * s + z);
+    }
+  }
+}
+
+// codebook: x = level[u] * s, the levels from the page, one fp16 scale per token per channel
+// group.
+template <int Bits>
+KVQ_CPU_INLINE void decode_codebook(const codec::page_geom& g, const uint8_t* page, int rows, float* out) {
+  const int d = g.head_dim, gs = g.group(), ng = d / gs;
+  const uint16_t* sc = g.scales(page);
+  const float* lv = codebook_codec::levels(g, page);
+  for (int t = 0; t < rows; ++t) {
+    float* o = out + int64_t(t) * d;
+    for (int c = 0; c < d; c += 8) {
+      const i8 q = page_codes8<Bits>(g, page, t, c);
+      const float s = half_to_float_finite(sc[t * ng + c / gs]);
+      for (int j = 0; j < 8; ++j) o[c + j] = lv[q[j]] * s;
+    }
+  }
+}
+
+// nvfp4: x = (e2m1(u) * block scale) * tensor scale.
+KVQ_CPU_INLINE void decode_nvfp4(const codec::page_geom& g, const uint8_t* page, int rows, float* out) {
+  const int d = g.head_dim;
+  float e2m1[16];
+  for (uint32_t k = 0; k < 16; ++k) e2m1[k] = e2m1_to_float(k);
+  const float ts = nvfp4_codec::tensor_scale(g, page);
+  for (int t = 0; t < rows; ++t) {
+    float* o = out + int64_t(t) * d;
+    const uint8_t* row = page + t * (d / 2);
+    const uint8_t* bs = page + g.lay.code_bytes + t * (d / 16);
+    for (int c = 0; c < d; c += 16) {
+      const float b = e4m3_to_float(bs[c / 16]);
+      for (int j = 0; j < 16; j += 2) {
+        const uint8_t two = row[(c + j) / 2];
+        o[c + j] = (e2m1[two & 15] * b) * ts;
+        o[c + j + 1] = (e2m1[two >> 4] * b) * ts;
+      }
     }
   }
 }
@@ -117,13 +180,23 @@ KVQ_CPU_CLONES void decode_page_rows(const codec::page_geom& g, const uint8_t* p
     case family::sym:
       if (g.fmt.bits == 8) decode_sym<8>(g, page, rows, out);
       else if (g.fmt.bits == 4) decode_sym<4>(g, page, rows, out);
+      else if (g.fmt.bits == 3) decode_sym<3>(g, page, rows, out);
       else decode_sym<2>(g, page, rows, out);
       return;
     case family::kivi:
     case family::rolealign:
       if (g.fmt.bits == 8) decode_kivi<8>(g, page, rows, out);
       else if (g.fmt.bits == 4) decode_kivi<4>(g, page, rows, out);
+      else if (g.fmt.bits == 3) decode_kivi<3>(g, page, rows, out);
       else decode_kivi<2>(g, page, rows, out);
+      return;
+    case family::codebook:
+      if (g.fmt.bits == 4) decode_codebook<4>(g, page, rows, out);
+      else if (g.fmt.bits == 3) decode_codebook<3>(g, page, rows, out);
+      else decode_codebook<2>(g, page, rows, out);
+      return;
+    case family::nvfp4:
+      decode_nvfp4(g, page, rows, out);
       return;
   }
   // A family without a row decoder above: the codec, element by element.
