@@ -105,19 +105,43 @@ KVQ_CPU_INLINE void decode_kivi(const codec::page_geom& g, const uint8_t* page, 
   }
 }
 
+// The entries of a table of up to 16 floats at 8 codes (0 <= q < 16): exact table values.
+// NOTE: GCC turns the variable shuffles into vpermps in the AVX2 clone (two table halves and a
+// select): cb2 attention 2.3x faster than a scalar lookup (docs/decisions.md). Clang has no
+// variable vector shuffle: a select chain there, exact as well.
+struct lut16 {
+  f8 lo, hi;  // entries 0-7, 8-15
+  KVQ_CPU_INLINE explicit lut16(const float* v, int n) {
+    for (int k = 0; k < 8; ++k) lo[k] = v[k < n ? k : 0], hi[k] = v[k + 8 < n ? k + 8 : 0];
+  }
+  KVQ_CPU_INLINE f8 operator()(i8 q) const {
+#if defined(__clang__)
+    i8 y = std::bit_cast<i8>(splat8(lo[0]));
+    for (int k = 1; k < 16; ++k) {
+      const i8 m = q == k;
+      y = (y & ~m) | (std::bit_cast<i8>(splat8(k < 8 ? lo[k] : hi[k - 8])) & m);
+    }
+    return std::bit_cast<f8>(y);
+#else
+    const i8 low = q & 7, m = (q & 8) != 0;
+    const i8 a = std::bit_cast<i8>(__builtin_shuffle(lo, low)), b = std::bit_cast<i8>(__builtin_shuffle(hi, low));
+    return std::bit_cast<f8>((a & ~m) | (b & m));
+#endif
+  }
+};
+
 // codebook: x = level[u] * s, the levels from the page, one fp16 scale per token per channel
 // group.
 template <int Bits>
 KVQ_CPU_INLINE void decode_codebook(const codec::page_geom& g, const uint8_t* page, int rows, float* out) {
   const int d = g.head_dim, gs = g.group(), ng = d / gs;
   const uint16_t* sc = g.scales(page);
-  const float* lv = codebook_codec::levels(g, page);
+  const lut16 level(codebook_codec::levels(g, page), 1 << Bits);
   for (int t = 0; t < rows; ++t) {
     float* o = out + int64_t(t) * d;
     for (int c = 0; c < d; c += 8) {
-      const i8 q = page_codes8<Bits>(g, page, t, c);
       const float s = half_to_float_finite(sc[t * ng + c / gs]);
-      for (int j = 0; j < 8; ++j) o[c + j] = lv[q[j]] * s;
+      store8(o + c, level(page_codes8<Bits>(g, page, t, c)) * s);
     }
   }
 }
@@ -125,20 +149,17 @@ KVQ_CPU_INLINE void decode_codebook(const codec::page_geom& g, const uint8_t* pa
 // nvfp4: x = (e2m1(u) * block scale) * tensor scale.
 KVQ_CPU_INLINE void decode_nvfp4(const codec::page_geom& g, const uint8_t* page, int rows, float* out) {
   const int d = g.head_dim;
-  float e2m1[16];
-  for (uint32_t k = 0; k < 16; ++k) e2m1[k] = e2m1_to_float(k);
+  float values[16];
+  for (uint32_t k = 0; k < 16; ++k) values[k] = e2m1_to_float(k);
+  const lut16 e2m1(values, 16);
   const float ts = nvfp4_codec::tensor_scale(g, page);
   for (int t = 0; t < rows; ++t) {
     float* o = out + int64_t(t) * d;
     const uint8_t* row = page + t * (d / 2);
     const uint8_t* bs = page + g.lay.code_bytes + t * (d / 16);
-    for (int c = 0; c < d; c += 16) {
+    for (int c = 0; c < d; c += 8) {
       const float b = e4m3_to_float(bs[c / 16]);
-      for (int j = 0; j < 16; j += 2) {
-        const uint8_t two = row[(c + j) / 2];
-        o[c + j] = (e2m1[two & 15] * b) * ts;
-        o[c + j + 1] = (e2m1[two >> 4] * b) * ts;
-      }
+      store8(o + c, (e2m1(codes8<4>(row, c)) * b) * ts);
     }
   }
 }
