@@ -87,8 +87,9 @@ class cuda_backend final : public cache_backend {
   static status check_readable(const append_plan& plan) {
     for (const page_entry& pe : plan.entries)
       if (!kernels_read(pe.fmt))
-        return {errc::unsupported, fmt::format("format {} is not read by the CUDA attention kernels (the CPU backend reads it)",
-                                               format_name(pe.fmt))};
+        return {errc::unsupported,
+                fmt::format("format {} is not read by the CUDA attention kernels (the CPU backend reads it)",
+                            format_name(pe.fmt))};
     return {};
   }
 

@@ -46,10 +46,11 @@ status check_shape(format_id id, role r, int page_tokens, int head_dim) {
     const uint32_t plane = t.bits == 3 ? uint32_t(page_tokens) * uint32_t(head_dim) / 4 : 0;
     for (uint32_t bytes : {plane, l.code_bytes, l.scale_bytes, l.zero_bytes})
       if (bytes % 16 != 0)
-        return {errc::invalid_argument,
-                fmt::format("format {} for {} needs page sections of whole 16-byte lines, but page_tokens {} x head_dim {} "
-                            "gives a section of {} bytes",
-                            name, role_name(r), page_tokens, head_dim, bytes)};
+        return {
+            errc::invalid_argument,
+            fmt::format("format {} for {} needs page sections of whole 16-byte lines, but page_tokens {} x head_dim {} "
+                        "gives a section of {} bytes",
+                        name, role_name(r), page_tokens, head_dim, bytes)};
   }
   return {};
 }

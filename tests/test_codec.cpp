@@ -300,7 +300,8 @@ TEST_CASE("supplied codebook levels: checked, written to the page, used to decod
   std::vector<uint16_t> src(x.size());
   for (size_t i = 0; i < x.size(); ++i) src[i] = float_to_half(x[i]);
   std::vector<uint8_t> page(g.lay.total(), 0);
-  for (int u = g.unit_count() - 1; u >= 0; --u) codebook_codec::encode_unit_with(g, src.data(), d, u, page.data(), good);
+  for (int u = g.unit_count() - 1; u >= 0; --u)
+    codebook_codec::encode_unit_with(g, src.data(), d, u, page.data(), good);
   for (int t = 0; t < P; ++t)
     for (int c = 0; c < d; ++c) {
       const double s = half_to_float(g.scales(page.data())[t * 2 + c / 32]);
@@ -348,7 +349,8 @@ TEST_CASE("nvfp4 pages hold NVFP4's bytes: packed e2m1, e4m3 block scales, an fp
   // token t, channel c holds (c % 8) * 0.5 * 2^(t % 4), with channel 16 of every token 6 * 2^(t % 4)
   std::vector<uint16_t> src(size_t(P) * d);
   for (int t = 0; t < P; ++t)
-    for (int c = 0; c < d; ++c) src[size_t(t) * d + c] = float_to_half((c == 16 ? 12 : c % 8) * 0.5f * float(1 << (t % 4)));
+    for (int c = 0; c < d; ++c)
+      src[size_t(t) * d + c] = float_to_half((c == 16 ? 12 : c % 8) * 0.5f * float(1 << (t % 4)));
   std::vector<uint8_t> page(g.lay.total(), 0xEE);
   codec::encode_unit(g, src.data(), d, 0, page.data(), 1.f);
   const float ts = *reinterpret_cast<const float*>(page.data() + g.lay.zero_offset());
@@ -359,9 +361,9 @@ TEST_CASE("nvfp4 pages hold NVFP4's bytes: packed e2m1, e4m3 block scales, an fp
   CHECK(page[g.lay.code_bytes + 0] == float_to_e4m3(3.5f / (6 * ts)));
   // token 3, block 1: S = 448 ts, about 8, so the codes are the grid indices of x / 8
   const uint8_t* row3 = page.data() + 3 * (d / 2);
-  CHECK((row3[8] & 15) == 7);          // channel 16: 48 / 8 = 6
-  CHECK((row3[8] >> 4) == 1);          // channel 17: 0.5 * 8 = 4 -> 0.5
-  CHECK((row3[9] & 15) == 2);          // channel 18: 1 * 8 -> 1.0
+  CHECK((row3[8] & 15) == 7);  // channel 16: 48 / 8 = 6
+  CHECK((row3[8] >> 4) == 1);  // channel 17: 0.5 * 8 = 4 -> 0.5
+  CHECK((row3[9] & 15) == 2);  // channel 18: 1 * 8 -> 1.0
   CHECK(codec::decode_element(g, page.data(), 3, 16) == (6.f * 448.f) * ts);
   CHECK(codec::decode_element(g, page.data(), 3, 16) == Approx(48.f).epsilon(1e-6));
 }

@@ -82,7 +82,9 @@ TEST_CASE("format ids keep their order: fp16, bf16, fp8, sym, kivi, rolealign, s
   CHECK(std::string(family_name(family(77))) == "?");
 }
 
-TEST_CASE("kernel kinds: kivi/ra 8, 4, 2 are 0-2, sym 8, 4, 2 are 3-5, fp8 is 6, 16-bit and the unstaged formats are -1", "[format]") {
+TEST_CASE(
+    "kernel kinds: kivi/ra 8, 4, 2 are 0-2, sym 8, 4, 2 are 3-5, fp8 is 6, 16-bit and the unstaged formats are -1",
+    "[format]") {
   REQUIRE(kind_count == 7);
   for (format_id id = 0; id < format_count; ++id) {
     const format_traits f = traits_of(id);

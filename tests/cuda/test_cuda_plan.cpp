@@ -177,7 +177,8 @@ TEST_CASE("append_run refuses inconsistent items and unusable page formats befor
     const status u = cuda::append_run(args(one), nullptr);
     CAPTURE(unread);
     CHECK(u.code() == errc::unsupported);
-    CHECK_THAT(u.message(), Catch::Contains(format_name(fmts[3])) && Catch::Contains("not read by the CUDA attention kernels"));
+    CHECK_THAT(u.message(),
+               Catch::Contains(format_name(fmts[3])) && Catch::Contains("not read by the CUDA attention kernels"));
   }
   cuda::append_args wrong_layer = args(one);
   wrong_layer.layer = 1;

@@ -56,7 +56,8 @@ KVQ_HOST_DEVICE constexpr float lloyd_max_level(int bits, int k) {
 /// strictly ascending. `field` names their origin (an artifact field) in the message.
 inline status check_codebook_levels(std::span<const float> levels, int bits, std::string_view field) {
   const std::string where = "codebook levels '" + std::string(field) + "'";
-  if (bits < 2 || bits > 4) return {errc::invalid_argument, where + ": bits must be 2, 3 or 4, not " + std::to_string(bits)};
+  if (bits < 2 || bits > 4)
+    return {errc::invalid_argument, where + ": bits must be 2, 3 or 4, not " + std::to_string(bits)};
   if (levels.size() != size_t(1) << bits)
     return {errc::invalid_argument, where + ": a " + std::to_string(bits) + "-bit codebook has " +
                                         std::to_string(1 << bits) + " levels, not " + std::to_string(levels.size())};

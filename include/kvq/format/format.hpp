@@ -75,8 +75,8 @@ constexpr const char* family_name(family f) { return formats::family_name(f); }
 
 inline constexpr format_id fp16_format = format_id_v<fp16>;
 static_assert(fp16_format == 0 && format_id_v<kivi<8, 32>> == 15 && format_id_v<rolealign<2, 128>> == 32 &&
-                  format_id_v<sym<3, 32>> == 33 && format_id_v<kivi<3, 32>> == 37 && format_id_v<codebook<4, 32>> == 40 &&
-                  format_id_v<nvfp4> == 52,
+                  format_id_v<sym<3, 32>> == 33 && format_id_v<kivi<3, 32>> == 37 &&
+                  format_id_v<codebook<4, 32>> == 40 && format_id_v<nvfp4> == 52,
               "format ids are stored in pages and artifacts");
 
 /// Layout of a page of `page_tokens` tokens of `head_dim` channels in format `t` for role `r`.

@@ -178,8 +178,9 @@ static_assert(kind_count == 7 && kernel_kind::kivi8 == 0 && kernel_kind::kivi2 =
                   kernel_kind::sym2 == 5 && kernel_kind::fp8 == 6 && kind_v<rolealign<4, 64>> == kernel_kind::kivi4 &&
                   kind_v<fp16> == -1 && kind_v<sym<3, 32>> == -1 && kind_v<codebook<4, 0>> == -1 && kind_v<nvfp4> == -1,
               "the kernels' kind numbering");
-static_assert(kernels_read(fp16_format) && kernels_read(format_id_v<kivi<2, 32>>) && !kernels_read(format_id_v<kivi<3, 32>>) &&
-                  !kernels_read(format_id_v<codebook<2, 32>>) && !kernels_read(format_id_v<nvfp4>),
+static_assert(kernels_read(fp16_format) && kernels_read(format_id_v<kivi<2, 32>>) &&
+                  !kernels_read(format_id_v<kivi<3, 32>>) && !kernels_read(format_id_v<codebook<2, 32>>) &&
+                  !kernels_read(format_id_v<nvfp4>),
               "the formats the CUDA kernels read");
 
 KVQ_NAMESPACE_END

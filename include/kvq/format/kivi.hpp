@@ -83,7 +83,8 @@ struct kivi_codec {
       scales[t * ng + u % ng] = s16;
       zeros[t * ng + u % ng] = z16;
       const float s = half_to_float(s16), z = half_to_float(z16);
-      for (int c = 0; c < gs; ++c) codec::put_page_code(g, page, t, c0 + c, codec::kivi_code(half_to_float(x[c]), s, z, bits));
+      for (int c = 0; c < gs; ++c)
+        codec::put_page_code(g, page, t, c0 + c, codec::kivi_code(half_to_float(x[c]), s, z, bits));
     }
   }
   KVQ_HOST_DEVICE static float decode_element(const codec::page_geom& g, const uint8_t* page, int t, int c) {

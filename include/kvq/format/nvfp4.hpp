@@ -60,8 +60,8 @@ KVQ_HOST_DEVICE constexpr float e2m1_to_float(uint32_t code) {
 /// every value to 0 and make the encoder divide by zero). `field` names its origin.
 inline status check_nvfp4_tensor_scale(float s, std::string_view field) {
   if (!std::isfinite(s) || !(s > 0.f))
-    return {errc::invalid_argument, "fp4 tensor scale '" + std::string(field) + "' must be finite and positive, not " +
-                                        std::to_string(s)};
+    return {errc::invalid_argument,
+            "fp4 tensor scale '" + std::string(field) + "' must be finite and positive, not " + std::to_string(s)};
   return {};
 }
 
@@ -93,7 +93,8 @@ struct nvfp4_codec {
         bscales[t * (d / 16) + j] = bs;
         const float S = codec::mul_rn(e4m3_to_float(bs), ts);
         for (int c = 0; c < 16; ++c)
-          codec::put_code(page + t * rb, 4, 16 * j + c, S > 0.f ? float_to_e2m1(codec::div_rn(half_to_float(x[c]), S)) : 0u);
+          codec::put_code(page + t * rb, 4, 16 * j + c,
+                          S > 0.f ? float_to_e2m1(codec::div_rn(half_to_float(x[c]), S)) : 0u);
       }
   }
   /// Encodes the page (its one unit) with the tensor scale of its absmax.
@@ -101,7 +102,8 @@ struct nvfp4_codec {
                                           uint8_t* page, float) {
     float amax = 0.f;
     for (int t = 0; t < g.page_tokens; ++t)
-      for (int c = 0; c < g.head_dim; ++c) amax = codec::fmax_(amax, codec::fabs_(half_to_float(src[t * src_stride + c])));
+      for (int c = 0; c < g.head_dim; ++c)
+        amax = codec::fmax_(amax, codec::fabs_(half_to_float(src[t * src_stride + c])));
     encode_page_with(g, src, src_stride, page, amax > 0.f ? codec::div_rn(amax, e2m1_max * fp8_e4m3_max) : 1.0f);
   }
   KVQ_HOST_DEVICE static float decode_element(const codec::page_geom& g, const uint8_t* page, int t, int c) {
@@ -130,7 +132,9 @@ struct nvfp4 {
 
 // 64 tokens x 128 channels: 4096 code bytes, 512 block scales, 16 bytes of tensor scale: 4.52 bits
 static_assert(nvfp4::page(role::k, 64, 128).total() == 4096 + 512 + 16);
-static_assert(float_to_e2m1(2.5f) == 4 && float_to_e2m1(1.75f) == 4 && float_to_e2m1(-7.f) == 15 && float_to_e2m1(-0.1f) == 0);
-static_assert(e2m1_to_float(7) == 6.f && e2m1_to_float(3) == 1.5f && e2m1_to_float(9) == -0.5f && e2m1_to_float(4) == 2.f);
+static_assert(float_to_e2m1(2.5f) == 4 && float_to_e2m1(1.75f) == 4 && float_to_e2m1(-7.f) == 15 &&
+              float_to_e2m1(-0.1f) == 0);
+static_assert(e2m1_to_float(7) == 6.f && e2m1_to_float(3) == 1.5f && e2m1_to_float(9) == -0.5f &&
+              e2m1_to_float(4) == 2.f);
 
 KVQ_NAMESPACE_END

@@ -22,7 +22,7 @@ enum class family : uint8_t { fp16, bf16, fp8_e4m3, sym, kivi, rolealign, codebo
 struct format_traits {
   family fam;
   uint8_t bits;   ///< code bits per element
-  uint16_t group; ///< group size, see above; 0 = head_dim (sym, codebook), 1 for fp16/bf16/fp8
+  uint16_t group;  ///< group size, see above; 0 = head_dim (sym, codebook), 1 for fp16/bf16/fp8
   /// True when the family stores a zero point (asymmetric).
   constexpr bool has_zero() const { return fam == family::kivi || fam == family::rolealign; }
   /// True for the families whose K groups run along tokens.
