@@ -13,7 +13,9 @@
 
 namespace {
 
-const char* const formats[] = {"fp16", "bf16", "fp8", "int8", "sym4/g32", "sym2/g32", "kivi8/g32", "kivi4/g32", "kivi2/g32"};
+const char* const formats[] = {"fp16",      "bf16",      "fp8",       "int8",     "sym4/g32",  "sym2/g32",
+                               "kivi8/g32", "kivi4/g32", "kivi2/g32", "sym3/g32", "kivi3/g32", "cb4",
+                               "cb4/g32",   "cb3",       "cb2",       "nvfp4"};
 constexpr int P = 64, d = 128;
 
 std::vector<uint16_t> random_fp16(size_t n) {

@@ -3,6 +3,7 @@
 // stay in the window written to the FP16 ring. The new rows of a rotated head are rotated by a
 // warp each (rotation.cuh) before they are rounded to fp16, in both kernels.
 #include <kvq/codec/codec.hpp>
+#include <kvq/format/kinds.hpp>
 #include <kvq/cuda/paged_attention.hpp>
 #include <kvq/store/window_layout.hpp>
 
@@ -221,10 +222,14 @@ status append_run(const append_args& a, void* stream) {
     row += it.m;
     page += it.pages;
   }
-  for (int i = 0; i < pages * kv.kv_heads * 2; ++i)
+  for (int i = 0; i < pages * kv.kv_heads * 2; ++i) {
     if (a.page_fmts[i] >= format_count || (i % 2 == 0 ? kv.k_page_bytes : kv.v_page_bytes)[a.page_fmts[i]] == 0)
       return {errc::invalid_argument, msg("append: new page ", i / (kv.kv_heads * 2), " has format id ",
                                           int(a.page_fmts[i]), ", which the paged view cannot store")};
+    if (!kernels_read(a.page_fmts[i]))
+      return {errc::unsupported, msg("append: format ", format_name(a.page_fmts[i]),
+                                     " is not read by the CUDA attention kernels (the CPU backend reads it)")};
+  }
   for (int i = 0; i < pages; ++i) {
     uint64_t bytes = 0;
     for (int j = 0; j < kv.kv_heads * 2; ++j)

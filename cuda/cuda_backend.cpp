@@ -3,6 +3,7 @@
 #include <kvq/cuda/canary.hpp>
 #include <kvq/cuda/paged_attention.hpp>
 #include <kvq/detail/backend.hpp>
+#include <kvq/format/kinds.hpp>
 #include <kvq/rotation/rotation.hpp>
 #include <kvq/store/window_layout.hpp>
 
@@ -122,8 +123,19 @@ class cuda_backend final : public cache_backend {
     return {};
   }
 
+  // Pages of a format the attention kernels do not read are refused before any launch.
+  static status check_readable(const append_plan& plan) {
+    for (const page_entry& pe : plan.entries)
+      if (!kernels_read(pe.fmt))
+        return {errc::unsupported,
+                fmt::format("format {} is not read by the CUDA attention kernels (the CPU backend reads it)",
+                            format_name(pe.fmt))};
+    return {};
+  }
+
   status write(sequence_state& s, int layer, const tensor_view& k, const tensor_view& v, const append_plan& plan) override {
-    KVQ_ON_DEVICE();
+#include <kvq/format/kinds.hpp>
+#include <kvq/rotation/rotation.hpp>
     KVQ_TRY(check(k, v, fmt::format("append: K or V of sequence {} layer {}", s.id, layer)));
     KVQ_TRY(canary_.flush_of(layer));  // before the layer's rings change
     calls_used_ = 0;
@@ -135,7 +147,8 @@ class cuda_backend final : public cache_backend {
   }
 
   status write_batch(std::span<const batch_entry> entries, int layer, const tensor_view& k, const tensor_view& v) override {
-    KVQ_ON_DEVICE();
+#include <kvq/format/kinds.hpp>
+#include <kvq/rotation/rotation.hpp>
     KVQ_TRY(check(k, v, fmt::format("append_batch: K or V of the batch (layer {})", layer)));
     KVQ_TRY(canary_.flush_of(layer));  // before the layer's rings change
     // One launch pair for as many sequences as fit (max_append_items, max_append_pages); a

@@ -28,7 +28,7 @@ status check_shape(format_id id, role r, int page_tokens, int head_dim) {
   if (t.fam != family::fp16 && t.fam != family::bf16 && head_dim % 32 != 0)
     return {errc::invalid_argument,
             fmt::format("format {} needs head_dim a multiple of 32 (16-byte code rows); got head_dim {}", name, head_dim)};
-  if (t.is_integer()) {
+  if (t.is_integer() || t.channel_groups()) {
     const bool tokens_axis = r == role::k && t.k_along_tokens();
     const int g = group_of(t, head_dim);
     if (tokens_axis && page_tokens % g != 0)
@@ -39,6 +39,19 @@ status check_shape(format_id id, role r, int page_tokens, int head_dim) {
       return {errc::invalid_argument,
               fmt::format("format {} for {} groups {} channels, which does not divide head_dim {}", name, role_name(r), g,
                           head_dim)};
+  }
+  // 3-bit planes, codebook levels and the nvfp4 tensor scale are read with 16-byte loads: every
+  // section of their pages starts 16-byte aligned.
+  if (t.bits == 3 || t.fam == family::codebook || t.fam == family::nvfp4) {
+    const page_layout l = layout_of(t, r, page_tokens, head_dim);
+    const uint32_t plane = t.bits == 3 ? uint32_t(page_tokens) * uint32_t(head_dim) / 4 : 0;
+    for (uint32_t bytes : {plane, l.code_bytes, l.scale_bytes, l.zero_bytes})
+      if (bytes % 16 != 0)
+        return {
+            errc::invalid_argument,
+            fmt::format("format {} for {} needs page sections of whole 16-byte lines, but page_tokens {} x head_dim {} "
+                        "gives a section of {} bytes",
+                        name, role_name(r), page_tokens, head_dim, bytes)};
   }
   return {};
 }

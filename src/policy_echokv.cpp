@@ -209,7 +209,7 @@ result<canary_measurement> echokv_policy::measure(const query_observation& o) co
       const uint8_t* page = scratch_page_.data();
       for (int u = 0; u < g.unit_count(); ++u) codec::encode_unit(g, src, d, u, scratch_page_.data(), 1.0f);
       float* err = &scratch_err_[(t * H + size_t(h)) * head_elems];
-      if (g.k_columns()) {
+      if (g.k_columns() && g.fmt.bits != 3) {  // 3-bit codes are in two planes: decode_element below
         // NOTE: the per-element `decode_element` converts a scale and a zero for every element and
         // dominated the canary (about 2/3 of its time at d = 128); per-group conversion gives the
         // same floats: x = code * s + z, the codec's own arithmetic.

@@ -37,9 +37,9 @@ TEMPLATE_LIST_TEST_CASE("each format type is its list entry", "[format]", format
   CHECK(kind_v<F> == kind_of(id));
 }
 
-TEST_CASE("format ids keep their order: fp16, bf16, fp8, sym, kivi, rolealign", "[format]") {
+TEST_CASE("format ids keep their order: fp16, bf16, fp8, sym, kivi, rolealign, sym3, kivi3, cb, nvfp4", "[format]") {
   // The ids of every format as they are stored in pages and artifacts.
-  REQUIRE(format_count == 33);
+  REQUIRE(format_count == 53);
   const int bits[] = {8, 4, 2};
   for (format_id id = 0; id < format_count; ++id) {
     CAPTURE(int(id), format_name(id));
@@ -53,6 +53,20 @@ TEST_CASE("format ids keep their order: fp16, bf16, fp8, sym, kivi, rolealign", 
       CHECK(t.fam == family::sym);
       CHECK(t.bits == bits[k / 4]);
       CHECK(t.group == (k % 4 == 3 ? 0 : 32 << (k % 4)));
+    } else if (id >= 52) {
+      CHECK(t.fam == family::nvfp4);
+      CHECK(t.bits == 4);
+      CHECK(t.group == 16);
+    } else if (id >= 40) {
+      const int k = id - 40;
+      CHECK(t.fam == family::codebook);
+      CHECK(t.bits == 4 - k / 4);
+      CHECK(t.group == (k % 4 == 3 ? 0 : 32 << (k % 4)));
+    } else if (id >= 33) {
+      const int k = id - 33;
+      CHECK(t.fam == (k < 4 ? family::sym : family::kivi));
+      CHECK(t.bits == 3);
+      CHECK(t.group == (k == 3 ? 0 : 32 << (k < 4 ? k : k - 4)));
     } else {
       const int k = (id - 15) % 9;
       CHECK(t.fam == (id < 24 ? family::kivi : family::rolealign));
@@ -61,18 +75,24 @@ TEST_CASE("format ids keep their order: fp16, bf16, fp8, sym, kivi, rolealign", 
     }
   }
   CHECK(valid_format_names<format_list>() ==
-        "fp16, bf16, fp8, sym{8,4,2}[/g{32,64,128}], kivi{8,4,2}[/g{32,64,128}], ra{8,4,2}[/g{32,64,128}]");
+        "fp16, bf16, fp8, sym{8,4,2,3}[/g{32,64,128}], kivi{8,4,2,3}[/g{32,64,128}], ra{8,4,2}[/g{32,64,128}], "
+        "cb{4,3,2}[/g{32,64,128}], nvfp4");
+  CHECK(std::string(family_name(family::codebook)) == "cb");
   CHECK(std::string(family_name(family::rolealign)) == "ra");
   CHECK(std::string(family_name(family(77))) == "?");
 }
 
-TEST_CASE("kernel kinds: kivi/ra 8, 4, 2 are 0-2, sym 8, 4, 2 are 3-5, fp8 is 6, 16-bit is -1", "[format]") {
+TEST_CASE(
+    "kernel kinds: kivi/ra 8, 4, 2 are 0-2, sym 8, 4, 2 are 3-5, fp8 is 6, 16-bit and the unstaged formats are -1",
+    "[format]") {
   REQUIRE(kind_count == 7);
   for (format_id id = 0; id < format_count; ++id) {
     const format_traits f = traits_of(id);
     CAPTURE(format_name(id));
     const int b = f.bits == 8 ? 0 : f.bits == 4 ? 1 : 2;
-    const int expect = f.bits > 8 ? -1 : f.fam == family::fp8_e4m3 ? 6 : f.fam == family::sym ? 3 + b : b;
+    // 3-bit, codebook and nvfp4 pages have no kernel kind (the CUDA kernels do not read them)
+    const bool unstaged = f.bits > 8 || f.bits == 3 || f.fam == family::codebook || f.fam == family::nvfp4;
+    const int expect = unstaged ? -1 : f.fam == family::fp8_e4m3 ? 6 : f.fam == family::sym ? 3 + b : b;
     CHECK(kind_of(f) == expect);
     if (expect < 0) continue;
     CHECK(kind_bits(expect) == f.bits);

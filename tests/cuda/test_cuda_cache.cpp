@@ -2,6 +2,7 @@
 // decode), decode and extend attention within the NMSE bound of the tolerance table, over every
 // format, mixed formats within one sequence, page-edge lengths, unequal batches and GQA 1/4/8.
 #include <kvq/cache/cache.hpp>
+#include <kvq/format/kinds.hpp>
 #include <kvq/format/numeric.hpp>
 #include <kvq/policy/static_policy.hpp>
 
@@ -28,9 +29,11 @@ bool small() { return std::getenv("KVQ_GPU_TEST_SMALL") != nullptr; }
 constexpr double nmse_bound = 2e-5;
 
 // Can this spec store pages of 64 tokens of head_dim d (both roles)?
+// The spec's formats store pages of this shape and the CUDA kernels read them.
 bool supported(const std::string& spec, int d) {
   const auto p = parse_format_pair(spec).value_or_throw();
-  return check_shape(p.k, role::k, 64, d).ok() && check_shape(p.v, role::v, 64, d).ok();
+  return check_shape(p.k, role::k, 64, d).ok() && check_shape(p.v, role::v, 64, d).ok() && kernels_read(p.k) &&
+         kernels_read(p.v);
 }
 
 struct pair_of_caches {
@@ -118,6 +121,29 @@ TEST_CASE("gpu: append stores what the CPU stores, every format", "[gpu][append]
     append_both(c, 3, 1, k, v, len, 2, d);
   }
   require_same_store(c, 3, 1);
+}
+
+TEST_CASE("gpu: a format the kernels do not read is refused at append, and nothing is stored", "[gpu][append]") {
+  const std::string spec = GENERATE("sym3/g32", "kivi3/g32", "cb4", "cb2/g32", "nvfp4", "k=kivi4/g32,v=cb3");
+  CAPTURE(spec);
+  auto c = make(spec, 1, 4, 2, 64);
+  std::mt19937 rng(uint32_t(spec.size()));
+  check(c.cpu.create_sequence(0));
+  check(c.gpu.create_sequence(0));
+  const auto k = randn_h(rng, size_t(40) * 2 * 64), v = randn_h(rng, size_t(40) * 2 * 64);
+  append_both(c, 0, 0, k, v, 40, 2, 64);  // the ring only: no page yet
+  const auto k2 = randn_h(rng, size_t(200) * 2 * 64), v2 = randn_h(rng, size_t(200) * 2 * 64);
+  dev_mem dk(k2.size() * 2), dv(v2.size() * 2);
+  upload(dk, k2);
+  upload(dv, v2);
+  const status s = c.gpu.append(0, 0, {dk.p, dtype::f16, 200, 2, 64}, {dv.p, dtype::f16, 200, 2, 64});
+  CHECK(s.code() == errc::unsupported);
+  CHECK_THAT(s.message(), Catch::Contains("not read by the CUDA attention kernels"));
+  CHECK(c.gpu.length(0, 0) == 40);
+  CHECK(c.gpu.stats().pages == 0);
+  // the CPU backend stores and reads the same append
+  check(c.cpu.append(0, 0, {k2.data(), dtype::f16, 200, 2, 64}, {v2.data(), dtype::f16, 200, 2, 64}));
+  CHECK(c.cpu.stats().pages > 0);
 }
 
 TEST_CASE("gpu: decode attention matches the CPU reference over formats and lengths", "[gpu][decode]") {

@@ -42,6 +42,13 @@ KVQ_HOST_DEVICE float div_rn(float a, float b) {
   return a / b;
 #endif
 }
+KVQ_HOST_DEVICE float sqrt_rn(float a) {
+#if defined(__CUDA_ARCH__)
+  return __fsqrt_rn(a);
+#else
+  return __builtin_sqrtf(a);
+#endif
+}
 KVQ_HOST_DEVICE float fmax_(float a, float b) { return a > b ? a : b; }
 KVQ_HOST_DEVICE float fmin_(float a, float b) { return a < b ? a : b; }
 KVQ_HOST_DEVICE float fabs_(float a) { return bits_float(float_bits(a) & 0x7fffffffu); }
@@ -74,14 +81,17 @@ struct page_geom {
   int head_dim;
   page_layout lay;
 
+  /// Bytes of one token's codes; for 3 bits, what a row takes over both planes (see `page_code`).
   KVQ_HOST_DEVICE int row_bytes() const { return head_dim * fmt.bits / 8; }
   KVQ_HOST_DEVICE int group() const { return fmt.group == 0 ? head_dim : fmt.group; }
   KVQ_HOST_DEVICE bool k_columns() const { return r == role::k && fmt.k_along_tokens(); }
   /// Number of independent encode units of the page: (G tokens x 8 channels) blocks for
-  /// kivi/rolealign K, (token, channel group) pairs for the other integer formats, tokens else.
+  /// kivi/rolealign K, (token, channel group) pairs for the other integer and the codebook
+  /// formats, the whole page for nvfp4 (its tensor scale spans the page), tokens else.
   KVQ_HOST_DEVICE int unit_count() const {
     if (k_columns()) return (page_tokens / fmt.group) * (head_dim / 8);
-    if (fmt.fam == family::sym || fmt.has_zero()) return page_tokens * (head_dim / group());
+    if (fmt.channel_groups() || fmt.has_zero()) return page_tokens * (head_dim / group());
+    if (fmt.fam == family::nvfp4) return 1;
     return page_tokens;
   }
   /// The scale and zero sections of a page (fp16 bits; fp8 scales are floats).
@@ -94,6 +104,30 @@ struct page_geom {
     return reinterpret_cast<const uint16_t*>(page + lay.zero_offset());
   }
 };
+
+/// 3-bit codes are two planes, so that each keeps whole-byte packing and 16-byte rows of loads:
+/// plane 0, [page_tokens][d/4] bytes, holds the low 2 bits of every code packed as 2-bit codes
+/// (channel 4i in bits 0-1 of byte i); plane 1, [page_tokens][d/8] bytes from offset
+/// page_tokens*d/4, holds bit 2 (channel c in bit c%8 of byte c/8). Dequantization is the 2-bit
+/// unpack plus one masked bit per channel.
+KVQ_HOST_DEVICE uint32_t page_code(const page_geom& g, const uint8_t* page, int t, int c) {
+  if (g.fmt.bits != 3) return get_code(page + t * g.row_bytes(), g.fmt.bits, c);
+  const int d = g.head_dim;
+  const uint32_t lo = get_code(page + t * (d / 4), 2, c);
+  const uint32_t hi = get_code(page + g.page_tokens * (d / 4) + t * (d / 8), 1, c);
+  return lo | (hi << 2);
+}
+
+/// Writes the code of channel c of token t (3-bit planes: see `page_code`).
+KVQ_HOST_DEVICE void put_page_code(const page_geom& g, uint8_t* page, int t, int c, uint32_t q) {
+  if (g.fmt.bits != 3) {
+    put_code(page + t * g.row_bytes(), g.fmt.bits, c, q);
+    return;
+  }
+  const int d = g.head_dim;
+  put_code(page + t * (d / 4), 2, c, q & 3u);
+  put_code(page + g.page_tokens * (d / 4) + t * (d / 8), 1, c, q >> 2);
+}
 
 /// KIVI / rolealign range of one group: scale and zero (fp16 bits) for values in [lo, hi] at
 /// `bits` bits; rolealign with clip < 1 shrinks the range about its middle first.

@@ -12,7 +12,8 @@
 /// |------|-------|-------|-------|------|------|------|-----|
 /// |      | kivi8 | kivi4 | kivi2 | sym8 | sym4 | sym2 | fp8 |
 ///
-/// 16-bit formats have kind -1 (the unstaged path).
+/// 16-bit formats have kind -1 (the unstaged path). 3-bit, codebook and nvfp4 formats are not
+/// staged and have kind -1 too, but no unstaged path reads them: `kernels_read` is false.
 
 #include <kvq/config.hpp>
 #include <kvq/format/format.hpp>
@@ -117,6 +118,9 @@ inline constexpr int kind_count = format_kinds::count;
 /// Kind of a format (-1: read unstaged); host and device.
 KVQ_HOST_DEVICE constexpr int kind_of(const format_traits& f) { return format_kinds::kind_of(f); }
 KVQ_HOST_DEVICE constexpr int kind_of(format_id id) { return format_kinds::kind_of(traits_of(id)); }
+/// True for the formats the CUDA attention kernels read: those with a kind and the 16-bit ones.
+/// 3-bit, codebook and nvfp4 pages have neither (the CPU backend reads every format).
+KVQ_HOST_DEVICE constexpr bool kernels_read(format_id id) { return kind_of(id) >= 0 || traits_of(id).bits == 16; }
 /// Decode family of kind k: `family::kivi` (kivi and rolealign), `family::sym` or `family::fp8_e4m3`.
 KVQ_HOST_DEVICE constexpr family kind_family(int k) { return format_kinds::kind_family(k); }
 /// Bit width of kind k.
@@ -172,7 +176,11 @@ KVQ_HOST_DEVICE constexpr bool has_whole_units(int combo) { return in_kind_pairs
 
 static_assert(kind_count == 7 && kernel_kind::kivi8 == 0 && kernel_kind::kivi2 == 2 && kernel_kind::sym8 == 3 &&
                   kernel_kind::sym2 == 5 && kernel_kind::fp8 == 6 && kind_v<rolealign<4, 64>> == kernel_kind::kivi4 &&
-                  kind_v<fp16> == -1,
+                  kind_v<fp16> == -1 && kind_v<sym<3, 32>> == -1 && kind_v<codebook<4, 0>> == -1 && kind_v<nvfp4> == -1,
               "the kernels' kind numbering");
+static_assert(kernels_read(fp16_format) && kernels_read(format_id_v<kivi<2, 32>>) &&
+                  !kernels_read(format_id_v<kivi<3, 32>>) && !kernels_read(format_id_v<codebook<2, 32>>) &&
+                  !kernels_read(format_id_v<nvfp4>),
+              "the formats the CUDA kernels read");
 
 KVQ_NAMESPACE_END

@@ -23,7 +23,7 @@
 /// |      | P*d*b/8           | P*(d/g)*2   | [P][d/g] fp16 scales             |
 /// |      | + P*(d/g)*2       | P*(d/g)*2   | [P][d/g] fp16 zeros              |
 ///
-/// Codes are packed along channels as for `sym` (format/sym.hpp).
+/// Codes are packed along channels as for `sym`, 3-bit codes in its two planes (format/sym.hpp).
 
 #include <kvq/codec/unit.hpp>
 #include <kvq/config.hpp>
@@ -45,7 +45,7 @@ struct kivi_codec {
   /// Encodes unit `u` (see the file comment); `clip` is rolealign's ratio in (0, 1].
   KVQ_HOST_DEVICE static void encode_unit(const codec::page_geom& g, const uint16_t* src, int src_stride, int u,
                                           uint8_t* page, float clip) {
-    const int d = g.head_dim, bits = g.fmt.bits, rb = g.row_bytes();
+    const int d = g.head_dim, bits = g.fmt.bits;
     const bool ra = g.fmt.fam == family::rolealign;
     uint16_t* scales = g.scales(page);
     uint16_t* zeros = g.zeros(page);
@@ -67,7 +67,7 @@ struct kivi_codec {
         const float s = half_to_float(s16), z = half_to_float(z16);
         for (int t = 0; t < G; ++t) {
           const int tok = tg * G + t;
-          codec::put_code(page + tok * rb, bits, c, codec::kivi_code(half_to_float(src[tok * src_stride + c]), s, z, bits));
+          codec::put_page_code(g, page, tok, c, codec::kivi_code(half_to_float(src[tok * src_stride + c]), s, z, bits));
         }
       }
     } else {
@@ -83,14 +83,15 @@ struct kivi_codec {
       scales[t * ng + u % ng] = s16;
       zeros[t * ng + u % ng] = z16;
       const float s = half_to_float(s16), z = half_to_float(z16);
-      for (int c = 0; c < gs; ++c) codec::put_code(page + t * rb, bits, c0 + c, codec::kivi_code(half_to_float(x[c]), s, z, bits));
+      for (int c = 0; c < gs; ++c)
+        codec::put_page_code(g, page, t, c0 + c, codec::kivi_code(half_to_float(x[c]), s, z, bits));
     }
   }
   KVQ_HOST_DEVICE static float decode_element(const codec::page_geom& g, const uint8_t* page, int t, int c) {
     const int gs = g.fmt.group;
     const int idx = g.k_columns() ? (t / gs) * g.head_dim + c : t * (g.head_dim / gs) + c / gs;
     const float s = half_to_float(g.scales(page)[idx]), z = half_to_float(g.zeros(page)[idx]);
-    return codec::add_rn(codec::mul_rn(float(codec::get_code(page + t * g.row_bytes(), g.fmt.bits, c)), s), z);
+    return codec::add_rn(codec::mul_rn(float(codec::page_code(g, page, t, c)), s), z);
   }
 };
 
@@ -98,7 +99,7 @@ struct kivi_codec {
 template <family Fam, int Bits, int Group>
 struct kivi_layout_format {
   static_assert(Fam == family::kivi || Fam == family::rolealign);
-  static_assert(Bits == 2 || Bits == 4 || Bits == 8, "codes pack whole bytes");
+  static_assert(Bits == 2 || Bits == 3 || Bits == 4 || Bits == 8, "codes pack whole bytes (3 bits: two planes)");
   static_assert(Group >= 32 && (Group & (Group - 1)) == 0, "groups are powers of two >= 32");
   using codec_type = kivi_codec;
   static constexpr family fam = Fam;
@@ -107,7 +108,8 @@ struct kivi_layout_format {
   static constexpr const char* spec_alias = Fam == family::kivi ? nullptr : "rolealign";
   static constexpr bool named_by_bits = true;
   static constexpr int default_group = 32;
-  static constexpr bool staged = true;
+  /// 3-bit pages are not decoded by the CUDA kernels (no kernel kind; docs/architecture.md).
+  static constexpr bool staged = Bits != 3;
   static constexpr family decode_as = family::kivi;  ///< rolealign decodes as kivi
   static constexpr page_layout page(role r, int page_tokens, int head_dim) {
     return codec_type::layout({fam, bits, group}, r, page_tokens, head_dim);

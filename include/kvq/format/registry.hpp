@@ -114,12 +114,13 @@ struct format_registry<type_list<Ts...>> {
   }
 
  private:
-  // traits_of reads three packed fields per id from 64-bit constants: the family, log2 of the bits
+  // traits_of reads three packed fields per id from 64-bit constants: the family, the bits (as
+  // themselves up to 4, else log2(bits) + 2: 8 -> 5, 16 -> 6, so that the field stays 4 bits wide)
   // and log2(group) + 1 (0: the whole head). A handful of shifts and selects, no memory access.
   static constexpr uint32_t code(size_t i, int field) {
     const format_traits& t = table[i];
     if (field == 0) return uint32_t(t.fam);
-    if (field == 1) return detail::log2_exact(t.bits);
+    if (field == 1) return t.bits <= 4 ? t.bits : detail::log2_exact(t.bits) + 2;
     return t.group == 0 ? 0u : detail::log2_exact(t.group) + 1;
   }
   static constexpr uint32_t max_code(int field) {
@@ -151,18 +152,18 @@ struct format_registry<type_list<Ts...>> {
   KVQ_HOST_DEVICE static constexpr uint32_t field(uint32_t i) {
     return field<Field>(i, std::make_index_sequence<words<Field> - 1>{});
   }
-  static constexpr bool powers_of_two() {
+  static constexpr bool packable() {
     for (const format_traits& t : table)
-      if ((t.bits & (t.bits - 1)) != 0 || (t.group & (t.group - 1)) != 0) return false;
+      if ((t.group & (t.group - 1)) != 0 || (t.bits > 4 && (t.bits & (t.bits - 1)) != 0)) return false;
     return true;
   }
-  static_assert(powers_of_two(), "traits_of packs bits and groups as powers of two");
+  static_assert(packable(), "traits_of packs groups as powers of two, and bits above 4 too");
 
  public:
   /// Traits of format `id` (caller guarantees id < count); host and device.
   KVQ_HOST_DEVICE static constexpr format_traits traits_of(format_id id) {
-    const uint32_t gc = field<2>(id);
-    return {family(field<0>(id)), uint8_t(1u << field<1>(id)), uint16_t(gc == 0 ? 0u : 1u << (gc - 1))};
+    const uint32_t bc = field<1>(id), gc = field<2>(id);
+    return {family(field<0>(id)), uint8_t(bc <= 4 ? bc : 1u << (bc - 2)), uint16_t(gc == 0 ? 0u : 1u << (gc - 1))};
   }
 
  private:

@@ -14,7 +14,17 @@
 /// | P*d*b/8 | P*(d/g)*2   | [P][d/g] fp16 scales          |
 ///
 /// Codes of one token row are packed along channels, low bits first: for 4 bits, channel 2i is
-/// the low nibble of byte i; for 2 bits, channel 4i is bits 0-1 of byte i.
+/// the low nibble of byte i; for 2 bits, channel 4i is bits 0-1 of byte i. 3-bit codes are two
+/// planes within the code section (`codec::page_code`):
+///
+/// | offset  | bytes   | contents                                              |
+/// |---------|---------|-------------------------------------------------------|
+/// | 0       | P*d/4   | [P][d/4] low 2 bits of each code, packed as 2-bit     |
+/// | P*d/4   | P*d/8   | [P][d/8] bit 2 of each code, channel c in bit c%8     |
+///
+/// so a 16-byte load reads 64 channels of plane 0 or 128 of plane 1, and a 3-bit code is the
+/// 2-bit unpack plus one masked bit. The sections stay 16-byte aligned when P*d is a multiple
+/// of 128 (`check_shape`).
 
 #include <kvq/codec/unit.hpp>
 #include <kvq/config.hpp>
@@ -42,24 +52,23 @@ struct sym_codec {
     const uint16_t s16 = float_to_half(codec::div_rn(amax, float(qmax)));
     g.scales(page)[t * ng + u % ng] = s16;
     const float s = half_to_float(s16);
-    uint8_t* row = page + t * g.row_bytes();
     for (int c = 0; c < gs; ++c) {
       float q = s > 0.f ? round_even(codec::div_rn(half_to_float(x[c]), s)) : 0.f;
       q = codec::fmin_(codec::fmax_(q, float(-qmax)), float(qmax));
-      codec::put_code(row, bits, c0 + c, uint32_t(int(q) + (1 << (bits - 1))));
+      codec::put_page_code(g, page, t, c0 + c, uint32_t(int(q) + (1 << (bits - 1))));
     }
   }
   KVQ_HOST_DEVICE static float decode_element(const codec::page_geom& g, const uint8_t* page, int t, int c) {
     const int bits = g.fmt.bits, gs = g.group(), ng = g.head_dim / gs;
     const float s = half_to_float(g.scales(page)[t * ng + c / gs]);
-    return codec::mul_rn(float(int(codec::get_code(page + t * g.row_bytes(), bits, c)) - (1 << (bits - 1))), s);
+    return codec::mul_rn(float(int(codec::page_code(g, page, t, c)) - (1 << (bits - 1))), s);
   }
 };
 
 /// Symmetric `Bits`-bit codes, one scale per `Group` channels of a token (0: the whole head).
 template <int Bits, int Group>
 struct sym {
-  static_assert(Bits == 2 || Bits == 4 || Bits == 8, "codes pack whole bytes");
+  static_assert(Bits == 2 || Bits == 3 || Bits == 4 || Bits == 8, "codes pack whole bytes (3 bits: two planes)");
   static_assert(Group == 0 || (Group >= 32 && (Group & (Group - 1)) == 0), "channel groups are powers of two >= 32");
   using codec_type = sym_codec;
   static constexpr family fam = family::sym;
@@ -68,7 +77,8 @@ struct sym {
   static constexpr const char* spec_alias = nullptr;
   static constexpr bool named_by_bits = true;
   static constexpr int default_group = 0;  ///< `sym4` is the whole-head group
-  static constexpr bool staged = true;
+  /// 3-bit pages are not decoded by the CUDA kernels (no kernel kind; docs/architecture.md).
+  static constexpr bool staged = Bits != 3;
   static constexpr family decode_as = family::sym;
   static constexpr page_layout page(role r, int page_tokens, int head_dim) {
     return codec_type::layout({fam, bits, group}, r, page_tokens, head_dim);
@@ -77,5 +87,6 @@ struct sym {
 
 static_assert(sym<4, 32>::page(role::k, 64, 128).total() == 64 * 128 / 2 + 64 * 4 * 2);
 static_assert(sym<8, 0>::page(role::v, 64, 128).total() == 64 * 128 + 64 * 2);
+static_assert(sym<3, 32>::page(role::k, 64, 128).total() == 64 * 32 + 64 * 16 + 64 * 4 * 2);
 
 KVQ_NAMESPACE_END
