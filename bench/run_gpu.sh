@@ -27,7 +27,7 @@ for s in $steps; do
       cs=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
       KVQ_GPU_TEST_SMALL=1 "$cs" --tool memcheck --error-exitcode 3 ./.gpu/kvq_cuda_tests "[decode],[extend],[errors]" \
         > "$OUT/memcheck.log" 2>&1; r=$?; tail -4 "$OUT/memcheck.log"; rc=$((rc | r))
-      for f in "[append]" "[canary]" "[graph]" "[fork],[truncate]"; do  # appended to memcheck.log (the device returns at most 8 files)
+      for f in "[append]" "[canary]" "[graph]" "[fork],[truncate]" "[rotation]" "[hygiene]" "[windows]"; do  # appended to memcheck.log (the device returns at most 8 files)
         KVQ_GPU_TEST_SMALL=1 "$cs" --tool memcheck --error-exitcode 3 ./.gpu/kvq_cuda_tests "$f" \
           > "$OUT/memcheck_one.log" 2>&1; r=$?; echo "memcheck $f: $(tail -1 "$OUT/memcheck_one.log")" | tee -a "$OUT/memcheck.log"
         rm -f "$OUT/memcheck_one.log"; rc=$((rc | r))
@@ -54,7 +54,9 @@ for s in $steps; do
       rm -f "$OUT/memcheck_one.log"; rc=$((rc | r)) ;;
     bench)
       ./.gpu/kvq_bench_decode_cuda --benchmark_out="$OUT/bench.json" --benchmark_out_format=json \
-        --benchmark_counters_tabular=true 2>&1 | tee "$OUT/bench.log" | grep -E "decode/|append_step/" | awk '{print $1, $2, $NF}' | head -80 ;;
+        --benchmark_counters_tabular=true 2>&1 | tee "$OUT/bench.log" | grep -E "decode/|append_step/" | awk '{print $1, $2, $NF}' | head -80
+      # rotated / unrotated time per shape (exits 1 when a decode ratio is above 1.05)
+      python3 bench/report_rotation.py "$OUT/bench.json" 2>&1 | tee "$OUT/rotation.md" | tail -40 ;;
     peer)
       python3 .gpu/peer_decode.py 2>&1 | tee "$OUT/peer.csv" ;;
     canary)

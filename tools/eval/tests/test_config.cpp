@@ -41,9 +41,9 @@ TEST_CASE("make_policy: errors quote the configuration", "[config]") {
   CHECK(unknown.error().code() == kvq::errc::invalid_argument);
   CHECK_THAT(unknown.error().message(),
              Contains("autokk:phi=0.5") && Contains("unknown policy 'autokk'") && Contains("static"));
-  auto bad = make_policy("kivi3/g32", shape);
+  auto bad = make_policy("kivi5/g32", shape);
   REQUIRE_FALSE(bad.ok());
-  CHECK_THAT(bad.error().message(), Contains("configuration 'kivi3/g32'"));
+  CHECK_THAT(bad.error().message(), Contains("configuration 'kivi5/g32'"));
   auto bad_static = make_policy("static:k=kivi4/g32,v=nope", shape);
   REQUIRE_FALSE(bad_static.ok());
   CHECK_THAT(bad_static.error().message(), Contains("static:k=kivi4/g32,v=nope") && Contains("nope"));
@@ -121,10 +121,10 @@ TEST_CASE("validate_options and run_eval: errors name the option, file or config
     CHECK_THAT(r.error().message(), Contains("/nonexistent/model.gguf"));
   }
   SECTION("bad configuration spec") {
-    o.configs = {"fp16", "kivi3/g32"};
+    o.configs = {"fp16", "kivi5/g32"};
     auto r = run_eval(o);
     REQUIRE_FALSE(r.ok());
-    CHECK_THAT(r.error().message(), Contains("kivi3/g32"));
+    CHECK_THAT(r.error().message(), Contains("kivi5/g32"));
   }
   SECTION("text too short") {
     o.tokens = 100000;
