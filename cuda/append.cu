@@ -243,8 +243,7 @@ status append_run(const append_args& a, void* stream) {
   if (pages > 0) {  // before the ring kernel: pages read ring slots that the new tokens overwrite
     const int smem = kv.page_tokens * kv.head_dim * 2;
     const auto kernel = a.rotation.mask != 0 ? encode_kernel<true> : encode_kernel<false>;
-    KVQ_TRY(cuda_status(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
-                        "cudaFuncSetAttribute"));
+    KVQ_TRY(detail::set_max_dynamic_smem(kernel, smem));
     KVQ_TRY(detail::launch("append launch (encode)", kernel, dim3(unsigned(pages), unsigned(kv.kv_heads), 2),
                            dim3(threads), size_t(smem), st, p));
   }

@@ -314,8 +314,7 @@ status canary_run(const canary_args& a, void* stream) {
     p.out = a.out + i0 * size_t(a.kv_heads) * a.tiers.size();
     const size_t smem = canary_smem_bytes(a.tiers, a.align, a.head_dim, keys);
     // The opt-in belongs to the current device: set on every launch (a host call), as attend does.
-    KVQ_TRY(cuda_status(cudaFuncSetAttribute(canary_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
-                        "cudaFuncSetAttribute"));
+    KVQ_TRY(detail::set_max_dynamic_smem(canary_kernel, int(smem)));
     KVQ_TRY(launch("canary launch", canary_kernel, dim3(unsigned(a.kv_heads), unsigned(count)), dim3(threads), smem, st, p));
   }
   return {};

@@ -19,6 +19,16 @@ namespace cuda::detail {
 /// True when the test hook makes this launch fail (it counts every launch of the thread).
 bool injected_launch_failure();
 
+/// Allows `kernel` `bytes` of dynamic shared memory on the current device, through the driver's
+/// cuFuncSetAttribute (the runtime's cudaFuncSetAttribute resets the thread's last error, so an
+/// error the engine has not read yet would be lost: measured on the H200, docs/decisions.md
+/// "CUDA hygiene").
+status set_max_dynamic_smem(const void* kernel, int bytes);
+template <class... P>
+status set_max_dynamic_smem(void (*kernel)(P...), int bytes) {
+  return set_max_dynamic_smem(reinterpret_cast<const void*>(kernel), bytes);
+}
+
 /// Launches `kernel(args...)` on `stream` with `attrs` (may be empty); a failed launch (or an
 /// injected one) is `errc::cuda_error` naming `what`, and nothing is queued. Each argument must
 /// have its parameter's type: the launch passes their addresses, without copies.

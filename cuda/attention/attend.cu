@@ -34,13 +34,12 @@ status launch_attend(const attend_params& p, const launch_plan& lp, int kv_heads
                           : lp.whole     ? decode_paged_kernel<D, false, true>
                                          : decode_paged_kernel<D, false, false>;
       // The shared-memory opt-in belongs to the current device: set before every launch.
-      KVQ_TRY(cuda_status(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, lp.smem), "cudaFuncSetAttribute"));
+      KVQ_TRY(set_max_dynamic_smem(kernel, lp.smem));
       KVQ_TRY(launch("attention launch", kernel, grid, dim3(dec_warps * 32), size_t(lp.smem), st, p));
     }
   } else {
     const int smem = int(sizeof(attend_smem<D>));
-    KVQ_TRY(cuda_status(cudaFuncSetAttribute(attend_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
-                        "cudaFuncSetAttribute"));
+    KVQ_TRY(set_max_dynamic_smem(attend_kernel<D>, smem));
     KVQ_TRY(launch("attention launch", attend_kernel<D>,
                    dim3(unsigned(lp.max_splits), unsigned(kv_heads * lp.mtiles), unsigned(items)), dim3(threads),
                    size_t(smem), st, p));

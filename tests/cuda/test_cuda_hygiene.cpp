@@ -117,8 +117,8 @@ TEST_CASE("gpu: a launch failing anywhere in a multi-launch append changes nothi
   const auto stats0 = summary(a.stats());
   const std::vector<float> read0 = read_all(a, 1), att0 = attend_all(a, {{1, 1}}, 3);
   REQUIRE(read0 == read_all(ref, 1));
-  // 3000 tokens: 46 new pages, three encode + ring launch pairs (the first ring write overwrites
-  // every slot, the unencoded tokens' included).
+  // 3000 tokens: 46 new pages, two encode + ring launch pairs of at most cuda::max_append_pages
+  // pages (the first ring write overwrites every slot, the unencoded tokens' included).
   const kv_rows big(rng, 3000);
   const int launches = fail_each_launch([&] { return a.append(1, 0, big.kt(), big.vt()); },
                                         [&] {
@@ -126,7 +126,7 @@ TEST_CASE("gpu: a launch failing anywhere in a multi-launch append changes nothi
                                           REQUIRE(read_all(a, 1) == read0);
                                           REQUIRE(attend_all(a, {{1, 1}}, 3) == att0);
                                         });
-  CHECK(launches >= 8);  // value check, undo record, 3 x (encode, ring)
+  CHECK(launches >= 6);  // value check, undo record, 2 x (encode, ring)
   check(ref.append(1, 0, big.kt(), big.vt()));
   REQUIRE(summary(a.stats()) == summary(ref.stats()));
   REQUIRE(read_all(a, 1) == read_all(ref, 1));
@@ -160,7 +160,7 @@ TEST_CASE("gpu: a launch failing in an append_batch of two launch pairs changes 
                                           for (int s = 0; s < seqs; ++s) REQUIRE(read_all(a, s) == read0[size_t(s)]);
                                           REQUIRE(attend_all(a, items, 5) == att0);
                                         });
-  CHECK(launches >= 6);  // value check, undo record, 2 x (encode, ring)
+  CHECK(launches >= 5);  // value check, undo record, encode + ring, ring (the last two items: no page)
   check(ref.append_batch(batch, 1, step.kt(), step.vt()));
   REQUIRE(summary(a.stats()) == summary(ref.stats()));
   for (int s = 0; s < seqs; ++s) REQUIRE(read_all(a, s) == read_all(ref, s));
