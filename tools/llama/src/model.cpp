@@ -536,21 +536,33 @@ status llama_model::forward_lanes(std::span<kvq::KVCache* const> caches, std::sp
   std::vector<float> x, q, k, v, o(size_t(T) * H * hd);
   std::vector<status> lane_status(B);
   std::vector<double> cache_seconds(B, 0.0);
+  std::vector<std::vector<size_t>> by_cache;  // lane indices per distinct cache, first use first
+  for (size_t i = 0; i < B; ++i) {
+    size_t g = 0;
+    while (g < by_cache.size() && caches[by_cache[g][0]] != caches[i]) ++g;
+    if (g == by_cache.size()) by_cache.emplace_back();
+    by_cache[g].push_back(i);
+  }
   embed(tokens, x);
   for (int l = 0; l < hp_.n_layer; ++l) {
     attention_inputs(l, x, T, pos, q, k, v);
-    pool_->run(T, [&](int64_t i) {
-      const auto t0 = std::chrono::steady_clock::now();
-      const kvq::tensor_view kv_k{k.data() + i * Hkv * hd, kvq::dtype::f32, 1, Hkv, hd, 0};
-      const kvq::tensor_view kv_v{v.data() + i * Hkv * hd, kvq::dtype::f32, 1, Hkv, hd, 0};
-      const kvq::tensor_view qv{q.data() + i * H * hd, kvq::dtype::f32, 1, H, hd, 0};
-      const kvq::tensor_mut ov{o.data() + i * H * hd, kvq::dtype::f32, 1, H, hd, 0};
-      kvq::KVCache& cache = *caches[size_t(i)];
-      status st = cache.append(seqs[size_t(i)], l, kv_k, kv_v);
-      const kvq::attend_item item{seqs[size_t(i)], 1};
-      if (st.ok()) st = cache.attend(std::span<const kvq::attend_item>(&item, 1), l, qv, ov);
-      lane_status[size_t(i)] = std::move(st);
-      cache_seconds[size_t(i)] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    // One task per distinct cache (a KVCache is not called from two threads at once), its
+    // lanes in order.
+    pool_->run(int64_t(by_cache.size()), [&](int64_t g) {
+      for (const size_t i : by_cache[size_t(g)]) {
+        const auto t0 = std::chrono::steady_clock::now();
+        const int64_t r = int64_t(i);
+        const kvq::tensor_view kv_k{k.data() + r * Hkv * hd, kvq::dtype::f32, 1, Hkv, hd, 0};
+        const kvq::tensor_view kv_v{v.data() + r * Hkv * hd, kvq::dtype::f32, 1, Hkv, hd, 0};
+        const kvq::tensor_view qv{q.data() + r * H * hd, kvq::dtype::f32, 1, H, hd, 0};
+        const kvq::tensor_mut ov{o.data() + r * H * hd, kvq::dtype::f32, 1, H, hd, 0};
+        kvq::KVCache& cache = *caches[i];
+        status st = cache.append(seqs[i], l, kv_k, kv_v);
+        const kvq::attend_item item{seqs[i], 1};
+        if (st.ok()) st = cache.attend(std::span<const kvq::attend_item>(&item, 1), l, qv, ov);
+        lane_status[i] = std::move(st);
+        cache_seconds[i] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      }
     });
     for (auto& st : lane_status)
       if (!st.ok()) return std::move(st);
@@ -561,7 +573,7 @@ status llama_model::forward_lanes(std::span<kvq::KVCache* const> caches, std::sp
     // The products' share: the step's wall time less the lanes' cache time spread over the threads.
     const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
     const double cache_all = std::accumulate(cache_seconds.begin(), cache_seconds.end(), 0.0);
-    const double products = std::max(0.0, total - cache_all / std::min<double>(pool_->threads(), double(B)));
+    const double products = std::max(0.0, total - cache_all / std::min<double>(pool_->threads(), double(by_cache.size())));
     for (size_t i = 0; i < B; ++i) seconds[i] += products / double(B) + cache_seconds[i];
   }
   return {};

@@ -455,18 +455,26 @@ TEST_CASE("forward_lanes: one step of several streams equals each stream's own f
       REQUIRE(m.forward(*c, 0, prompt, logits).ok());
     }
   }
-  kvq::KVCache* ptrs[] = {&lanes[0], &lanes[1], &lanes[2]};
-  const kvq::seq_id seqs[] = {0, 0, 0};
-  std::vector<double> seconds(3, 0.0);
+  // a fourth lane: a second sequence of the first lane's cache (its twin: sequence 1 of twins[0])
+  const auto prompt4 = random_tokens(rng, 40);
+  for (auto* c : {&lanes[0], &twins[0]}) {
+    REQUIRE(c->create_sequence(1).ok());
+    REQUIRE(m.forward(*c, 1, prompt4, logits).ok());
+  }
+  kvq::KVCache* ptrs[] = {&lanes[0], &lanes[1], &lanes[2], &lanes[0]};
+  const kvq::seq_id seqs[] = {0, 0, 0, 1};
+  lane_logits.resize(4 * 512);
+  std::vector<double> seconds(4, 0.0);
   for (int step = 0; step < 40; ++step) {
-    const auto toks = random_tokens(rng, 3);
+    const auto toks = random_tokens(rng, 4);
     REQUIRE(m.forward_lanes(ptrs, seqs, toks, lane_logits, seconds).ok());
-    for (size_t i = 0; i < 3; ++i) {
-      REQUIRE(m.forward(twins[i], 0, std::span(&toks[i], 1), logits).ok());
+    for (size_t i = 0; i < 4; ++i) {
+      kvq::KVCache& twin = twins[i == 3 ? 0 : i];
+      REQUIRE(m.forward(twin, seqs[i], std::span(&toks[i], 1), logits).ok());
       CAPTURE(step, i);
       // each product's dot runs per token, so the lanes' logits are the twins' bit for bit
       CHECK(std::equal(logits.begin(), logits.end(), lane_logits.begin() + std::ptrdiff_t(i * 512)));
-      CHECK(lanes[i].length(0, 0) == twins[i].length(0, 0));
+      CHECK(ptrs[i]->length(seqs[i], 0) == twin.length(seqs[i], 0));
     }
   }
   for (double s : seconds) CHECK(s > 0);

@@ -135,9 +135,10 @@ class llama_model {
   /// One decode step of several independent streams ("lanes"): lane i feeds `tokens[i]` to
   /// sequence `seqs[i]` of `*caches[i]` at that sequence's own position. The matrix products run
   /// once over all lanes (each weight read once per step, as in a batched engine), each lane
-  /// appends and attends through its own cache, the lanes' attention spread over the model's
-  /// threads (one lane per task: give the caches `cpu_threads` 1). Each lane's result equals a
-  /// `forward` of its token alone up to the products' summation order.
+  /// appends and attends through its own cache, the caches' attention spread over the model's
+  /// threads (one task per distinct cache, its lanes in order: several sequences of one cache
+  /// are allowed; give the caches `cpu_threads` 1). Each lane's logits equal a `forward` of its
+  /// token alone bit for bit.
   /// \param logits [lanes][n_vocab] output
   /// \param seconds empty, or [lanes]: adds to each lane the wall time of the step's products
   ///        divided equally among the lanes plus the time of its own cache calls
