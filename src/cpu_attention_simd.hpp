@@ -17,6 +17,7 @@
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(KVQ_NO_TARGET_CLONES) && \
     !defined(__CUDACC__)
+#include <cpuid.h>
 #include <immintrin.h>
 #define KVQ_CPU_F16C 1
 #endif
@@ -58,7 +59,11 @@ __attribute__((target("avx2,f16c"))) inline void halves_to_floats_f16c(const uin
 /// `half_to_float_finite`.
 inline void halves_to_floats(const uint16_t* x, float* out, int64_t n) {
 #if KVQ_CPU_F16C
-  static const bool f16c = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  // F16C from CPUID leaf 1 (Clang's __builtin_cpu_supports does not know "f16c"), asked once
+  static const bool f16c = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    return __builtin_cpu_supports("avx2") && __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C) != 0;
+  }();
   if (f16c) return halves_to_floats_f16c(x, out, n);
 #endif
   for (int64_t i = 0; i < n; ++i) out[i] = half_to_float_finite(x[i]);

@@ -58,6 +58,14 @@ KVQ_CPU_INLINE void unpack_row(const codec::page_geom& g, const uint8_t* page, i
   }
 }
 
+// The codes of channels c..c+7 of token t minus `Offset`, as floats: 8 bits from the row `o`
+// that `unpack_row` filled, narrower codes straight from the page.
+template <int Bits, int Offset>
+KVQ_CPU_INLINE f8 row_codes8(const codec::page_geom& g, const uint8_t* page, int t, int c, const float* o) {
+  if constexpr (Bits == 8) return load8(o + c);
+  else return __builtin_convertvector(page_codes8<Bits>(g, page, t, c) - Offset, f8);
+}
+
 // sym: x = (u - 2^(b-1)) * s, one fp16 scale per token per channel group.
 template <int Bits>
 KVQ_CPU_INLINE void decode_sym(const codec::page_geom& g, const uint8_t* page, int rows, float* out) {
@@ -70,7 +78,7 @@ KVQ_CPU_INLINE void decode_sym(const codec::page_geom& g, const uint8_t* page, i
     for (int j = 0; j < ng; ++j) {
       const float s = half_to_float_finite(sc[t * ng + j]);
       for (int c = j * gs; c < (j + 1) * gs; c += 8) {
-        const f8 u = Bits == 8 ? load8(o + c) : __builtin_convertvector(page_codes8<Bits>(g, page, t, c) - offset, f8);
+        const f8 u = row_codes8<Bits, offset>(g, page, t, c, o);
         store8(o + c, u * s);
       }
     }
@@ -110,7 +118,7 @@ KVQ_CPU_INLINE void decode_kivi(const codec::page_geom& g, const uint8_t* page, 
     for (int j = 0; j < ng; ++j) {
       const float s = half_to_float_finite(sc[t * ng + j]), z = half_to_float_finite(zr[t * ng + j]);
       for (int c = j * gs; c < (j + 1) * gs; c += 8) {
-        const f8 u = Bits == 8 ? load8(o + c) : __builtin_convertvector(page_codes8<Bits>(g, page, t, c), f8);
+        const f8 u = row_codes8<Bits, 0>(g, page, t, c, o);
         store8(o + c, u * s + z);
       }
     }
