@@ -115,9 +115,16 @@ void quantize_activation(activation_kind kind, const float* x, int64_t n, uint8_
   }
 }
 
+namespace {
+// The kernel table of `isa` (all nullptr where this CPU or build cannot run it).
+detail::dot_kernels kernels_of(cpu_isa isa) {
+  if (!isa_available(isa)) return {};
+  return isa == cpu_isa::avx2 ? detail::avx2_kernels() : detail::scalar_kernels();
+}
+}  // namespace
+
 dot_fn find_dot(ggml_type t, cpu_isa isa) {
-  if (!isa_available(isa)) return nullptr;
-  const detail::dot_kernels k = isa == cpu_isa::avx2 ? detail::avx2_kernels() : detail::scalar_kernels();
+  const detail::dot_kernels k = kernels_of(isa);
   switch (t) {
     case ggml_type::f32:
       return k.f32;
@@ -139,8 +146,7 @@ dot_fn find_dot(ggml_type t, cpu_isa isa) {
 }
 
 dot4_fn find_dot4(ggml_type t, cpu_isa isa) {
-  if (!isa_available(isa)) return nullptr;
-  const detail::dot_kernels k = isa == cpu_isa::avx2 ? detail::avx2_kernels() : detail::scalar_kernels();
+  const detail::dot_kernels k = kernels_of(isa);
   switch (t) {
     case ggml_type::q4_0:
       return k.q4_0x4;
