@@ -205,6 +205,13 @@ int64_t KVCache::length(seq_id id, int layer) const {
   return s->layers[size_t(layer)].n;
 }
 
+int64_t KVCache::tokens_before_encode(seq_id id, int layer) const {
+  const sequence_state* s = state_->store.find(id);
+  if (!s || layer < 0 || layer >= state_->cfg.shape.layers) return -1;
+  const layer_state& ls = s->layers[size_t(layer)];
+  return state_->store.tokens_before_encode(ls.n, ls.e);
+}
+
 status KVCache::append(seq_id id, int layer, const tensor_view& k, const tensor_view& v) {
   sequence_state* s = state_->store.find(id);
   if (!s) return {errc::not_found, fmt::format("append: unknown sequence {}", id)};

@@ -242,6 +242,10 @@ int64_t page_store::pages_after(int64_t n, int64_t e, int64_t m) const {
   return u >= shape_.page_tokens ? u / shape_.page_tokens : 0;
 }
 
+int64_t page_store::tokens_before_encode(int64_t n, int64_t e) const {
+  return std::max<int64_t>(0, shape_.page_tokens + shape_.recent - 1 - (n - e));
+}
+
 result<append_plan> page_store::plan_append(sequence_state& s, int layer, int64_t m,
                                             std::span<const format_id> formats) {
   layer_state& ls = s.layers[size_t(layer)];

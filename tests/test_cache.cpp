@@ -184,6 +184,54 @@ TEST_CASE("extend attention (q_len > 1) is causal and sees its own tokens in fp1
   REQUIRE(rel_err(o, attention64(kd, vd, n, q, q_len, Hq, H, d)) < 1e-5);
 }
 
+TEST_CASE("chunks of tokens_before_encode attend as token-by-token decode steps do", "[cache]") {
+  const std::string spec = GENERATE("kivi2/g32", "k=sym4/g32,v=fp8");
+  CAPTURE(spec);
+  auto [a, pa] = make(spec);  // one token per step
+  auto [b, pb] = make(spec);  // chunks that end where a page would be encoded
+  auto [c, pc] = make(spec);  // chunks one token longer: they cross page encodes
+  std::mt19937 rng(31);
+  const int H = 2, Hq = 8, d = 64, n0 = 40, n = 520;
+  auto k = randn(rng, size_t(n) * H * d), v = randn(rng, size_t(n) * H * d), q = randn(rng, size_t(n) * Hq * d);
+  auto tok = [&](const std::vector<float>& x, int64_t t, int64_t m, int heads) {
+    return tensor_view{x.data() + size_t(t) * heads * d, dtype::f32, m, heads, d};
+  };
+  // Feeds tokens [n0, n) to `cache` in chunks of chunk_of(cache) tokens (each appended, then
+  // attended with q_len = the chunk) and returns every position's output.
+  auto run = [&](KVCache& cache, auto chunk_of) {
+    check(cache.create_sequence(0));
+    check(cache.append(0, 0, tok(k, 0, n0, H), tok(v, 0, n0, H)));
+    std::vector<float> o(size_t(n) * Hq * d, 0.f);
+    for (int64_t t = n0; t < n;) {
+      const int64_t m = std::min<int64_t>(chunk_of(cache), n - t);
+      check(cache.append(0, 0, tok(k, t, m, H), tok(v, t, m, H)));
+      const attend_item it{0, int(m)};
+      check(cache.attend({&it, 1}, 0, tok(q, t, m, Hq), {o.data() + size_t(t) * Hq * d, dtype::f32, m, Hq, d}));
+      t += m;
+    }
+    return o;
+  };
+  const auto oa = run(a, [](KVCache&) { return int64_t(1); });
+  const auto ob = run(b, [](KVCache& x) { return std::max<int64_t>(1, x.tokens_before_encode(0, 0)); });
+  const auto oc = run(c, [](KVCache& x) { return x.tokens_before_encode(0, 0) + 1; });
+  std::vector<double> ref(oa.begin(), oa.end());
+  REQUIRE(rel_err(ob, ref) < 1e-5);
+  REQUIRE(rel_err(oc, ref) > 1e-3);  // reading encoded tokens a decode step read in fp16 shows
+  REQUIRE(b.stats().page_bytes == a.stats().page_bytes);
+
+  // The count itself: an append of that many encodes nothing, one more token encodes a page.
+  const int64_t m = b.tokens_before_encode(0, 1);
+  REQUIRE(m == 64 + 32 - 1);  // layer 1 is empty: page_tokens + recent - 1
+  check(b.append(0, 1, tok(k, 0, m, H), tok(v, 0, m, H)));
+  REQUIRE(b.tokens_before_encode(0, 1) == 0);
+  const uint64_t pages = b.stats().pages;
+  check(b.append(0, 1, tok(k, m, 1, H), tok(v, m, 1, H)));
+  REQUIRE(b.stats().pages == pages + 2 * H);
+  REQUIRE(b.tokens_before_encode(0, 1) == 64 - 1);
+  REQUIRE(b.tokens_before_encode(7, 0) == -1);
+  REQUIRE(b.tokens_before_encode(0, 2) == -1);
+}
+
 TEST_CASE("a batch of unequal sequences equals each sequence alone", "[cache]") {
   auto [c, pol] = make("k=kivi4/g32,v=sym4/g32");
   std::mt19937 rng(77);

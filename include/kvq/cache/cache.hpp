@@ -158,6 +158,14 @@ class KVQ_EXPORT KVCache {
   bool has_sequence(seq_id id) const;
   /// Tokens stored for (sequence, layer), or -1 for an unknown sequence.
   int64_t length(seq_id id, int layer) const;
+  /// Tokens that appends to (sequence, layer) can add before one encodes a page: an append of at
+  /// most this many leaves every token where it is (pages as they are, the new tokens in the
+  /// FP16 ring), a longer one encodes the oldest unencoded tokens into a page (a page is encoded
+  /// as soon as page_tokens + recent tokens are unencoded). A decode step after such an append
+  /// reads what a step after the same tokens appended one at a time reads, which lets an
+  /// evaluation feed a teacher-forced text in chunks with decode semantics (tools/eval). -1 for
+  /// an unknown sequence or layer.
+  int64_t tokens_before_encode(seq_id id, int layer) const;
 
   /// Starts sequence `dst` as a copy of `src` (a shared prompt, beams, parallel samples): dst
   /// lists every encoded page of src, shared and reference-counted (stored and counted once; a

@@ -144,6 +144,8 @@ class KVQ_EXPORT page_store {
   /// Number of pages to encode when m tokens are appended to a layer holding n tokens of which
   /// e are encoded.
   int64_t pages_after(int64_t n, int64_t e, int64_t m) const;
+  /// The largest m for which `pages_after(n, e, m)` is 0.
+  int64_t tokens_before_encode(int64_t n, int64_t e) const;
 
   /// New pages per (kv head, role) that an append of m tokens to (s, layer) creates.
   int new_pages(const sequence_state& s, int layer, int64_t m) const {

@@ -40,15 +40,18 @@ CONFIGURATIONS (--config, repeatable; default: fp16 int8 kivi4/g32 kivi2/g32 ra4
 
 WHAT IS MEASURED (every configuration on the same tokens and positions)
   The text is tokenized; the first --prefill tokens are prefilled once at full precision into
-  every cache (each stores them in its format), then --tokens decode steps of one token each
-  (q_len = 1), exactly what decoding sees, all configurations in lockstep (one step of the model
-  over all of them, each attending through its own cache).
-  At each decode step: KL(P_fp16 || P_config) of the next-token distributions (nats), top-1
+  every cache (each stores them in its format), then --tokens teacher-forced positions, each
+  query reading exactly what a one-token decode step at its position reads (the pages encoded by
+  then, the rest in FP16): positions go in chunks that end before the next page encode (a step
+  that encodes a page is one token), one token per step for policies that watch queries
+  (EchoKV, kl_budget, autok); all configurations in lockstep (one step of the model over all of
+  them, each attending through its own cache).
+  At each position: KL(P_fp16 || P_config) of the next-token distributions (nats), top-1
   agreement with the FP16 cache, and the log-likelihood of the true next token (perplexity).
   Bits per element = bytes of pages + FP16 windows over all K/V elements held (scales and zeros
   included); page bits = pages only; KV bytes and the ratio to an FP16 cache of the same tokens.
-  Decode tok/s = steps / (the step's matrix products shared equally among the configurations +
-  the configuration's own cache calls): compare speeds within one run.
+  Forced tok/s = positions / (the steps' matrix products shared equally among the
+  configurations + the configuration's own cache calls): compare speeds within one run.
   Needle: for each --needle-ctx, --needle-kinds, --needle-depths and --needle-reps: single,
   "The pass key is NNNNN. Remember it." at that depth of the haystack, the prompt asks "What is
   the pass key?"; multi, four "The special magic number for <label> is NNNNNNN." at different

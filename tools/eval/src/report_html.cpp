@@ -447,7 +447,7 @@ th{background:#f6f6f6} td:first-child,th:first-child,td:nth-child(2),th:nth-chil
   // summary table
   h += "<h2>Summary</h2>\n<table>\n<tr><th>configuration</th><th>policy</th><th>bits/el</th><th>page bits</th>"
        "<th>KV MiB</th><th>vs FP16</th><th>mean KL</th><th>p99 KL</th><th>top-1</th><th>PPL</th><th>&Delta;PPL</th>"
-       "<th>needle</th><th>decode tok/s</th></tr>\n";
+       "<th>needle</th><th>forced tok/s</th></tr>\n";
   const double ref_ppl = r.configs.empty() ? 0.0 : r.configs[r.reference].quality.perplexity();
   for (const auto& c : r.configs) {
     const auto& q = c.quality;
@@ -466,8 +466,8 @@ th{background:#f6f6f6} td:first-child,th:first-child,td:nth-child(2),th:nth-chil
   h +=
       "</table>\n<p class=\"note\">bits/el: bytes of pages and FP16 windows over all K and V elements held (scales and "
       "zeros included); page bits: pages only. KL: mean over decode positions of KL(P_fp16 || P_config) in nats. "
-      "Decode tok/s: teacher-forced steps over the wall time of the configuration's own forward calls (configurations "
-      "run concurrently and share memory bandwidth: compare within this run only).</p>\n";
+      "Forced tok/s: teacher-forced positions over the wall time of the products' share and the configuration's own "
+      "cache calls (positions run in chunks; compare within this run only).</p>\n";
 
   h += "<h2>Bits per element against KL</h2>\n<div class=\"charts\">" + scatter_bits_kl(r) + "</div>\n";
   h += "<h2>KL over position</h2>\n<div class=\"charts\">" + kl_over_position(r) + "</div>\n";

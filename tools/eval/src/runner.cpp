@@ -84,9 +84,27 @@ std::vector<kvq::KVCache*> pointers(std::vector<kvq::KVCache>& caches) {
   return p;
 }
 
+/// Tokens of the next teacher-forced step starting at decode step `s`: as many as every cache can
+/// append before it encodes a page (`KVCache::tokens_before_encode`), so each position's query
+/// reads exactly what a one-token decode step at that position reads (the same pages, the rest
+/// in FP16) and the step runs as one chunk per configuration (matrix products over the chunk's
+/// rows, each page decoded once for the chunk's queries); at least 1 (a step that encodes a page
+/// is one token, as in decode), at most `max_chunk`, ending at the run's end and at the next
+/// format-map sample. One token when a policy watches queries or runs a canary: their decisions
+/// depend on every decode step's queries (docs/decisions.md, "Policies and evaluation").
+int64_t teacher_forced_chunk(std::span<kvq::KVCache* const> caches, const eval_options& o, int64_t s) {
+  constexpr int64_t max_chunk = 64;
+  for (kvq::KVCache* c : caches)
+    if (c->active_policy().wants_queries() || c->active_policy().canary()) return 1;
+  int64_t chunk = std::min(max_chunk, o.tokens - s);
+  for (const kvq::KVCache* c : caches) chunk = std::min(chunk, c->tokens_before_encode(0, 0));
+  if (o.map_every > 0) chunk = std::min(chunk, o.map_every - s % o.map_every);
+  return std::max<int64_t>(chunk, 1);
+}
+
 /// The teacher-forced run: the first `o.prefill` tokens prefilled once for all configurations at
-/// full precision (`prefill_shared`), then every configuration in lockstep, one decode step per
-/// position for all of them (`forward_lanes`: one pass over the weights per position).
+/// full precision (`prefill_shared`), then every configuration in lockstep (`forward_lanes`: one
+/// pass over the weights per step), in steps of `teacher_forced_chunk` positions.
 kvq::status teacher_forced(const kvq::llama::llama_model& model, const eval_options& o,
                            const std::vector<token_id>& text, std::vector<config_result>& results, size_t ref) {
   const size_t V = size_t(model.hparams().n_vocab), n = results.size();
@@ -106,28 +124,35 @@ kvq::status teacher_forced(const kvq::llama::llama_model& model, const eval_opti
     KVQ_TRY(model.prefill_shared(ptrs, seqs, pre, std::span<float>(logits.data(), V)));
     bar.advance(o.prefill);
   }
-  std::vector<token_id> toks(n);
-  for (int64_t s = 0; s < o.tokens; ++s) {
-    const int64_t pos = o.prefill + s;
+  std::vector<token_id> toks;
+  for (int64_t s = 0; s < o.tokens;) {
+    const int64_t pos = o.prefill + s, C = teacher_forced_chunk(ptrs, o, s);
     if (o.map_every > 0 && s % o.map_every == 0)
       for (size_t i = 0; i < n; ++i) sample_map(results[i], caches[i], s, pos);
-    std::fill(toks.begin(), toks.end(), text[size_t(pos)]);
+    toks.clear();
+    for (size_t i = 0; i < n; ++i) toks.insert(toks.end(), text.begin() + pos, text.begin() + pos + C);
+    logits.resize(n * size_t(C) * V);
     std::fill(seconds.begin(), seconds.end(), 0.0);
     KVQ_TRY(model.forward_lanes(ptrs, seqs, toks, logits, seconds));
     for (size_t i = 0; i < n; ++i) {
       results[i].decode_seconds += seconds[i];
-      results[i].decode_tokens += 1;
-      log_softmax(std::span<const float>(logits.data() + i * V, V), std::span<double>(logp.data() + i * V, V));
+      results[i].decode_tokens += C;
     }
-    bar.advance(1);
-    const token_id next = text[size_t(pos) + 1];
-    const std::span<const double> ref_logp(logp.data() + ref * V, V);
-    const int64_t ref_top = argmax(ref_logp);
-    for (size_t i = 0; i < n; ++i) {
-      const std::span<const double> lp(logp.data() + i * V, V);
-      const double kl = i == ref ? 0.0 : kl_divergence(ref_logp, lp);
-      results[i].quality.add(kl, argmax(lp) == ref_top, -lp[size_t(next)]);
+    for (int64_t j = 0; j < C; ++j) {  // lane i's row j: logits[(i * C + j) * V ...]
+      for (size_t i = 0; i < n; ++i)
+        log_softmax(std::span<const float>(logits.data() + (i * size_t(C) + size_t(j)) * V, V),
+                    std::span<double>(logp.data() + i * V, V));
+      const token_id next = text[size_t(pos + j) + 1];
+      const std::span<const double> ref_logp(logp.data() + ref * V, V);
+      const int64_t ref_top = argmax(ref_logp);
+      for (size_t i = 0; i < n; ++i) {
+        const std::span<const double> lp(logp.data() + i * V, V);
+        const double kl = i == ref ? 0.0 : kl_divergence(ref_logp, lp);
+        results[i].quality.add(kl, argmax(lp) == ref_top, -lp[size_t(next)]);
+      }
     }
+    bar.advance(C);
+    s += C;
   }
   bar.finish();
   for (size_t i = 0; i < n; ++i) {

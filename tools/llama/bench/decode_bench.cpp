@@ -4,7 +4,9 @@
 // the spread, since the machine may be shared.
 //
 //   kvq_llama_bench MODEL.gguf TEXT.txt [--threads N] [--isa scalar|avx2] [--prefill P]
-//                   [--tokens N] [--repeat R] [--cache SPEC]
+//                   [--tokens N] [--repeat R] [--cache SPEC] [--prefill-path forward|shared]
+// --prefill-path shared prefills through `prefill_shared` (what kvq-eval's needle haystacks and
+// its first teacher-forced tokens take: the prompt's causal attention in float, `chunk_attention`).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -31,9 +33,9 @@ int main(int argc, char** argv) {
   if (argc < 3)
     return fail(
         "usage: kvq_llama_bench MODEL.gguf TEXT.txt [--threads N] [--isa scalar|avx2] "
-        "[--prefill P] [--tokens N] [--repeat R] [--cache SPEC]");
+        "[--prefill P] [--tokens N] [--repeat R] [--cache SPEC] [--prefill-path forward|shared]");
   int threads = 0, prefill = 64, tokens = 128, repeat = 3;
-  std::string isa = "best", cache_spec = "fp16";
+  std::string isa = "best", cache_spec = "fp16", prefill_path = "forward";
   for (int i = 3; i + 1 < argc; i += 2) {
     const std::string key = argv[i], value = argv[i + 1];
     if (key == "--threads")
@@ -48,10 +50,14 @@ int main(int argc, char** argv) {
       repeat = std::stoi(value);
     else if (key == "--cache")
       cache_spec = value;
+    else if (key == "--prefill-path")
+      prefill_path = value;
     else
       return fail("unknown option " + key);
   }
   if (prefill < 1 || tokens < 1 || repeat < 1) return fail("--prefill, --tokens and --repeat must be positive");
+  if (prefill_path != "forward" && prefill_path != "shared")
+    return fail("--prefill-path must be forward or shared, got " + prefill_path);
   auto f = gguf_file::open(argv[1]);
   if (!f) return fail(f.error().to_string());
   const auto load0 = std::chrono::steady_clock::now();
@@ -74,9 +80,9 @@ int main(int argc, char** argv) {
     return fail("the text has " + std::to_string(ids.size()) +
                 " tokens, the run needs prefill + tokens = " + std::to_string(prefill + tokens));
 
-  std::printf("model %s (loaded in %.2f s), isa %s, threads %d, cache %s, prefill %d, decode %d tokens\n",
+  std::printf("model %s (loaded in %.2f s), isa %s, threads %d, cache %s, prefill %d (%s), decode %d tokens\n",
               model.name().c_str(), load_s, isa_name(model.isa()), model.threads(), cache_spec.c_str(), prefill,
-              tokens);
+              prefill_path.c_str(), tokens);
   std::vector<float> logits(size_t(model.hparams().n_vocab));
   std::vector<double> decode_rates, prefill_rates;
   for (int r = 0; r < repeat; ++r) {
@@ -85,7 +91,12 @@ int main(int argc, char** argv) {
     kvq::KVCache cache = std::move(made).value();
     if (auto s = cache.create_sequence(0); !s.ok()) return fail(s.to_string());
     const auto p0 = std::chrono::steady_clock::now();
-    if (auto s = model.forward(cache, 0, std::span(ids.data(), size_t(prefill)), logits); !s.ok())
+    const std::span<const token_id> prompt(ids.data(), size_t(prefill));
+    kvq::KVCache* const caches[] = {&cache};
+    const kvq::seq_id seqs[] = {0};
+    if (auto s = prefill_path == "shared" ? model.prefill_shared(caches, seqs, prompt, logits)
+                                          : model.forward(cache, 0, prompt, logits);
+        !s.ok())
       return fail(s.to_string());
     const double prefill_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - p0).count();
     double decode_s = 0;

@@ -465,15 +465,19 @@ TEST_CASE("forward_lanes: one step of several streams equals each stream's own f
   const kvq::seq_id seqs[] = {0, 0, 0, 1};
   lane_logits.resize(4 * 512);
   std::vector<double> seconds(4, 0.0);
+  // decode steps (one token per lane) and chunks of a few tokens per lane (up to the smallest window)
   for (int step = 0; step < 40; ++step) {
-    const auto toks = random_tokens(rng, 4);
+    const size_t C = step % 4 == 3 ? size_t(1 + step % 29) : 1;
+    const auto toks = random_tokens(rng, 4 * C);
+    lane_logits.resize(4 * C * 512);
+    logits.resize(C * 512);
     REQUIRE(m.forward_lanes(ptrs, seqs, toks, lane_logits, seconds).ok());
     for (size_t i = 0; i < 4; ++i) {
       kvq::KVCache& twin = twins[i == 3 ? 0 : i];
-      REQUIRE(m.forward(twin, seqs[i], std::span(&toks[i], 1), logits).ok());
-      CAPTURE(step, i);
+      REQUIRE(m.forward(twin, seqs[i], std::span(&toks[i * C], C), logits, logits_mode::all).ok());
+      CAPTURE(step, i, C);
       // each product's dot runs per token, so the lanes' logits are the twins' bit for bit
-      CHECK(std::equal(logits.begin(), logits.end(), lane_logits.begin() + std::ptrdiff_t(i * 512)));
+      CHECK(std::equal(logits.begin(), logits.end(), lane_logits.begin() + std::ptrdiff_t(i * C * 512)));
       CHECK(ptrs[i]->length(seqs[i], 0) == twin.length(seqs[i], 0));
     }
   }
@@ -503,6 +507,15 @@ TEST_CASE("forward_lanes errors name the problem and append nothing", "[model]")
   const token_id outside[] = {3, 900};
   s = m.forward_lanes(both, zeros, outside, logits);
   CHECK_THAT(s.message(), Catch::Contains("id 900"));
+
+  const token_id three[] = {3, 4, 5};
+  s = m.forward_lanes(both, zeros, three, logits);
+  CHECK_THAT(s.message(), Catch::Contains("3 tokens for 2 lanes (the same number for each lane)"));
+
+  const std::vector<token_id> long_chunks(2 * 129, 3);  // 129 tokens per lane, windows of 128
+  std::vector<float> long_logits(long_chunks.size() * 512);
+  s = m.forward_lanes(both, zeros, long_chunks, long_logits);
+  CHECK_THAT(s.message(), Catch::Contains("129 tokens per lane; cache 0 takes at most its window 128"));
 
   std::vector<double> seconds(1);
   s = m.forward_lanes(both, zeros, two, logits, seconds);

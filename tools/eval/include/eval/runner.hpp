@@ -139,6 +139,8 @@ struct config_result {
   metric_accumulator quality;  ///< against the reference, over the teacher-forced positions
   kvq::cache_stats stats;      ///< after the teacher-forced run
   int64_t tokens_held = 0;     ///< tokens in the cache then (per layer)
+  /// Teacher-forced positions (run in chunks, `teacher_forced_chunk`) and their wall time: the
+  /// steps' products shared equally among the configurations plus this one's cache calls.
   double decode_seconds = 0;
   int64_t decode_tokens = 0;
   /// Needle prompts' shared prefill (the same computation for every configuration: its wall

@@ -132,20 +132,22 @@ class llama_model {
   status forward(kvq::KVCache& cache, kvq::seq_id seq, std::span<const token_id> tokens, std::span<float> logits,
                  logits_mode mode = logits_mode::last, const layer_observer& observer = {}) const;
 
-  /// One decode step of several independent streams ("lanes"): lane i feeds `tokens[i]` to
-  /// sequence `seqs[i]` of `*caches[i]` at that sequence's own position. The matrix products run
-  /// once over all lanes (each weight read once per step, as in a batched engine), each lane
-  /// appends and attends through its own cache, the caches' attention spread over the model's
-  /// threads (one task per distinct cache, its lanes in order: several sequences of one cache
-  /// are allowed; give the caches `cpu_threads` 1). Each lane's logits equal a `forward` of its
-  /// token alone bit for bit.
-  /// \param logits [lanes][n_vocab] output
+  /// One step of several independent streams ("lanes"): lane i feeds its C tokens
+  /// `tokens[i * C .. i * C + C - 1]` (C = tokens.size() / lanes, 1 for a decode step, at most
+  /// every cache's window) to sequence `seqs[i]` of `*caches[i]` from that sequence's own
+  /// position. The matrix products run once over all lanes' rows (each weight read once per
+  /// step, as in a batched engine), each lane appends and attends its C queries through its own
+  /// cache, the caches' attention spread over the model's threads (one task per distinct cache,
+  /// its lanes in order: several sequences of one cache are allowed; give the caches
+  /// `cpu_threads` 1). Each lane's logits equal a `forward` of its C tokens alone bit for bit.
+  /// \param logits [lanes][C][n_vocab] output
   /// \param seconds empty, or [lanes]: adds to each lane the wall time of the step's products
   ///        divided equally among the lanes plus the time of its own cache calls
   /// Errors (before anything is appended): invalid_argument (no lane, sizes that disagree, a
-  /// null or mis-shaped cache, a (cache, sequence) pair given twice, a token outside the
-  /// vocabulary), not_found (unknown sequence). A cache's refusal (budget, non-finite K/V) is
-  /// returned after the layer in which it happened: the lanes may then hold different lengths.
+  /// token count that is not a multiple of the lanes or above a window, a null or mis-shaped
+  /// cache, a (cache, sequence) pair given twice, a token outside the vocabulary), not_found
+  /// (unknown sequence). A cache's refusal (budget, non-finite K/V) is returned after the layer
+  /// in which it happened: the lanes may then hold different lengths.
   status forward_lanes(std::span<kvq::KVCache* const> caches, std::span<const kvq::seq_id> seqs,
                        std::span<const token_id> tokens, std::span<float> logits,
                        std::span<double> seconds = {}) const;
