@@ -37,23 +37,6 @@ constexpr int64_t max_dim = 1 << 20;  // sanity bound on every hyper-parameter r
 #define KVQ_LLAMA_INLINE inline
 #endif
 
-/// 2^x for x <= 0 (below -126 it gives 2^-126), relative error below 1e-7: x = n + f with n an
-/// integer and |f| <= 1/2, e^(f ln 2) from its degree-7 Taylor polynomial (remainder < 6e-9),
-/// 2^n from the exponent bits. Branch-free, so loops over it vectorize.
-KVQ_LLAMA_INLINE float exp2_nonpositive(float x) {
-  x = x < -126.f ? -126.f : x;
-  const float n = (x + 12582912.f) - 12582912.f;  // round to an integer: 1.5 * 2^23 drops the fraction
-  const float f = (x - n) * 0.693147181f;
-  float p = 1.f / 5040.f;
-  p = p * f + 1.f / 720.f;
-  p = p * f + 1.f / 120.f;
-  p = p * f + 1.f / 24.f;
-  p = p * f + 1.f / 6.f;
-  p = p * f + 0.5f;
-  p = p * f + 1.f;
-  p = p * f + 1.f;
-  return p * std::bit_cast<float>((int32_t(n) + 127) << 23);
-}
 
 /// Query tokens per tile, keys per block and the vector width (floats) of `chunk_attention`.
 constexpr int64_t attention_tile = 32, attention_block = 64, attention_lanes = 8;
@@ -80,7 +63,9 @@ KVQ_LLAMA_INLINE v8 select_v8(v8i mask, v8 a, v8 b) {
   std::memcpy(&x, &r, sizeof x);
   return x;
 }
-/// `exp2_nonpositive` of eight lanes, the same operations lane by lane (equal results).
+/// 2^x for x <= 0 (below -126 it gives 2^-126), relative error below 1e-7: x = n + f with n an
+/// integer and |f| <= 1/2, e^(f ln 2) from its degree-7 Taylor polynomial (remainder < 6e-9),
+/// 2^n from the exponent bits. Branch-free, lane by lane.
 KVQ_LLAMA_INLINE v8 exp2_nonpositive(v8 x) {
   const v8 lowest = v8{} - 126.f;
   x = select_v8(x < lowest, lowest, x);
@@ -99,6 +84,8 @@ KVQ_LLAMA_INLINE v8 exp2_nonpositive(v8 x) {
   std::memcpy(&scale, &bits, sizeof scale);
   return p * scale;
 }
+/// One lane of it (the softmax's rescale factor and tails).
+KVQ_LLAMA_INLINE float exp2_nonpositive(float x) { return exp2_nonpositive(v8{} + x)[0]; }
 
 /// Online-softmax step of one row over its block scores s[0, valid): the running max `mx` and
 /// sum `sum` move on, s becomes the base-2 exponentials (zero from `valid` to `zero_to`, so that
