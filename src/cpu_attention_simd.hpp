@@ -80,7 +80,10 @@ KVQ_CPU_INLINE f8 load8(const float* p) {
   return x;
 }
 KVQ_CPU_INLINE void store8(float* p, f8 x) { __builtin_memcpy(p, &x, sizeof x); }
-KVQ_CPU_INLINE f8 splat8(float x) { return f8{x, x, x, x, x, x, x, x}; }
+KVQ_CPU_INLINE f8 splat8(float x) {
+  const f8 one = {x};  // lane 0, then broadcast (one vbroadcastss in the AVX2 build)
+  return __builtin_shufflevector(one, one, 0, 0, 0, 0, 0, 0, 0, 0);
+}
 KVQ_CPU_INLINE float hsum8(f8 s) { return ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7])); }
 
 /// exp(x) lane-wise for x <= 0, relative error below 3e-7 down to x = -87 (below that it returns

@@ -338,13 +338,36 @@ kvq::result<kvq::KVCache> make_eval_cache(const kvq::llama::llama_model& model, 
   return make_eval_cache(model.cache_shape(), config, s);
 }
 
+namespace {
+
+/// True when a policy spec names a rolealign format (`ra<b>`, alone or after '=', ',', ':' or ';').
+bool names_rolealign(std::string_view spec) {
+  for (size_t i = spec.find("ra"); i != std::string_view::npos; i = spec.find("ra", i + 1)) {
+    const bool starts = i == 0 || std::string_view("=,:;").find(spec[i - 1]) != std::string_view::npos;
+    if (starts && i + 2 < spec.size() && spec[i + 2] >= '0' && spec[i + 2] <= '9') return true;
+  }
+  return false;
+}
+
+}  // namespace
+
 kvq::result<kvq::KVCache> make_eval_cache(const kvq::cache_shape& model_shape, std::string_view config,
                                           const cache_settings& s) {
   const kvq::cache_shape shape = with_paging(model_shape, s);
-  auto pol = make_policy(config, shape);
+  // `<config>+rot`: every (layer, kv head) rotated (docs/architecture.md, "Rotation")
+  constexpr std::string_view rot = "+rot";
+  const bool rotated = config.size() > rot.size() && config.ends_with(rot);
+  const std::string_view spec = rotated ? config.substr(0, config.size() - rot.size()) : config;
+  if (rotated && !s.clip_ratios.empty() && names_rolealign(spec))
+    return kvq::status{kvq::errc::invalid_argument,
+                       fmt::format("configuration '{}': the clip ratios were calibrated on unrotated heads; run the "
+                                   "rotated rolealign configuration without --clip-ratios",
+                                   config)};
+  auto pol = make_policy(spec, shape);
   if (!pol) return pol.error();
   kvq::cache_config cfg;
   cfg.shape = shape;
+  if (rotated) cfg.rotation = kvq::rotation_config::all(shape);
   cfg.where = kvq::backend::cpu;
   cfg.budget_bytes = s.budget_bytes;
   if (cfg.budget_bytes == 0) {

@@ -31,11 +31,14 @@ CONFIGURATIONS (--config, repeatable; default: fp16 int8 kivi4/g32 kivi2/g32 ra4
   random's like= takes the rest of the string (commas included), so it comes last, e.g.
   random:seed=2,like=kl_budget:bits=4,artifact=docs/data/calib_smollm2.json
 )";
-  s += R"(  Format specs: fp16, bf16, fp8, int8 (= sym8), int4 (= sym4/g32), int2, sym<b>[/g<G>],
+  s += R"(  Format specs: fp16, bf16, fp8, nvfp4, int8 (= sym8), int4 (= sym4/g32), int2, sym<b>[/g<G>],
   kivi<b>/g<G>, ra<b>/g<G> (rolealign: clips by the ratios of --clip-ratios; without them it
-  clips nothing and equals kivi<b>/g<G>), b in {8,4,2},
-  G in {32,64,128}; K and V apart: k=kivi4/g32,v=kivi2/g32; per layer / head overrides after ';':
-  k=kivi2/g32,v=kivi2/g32;0=fp16;5.1=int8. The FP16 cache (fp16) is the reference; it is
+  clips nothing and equals kivi<b>/g<G>), b in {8,4,3,2}, cb<b>[/g<G>] (codebook: Lloyd-Max
+  levels, b in {4,3,2}), G in {32,64,128}; K and V apart: k=kivi4/g32,v=kivi2/g32; per layer /
+  head overrides after ';': k=kivi2/g32,v=kivi2/g32;0=fp16;5.1=int8. A '+rot' suffix on a
+  configuration rotates every (layer, kv head) (randomized Hadamard: kivi2/g32+rot,
+  echokv:...+rot); rolealign's clip ratios are calibrated unrotated, so a rotated rolealign
+  configuration runs without --clip-ratios. The FP16 cache (fp16) is the reference; it is
   added when no configuration is fp16.
 
 WHAT IS MEASURED (every configuration on the same tokens and positions)

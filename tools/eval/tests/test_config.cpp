@@ -1,4 +1,5 @@
 // Configuration strings, policies by name, cache creation and option / input errors.
+#include <algorithm>
 #include <catch2/catch.hpp>
 #include <eval/config.hpp>
 #include <eval/report.hpp>
@@ -79,6 +80,33 @@ TEST_CASE("make_eval_cache: a format the model cannot take names the configurati
   auto bad = make_eval_cache(*model, "kivi4/g32", s);  // head_dim 8 is no multiple of 32
   REQUIRE_FALSE(bad.ok());
   CHECK_THAT(bad.error().message(), Contains("configuration 'kivi4/g32'"));
+}
+
+TEST_CASE("make_eval_cache: '+rot' rotates every head of the configuration's cache", "[config]") {
+  cache_settings s;
+  s.max_tokens = 256;
+  auto plain = make_eval_cache(smol_shape(), "kivi2/g32", s);
+  auto rot = make_eval_cache(smol_shape(), "kivi2/g32+rot", s);
+  REQUIRE(plain.ok());
+  REQUIRE(rot.ok());
+  CHECK_FALSE(plain->config().rotation.any());
+  const auto& heads = rot->config().rotation.heads;
+  CHECK(heads.size() == size_t(30 * 3));
+  CHECK(std::all_of(heads.begin(), heads.end(), [](uint8_t h) { return h == 1; }));
+  CHECK(rot->active_policy().name() == plain->active_policy().name());
+  auto echo = make_eval_cache(smol_shape(), "echokv:seed=3+rot", s);
+  REQUIRE(echo.ok());
+  CHECK(echo->config().rotation.any());
+
+  // rolealign's clip ratios were calibrated unrotated: a rotated rolealign run takes none
+  s.clip_ratios.assign(size_t(30 * 3 * 2), 0.9f);
+  auto ra = make_eval_cache(smol_shape(), "ra4/g32+rot", s);
+  REQUIRE_FALSE(ra.ok());
+  CHECK_THAT(ra.error().message(), Contains("configuration 'ra4/g32+rot'") && Contains("unrotated"));
+  CHECK(make_eval_cache(smol_shape(), "kivi4/g32+rot", s).ok());
+  CHECK(make_eval_cache(smol_shape(), "ra4/g32", s).ok());
+  auto bare = make_eval_cache(smol_shape(), "+rot", s);
+  REQUIRE_FALSE(bare.ok());
 }
 
 namespace {
