@@ -2,13 +2,14 @@
 // CPU backend (docs/architecture.md, "Prefill of any length"): chunks of T tokens around tile,
 // window and item edges after n0 stored tokens, every tested format and a striped (mixed) layer,
 // head_dim 64/128, GQA 1/4, rotation on and off; the prefix part alone and its log-sum-exps; bad
-// input that must change nothing.
+// input that must change nothing; each launch failing in turn.
 #include <cuda_runtime.h>
 
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <cstdlib>
 #include <kvq/cache/cache.hpp>
+#include <kvq/cuda/testing.hpp>
 #include <kvq/format/numeric.hpp>
 #include <kvq/policy/static_policy.hpp>
 #include <limits>
@@ -272,5 +273,61 @@ TEST_CASE("gpu prefill: bad input returns an error and changes nothing", "[gpu][
     const status s = t.gpu.attend_prefix(0, 0, 101, {dq.p, dtype::f16, T, t.hq, int(d)}, o, static_cast<float*>(dl.p));
     REQUIRE(s.code() == errc::invalid_argument);
     unchanged();
+  }
+}
+
+TEST_CASE("gpu prefill: a failed launch before the chunk is stored stores nothing; after it, the call says so",
+          "[gpu][prefill][errors]") {
+  // Each launch of a prefill of T > window fails in turn (cuda::testing::fail_launch): the value
+  // check and the append's launches leave the cache as it was; the attention's leave the chunk
+  // stored (as a direct append stores it) and return the launch's error.
+  const int64_t n0 = 100, T = 300;
+  const auto fresh = [&] {
+    auto t = make("kivi4/g32", 4, 128, true);
+    std::mt19937 rng(9);
+    fill_prefix(t, "kivi4/g32", n0, rng);
+    return t;
+  };
+  std::mt19937 rng(10);
+  const int d = 128, hq = 8;
+  const auto k = randn_h(rng, size_t(T) * H * d), v = randn_h(rng, size_t(T) * H * d),
+             q = randn_h(rng, size_t(T) * hq * d);
+  dev_mem dk(k.size() * 2), dv(v.size() * 2), dq(q.size() * 2), dout(q.size() * 4);
+  upload(dk, k);
+  upload(dv, v);
+  upload(dq, q);
+  const tensor_view tk{dk.p, dtype::f16, T, H, d}, tv{dv.p, dtype::f16, T, H, d}, tq{dq.p, dtype::f16, T, hq, d};
+  const tensor_mut to{dout.p, dtype::f32, T, hq, d};
+  long append_launches = 0, prefill_launches = 0;
+  {
+    auto t = fresh();
+    const long a0 = cuda::testing::launch_count();
+    check(t.gpu.append(0, 0, tk, tv));
+    append_launches = cuda::testing::launch_count() - a0;
+    auto u = fresh();
+    const long p0 = cuda::testing::launch_count();
+    check(u.gpu.prefill(0, 0, tk, tv, tq, to));
+    prefill_launches = cuda::testing::launch_count() - p0;
+  }
+  REQUIRE(prefill_launches > append_launches);
+  for (long nth = 1; nth <= prefill_launches; ++nth) {
+    CAPTURE(nth, append_launches, prefill_launches);
+    auto t = fresh();
+    std::vector<float> before(size_t(n0) * H * d), after(before.size());
+    check(t.gpu.read(0, 0, role::k, before));
+    cuda::testing::fail_launch(int(nth));
+    const status s = t.gpu.prefill(0, 0, tk, tv, tq, to);
+    cuda::testing::fail_launch(0);
+    REQUIRE(s.code() == errc::cuda_error);
+    REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+    if (nth <= append_launches) {
+      REQUIRE(t.gpu.length(0, 0) == n0);
+      check(t.gpu.read(0, 0, role::k, after));
+      REQUIRE(after == before);
+    } else {
+      REQUIRE(t.gpu.length(0, 0) == n0 + T);
+      check(t.cpu.append(0, 0, {k.data(), dtype::f16, T, H, d}, {v.data(), dtype::f16, T, H, d}));
+      require_same_store(t.cpu, t.gpu, 0, 0);
+    }
   }
 }
