@@ -4,6 +4,10 @@ scaled_dot_product_attention in BF16, Llama-8B shape (32 query heads, 8 kv heads
 one layer. Each chunk's K/V are written into a preallocated BF16 cache, then its 4K queries attend
 to every earlier token and causally within the chunk (a lower-right causal mask over the cached
 keys). Prints one CSV row per SDPA backend that runs: backend, ms per prompt (median), TFLOP/s.
+The lower-right causal mask (`causal_lower_right`) dispatches inside PyTorch to the flash or the
+memory-efficient kernel as the inputs allow, so a row's name is the `sdpa_kernel` context it ran
+under; `cudnn_bool_mask` passes an explicit boolean mask to cuDNN. The ratio step of
+bench/run_gpu.sh takes the fastest row.
 
     python3 bench/peer_prefill.py [--prompt 32768] [--chunk 4096] [--iters 20]
 """
