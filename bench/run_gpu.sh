@@ -3,13 +3,16 @@
 # sanitizer (memcheck + racecheck on reduced sizes), the decode benchmark and the FP16 peer, in
 # one session so that ratios compare like with like. Logs and raw results go to $OUT (default
 # out/gpu, git-ignored).
-#   bash bench/run_gpu.sh [tests] [sanitize] [examples] [bench] [peer] [canary] [ab]
+#   bash bench/run_gpu.sh [tests] [sanitize] [examples] [bench] [peer] [canary] [prefill] [ab]
 #   (default: tests sanitize bench peer)
 # examples: the examples that run the CUDA backend or the low-level CUDA API (examples.log).
 # ab: the decode benchmark of another build (KVQ_AB_BASE, default out/gpu-base/, staged the same
 # way from the commit to compare against) and of .gpu/, KVQ_AB_ROUNDS (default 2) rounds each,
 # interleaved (KVQ_AB_FILTER: a --benchmark_filter); ab.md is bench/ab_compare.py's table,
 # ab_json.tar.gz the raw results.
+# prefill: a 32K prompt in 8 chunks of 4K through KVCache::prefill (fp16, kivi4/g32) and the BF16
+# SDPA peer (bench/peer_prefill.py) over the same chunks; prints kvq / peer time ratios (prefill.md;
+# the target: at most 1.5).
 # canary: EchoKV's device-canary overhead on a Llama-8B-like decode step (canary.log, canary.json).
 set -uo pipefail
 OUT=${OUT:-$PWD/out/gpu}
@@ -27,7 +30,8 @@ for s in $steps; do
       cs=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
       KVQ_GPU_TEST_SMALL=1 "$cs" --tool memcheck --error-exitcode 3 ./.gpu/kvq_cuda_tests "[decode],[extend],[errors]" \
         > "$OUT/memcheck.log" 2>&1; r=$?; tail -4 "$OUT/memcheck.log"; rc=$((rc | r))
-      for f in "[append]" "[canary]" "[graph]" "[fork],[truncate]" "[rotation]" "gpu: a launch failing*" "[windows]"; do  # appended to memcheck.log (the device returns at most 8 files)
+      for f in "[append]" "[canary]" "[graph]" "[fork],[truncate]" "[rotation]" "gpu: a launch failing*" "[windows]" \
+               "[prefill]"; do  # appended to memcheck.log (the device returns at most 8 files)
         KVQ_GPU_TEST_SMALL=1 "$cs" --tool memcheck --error-exitcode 3 ./.gpu/kvq_cuda_tests "$f" \
           > "$OUT/memcheck_one.log" 2>&1; r=$?; echo "memcheck $f: $(tail -1 "$OUT/memcheck_one.log")" | tee -a "$OUT/memcheck.log"
         rm -f "$OUT/memcheck_one.log"; rc=$((rc | r))
@@ -42,7 +46,11 @@ for s in $steps; do
         KVQ_GPU_TEST_SMALL=1 "$cs" --tool racecheck --error-exitcode 3 ./.gpu/kvq_cuda_tests "$f" \
           > "$OUT/racecheck_one.log" 2>&1; r=$?; echo "racecheck $f: $(tail -1 "$OUT/racecheck_one.log")" | tee -a "$OUT/racecheck.log"
         rm -f "$OUT/racecheck_one.log"; rc=$((rc | r))
-      done ;;
+      done
+      # the prefill's chunk kernel (two-stage cp.async ring) and the tile kernel's prefix mode
+      KVQ_GPU_TEST_SMALL=1 "$cs" --tool racecheck --error-exitcode 3 ./.gpu/kvq_cuda_tests "gpu prefill: head_dim*" \
+        > "$OUT/racecheck_one.log" 2>&1; r=$?; echo "racecheck [prefill]: $(tail -1 "$OUT/racecheck_one.log")" | tee -a "$OUT/racecheck.log"
+      rm -f "$OUT/racecheck_one.log"; rc=$((rc | r)) ;;
     examples)
       for e in .gpu/kvq_example_*; do
         echo "== $e" >> "$OUT/examples.log"; "$e" >> "$OUT/examples.log" 2>&1; r=$?
@@ -59,6 +67,20 @@ for s in $steps; do
       python3 bench/report_rotation.py "$OUT/bench.json" 2>&1 | tee "$OUT/rotation.md" | tail -40 ;;
     peer)
       python3 .gpu/peer_decode.py 2>&1 | tee "$OUT/peer.csv" ;;
+    prefill)
+      ./.gpu/kvq_bench_prefill_cuda --benchmark_out="$OUT/prefill.json" --benchmark_out_format=json 2>&1 \
+        | tee "$OUT/prefill.log" | grep -E "prefill/"; rc=$((rc | ${PIPESTATUS[0]}))
+      python3 .gpu/peer_prefill.py 2>&1 | tee "$OUT/peer_prefill.csv"; rc=$((rc | ${PIPESTATUS[0]}))
+      python3 - "$OUT/prefill.json" "$OUT/peer_prefill.csv" <<'PY' | tee "$OUT/prefill.md"
+import csv, json, sys
+kvq = {b["name"].split("/")[1]: b["ms_per_prompt"] for b in json.load(open(sys.argv[1]))["benchmarks"]}
+peer = {r[0]: float(r[1]) for r in csv.reader(l for l in open(sys.argv[2]) if l[0] != "#") if r[0] != "backend"}
+best = min(peer, key=peer.get) if peer else None
+print("| kvq format | kvq ms | peer (" + str(best) + ") ms | kvq / peer |\n| --- | --- | --- | --- |")
+for f, ms in kvq.items():
+    print(f"| {f} | {ms:.2f} | {peer[best]:.2f} | {ms / peer[best]:.2f} |" if best else f"| {f} | {ms:.2f} | - | - |")
+PY
+      ;;
     canary)
       ./.gpu/kvq_bench_canary_cuda --steps 1280 --json "$OUT/canary.json" 2>&1 | tee "$OUT/canary.log" | grep -vE "filled|round"
       rc=$((rc | ${PIPESTATUS[0]})) ;;

@@ -7,6 +7,7 @@
 #include <kvq/rotation/rotation.hpp>
 #include <kvq/store/window_layout.hpp>
 
+#include "attention/prefill.hpp"
 #include "canary_runner.hpp"
 #include "device_buffer.hpp"
 #include "launch_plan.hpp"
@@ -318,7 +319,6 @@ class cuda_backend final : public cache_backend {
   status attend(std::span<const attend_item> items, int layer, const tensor_view& q, const tensor_mut& o) override {
     KVQ_ON_DEVICE();
     KVQ_TRY(canary_.flush_of(layer));  // a repeated step of the layer
-    const auto& sh = cfg_.shape;
     items_.clear();
     int32_t row = 0;
     for (const auto& it : items) {
@@ -329,18 +329,8 @@ class cuda_backend final : public cache_backend {
       row += it.q_len;
     }
     cuda::attend_args a;
-    a.kv = view_;
-    a.layer = layer;
-    a.q_heads = sh.q_heads;
+    set_call(a, layer, q, o);
     a.items = items_;
-    a.q = q.data;
-    a.q_type = q.type;
-    a.q_stride = q.stride();
-    a.o = o.data;
-    a.o_type = o.type;
-    a.o_stride = o.stride();
-    a.scale = softmax_scale();
-    a.num_sms = sms_;
     a.max_page_bits = layer_bits_[size_t(layer)];
     a.rotation = rotation_of(layer);  // before the plan: the workspace holds the rotated queries
     const auto heads = head_pair_.begin() + ptrdiff_t(layer) * cfg_.shape.kv_heads;
@@ -355,6 +345,93 @@ class cuda_backend final : public cache_backend {
     KVQ_TRY(cuda::detail::launch_planned(a, *plan, workspace_.ptr, workspace_.count, cfg_.stream));
     canary_.defer(layer);
     return {};
+  }
+
+  // ---- prefill of any length and the prefix attention (docs/architecture.md, "Prefill of any length")
+
+  bool prefill_any_length() const override { return true; }
+
+  // The call's arguments over (s, layer) with `prefix` stored tokens seen by every query: the
+  // pages the layer holds now, the rest from the ring.
+  cuda::detail::prefill_args prefill_args_of(const sequence_state& s, int layer, int64_t prefix, const tensor_view& q,
+                                             const tensor_mut& o) const {
+    const layer_state& ls = s.layers[size_t(layer)];
+    cuda::detail::prefill_args a;
+    set_call(a, layer, q, o);
+    a.slot = s.slot;
+    a.window_unit = uint32_t(s.window_offset / block_unit);
+    a.prefix = int32_t(prefix);
+    a.from_pages = int32_t(std::min(ls.e, prefix));
+    a.queries = q.tokens;
+    a.rotation = rotation_of(layer);
+    return a;
+  }
+
+  // Grows the workspace to what a call needs (it never shrinks).
+  status reserve_workspace(size_t need) {
+    if (need > workspace_.count) KVQ_TRY(workspace_.allocate(need, "attention workspace"));
+    return {};
+  }
+
+  // Before the chunk's append: the call's checks and its workspace, sized for the prefix the
+  // chunk will see (the stored tokens now), so that nothing can fail for want of them after it.
+  status prepare_prefill(const sequence_state& s, int layer, int64_t tokens) override {
+    if (tokens <= cfg_.shape.window) return {};  // (an attend step)
+    KVQ_ON_DEVICE();
+    const int64_t n0 = s.layers[size_t(layer)].n;
+    cuda::detail::prefill_args a = prefill_args_of(s, layer, n0, {nullptr, dtype::f16, tokens, cfg_.shape.q_heads,
+                                                                   cfg_.shape.head_dim, 0},
+                                                   {});
+    a.from_pages = a.prefix;  // (the append may encode prefix tokens; the workspace does not depend on it)
+    const tensor_view chunk{reinterpret_cast<const void*>(uintptr_t(1)), dtype::f16, tokens, cfg_.shape.kv_heads,
+                            cfg_.shape.head_dim, 0};
+    a.k = a.v = chunk;  // (only its shape: sizes the chunk's part)
+    KVQ_TRY(cuda::detail::prefill_can_implement(a));
+    return reserve_workspace(cuda::detail::prefill_workspace_bytes(a));
+  }
+
+  // A chunk of at most the window is an `attend` step of q_len T (the chunk is the ring's newest
+  // tokens), so a device canary measures its queries as it measures any step's; a longer one runs
+  // the prefix and chunk parts.
+  status prefill(const sequence_state& s, int layer, int64_t prefix, const tensor_view& k, const tensor_view& v,
+                 const tensor_view& q, const tensor_mut& o) override {
+    if (q.tokens <= cfg_.shape.window) {
+      const attend_item item{s.id, int(q.tokens)};
+      return attend({&item, 1}, layer, q, o);
+    }
+    KVQ_ON_DEVICE();
+    cuda::detail::prefill_args a = prefill_args_of(s, layer, prefix, q, o);
+    a.k = k;
+    a.v = v;
+    KVQ_TRY(reserve_workspace(cuda::detail::prefill_workspace_bytes(a)));
+    return cuda::detail::prefill_run(a, workspace_.ptr, workspace_.count, cfg_.stream);
+  }
+
+  status attend_prefix(const sequence_state& s, int layer, int64_t prefix, const tensor_view& q, const tensor_mut& o,
+                       float* lse) override {
+    KVQ_ON_DEVICE();
+    cuda::detail::prefill_args a = prefill_args_of(s, layer, prefix, q, o);
+    a.lse = lse;
+    KVQ_TRY(cuda::detail::prefill_can_implement(a));
+    KVQ_TRY(reserve_workspace(cuda::detail::prefill_workspace_bytes(a)));
+    return cuda::detail::prefill_run(a, workspace_.ptr, workspace_.count, cfg_.stream);
+  }
+
+  // The fields an attention call (`cuda::attend_args`) and a prefix / prefill call
+  // (`cuda::detail::prefill_args`) share: the layer's view, the queries and outputs, the scale.
+  template <class Args>
+  void set_call(Args& a, int layer, const tensor_view& q, const tensor_mut& o) const {
+    a.kv = view_;
+    a.layer = layer;
+    a.q_heads = cfg_.shape.q_heads;
+    a.q = q.data;
+    a.q_type = q.type;
+    a.q_stride = q.stride();
+    a.o = o.data;
+    a.o_type = o.type;
+    a.o_stride = o.stride();
+    a.scale = softmax_scale();
+    a.num_sms = sms_;
   }
 
   cache_overhead overhead() const override {

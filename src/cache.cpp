@@ -329,14 +329,15 @@ status KVCache::prefill(seq_id id, int layer, const tensor_view& k, const tensor
   if (!impl_->prefill_any_length()) {
     if (k.tokens > sh.window)
       return {errc::unsupported,
-              fmt::format("prefill: a chunk of {} tokens is longer than the window {}; prefill of q_len > window on the "
-                          "CUDA backend is not implemented yet (feed chunks of at most the window)",
+              fmt::format("prefill: a chunk of {} tokens is longer than the window {}, and this backend serves a prefill "
+                          "as append + attend (feed chunks of at most the window)",
                           k.tokens, sh.window)};
     KVQ_TRY(append(id, layer, k, v));
     const attend_item item{id, int(k.tokens)};
     return attend({&item, 1}, layer, q, o);
   }
   const int64_t prefix = s->layers[size_t(layer)].n;
+  KVQ_TRY(impl_->prepare_prefill(*s, layer, k.tokens));  // e.g. the device workspace, before anything is stored
   KVQ_TRY(append(id, layer, k, v));  // validates values and budget; stores nothing on failure
   return impl_->prefill(*s, layer, prefix, k, v, q, o);
 }

@@ -1,12 +1,11 @@
 // Launch glue of the attention kernels: the launch parameters of a planned call
 // (launch_plan.hpp), the query rotation of rotated heads, the attention kernel its plan names,
 // then the split merge as a programmatic dependent launch. The kernels, by concept: cuda/README.md.
-#include "attention/attend_tile.cuh"
 #include "attention/decode_paged.cuh"
 #include "attention/decode_staged.cuh"
 #include "attention/decode_wide.cuh"
-#include "attention/merge.cuh"
 #include "attention/query.cuh"
+#include "attention/tile_launch.cuh"
 #include "launch.hpp"
 #include "launch_plan.hpp"
 #include "status.hpp"
@@ -38,22 +37,10 @@ status launch_attend(const attend_params& p, const launch_plan& lp, int kv_heads
       KVQ_TRY(launch("attention launch", kernel, grid, dim3(dec_warps * 32), size_t(lp.smem), st, p));
     }
   } else {
-    const int smem = int(sizeof(attend_smem<D>));
-    KVQ_TRY(set_max_dynamic_smem(attend_kernel<D>, smem));
-    KVQ_TRY(launch("attention launch", attend_kernel<D>,
-                   dim3(unsigned(lp.max_splits), unsigned(kv_heads * lp.mtiles), unsigned(items)), dim3(threads),
-                   size_t(smem), st, p));
+    KVQ_TRY(launch_tile<D>("attention launch", p,
+                           dim3(unsigned(lp.max_splits), unsigned(kv_heads * lp.mtiles), unsigned(items)), st));
   }
-  cudaLaunchAttribute pdl[1];
-  pdl[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;  // `pdl_trigger` / `pdl_wait`
-  pdl[0].val.programmaticStreamSerializationAllowed = 1;
-  int dev = 0, major = 0;  // (sm_90+ only: elsewhere the merge is launched in plain stream order)
-  KVQ_TRY(cuda_status(cudaGetDevice(&dev), "cudaGetDevice"));
-  KVQ_TRY(cuda_status(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev),
-                      "cudaDeviceGetAttribute"));
-  const auto merge = p.rot.mask != 0 ? merge_kernel<D, true> : merge_kernel<D, false>;
-  return launch("merge launch", merge, mgrid, dim3(merge_threads), 0, st,
-                std::span<cudaLaunchAttribute>(pdl, major >= 9 ? 1 : 0), p);
+  return launch_merge<D>("merge launch", p, mgrid, st);
 }
 
 }  // namespace

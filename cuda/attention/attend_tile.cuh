@@ -7,6 +7,7 @@
 // the query (q' = q * s per token group) and the zero point into one dot product per row (q . z).
 // Each warp owns 16 tokens of the tile: S = Q K^T and O += P V with mma.sync m16n8k16 (fp16
 // operands, fp32 accumulation), online softmax in fp32 registers.
+#include "attention/row_softmax.cuh"
 #include "attention/tile_pages.cuh"
 
 #include <cmath>
@@ -94,7 +95,9 @@ __global__ void __launch_bounds__(threads, 2) attend_kernel(const __grid_constan
   for (int j = 0; j < D / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
   const int q_first = item.n - item.q_len;  // position of query 0
   // last visible token of this lane's two rows (lane/4 and lane/4 + 8): causal mask bound
-  const int last_visible[2] = {q_first + (mt * 16 + lane / 4) / p.group, q_first + (mt * 16 + lane / 4 + 8) / p.group};
+  // (a prefix call: every row sees all n tokens)
+  const int last_visible[2] = {p.prefix ? item.n - 1 : q_first + (mt * 16 + lane / 4) / p.group,
+                               p.prefix ? item.n - 1 : q_first + (mt * 16 + lane / 4 + 8) / p.group};
 
   for (int t = t0; t < t1; ++t) {
     if (warp == 0) cp_wait_dyn(issued - t - 1);  // this tile's copies have landed
@@ -183,32 +186,10 @@ __global__ void __launch_bounds__(threads, 2) attend_kernel(const __grid_constan
         sc4[nt][e] = ok ? x : -INFINITY;
         tile_max[e / 2] = fmaxf(tile_max[e / 2], sc4[nt][e]);
       }
-    __half2 pf[2][2];
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      tile_max[hr] = fmaxf(tile_max[hr], __shfl_xor_sync(0xffffffffu, tile_max[hr], 1));
-      tile_max[hr] = fmaxf(tile_max[hr], __shfl_xor_sync(0xffffffffu, tile_max[hr], 2));
-      const float m_new = fmaxf(row_max[hr], tile_max[hr]);
-      const float alpha = m_new == -INFINITY ? 1.f : exp2f(row_max[hr] - m_new);
-      row_max[hr] = m_new;
-      row_sum[hr] *= alpha;
-      if (__any_sync(0xffffffffu, alpha != 1.f)) {  // the running max rarely moves once settled
-#pragma unroll
-        for (int j = 0; j < D / 8; ++j) {
-          acc[j][2 * hr] *= alpha;
-          acc[j][2 * hr + 1] *= alpha;
-        }
-      }
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        const float p0 = m_new == -INFINITY ? 0.f : exp2f(sc4[nt][2 * hr] - m_new);
-        const float p1 = m_new == -INFINITY ? 0.f : exp2f(sc4[nt][2 * hr + 1] - m_new);
-        row_sum[hr] += p0 + p1;
-        pf[nt][hr] = __floats2half2_rn(p0, p1);
-      }
-    }
+    uint32_t pf[2][2];
+    row_softmax_step<2, D>(sc4, tile_max, row_max, row_sum, acc, pf);
     // ---- O += P V ----
-    const uint32_t pa0 = h2_bits(pf[0][0]), pa1 = h2_bits(pf[0][1]), pa2 = h2_bits(pf[1][0]), pa3 = h2_bits(pf[1][1]);
+    const uint32_t pa0 = pf[0][0], pa1 = pf[0][1], pa2 = pf[1][0], pa3 = pf[1][1];
 #pragma unroll
     for (int jp = 0; jp < D / 16; ++jp) {
       uint32_t b0, b1, b2, b3;

@@ -59,7 +59,7 @@ __global__ void __launch_bounds__(merge_threads) merge_kernel(const __grid_const
     }
   }
   const int T = ceil_div(item.from_pages, p.unit_tokens) + ceil_div(item.n - item.from_pages, p.unit_tokens);
-  const int splits = ceil_div(T, p.tiles_per_split);
+  const int splits = ceil_div(T, p.tiles_per_split) + p.extra_splits;  // (a prefill chunk's part last)
   const size_t part0 = ((size_t(blockIdx.x) * p.kv.kv_heads + h) * p.mtiles + mt) * p.max_splits;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const float2* ml = reinterpret_cast<const float2*>(p.ws_ml + (part0 * 16 + r) * 2);  // split s: ml[s * 16] (max, sum)
@@ -104,9 +104,12 @@ __global__ void __launch_bounds__(merge_threads) merge_kernel(const __grid_const
     float o = 0.f;
 #pragma unroll
     for (int w = 0; w < warps; ++w) o += wo_sum[w][c];
-    if (rotated) f_s[c] = o / l;  // (f_s's readers finished before the reductions' barriers)
-    else store_any(p.o, p.o_type, out + c, o / l);
+    o = l > 0.f ? o / l : 0.f;  // (no partial: an empty prefix)
+    if (rotated) f_s[c] = o;  // (f_s's readers finished before the reductions' barriers)
+    else store_any(p.o, p.o_type, out + c, o);
   }
+  if (p.lse && threadIdx.x == 0)  // natural log of the scaled scores' sum (m and l are in base 2)
+    p.lse[int64_t(item.q_row + i) * p.q_heads + qh] = l > 0.f ? (m + log2f(l)) * 0.6931471805599453f : -INFINITY;
   if constexpr (Rotated) {
     if (!rotated) return;
     // A rotated head's output is R o: the first warp rotates it back (R^T) and stores it.

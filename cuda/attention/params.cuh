@@ -29,6 +29,9 @@ struct attend_params {
   float* q_stage;  // optional: items' query rows copied here as fp32 (decode_item::stage_row)
   head_rotation rot;  // the layer's rotated heads: the merge rotates their output back
   int q_rotated;      // 1: q holds the rotated queries (tile kernel); 0: the decode kernels rotate them
+  int prefix;         // tile kernel, 1: every query sees all n tokens of its item (no causal mask; attend_prefix)
+  int extra_splits;   // merge: partials past the item's own splits (1: a prefill chunk's causal part)
+  float* lse;         // merge, optional: [rows][q_heads] natural-log log-sum-exp of each output row
   int n_items;
   decode_item items[max_items];
 };

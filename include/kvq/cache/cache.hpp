@@ -230,8 +230,10 @@ class KVQ_EXPORT KVCache {
   /// computed separately and merged by log-sum-exp (`merge_attention`, attention/merge.hpp).
   /// Appending is `append`'s (same validation, storage and policy calls); everything (shapes,
   /// token counts, values, budget) is validated before anything is stored.
-  /// CPU backend: any T. CUDA backend: T <= window (as `append` + `attend`); a longer chunk is
-  /// `unsupported`.
+  /// Both backends take any T. CUDA: T <= window as `append` + `attend`; a longer chunk as the
+  /// prefix part on the tile kernel and the chunk's causal part on a FlashAttention-2-style kernel
+  /// over its fp16 K/V, merged by the split merge, its workspace grown before the append (a failed
+  /// call stores nothing); a device canary (EchoKV) does not measure the queries of such a chunk.
   /// \param k [T][kv_heads][head_dim] f32/f16/bf16, finite and within fp16 range
   /// \param v same shape as k
   /// \param q [T][q_heads][head_dim]
@@ -244,7 +246,7 @@ class KVQ_EXPORT KVCache {
   /// else from the FP16 ring. It also writes each (query, head)'s log-sum-exp, so an engine can
   /// merge it (`merge_attention`) with its own attention over other keys, e.g. a chunk's causal
   /// attention over its own K/V after appending the chunk with `append`: that is `prefill`.
-  /// CPU backend only for now (the CUDA backend returns `unsupported`).
+  /// Both backends; on CUDA `lse` is device memory and the call runs on the cache's stream.
   /// \param prefix stored tokens to attend to, 0 <= prefix <= length(id, layer); 0 gives o = 0
   ///        and lse = -inf
   /// \param q [tokens][q_heads][head_dim]

@@ -59,6 +59,10 @@ class cache_backend {
   /// True when `prefill` takes a chunk of any length; otherwise `KVCache::prefill` serves
   /// chunks of at most the window as `append` + `attend` and refuses longer ones.
   virtual bool prefill_any_length() const { return false; }
+  /// Before the chunk's append of `KVCache::prefill` (`tokens` tokens after the `s`'s stored ones):
+  /// checks that the backend can run the prefill and reserves what it needs (a device workspace),
+  /// so that a failure stores nothing.
+  virtual status prepare_prefill(const sequence_state& /*s*/, int /*layer*/, int64_t /*tokens*/) { return {}; }
   /// The attention of `KVCache::prefill`, after the chunk (k, v) was appended: query i sees the
   /// first `prefix` stored tokens and chunk tokens 0..i rounded to fp16 (docs/architecture.md,
   /// "Prefill of any length"). Inputs are validated.

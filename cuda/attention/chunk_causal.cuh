@@ -1,0 +1,205 @@
+#pragma once
+// The chunk kernels of a prefill (docs/architecture.md, "Prefill of any length"):
+// - `stage_chunk_kernel`: the chunk's K and V as the ring would hold them, fp16 [kv_heads][T][D]
+//   per role, rotated first on rotated heads (the append's arithmetic, so the values equal the
+//   ring's);
+// - `chunk_kernel`: the chunk's causal self-attention over those fp16 K/V, FlashAttention-2
+//   style: a block of 4 warps takes 64 query rows of one kv head (row = query x GQA group + head,
+//   as the tile kernel orders them), each warp 16 rows with its Q fragments in registers; 64-token
+//   K/V tiles come through a two-stage cp.async pipeline into swizzled shared memory; S = Q K^T
+//   and O += P V with mma.sync m16n8k16 (fp16 operands, fp32 accumulation), online softmax in fp32
+//   registers. Each warp writes its rows' partial (max, sum, unnormalized O, base 2) as the last
+//   split of the split merge's workspace, which merges it with the prefix part by log-sum-exp.
+#include <cmath>
+
+#include "attention/dequant.cuh"
+#include "attention/params.cuh"
+#include "attention/row_softmax.cuh"
+#include "rotation.cuh"
+
+KVQ_NAMESPACE_BEGIN
+namespace cuda::detail {
+
+constexpr int chunk_rows = 64;  // query rows of a chunk-kernel block (4 warps x 16)
+
+struct chunk_params {
+  const __half* ck;  // [kv_heads][T][D] fp16 keys of the chunk
+  const __half* cv;  // [kv_heads][T][D] fp16 values
+  const void* q;     // [T][q_heads][D] (rotated already on rotated heads)
+  dtype q_type;
+  int64_t q_stride;
+  int T;     // chunk tokens
+  int q0;    // first query of this launch
+  int rows;  // query rows of this launch: its queries x group
+  int group, kv_heads;
+  int item_rows;  // rows per item of the split merge (prefill_item_queries x group)
+  int mtiles, max_splits;
+  float scale_log2;
+  float* ws_o;   // [partials][16][D]
+  float* ws_ml;  // [partials][16][2]
+};
+
+// One warp per (token, kv head, role): D/32 channels per lane, rotated on a rotated head, rounded
+// to fp16. Grid: ceil(T x kv_heads x 2 / 4) blocks of 128 threads.
+template <int D>
+__global__ void __launch_bounds__(128) stage_chunk_kernel(tensor_view k, tensor_view v, int layer, head_rotation rot,
+                                                          __half* out /* [2][kv_heads][T][D] */) {
+  constexpr int per_lane = D / 32;
+  const int lane = threadIdx.x % 32, w = blockIdx.x * 4 + threadIdx.x / 32;
+  const int H = k.heads, T = int(k.tokens);
+  if (w >= T * H * 2) return;  // (warp-uniform)
+  const int r = w / (T * H), h = (w / T) % H, t = w % T;
+  const tensor_view& src = r == 0 ? k : v;
+  float x[per_lane];
+#pragma unroll
+  for (int i = 0; i < per_lane; ++i)
+    x[i] = load_any(src.data, src.type, int64_t(t) * src.stride() + h * D + lane * per_lane + i);
+  if (head_rotated(rot, h)) warp_rotate<per_lane>(x, lane, rot.seed, layer, h, false);
+  __half* dst = out + ((size_t(r) * H + h) * T + t) * D + lane * per_lane;
+#pragma unroll
+  for (int i = 0; i < per_lane; ++i) dst[i] = __float2half_rn(x[i]);
+}
+
+template <int D>
+struct chunk_smem {
+  __half q[chunk_rows * D];      // the block's query rows, swizzled
+  __half k[2][tile_tokens * D];  // key tiles (two stages), swizzled
+  __half v[2][tile_tokens * D];  // value tiles
+};
+
+// Copies key/value tile `t` (tokens [64 t, 64 t + 64) of kv head h) into stage `st`; rows past T
+// are zero (their scores are masked, and P V must not meet garbage).
+template <int D>
+__device__ __forceinline__ void chunk_tile_copy(const chunk_params& p, int h, int t, chunk_smem<D>& sm, int st) {
+  constexpr int cpr = D * 2 / 16;  // 16-byte chunks per row
+  const size_t head0 = size_t(h) * p.T * D;
+#pragma unroll
+  for (int i = 0; i < tile_tokens * cpr / threads; ++i) {
+    const int c = threadIdx.x + i * threads, row = c / cpr, ch = c % cpr, tok = t * tile_tokens + row;
+    const int at = swz<D>(row, ch);
+    if (tok < p.T) {
+      cp_async16(smem_addr(&sm.k[st][at]), p.ck + head0 + size_t(tok) * D + ch * 8);
+      cp_async16(smem_addr(&sm.v[st][at]), p.cv + head0 + size_t(tok) * D + ch * 8);
+    } else {
+      *reinterpret_cast<uint4*>(&sm.k[st][at]) = make_uint4(0, 0, 0, 0);
+      *reinterpret_cast<uint4*>(&sm.v[st][at]) = make_uint4(0, 0, 0, 0);
+    }
+  }
+  cp_commit();
+}
+
+// Grid (row blocks, kv heads): blockIdx.x counts down from the longest (last) rows, so that the
+// blocks with the most key tiles start first.
+template <int D>
+__global__ void __launch_bounds__(threads, 2) chunk_kernel(const __grid_constant__ chunk_params p) {
+  extern __shared__ __align__(16) uint8_t smem_raw[];
+  chunk_smem<D>& sm = *reinterpret_cast<chunk_smem<D>*>(smem_raw);
+  const int h = blockIdx.y, row0 = (int(gridDim.x) - 1 - int(blockIdx.x)) * chunk_rows;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  // the last query of the block's rows bounds its key tiles
+  const int q_last = min(p.T - 1, p.q0 + (min(row0 + chunk_rows, p.rows) - 1) / p.group);
+  const int tiles = q_last / tile_tokens + 1;
+  chunk_tile_copy<D>(p, h, 0, sm, 0);
+
+  // query rows: row rr -> query q0 + rr / group, head h * group + rr % group
+  for (int idx = tid; idx < chunk_rows * D; idx += threads) {
+    const int r = idx / D, c = idx % D, rr = row0 + r;
+    float x = 0.f;
+    if (rr < p.rows) {
+      const int i = p.q0 + rr / p.group, qh = h * p.group + rr % p.group;
+      x = load_any(p.q, p.q_type, int64_t(i) * p.q_stride + int64_t(qh) * D + c);
+    }
+    sm.q[swz<D>(r, c / 8) + c % 8] = __float2half_rn(x);
+  }
+  __syncthreads();
+  const int wrow = warp * 16;
+  uint32_t qf[D / 16][4];
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ++ks)
+    ldsm_x4(smem_addr(sm.q + swz<D>(wrow + (lane % 8) + ((lane / 8) % 2) * 8, ks * 2 + lane / 16)), qf[ks][0],
+            qf[ks][1], qf[ks][2], qf[ks][3]);
+
+  const int r_lo = lane / 4;
+  // the query of each of this lane's two rows: its last visible chunk token
+  const int last_visible[2] = {p.q0 + (row0 + wrow + r_lo) / p.group, p.q0 + (row0 + wrow + r_lo + 8) / p.group};
+  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
+  float acc[D / 8][4];
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+
+  for (int t = 0; t < tiles; ++t) {
+    const int st = t % 2;
+    if (t + 1 < tiles) {
+      chunk_tile_copy<D>(p, h, t + 1, sm, st ^ 1);
+      cp_wait<1>();
+    } else {
+      cp_wait<0>();
+    }
+    __syncthreads();  // tile t visible to every warp
+    const int tok0 = t * tile_tokens;
+    // ---- S = Q K^T: 16 rows x 64 tokens (8 n-tiles of 8) ----
+    float s[8][4];
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks)
+#pragma unroll
+      for (int kb = 0; kb < 4; ++kb) {
+        uint32_t b0, b1, b2, b3;
+        ldsm_x4(smem_addr(sm.k[st] + swz<D>(kb * 16 + (lane / 16) * 8 + lane % 8, ks * 2 + (lane / 8) % 2)), b0, b1, b2,
+                b3);
+        mma16816(s[2 * kb], qf[ks][0], qf[ks][1], qf[ks][2], qf[ks][3], b0, b1);
+        mma16816(s[2 * kb + 1], qf[ks][0], qf[ks][1], qf[ks][2], qf[ks][3], b2, b3);
+      }
+    // ---- scale, causal mask, online softmax ----
+    float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int j = tok0 + nt * 8 + (lane % 4) * 2 + (e % 2);
+        const float x = s[nt][e] * p.scale_log2;
+        s[nt][e] = j <= last_visible[e / 2] && j < p.T ? x : -INFINITY;
+        tile_max[e / 2] = fmaxf(tile_max[e / 2], s[nt][e]);
+      }
+    uint32_t pf[8][2];  // P as fp16 pairs: [n-tile][row half]
+    row_softmax_step<8, D>(s, tile_max, row_max, row_sum, acc, pf);
+    // ---- O += P V, 16 tokens per k-step ----
+#pragma unroll
+    for (int kb = 0; kb < 4; ++kb)
+#pragma unroll
+      for (int jp = 0; jp < D / 16; ++jp) {
+        uint32_t b0, b1, b2, b3;
+        ldsm_x4_t(smem_addr(sm.v[st] + swz<D>(kb * 16 + (lane % 8) + ((lane / 8) % 2) * 8, jp * 2 + lane / 16)), b0, b1,
+                  b2, b3);
+        mma16816(acc[2 * jp], pf[2 * kb][0], pf[2 * kb][1], pf[2 * kb + 1][0], pf[2 * kb + 1][1], b0, b1);
+        mma16816(acc[2 * jp + 1], pf[2 * kb][0], pf[2 * kb][1], pf[2 * kb + 1][0], pf[2 * kb + 1][1], b2, b3);
+      }
+    __syncthreads();  // every warp is done with stage st before the next copy into it
+  }
+
+  // ---- this warp's 16 rows: the partial of the merge's last split ----
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    row_sum[hr] += __shfl_xor_sync(0xffffffffu, row_sum[hr], 1);
+    row_sum[hr] += __shfl_xor_sync(0xffffffffu, row_sum[hr], 2);
+  }
+  const int rr = row0 + wrow;  // the warp's first row: 16 rows of one m-tile of one item
+  if (rr >= p.rows) return;
+  const int item = rr / p.item_rows, mt = (rr % p.item_rows) / 16;
+  const size_t part = ((size_t(item) * p.kv_heads + h) * p.mtiles + mt) * p.max_splits + (p.max_splits - 1);
+  float* wo = p.ws_o + part * 16 * D;
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) wo[(r_lo + (e / 2) * 8) * D + j * 8 + (lane % 4) * 2 + (e % 2)] = acc[j][e];
+  if (lane % 4 == 0)
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      p.ws_ml[(part * 16 + r_lo + hr * 8) * 2] = row_max[hr];
+      p.ws_ml[(part * 16 + r_lo + hr * 8) * 2 + 1] = row_sum[hr];
+    }
+}
+
+}  // namespace cuda::detail
+KVQ_NAMESPACE_END

@@ -1,0 +1,220 @@
+// Launch glue of a prefix / prefill call (attention/prefill.hpp): the query rotation of rotated
+// heads, the chunk's fp16 K/V and its causal part (attention/chunk_causal.cuh), the prefix part on
+// the tile kernel (attention/attend_tile.cuh, unmasked), then the split merge, which merges both
+// parts by log-sum-exp and writes O and the log-sum-exps.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "attention/chunk_causal.cuh"
+#include "attention/prefill.hpp"
+#include "attention/query.cuh"
+#include "attention/tile_launch.cuh"
+#include "launch.hpp"
+#include "status.hpp"
+#include "view_checks.hpp"
+
+KVQ_NAMESPACE_BEGIN
+namespace cuda::detail {
+namespace {
+
+// How a call splits: items of `prefill_item_queries` queries, launches of up to `max_items` items,
+// the prefix's 64-token tiles over `prefix_splits` blocks per (item, kv head, m-tile), and the
+// chunk's part (a prefill) as one more split.
+struct prefill_plan {
+  int items;         // ceil(T / prefill_item_queries)
+  int launch_items;  // items of one launch, at most max_items
+  int mtiles;        // 16-row m-tiles per item
+  int prefix_tiles;  // 64-token tiles of the prefix
+  int tiles_per_split, prefix_splits, max_splits;
+  size_t parts;     // partials of one launch
+  size_t ws_parts;  // partials the workspace holds: a bound that depends on n0, not on from_pages
+};
+
+size_t align256(size_t x) { return (x + 255) / 256 * 256; }
+
+prefill_plan plan_of(const prefill_args& a) {
+  prefill_plan lp{};
+  const int group = a.q_heads / a.kv.kv_heads;
+  const int64_t per_item = std::min<int64_t>(a.queries, prefill_item_queries);
+  lp.items = int((a.queries + prefill_item_queries - 1) / prefill_item_queries);
+  lp.launch_items = std::min(lp.items, max_items);
+  lp.mtiles = ceil_div(int(per_item) * group, 16);
+  lp.prefix_tiles = ceil_div(a.from_pages, tile_tokens) + ceil_div(a.prefix - a.from_pages, tile_tokens);
+  // the tile kernel's rule (launch_plan.cpp): about four blocks per SM, at most max_split_tiles
+  // tiles per block
+  const int64_t base = int64_t(lp.launch_items) * a.kv.kv_heads * lp.mtiles;
+  const auto splits_for = [&](int tiles) {  // non-decreasing in tiles
+    const int64_t want = int64_t(a.num_sms) * 4;
+    const int s = int(std::clamp<int64_t>((want + base - 1) / base, 1, std::max(1, tiles)));
+    return std::max(s, ceil_div(tiles, max_split_tiles));
+  };
+  const int splits = splits_for(lp.prefix_tiles);
+  lp.tiles_per_split = std::max(1, ceil_div(lp.prefix_tiles, splits));
+  lp.prefix_splits = ceil_div(lp.prefix_tiles, lp.tiles_per_split);  // <= splits
+  const int chunk = a.k.data ? 1 : 0;
+  lp.max_splits = lp.prefix_splits + chunk;
+  lp.parts = size_t(lp.launch_items) * a.kv.kv_heads * lp.mtiles * lp.max_splits;
+  // any from_pages gives at most ceil(n0 / 64) + 1 tiles
+  const int tiles_bound = ceil_div(a.prefix, tile_tokens) + (a.prefix > 0 ? 1 : 0);
+  lp.ws_parts = size_t(lp.launch_items) * a.kv.kv_heads * lp.mtiles * (splits_for(tiles_bound) + chunk);
+  return lp;
+}
+
+// Workspace: partials | rotated queries (rotated heads) | the chunk's fp16 K/V (a prefill).
+struct prefill_layout {
+  size_t rotated_q, chunk_kv, total;
+};
+prefill_layout layout_of(const prefill_args& a, const prefill_plan& lp) {
+  prefill_layout l{};
+  const size_t d = size_t(a.kv.head_dim);
+  l.rotated_q = align256(lp.ws_parts * 16 * (d + 2) * sizeof(float));
+  const size_t q_bytes = a.rotation.mask ? size_t(a.queries) * a.q_heads * d * sizeof(float) : 0;
+  l.chunk_kv = align256(l.rotated_q + q_bytes);
+  const size_t kv_bytes = a.k.data ? 2 * size_t(a.kv.kv_heads) * size_t(a.queries) * d * sizeof(__half) : 0;
+  l.total = l.chunk_kv + kv_bytes;
+  return l;
+}
+
+template <int D>
+status launch_prefill(const prefill_args& a, const prefill_plan& lp, const prefill_layout& ly, uint8_t* ws,
+                      cudaStream_t st) {
+  const int H = a.kv.kv_heads, group = a.q_heads / H;
+  const float scale = a.scale > 0.f ? a.scale : 1.0f / std::sqrt(float(D));
+  // Rotated heads: the queries rotated once into the workspace (both parts read them there).
+  const void* q = a.q;
+  dtype q_type = a.q_type;
+  int64_t q_stride = a.q_stride ? a.q_stride : int64_t(a.q_heads) * D;
+  if (a.rotation.mask) {
+    float* qr = reinterpret_cast<float*>(ws + ly.rotated_q);
+    const int rows = int(a.queries), warps = rotate_query_threads / 32, blocks = ceil_div(rows * a.q_heads, warps);
+    KVQ_TRY(launch("prefill: query rotation launch", rotate_query_kernel<D>, dim3(unsigned(blocks)),
+                   dim3(rotate_query_threads), 0, st, a.q, a.q_type, q_stride, rows, a.q_heads, group, a.layer,
+                   a.rotation, qr));
+    q = qr, q_type = dtype::f32, q_stride = int64_t(a.q_heads) * D;
+  }
+  __half* ckv = reinterpret_cast<__half*>(ws + ly.chunk_kv);
+  if (a.k.data) {
+    const int warps = int(a.queries) * H * 2;
+    KVQ_TRY(launch("prefill: chunk K/V launch", stage_chunk_kernel<D>, dim3(unsigned(ceil_div(warps, 4))), dim3(128), 0,
+                   st, a.k, a.v, a.layer, a.rotation, ckv));
+  }
+  float* ws_o = reinterpret_cast<float*>(ws);
+  float* ws_ml = ws_o + lp.parts * 16 * D;
+  const int per_launch = lp.launch_items * prefill_item_queries;
+  for (int64_t q0 = 0; q0 < a.queries; q0 += per_launch) {
+    const int count = int(std::min<int64_t>(per_launch, a.queries - q0));
+    const int items = ceil_div(count, prefill_item_queries);
+    attend_params p{};
+    p.kv = a.kv;
+    p.layer = a.layer;
+    p.q_heads = a.q_heads;
+    p.group = group;
+    p.mtiles = lp.mtiles;
+    p.q = q;
+    p.q_type = q_type;
+    p.q_stride = q_stride;
+    p.o = a.o;
+    p.o_type = a.o_type;
+    p.o_stride = a.o_stride ? a.o_stride : int64_t(a.q_heads) * D;
+    p.scale_log2 = scale * 1.4426950408889634f;
+    p.tiles_per_split = lp.tiles_per_split;
+    p.max_splits = lp.max_splits;
+    p.unit_tokens = tile_tokens;
+    p.ws_o = ws_o;
+    p.ws_ml = ws_ml;
+    p.rot = a.rotation;
+    p.q_rotated = a.rotation.mask ? 1 : 0;
+    p.prefix = 1;
+    p.extra_splits = a.k.data ? 1 : 0;
+    p.lse = a.lse;
+    p.n_items = items;
+    for (int i = 0; i < items; ++i) {
+      const int first = int(q0) + i * prefill_item_queries;
+      p.items[i] = decode_item{a.slot,
+                               int32_t(std::min<int64_t>(prefill_item_queries, a.queries - first)),
+                               a.prefix,
+                               a.from_pages,
+                               a.window_unit,
+                               first,
+                               -1};
+    }
+    if (a.k.data) {
+      chunk_params c{};
+      c.ck = ckv;
+      c.cv = ckv + size_t(H) * a.queries * D;
+      c.q = q;
+      c.q_type = q_type;
+      c.q_stride = q_stride;
+      c.T = int(a.queries);
+      c.q0 = int(q0);
+      c.rows = count * group;
+      c.group = group;
+      c.kv_heads = H;
+      c.item_rows = prefill_item_queries * group;
+      c.mtiles = lp.mtiles;
+      c.max_splits = lp.max_splits;
+      c.scale_log2 = p.scale_log2;
+      c.ws_o = ws_o;
+      c.ws_ml = ws_ml;
+      const int smem = int(sizeof(chunk_smem<D>));
+      KVQ_TRY(set_max_dynamic_smem(chunk_kernel<D>, smem));
+      KVQ_TRY(launch("prefill: chunk attention launch", chunk_kernel<D>,
+                     dim3(unsigned(ceil_div(c.rows, chunk_rows)), unsigned(H)), dim3(threads), size_t(smem), st, c));
+    }
+    if (lp.prefix_splits > 0)
+      KVQ_TRY(launch_tile<D>("prefill: prefix attention launch", p,
+                             dim3(unsigned(lp.prefix_splits), unsigned(H * lp.mtiles), unsigned(items)), st));
+    const dim3 mgrid(unsigned(items), unsigned(H * lp.mtiles), 16u);
+    KVQ_TRY(launch_merge<D>("prefill: merge launch", p, mgrid, st));
+  }
+  return {};
+}
+
+}  // namespace
+
+status prefill_can_implement(const prefill_args& a) {
+  const paged_view& kv = a.kv;
+  if (kv.head_dim != 64 && kv.head_dim != 128)
+    return {errc::unsupported, msg("CUDA prefill supports head_dim 64 and 128, not ", kv.head_dim)};
+  if (kv.page_tokens % tile_tokens != 0 || (kv.page_tokens & (kv.page_tokens - 1)) != 0)
+    return {errc::unsupported,
+            msg("CUDA prefill needs page_tokens a power of two and a multiple of 64, not ", kv.page_tokens)};
+  if (kv.kv_heads <= 0 || kv.kv_heads > max_kv_heads || a.q_heads % kv.kv_heads != 0 || a.q_heads / kv.kv_heads > 16)
+    return {errc::unsupported,
+            msg("CUDA prefill supports kv_heads <= ", max_kv_heads, " and a GQA group of at most 16; got ", a.q_heads,
+                " query heads over ", kv.kv_heads, " kv heads")};
+  if (a.queries < 1 || a.queries > INT32_MAX / 16)
+    return {errc::invalid_argument, msg("prefill: ", a.queries, " queries; need 1 to ", INT32_MAX / 16)};
+  if (a.prefix < 0 || a.from_pages < 0 || a.from_pages > a.prefix || a.prefix - a.from_pages > kv.window)
+    return {errc::invalid_argument, msg("prefill: inconsistent prefix (", a.prefix, " tokens, ", a.from_pages,
+                                        " from pages, window ", kv.window, ")")};
+  if (int64_t(a.from_pages) > int64_t(kv.max_pages) * kv.page_tokens)
+    return {errc::invalid_argument, msg("prefill: ", a.from_pages, " tokens from pages, past the page tables' ",
+                                        kv.max_pages, " pages of ", kv.page_tokens, " tokens")};
+  if (a.k.data && (a.k.tokens != a.queries || a.v.tokens != a.queries || a.k.heads != kv.kv_heads ||
+                   a.v.heads != kv.kv_heads || a.k.head_dim != kv.head_dim || a.v.head_dim != kv.head_dim || !a.v.data))
+    return {errc::invalid_argument,
+            msg("prefill: the chunk's K/V are not [", a.queries, "][", kv.kv_heads, "][", kv.head_dim, "]")};
+  if (kv.kv_heads < 32 && (a.rotation.mask >> kv.kv_heads) != 0)
+    return {errc::invalid_argument,
+            msg("prefill: rotation mask ", a.rotation.mask, " names kv heads beyond the layer's ", kv.kv_heads)};
+  return check_item_indices(kv, "prefill", 0, a.slot, a.window_unit, a.prefix);
+}
+
+size_t prefill_workspace_bytes(const prefill_args& a) { return layout_of(a, plan_of(a)).total; }
+
+status prefill_run(const prefill_args& a, void* workspace, size_t workspace_bytes, void* stream) {
+  KVQ_TRY(prefill_can_implement(a));
+  const prefill_plan lp = plan_of(a);
+  const prefill_layout ly = layout_of(a, lp);
+  if (workspace_bytes < ly.total)
+    return {errc::invalid_argument, msg("prefill: workspace of ", workspace_bytes, " bytes, need ", ly.total)};
+  uint8_t* ws = static_cast<uint8_t*>(workspace);
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  return a.kv.head_dim == 128 ? launch_prefill<128>(a, lp, ly, ws, st) : launch_prefill<64>(a, lp, ly, ws, st);
+}
+
+}  // namespace cuda::detail
+KVQ_NAMESPACE_END

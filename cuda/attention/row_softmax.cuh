@@ -1,0 +1,45 @@
+#pragma once
+// The online-softmax step of the row-major tile loops (the tile kernel and the prefill's chunk
+// kernel): one warp's 16 query rows over NT n-tiles of 8 scores in the mma.sync accumulator
+// layout (lane holds rows lane/4 and lane/4 + 8, columns 2 (lane % 4) and 2 (lane % 4) + 1).
+#include <cuda_fp16.h>
+
+#include "ptx.cuh"
+
+KVQ_NAMESPACE_BEGIN
+namespace cuda::detail {
+
+// `s`: the tile's scores, scaled to base 2 and masked (-inf); `tile_max`: each of the lane's two
+// rows' max over its own columns. Updates the rows' running max and sum, rescales the output
+// accumulators `acc` ([D/8][4], same layout) when the max moves, and leaves P as fp16 pairs in
+// `pf` ([n-tile][row half]: the A fragments of O += P V).
+template <int NT, int D>
+__device__ __forceinline__ void row_softmax_step(const float (&s)[NT][4], float (&tile_max)[2], float (&row_max)[2],
+                                                 float (&row_sum)[2], float (&acc)[D / 8][4], uint32_t (&pf)[NT][2]) {
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    tile_max[hr] = fmaxf(tile_max[hr], __shfl_xor_sync(0xffffffffu, tile_max[hr], 1));
+    tile_max[hr] = fmaxf(tile_max[hr], __shfl_xor_sync(0xffffffffu, tile_max[hr], 2));
+    const float m_new = fmaxf(row_max[hr], tile_max[hr]);
+    const float alpha = m_new == -INFINITY ? 1.f : exp2f(row_max[hr] - m_new);
+    row_max[hr] = m_new;
+    row_sum[hr] *= alpha;
+    if (__any_sync(0xffffffffu, alpha != 1.f)) {  // the running max rarely moves once settled
+#pragma unroll
+      for (int j = 0; j < D / 8; ++j) {
+        acc[j][2 * hr] *= alpha;
+        acc[j][2 * hr + 1] *= alpha;
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const float p0 = m_new == -INFINITY ? 0.f : exp2f(s[nt][2 * hr] - m_new);
+      const float p1 = m_new == -INFINITY ? 0.f : exp2f(s[nt][2 * hr + 1] - m_new);
+      row_sum[hr] += p0 + p1;
+      pf[nt][hr] = h2_bits(__floats2half2_rn(p0, p1));
+    }
+  }
+}
+
+}  // namespace cuda::detail
+KVQ_NAMESPACE_END

@@ -1,0 +1,333 @@
+// `KVCache::prefill` of any length and `KVCache::attend_prefix` on the CUDA backend against the
+// CPU backend (docs/architecture.md, "Prefill of any length"): chunks of T tokens around tile,
+// window and item edges after n0 stored tokens, every tested format and a striped (mixed) layer,
+// head_dim 64/128, GQA 1/4, rotation on and off; the prefix part alone and its log-sum-exps; bad
+// input that must change nothing; each launch failing in turn.
+#include <cuda_runtime.h>
+
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <cstdlib>
+#include <kvq/cache/cache.hpp>
+#include <kvq/cuda/testing.hpp>
+#include <kvq/format/numeric.hpp>
+#include <kvq/policy/static_policy.hpp>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gpu_test.hpp"
+
+using namespace kvq;
+using namespace kvq::gpu_test;
+
+namespace {
+
+bool small() { return std::getenv("KVQ_GPU_TEST_SMALL") != nullptr; }
+
+constexpr double nmse_bound = 2e-5;  // as tests/cuda/test_cuda_cache.cpp: fp16 MMA operands
+constexpr int H = 2;                 // kv heads
+using sizes = std::vector<int64_t>;
+
+// "mixed": the prefix is appended in pieces under changing tiers, one head on its own format.
+const char* const mixed_tiers[] = {"kivi4/g32", "k=kivi2/g32,v=fp8", "fp16", "k=int8,v=kivi2/g64"};
+
+struct twin {
+  KVCache cpu, gpu;
+  std::shared_ptr<static_policy> pol;
+  int hq, d;
+};
+
+twin make(const std::string& spec, int gqa, int d, bool rotated) {
+  cache_config cfg;
+  cfg.shape = {1, H * gqa, H, d, 64, 128, 32};
+  cfg.budget_bytes = 256ull << 20;
+  cfg.max_sequences = 4;
+  cfg.max_tokens = 1 << 14;
+  cfg.cpu_threads = 4;
+  if (rotated) cfg.rotation = {{1, 0}, 4321};  // head 0 rotated, head 1 plain
+  auto pol =
+      std::make_shared<static_policy>(parse_format_pair(spec == "mixed" ? mixed_tiers[0] : spec).value_or_throw());
+  auto c = KVCache::create(cfg, pol).value_or_throw();
+  cfg.where = backend::cuda;
+  auto g = KVCache::create(cfg, pol).value_or_throw();
+  check(c.create_sequence(0));
+  check(g.create_sequence(0));
+  return {std::move(c), std::move(g), pol, H * gqa, d};
+}
+
+// n0 stored tokens on both caches (a mixed layer: in pieces under changing tiers).
+void fill_prefix(twin& t, const std::string& spec, int64_t n0, std::mt19937& rng) {
+  int64_t done = 0;
+  for (int piece = 0; done < n0; ++piece) {
+    const int64_t m = spec == "mixed" ? std::min<int64_t>(n0 - done, 150 + 37 * piece) : n0 - done;
+    if (spec == "mixed") {
+      t.pol->set_all(*parse_format_pair(mixed_tiers[piece % 4]));
+      t.pol->set_head(0, 1, *parse_format_pair("sym4/g32"));
+    }
+    const auto k = randn_h(rng, size_t(m) * H * t.d), v = randn_h(rng, size_t(m) * H * t.d);
+    check(t.cpu.append(0, 0, {k.data(), dtype::f16, m, H, t.d}, {v.data(), dtype::f16, m, H, t.d}));
+    dev_mem dk(k.size() * 2), dv(v.size() * 2);
+    upload(dk, k);
+    upload(dv, v);
+    check(t.gpu.append(0, 0, {dk.p, dtype::f16, m, H, t.d}, {dv.p, dtype::f16, m, H, t.d}));
+    REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+    done += m;
+  }
+}
+
+std::vector<float> to_float(const std::vector<uint16_t>& h) {
+  std::vector<float> f(h.size());
+  for (size_t i = 0; i < h.size(); ++i) f[i] = half_to_float(h[i]);
+  return f;
+}
+
+// One prefill of T tokens on both caches; the NMSE of the GPU's output against the CPU's.
+double prefill_both(twin& t, int64_t T, std::mt19937& rng) {
+  const auto k = randn_h(rng, size_t(T) * H * t.d), v = randn_h(rng, size_t(T) * H * t.d);
+  const auto q = randn_h(rng, size_t(T) * t.hq * t.d);
+  const auto qf = to_float(q);
+  std::vector<float> oc(q.size()), og(q.size(), std::nanf(""));
+  check(t.cpu.prefill(0, 0, {k.data(), dtype::f16, T, H, t.d}, {v.data(), dtype::f16, T, H, t.d},
+                      {qf.data(), dtype::f32, T, t.hq, t.d}, {oc.data(), dtype::f32, T, t.hq, t.d}));
+  dev_mem dk(k.size() * 2), dv(v.size() * 2), dq(q.size() * 2), dout(og.size() * 4);
+  upload(dk, k);
+  upload(dv, v);
+  upload(dq, q);
+  upload(dout, og);  // poisoned: every element must be written
+  check(t.gpu.prefill(0, 0, {dk.p, dtype::f16, T, H, t.d}, {dv.p, dtype::f16, T, H, t.d},
+                      {dq.p, dtype::f16, T, t.hq, t.d}, {dout.p, dtype::f32, T, t.hq, t.d}));
+  REQUIRE(cudaMemcpy(og.data(), dout.p, og.size() * 4, cudaMemcpyDeviceToHost) == cudaSuccess);
+  REQUIRE(t.gpu.length(0, 0) == t.cpu.length(0, 0));
+  require_same_store(t.cpu, t.gpu, 0, 0);
+  return nmse(og, oc);
+}
+
+// attend_prefix of T fp16 queries over `prefix` stored tokens on both caches: outputs and lses.
+struct prefix_result {
+  std::vector<float> q, oc, og, lc, lg;
+};
+prefix_result prefix_both(twin& t, int64_t prefix, int64_t T, std::mt19937& rng) {
+  prefix_result r;
+  const auto q = randn_h(rng, size_t(T) * t.hq * t.d);
+  r.q = to_float(q);
+  r.oc.resize(q.size());
+  r.og.assign(q.size(), std::nanf(""));
+  r.lc.resize(size_t(T) * t.hq);
+  r.lg.assign(r.lc.size(), std::nanf(""));
+  check(t.cpu.attend_prefix(0, 0, prefix, {r.q.data(), dtype::f32, T, t.hq, t.d},
+                            {r.oc.data(), dtype::f32, T, t.hq, t.d}, r.lc.data()));
+  dev_mem dq(q.size() * 2), dout(r.og.size() * 4), dl(r.lg.size() * 4);
+  upload(dq, q);
+  upload(dout, r.og);
+  upload(dl, r.lg);
+  check(t.gpu.attend_prefix(0, 0, prefix, {dq.p, dtype::f16, T, t.hq, t.d}, {dout.p, dtype::f32, T, t.hq, t.d},
+                            static_cast<float*>(dl.p)));
+  REQUIRE(cudaMemcpy(r.og.data(), dout.p, r.og.size() * 4, cudaMemcpyDeviceToHost) == cudaSuccess);
+  REQUIRE(cudaMemcpy(r.lg.data(), dl.p, r.lg.size() * 4, cudaMemcpyDeviceToHost) == cudaSuccess);
+  return r;
+}
+
+// LSEs agree to the fp16 rounding of the operands: |a - b| <= 2e-3 (1 + |b|).
+void require_close_lse(const std::vector<float>& got, const std::vector<float>& want) {
+  REQUIRE(got.size() == want.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    CAPTURE(i, got[i], want[i]);
+    REQUIRE(std::isfinite(got[i]));
+    REQUIRE(std::abs(got[i] - want[i]) <= 2e-3 * (1.0 + std::abs(want[i])));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("gpu prefill: chunks of any length after stored tokens match the CPU, every format", "[gpu][prefill]") {
+  const std::string spec = GENERATE("fp16", "kivi4/g32", "kivi2/g32", "int8", "mixed");
+  const int64_t n0 = GENERATE_COPY(from_range(small() ? sizes{0, 37} : sizes{0, 37, 1000}));
+  const int64_t T = GENERATE_COPY(from_range(small() ? sizes{1, 129, 300} : sizes{1, 100, 128, 129, 700, 4096}));
+  CAPTURE(spec, n0, T);
+  auto t = make(spec, 4, 128, false);
+  std::mt19937 rng(uint32_t(n0 * 7919 + T));
+  fill_prefix(t, spec, n0, rng);
+  REQUIRE(prefill_both(t, T, rng) < nmse_bound);
+}
+
+TEST_CASE("gpu prefill: head_dim 64/128, GQA 1/4, rotation on and off", "[gpu][prefill][rotation]") {
+  const int d = GENERATE(64, 128);
+  const int gqa = GENERATE(1, 4);
+  const bool rotated = GENERATE(false, true);
+  const std::string spec = GENERATE("kivi4/g32", "mixed");
+  const int64_t T = GENERATE_COPY(from_range(small() ? sizes{129} : sizes{129, 700, 4096}));
+  const int64_t n0 = small() ? 300 : 1000;
+  CAPTURE(d, gqa, rotated, spec, T, n0);
+  auto t = make(spec, gqa, d, rotated);
+  std::mt19937 rng(uint32_t(d * 31 + gqa * 7 + rotated + T));
+  fill_prefix(t, spec, n0, rng);
+  REQUIRE(prefill_both(t, T, rng) < nmse_bound);
+  // a second chunk: its prefix now holds the first chunk's pages
+  REQUIRE(prefill_both(t, small() ? 65 : 300, rng) < nmse_bound);
+}
+
+TEST_CASE("gpu prefill: attend_prefix alone matches the CPU, outputs and log-sum-exps",
+          "[gpu][prefill][attend_prefix]") {
+  const std::string spec = GENERATE("fp16", "kivi2/g32", "mixed");
+  const int gqa = GENERATE(1, 4);
+  const bool rotated = GENERATE(false, true);
+  CAPTURE(spec, gqa, rotated);
+  auto t = make(spec, gqa, 128, rotated);
+  std::mt19937 rng(uint32_t(gqa * 13 + rotated));
+  const int64_t n = small() ? 300 : 1000;
+  fill_prefix(t, spec, n, rng);
+  // prefixes inside a page, at a page edge, reaching into the ring, and all of it
+  for (int64_t prefix : {int64_t(1), int64_t(64), int64_t(200), n - 20, n}) {
+    for (int64_t T : {int64_t(1), int64_t(300)}) {
+      CAPTURE(prefix, T);
+      const prefix_result r = prefix_both(t, prefix, T, rng);
+      REQUIRE(nmse(r.og, r.oc) < nmse_bound);
+      require_close_lse(r.lg, r.lc);
+    }
+  }
+}
+
+TEST_CASE("gpu prefill: the log-sum-exp is ln sum exp of the scaled scores over what read() returns",
+          "[gpu][prefill][attend_prefix]") {
+  // The LSE against an fp64 computation from the stored tokens themselves; an empty prefix gives
+  // o = 0 and lse = -inf exactly.
+  auto t = make("k=kivi4/g32,v=int8", 4, 64, true);
+  std::mt19937 rng(77);
+  const int64_t n = 260, T = 40, prefix = 230;
+  fill_prefix(t, "k=kivi4/g32,v=int8", n, rng);
+  const int d = t.d, hq = t.hq, group = hq / H;
+  std::vector<float> keys(size_t(n) * H * d);
+  check(t.gpu.read(0, 0, role::k, keys));
+  const prefix_result r = prefix_both(t, prefix, T, rng);
+  const double scale = 1.0 / std::sqrt(double(d));
+  for (int64_t i = 0; i < T; ++i)
+    for (int qh = 0; qh < hq; ++qh) {
+      const int h = qh / group;
+      std::vector<double> s(static_cast<size_t>(prefix));
+      double mx = -INFINITY;
+      for (int64_t j = 0; j < prefix; ++j) {
+        double dot = 0;
+        for (int c = 0; c < d; ++c)
+          dot += double(r.q[(size_t(i) * hq + qh) * d + c]) * keys[(size_t(j) * H + h) * d + c];
+        s[size_t(j)] = dot * scale;
+        mx = std::max(mx, s[size_t(j)]);
+      }
+      double sum = 0;
+      for (double x : s) sum += std::exp(x - mx);
+      const double want = mx + std::log(sum), got = r.lg[size_t(i) * hq + qh];
+      CAPTURE(i, qh, got, want);
+      REQUIRE(std::abs(got - want) <= 2e-3 * (1.0 + std::abs(want)));
+    }
+  const prefix_result e = prefix_both(t, 0, T, rng);
+  for (size_t i = 0; i < e.og.size(); ++i) REQUIRE(e.og[i] == 0.f);
+  for (float l : e.lg) REQUIRE(l == -std::numeric_limits<float>::infinity());
+}
+
+TEST_CASE("gpu prefill: bad input returns an error and changes nothing", "[gpu][prefill][errors]") {
+  auto t = make("kivi4/g32", 4, 128, false);
+  std::mt19937 rng(3);
+  fill_prefix(t, "kivi4/g32", 100, rng);
+  const int64_t T = 300, d = t.d;
+  std::vector<float> before_k(size_t(100) * H * d), before_v(before_k.size()), after(before_k.size());
+  check(t.gpu.read(0, 0, role::k, before_k));
+  check(t.gpu.read(0, 0, role::v, before_v));
+  const auto stats = t.gpu.stats();
+  auto k = randn_h(rng, size_t(T) * H * d);
+  const auto v = randn_h(rng, size_t(T) * H * d), q = randn_h(rng, size_t(T) * t.hq * d);
+  dev_mem dk(k.size() * 2), dv(v.size() * 2), dq(q.size() * 2), dout(q.size() * 4);
+  upload(dk, k);
+  upload(dv, v);
+  upload(dq, q);
+  const auto unchanged = [&] {
+    REQUIRE(t.gpu.length(0, 0) == 100);
+    check(t.gpu.read(0, 0, role::k, after));
+    REQUIRE(after == before_k);
+    check(t.gpu.read(0, 0, role::v, after));
+    REQUIRE(after == before_v);
+    REQUIRE(t.gpu.stats().page_bytes == stats.page_bytes);
+    REQUIRE(t.gpu.stats().used_bytes == stats.used_bytes);
+  };
+  const tensor_view kv_k{dk.p, dtype::f16, T, H, int(d)}, kv_v{dv.p, dtype::f16, T, H, int(d)};
+  const tensor_mut o{dout.p, dtype::f32, T, t.hq, int(d)};
+  SECTION("Q with one token too few") {
+    const status s = t.gpu.prefill(0, 0, kv_k, kv_v, {dq.p, dtype::f16, T - 1, t.hq, int(d)}, o);
+    REQUIRE(s.code() == errc::invalid_argument);
+    unchanged();
+  }
+  SECTION("Q with the kv heads' head count") {
+    const status s = t.gpu.prefill(0, 0, kv_k, kv_v, {dq.p, dtype::f16, T, H, int(d)}, o);
+    REQUIRE(s.code() == errc::invalid_argument);
+    unchanged();
+  }
+  SECTION("NaN in K") {
+    k[size_t(250) * H * d + 17] = 0x7e00;  // fp16 NaN, past the window
+    upload(dk, k);
+    const status s = t.gpu.prefill(0, 0, kv_k, kv_v, {dq.p, dtype::f16, T, t.hq, int(d)}, o);
+    REQUIRE(s.code() == errc::non_finite);
+    unchanged();
+  }
+  SECTION("attend_prefix past the stored tokens") {
+    dev_mem dl(size_t(T) * t.hq * 4);
+    const status s = t.gpu.attend_prefix(0, 0, 101, {dq.p, dtype::f16, T, t.hq, int(d)}, o, static_cast<float*>(dl.p));
+    REQUIRE(s.code() == errc::invalid_argument);
+    unchanged();
+  }
+}
+
+TEST_CASE("gpu prefill: a failed launch before the chunk is stored stores nothing; after it, the call says so",
+          "[gpu][prefill][errors]") {
+  // Each launch of a prefill of T > window fails in turn (cuda::testing::fail_launch): the value
+  // check and the append's launches leave the cache as it was; the attention's leave the chunk
+  // stored (as a direct append stores it) and return the launch's error.
+  const int64_t n0 = 100, T = 300;
+  const auto fresh = [&] {
+    auto t = make("kivi4/g32", 4, 128, true);
+    std::mt19937 rng(9);
+    fill_prefix(t, "kivi4/g32", n0, rng);
+    return t;
+  };
+  std::mt19937 rng(10);
+  const int d = 128, hq = 8;
+  const auto k = randn_h(rng, size_t(T) * H * d), v = randn_h(rng, size_t(T) * H * d),
+             q = randn_h(rng, size_t(T) * hq * d);
+  dev_mem dk(k.size() * 2), dv(v.size() * 2), dq(q.size() * 2), dout(q.size() * 4);
+  upload(dk, k);
+  upload(dv, v);
+  upload(dq, q);
+  const tensor_view tk{dk.p, dtype::f16, T, H, d}, tv{dv.p, dtype::f16, T, H, d}, tq{dq.p, dtype::f16, T, hq, d};
+  const tensor_mut to{dout.p, dtype::f32, T, hq, d};
+  long append_launches = 0, prefill_launches = 0;
+  {
+    auto t = fresh();
+    const long a0 = cuda::testing::launch_count();
+    check(t.gpu.append(0, 0, tk, tv));
+    append_launches = cuda::testing::launch_count() - a0;
+    auto u = fresh();
+    const long p0 = cuda::testing::launch_count();
+    check(u.gpu.prefill(0, 0, tk, tv, tq, to));
+    prefill_launches = cuda::testing::launch_count() - p0;
+  }
+  REQUIRE(prefill_launches > append_launches);
+  for (long nth = 1; nth <= prefill_launches; ++nth) {
+    CAPTURE(nth, append_launches, prefill_launches);
+    auto t = fresh();
+    std::vector<float> before(size_t(n0) * H * d), after(before.size());
+    check(t.gpu.read(0, 0, role::k, before));
+    cuda::testing::fail_launch(int(nth));
+    const status s = t.gpu.prefill(0, 0, tk, tv, tq, to);
+    cuda::testing::fail_launch(0);
+    REQUIRE(s.code() == errc::cuda_error);
+    REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+    if (nth <= append_launches) {
+      REQUIRE(t.gpu.length(0, 0) == n0);
+      check(t.gpu.read(0, 0, role::k, after));
+      REQUIRE(after == before);
+    } else {
+      REQUIRE(t.gpu.length(0, 0) == n0 + T);
+      check(t.cpu.append(0, 0, {k.data(), dtype::f16, T, H, d}, {v.data(), dtype::f16, T, H, d}));
+      require_same_store(t.cpu, t.gpu, 0, 0);
+    }
+  }
+}
