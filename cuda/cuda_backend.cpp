@@ -135,8 +135,7 @@ class cuda_backend final : public cache_backend {
   }
 
   status write(sequence_state& s, int layer, const tensor_view& k, const tensor_view& v, const append_plan& plan) override {
-#include <kvq/format/kinds.hpp>
-#include <kvq/rotation/rotation.hpp>
+    KVQ_ON_DEVICE();
     KVQ_TRY(check(k, v, fmt::format("append: K or V of sequence {} layer {}", s.id, layer)));
     KVQ_TRY(canary_.flush_of(layer));  // before the layer's rings change
     calls_used_ = 0;
@@ -148,8 +147,7 @@ class cuda_backend final : public cache_backend {
   }
 
   status write_batch(std::span<const batch_entry> entries, int layer, const tensor_view& k, const tensor_view& v) override {
-#include <kvq/format/kinds.hpp>
-#include <kvq/rotation/rotation.hpp>
+    KVQ_ON_DEVICE();
     KVQ_TRY(check(k, v, fmt::format("append_batch: K or V of the batch (layer {})", layer)));
     KVQ_TRY(canary_.flush_of(layer));  // before the layer's rings change
     // One launch pair for as many sequences as fit (max_append_items, max_append_pages); a
