@@ -70,11 +70,11 @@ for s in $steps; do
     prefill)
       ./.gpu/kvq_bench_prefill_cuda --benchmark_out="$OUT/prefill.json" --benchmark_out_format=json 2>&1 \
         | tee "$OUT/prefill.log" | grep -E "prefill/"; rc=$((rc | ${PIPESTATUS[0]}))
-      python3 .gpu/peer_prefill.py 2>&1 | tee "$OUT/peer_prefill.csv"; rc=$((rc | ${PIPESTATUS[0]}))
+      python3 .gpu/peer_prefill.py 2> "$OUT/peer_prefill.err" | tee "$OUT/peer_prefill.csv"; rc=$((rc | ${PIPESTATUS[0]}))
       python3 - "$OUT/prefill.json" "$OUT/peer_prefill.csv" <<'PY' | tee "$OUT/prefill.md"
 import csv, json, sys
 kvq = {b["name"].split("/")[1]: b["ms_per_prompt"] for b in json.load(open(sys.argv[1]))["benchmarks"]}
-peer = {r[0]: float(r[1]) for r in csv.reader(l for l in open(sys.argv[2]) if l[0] != "#") if r[0] != "backend"}
+peer = {r[0]: float(r[1]) for r in csv.reader(l for l in open(sys.argv[2]) if l.strip() and l[0] != "#") if r[0] != "backend"}
 best = min(peer, key=peer.get) if peer else None
 print("| kvq format | kvq ms | peer (" + str(best) + ") ms | kvq / peer |\n| --- | --- | --- | --- |")
 for f, ms in kvq.items():
