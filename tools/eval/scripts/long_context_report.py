@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Long-context results of kvq-eval runs: an SVG of KL against position and a markdown table.
 
-usage: long_context_report.py RUN.json [RUN.json ...] [--svg OUT.svg] [--md OUT.md]
+usage: long_context_report.py RUN.json [RUN.json ...] [--svg OUT.svg] [--bits-svg OUT.svg] [--md OUT.md]
 
 Each RUN.json is a kvq-eval record (schema kvq.eval v1, tools/eval/include/eval/report.hpp),
 one per evaluation text. Python 3 standard library only.
@@ -9,6 +9,9 @@ one per evaluation text. Python 3 standard library only.
 --svg writes one standalone SVG (no script, no external reference): per run a panel of the mean
 KL(P_fp16 || P_config) against the absolute position, one line per configuration (the fine
 series `kl_by_position`, a point per --kl-bucket positions), log y axis, linear x axis.
+
+--bits-svg writes one standalone SVG of mean KL (log) against bits per element (pages and the
+FP16 window), a point per configuration, rotated ones (`+rot`) in red.
 
 --md (default: stdout) writes the markdown tables for docs/quality.md: per run the mean KL, top-1
 agreement and perplexity change by position range (`position_buckets`: fixed edges 0, 512, 1K,
@@ -112,6 +115,50 @@ def render_svg(recs):
     body = []
     for i, rec in enumerate(recs):
         body += panel(rec, i * height, width, height)
+    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height * len(recs)}" '
+            f'viewBox="0 0 {width} {height * len(recs)}" font-family="sans-serif" font-size="12">\n'
+            f'<rect width="100%" height="100%" fill="white"/>\n' + "\n".join(body) + "\n</svg>\n")
+
+
+def bits_panel(rec, y0, width, height):
+    """One run's scatter of bits per element against mean KL as SVG elements, its top at y0: a
+    point per configuration (rotated ones, `+rot`, in red), labelled with its name."""
+    left, right, top, bottom = 70, 30, 28, 40
+    pw, ph = width - left - right, height - top - bottom
+    pts = [(c["bits"]["total_bits"], c["quality"]["mean_kl"], c["name"]) for c in rec["configs"]
+           if not c["reference"] and c["quality"]["mean_kl"] is not None and c["quality"]["mean_kl"] > 0]
+    xs, ys = [x for x, _, _ in pts], [v for _, v, _ in pts]
+    x_lo, x_hi = (math.floor(min(xs)) - 0.5, math.ceil(max(xs)) + 0.5) if xs else (0, 16)
+    lo, hi = (math.floor(math.log10(min(ys))), math.ceil(math.log10(max(ys)))) if ys else (-6, 0)
+    hi = max(hi, lo + 1)
+    X = lambda x: left + pw * (x - x_lo) / (x_hi - x_lo)
+    Y = lambda v: y0 + top + ph * (hi - math.log10(v)) / (hi - lo)
+    s = [f'<text x="{left}" y="{y0 + 16}" font-weight="bold">mean KL to FP16 against bits per element '
+         f'(pages and FP16 window): {escape(title_of(rec))}</text>',
+         f'<rect x="{left}" y="{y0 + top}" width="{pw}" height="{ph}" fill="none" stroke="#999"/>']
+    for e in range(lo, hi + 1):
+        y = Y(10.0 ** e)
+        s.append(f'<line x1="{left}" x2="{left + pw}" y1="{y:.1f}" y2="{y:.1f}" stroke="#eee"/>')
+        s.append(f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">1e{e}</text>')
+    for b in range(math.ceil(x_lo), math.floor(x_hi) + 1):
+        x = X(b)
+        s.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{y0 + top}" y2="{y0 + top + ph}" stroke="#eee"/>')
+        s.append(f'<text x="{x:.1f}" y="{y0 + top + ph + 16}" text-anchor="middle">{b}</text>')
+    s.append(f'<text x="{left + pw / 2}" y="{y0 + height - 6}" text-anchor="middle">bits per element</text>')
+    s.append(f'<text transform="translate(16 {y0 + top + ph / 2}) rotate(-90)" text-anchor="middle">'
+             f'mean KL, nats (log)</text>')
+    for x, v, name in pts:
+        color = PALETTE[1] if name.endswith("+rot") else PALETTE[0]
+        s.append(f'<circle cx="{X(x):.1f}" cy="{Y(v):.1f}" r="4" fill="{color}"/>')
+        s.append(f'<text x="{X(x) + 7:.1f}" y="{Y(v) + 4:.1f}" fill="{color}">{escape(name)}</text>')
+    return s
+
+
+def render_bits_svg(recs):
+    width, height = 900, 420
+    body = []
+    for i, rec in enumerate(recs):
+        body += bits_panel(rec, i * height, width, height)
     return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height * len(recs)}" '
             f'viewBox="0 0 {width} {height * len(recs)}" font-family="sans-serif" font-size="12">\n'
             f'<rect width="100%" height="100%" fill="white"/>\n' + "\n".join(body) + "\n</svg>\n")
@@ -221,12 +268,16 @@ def main(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("runs", nargs="+", help="kvq-eval JSON records")
     ap.add_argument("--svg", help="write the KL-against-position SVG here")
+    ap.add_argument("--bits-svg", help="write the SVG of mean KL against bits per element here")
     ap.add_argument("--md", help="write the markdown tables here (default: stdout)")
     a = ap.parse_args(argv)
     recs = [load(p) for p in a.runs]
     if a.svg:
         with open(a.svg, "w", encoding="utf-8") as f:
             f.write(render_svg(recs))
+    if a.bits_svg:
+        with open(a.bits_svg, "w", encoding="utf-8") as f:
+            f.write(render_bits_svg(recs))
     md = render_md(recs)
     if a.md:
         with open(a.md, "w", encoding="utf-8") as f:

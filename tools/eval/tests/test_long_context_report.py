@@ -91,6 +91,27 @@ class LongContextReport(unittest.TestCase):
         self.assertAlmostEqual(pts[0][1] - pts[1][1], decade * math.log10(3), places=0)
         self.assertLess(pts[0][0], pts[1][0])
 
+    def test_bits_svg_has_a_point_per_config_rotated_in_red(self):
+        rec = record()
+        rot = config("kivi2/g32+rot", False, [0.005, 0.01], [])
+        rot["quality"]["mean_kl"] = 0.002
+        rec["configs"].append(rot)
+        with tempfile.TemporaryDirectory() as d:
+            out = Path(d) / "bits.svg"
+            self.assertEqual(lcr.main([self._write(d, rec), "--bits-svg", str(out), "--md", str(Path(d) / "t.md")]), 0)
+            svg = out.read_text(encoding="utf-8")
+        root = ET.fromstring(svg)
+        ns = "{http://www.w3.org/2000/svg}"
+        dots = root.findall(f"{ns}circle")
+        self.assertEqual(len(dots), 3)  # every configuration but the reference
+        fills = [c.get("fill") for c in dots]
+        self.assertEqual(fills.count(lcr.PALETTE[1]), 1)  # the rotated one
+        # log axis: mean KL 0.02 (kivi2, <odd>) sits log10(10) = one decade above 0.002 (rotated)
+        ys = {t.text: float(t.get("y")) for t in root.findall(f"{ns}text") if t.text and t.text.startswith("1e")}
+        decade = ys["1e-3"] - ys["1e-2"]
+        self.assertAlmostEqual(float(dots[2].get("cy")) - float(dots[0].get("cy")), decade, places=0)
+        self.assertIn("&lt;odd&gt;", svg)
+
     def test_not_a_record(self):
         with tempfile.TemporaryDirectory() as d:
             with self.assertRaises(SystemExit):
