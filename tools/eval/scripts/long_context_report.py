@@ -110,14 +110,18 @@ def panel(rec, y0, width, height):
     return s
 
 
-def render_svg(recs):
-    width, height = 900, 360
+def render_panels(recs, panel_of, width, height):
+    """One standalone SVG: a panel per run, stacked."""
     body = []
     for i, rec in enumerate(recs):
-        body += panel(rec, i * height, width, height)
+        body += panel_of(rec, i * height, width, height)
     return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height * len(recs)}" '
             f'viewBox="0 0 {width} {height * len(recs)}" font-family="sans-serif" font-size="12">\n'
             f'<rect width="100%" height="100%" fill="white"/>\n' + "\n".join(body) + "\n</svg>\n")
+
+
+def render_svg(recs):
+    return render_panels(recs, panel, 900, 360)
 
 
 def bits_panel(rec, y0, width, height):
@@ -155,13 +159,7 @@ def bits_panel(rec, y0, width, height):
 
 
 def render_bits_svg(recs):
-    width, height = 900, 420
-    body = []
-    for i, rec in enumerate(recs):
-        body += bits_panel(rec, i * height, width, height)
-    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height * len(recs)}" '
-            f'viewBox="0 0 {width} {height * len(recs)}" font-family="sans-serif" font-size="12">\n'
-            f'<rect width="100%" height="100%" fill="white"/>\n' + "\n".join(body) + "\n</svg>\n")
+    return render_panels(recs, bits_panel, 900, 420)
 
 
 # ---- the markdown -----------------------------------------------------------------------------------
