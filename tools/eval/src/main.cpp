@@ -46,9 +46,9 @@ WHAT IS MEASURED (every configuration on the same tokens and positions)
   every cache (each stores them in its format), then --tokens teacher-forced positions, each
   query reading exactly what a one-token decode step at its position reads (the pages encoded by
   then, the rest in FP16): positions go in chunks that end before the next page encode (a step
-  that encodes a page is one token), one token per step for policies that watch queries
-  (EchoKV, kl_budget, autok); all configurations in lockstep (one step of the model over all of
-  them, each attending through its own cache).
+  that encodes a page is one token), one token per step when a policy watches queries
+  (EchoKV); all configurations in lockstep (one step of the model over all of them, each
+  attending through its own cache).
   At each position: KL(P_fp16 || P_config) of the next-token distributions (nats), top-1
   agreement with the FP16 cache, and the log-likelihood of the true next token (perplexity).
   Bits per element = bytes of pages + FP16 windows over all K/V elements held (scales and zeros
