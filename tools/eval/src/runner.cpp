@@ -84,24 +84,6 @@ std::vector<kvq::KVCache*> pointers(std::vector<kvq::KVCache>& caches) {
   return p;
 }
 
-/// Tokens of the next teacher-forced step starting at decode step `s`: as many as every cache can
-/// append before it encodes a page (`KVCache::tokens_before_encode`), so each position's query
-/// reads exactly what a one-token decode step at that position reads (the same pages, the rest
-/// in FP16) and the step runs as one chunk per configuration (matrix products over the chunk's
-/// rows, each page decoded once for the chunk's queries); at least 1 (a step that encodes a page
-/// is one token, as in decode), at most `max_chunk`, ending at the run's end and at the next
-/// format-map sample. One token when a policy watches queries or runs a canary: their decisions
-/// depend on every decode step's queries (docs/decisions.md, "Policies and evaluation").
-int64_t teacher_forced_chunk(std::span<kvq::KVCache* const> caches, const eval_options& o, int64_t s) {
-  constexpr int64_t max_chunk = 64;
-  for (kvq::KVCache* c : caches)
-    if (c->active_policy().wants_queries() || c->active_policy().canary()) return 1;
-  int64_t chunk = std::min(max_chunk, o.tokens - s);
-  for (const kvq::KVCache* c : caches) chunk = std::min(chunk, c->tokens_before_encode(0, 0));
-  if (o.map_every > 0) chunk = std::min(chunk, o.map_every - s % o.map_every);
-  return std::max<int64_t>(chunk, 1);
-}
-
 /// The teacher-forced run: the first `o.prefill` tokens prefilled once for all configurations at
 /// full precision (`prefill_shared`), then every configuration in lockstep (`forward_lanes`: one
 /// pass over the weights per step), in steps of `teacher_forced_chunk` positions.
@@ -289,6 +271,16 @@ std::vector<needle_trial> make_trials(const eval_options& o) {
 }
 
 }  // namespace
+
+int64_t teacher_forced_chunk(std::span<kvq::KVCache* const> caches, const eval_options& o, int64_t s) {
+  constexpr int64_t max_chunk = 64;
+  for (kvq::KVCache* c : caches)
+    if (c->active_policy().wants_queries() || c->active_policy().canary()) return 1;
+  int64_t chunk = std::min(max_chunk, o.tokens - s);
+  for (const kvq::KVCache* c : caches) chunk = std::min(chunk, c->tokens_before_encode(0, 0));
+  if (o.map_every > 0) chunk = std::min(chunk, o.map_every - s % o.map_every);
+  return std::max<int64_t>(chunk, 1);
+}
 
 int config_result::needle_passed() const {
   return int(std::count_if(needle.begin(), needle.end(), [](const needle_result& r) { return r.pass; }));

@@ -109,6 +109,44 @@ TEST_CASE("make_eval_cache: '+rot' rotates every head of the configuration's cac
   REQUIRE_FALSE(bare.ok());
 }
 
+TEST_CASE("teacher_forced_chunk: a chunk ends before the next page encode, at the run's end and a map sample",
+          "[config]") {
+  cache_settings s;
+  s.max_tokens = 1024;
+  auto a = make_eval_cache(smol_shape(), "kivi4/g32", s);
+  auto b = make_eval_cache(smol_shape(), "fp16", s);
+  REQUIRE(a.ok());
+  REQUIRE(b.ok());
+  kvq::KVCache* both[] = {&a.value(), &b.value()};
+  std::vector<float> rows(size_t(127) * 3 * 64);
+  for (size_t i = 0; i < rows.size(); ++i) rows[i] = float(int(i % 17) - 8) / 8.f;
+  auto feed = [&](int64_t m) {
+    for (kvq::KVCache* c : both)
+      REQUIRE(c->append(0, 0, {rows.data(), kvq::dtype::f32, m, 3, 64}, {rows.data(), kvq::dtype::f32, m, 3, 64}).ok());
+  };
+  for (kvq::KVCache* c : both) REQUIRE(c->create_sequence(0).ok());
+  eval_options o;
+  o.tokens = 1000;
+  o.map_every = 0;
+  CHECK(teacher_forced_chunk(both, o, 0) == 64);  // 127 before the first encode, at most 64 a step
+  feed(100);                                       // 100 unencoded: 27 more before page_tokens + recent
+  CHECK(teacher_forced_chunk(both, o, 100) == 27);
+  o.tokens = 110;
+  CHECK(teacher_forced_chunk(both, o, 100) == 10);  // the run's end
+  o.tokens = 1000;
+  o.map_every = 16;
+  CHECK(teacher_forced_chunk(both, o, 100) == 12);  // the next format-map sample at 112
+  o.map_every = 0;
+  feed(27);  // 127 unencoded: the next token encodes a page and goes alone
+  CHECK(teacher_forced_chunk(both, o, 127) == 1);
+  // a policy that watches queries (EchoKV) decides on every step: one token per step
+  auto echo = make_eval_cache(smol_shape(), "echokv:seed=3", s);
+  REQUIRE(echo.ok());
+  REQUIRE(echo.value().create_sequence(0).ok());
+  kvq::KVCache* with_echo[] = {&a.value(), &echo.value()};
+  CHECK(teacher_forced_chunk(with_echo, o, 0) == 1);
+}
+
 namespace {
 // A run of fp16 over 8 + 8 tokens of the tiny story on stories260K, without needle or progress.
 eval_options tiny_options() {

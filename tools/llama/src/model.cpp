@@ -157,11 +157,16 @@ KVQ_LLAMA_INLINE void attention_tile_body(const float* q, const float* kt_all, i
                                           int64_t t1, int64_t pos0, int kvh, int group, int q_heads, int kv_heads,
                                           int hd, float qscale, float* scratch) {
   constexpr int64_t B = attention_block, L = attention_lanes;
-  // Four vectors loaded once for both rows of a pair. The AVX2 build keeps them in registers
-  // (an empty asm that needs each in one register): otherwise the compiler folds each load into
-  // both rows' FMAs, twice the loads, and the loops are bound by loads.
+  // Four vectors loaded once for both rows of a pair. GCC's AVX2 build keeps them in registers
+  // (an empty asm that needs each in one register): otherwise GCC folds each load into both
+  // rows' FMAs, twice the loads, and the loops are bound by loads. (Clang refuses a 32-byte
+  // register operand in a file compiled without AVX, even in an AVX2 function: no pin there.)
   auto pin = [](v8& w0, v8& w1, v8& w2, v8& w3) {
+#if defined(__GNUC__) && !defined(__clang__)
     if constexpr (in_registers) asm("" : "+x"(w0), "+x"(w1), "+x"(w2), "+x"(w3));
+#else
+    (void)w0, (void)w1, (void)w2, (void)w3;
+#endif
   };
   const int64_t rows = (t1 - t0) * group, ld = int64_t(kv_heads) * hd;
   const bool lanes = hd % L == 0;

@@ -203,6 +203,16 @@ kvq::result<std::string> hash_file(const std::string& path);
 /// token counts, depths in [0, 1], ... Errors name the option.
 kvq::status validate_options(const eval_options& o);
 
+/// Tokens of the next teacher-forced step starting at decode step `s`: as many as every cache can
+/// append before it encodes a page (`KVCache::tokens_before_encode`), so each position's query
+/// reads exactly what a one-token decode step at that position reads (the same pages, the rest
+/// in FP16) and the step runs as one chunk per configuration (matrix products over the chunk's
+/// rows, each page decoded once for the chunk's queries); at least 1 (a step that encodes a page
+/// is one token, as in decode), at most `max_chunk`, ending at the run's end and at the next
+/// format-map sample. One token when a policy watches queries or runs a canary: their decisions
+/// depend on every decode step's queries (docs/decisions.md, "Policies and evaluation").
+int64_t teacher_forced_chunk(std::span<kvq::KVCache* const> caches, const eval_options& o, int64_t s);
+
 /// Runs the whole evaluation. Errors name the file, the configuration or the option at fault (a
 /// missing model or text, a bad configuration spec, a text shorter than prefill + tokens + 1, a
 /// needle context beyond the model's training context, ...).
