@@ -41,6 +41,9 @@ WHAT IT DOES
   with K^ and V^ the codec's round trip of the segment in pages of --page-tokens tokens (token
   groups aligned as in the cache), and picks per (layer, kv head, role) the rolealign clip ratio
   of --clip-grid that minimizes the damage of --clip-formats relative to no clipping.
+  With --rotated, every candidate is measured a second time on rotated heads (q, K and V rotated
+  by the caches' randomized Hadamard transform, damage measured where a rotated cache quantizes)
+  into the artifact's "rotated" table (schema version 2).
   See include/kvq/calib/calibrate.hpp for the exact definitions.
 
 OUTPUT KL (--output-kl, slower)
@@ -56,7 +59,7 @@ OUTPUT KL (--output-kl, slower)
   Spearman rank correlation over units of output KL with K attention KL and V perturbation.
 
 OUTPUT
-  The artifact JSON (kvq.calibration v1, include/kvq/calib/artifact.hpp), reloaded and
+  The artifact JSON (kvq.calibration v2, include/kvq/calib/artifact.hpp), reloaded and
   validated after writing; a per-layer summary on stdout; progress on stderr.
 
 COST
@@ -208,7 +211,7 @@ int main(int argc, char** argv) {
   int segment = 512, page_tokens = 64, window = 128, threads = 1;
   std::vector<std::string> formats, clip_formats = {"ra4/g32", "ra2/g32"};
   std::vector<float> clip_grid = {1.0f, 0.95f, 0.9f, 0.85f, 0.8f, 0.7f};
-  bool no_progress = false, output_kl = false;
+  bool no_progress = false, output_kl = false, rotated = false;
   int64_t output_kl_tokens = 128;
   std::vector<std::string> output_kl_formats;
   app.add_option("-m,--model", model_path, "GGUF model (llama architecture)")->required()->check(CLI::ExistingFile);
@@ -230,6 +233,9 @@ int main(int argc, char** argv) {
   app.add_option("--threads", threads, "threads for the calibrator (layers in parallel)")
       ->capture_default_str()
       ->check(CLI::Range(1, 256));
+  app.add_flag("--rotated", rotated,
+               "also measure every candidate on rotated heads (randomized Hadamard, the caches' default seed) into the "
+               "artifact's rotated damages, which kl_budget and autok read for a rotated cache (kvq-eval <config>+rot)");
   app.add_flag("--output-kl", output_kl,
                "also measure the output KL with one (layer, kv head) quantized at a time (slow; see OUTPUT KL)");
   app.add_option("--output-kl-tokens", output_kl_tokens, "teacher-forced tokens of each output-KL run")
@@ -293,6 +299,7 @@ int main(int argc, char** argv) {
     opt.clip_formats = *f;
   }
   opt.clip_grid = clip_grid;
+  opt.rotated = rotated;
   opt.model_name = model_name.empty() ? model.name() : model_name;
   auto cal_r = kvq::calib::calibrator::create(shape, opt);
   if (!cal_r) return fail(cal_r.error());

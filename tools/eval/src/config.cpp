@@ -16,7 +16,7 @@ namespace kvq::eval {
 
 namespace {
 
-kvq::result<std::shared_ptr<kvq::policy>> make_static(std::string_view spec, const kvq::cache_shape&) {
+kvq::result<std::shared_ptr<kvq::policy>> make_static(std::string_view spec, const policy_target&) {
   auto p = kvq::static_policy::parse(spec);
   if (!p) return p.error();
   return std::shared_ptr<kvq::policy>(std::make_shared<kvq::static_policy>(std::move(p).value()));
@@ -101,12 +101,28 @@ kvq::result<kvq::calib::artifact> load_artifact_file(const std::string& path, co
   return kvq::calib::artifact::load(path, {shape.layers, shape.q_heads, shape.kv_heads, shape.head_dim});
 }
 
-kvq::result<kvq::calib::artifact> load_artifact(params& p, const kvq::cache_shape& shape) {
+/// The artifact named by `artifact=`, its damages those of the target's heads: for a rotated
+/// cache the rotated ones, moved into `sensitivity` (an artifact without them, or measured with
+/// another rotation seed than the caches', is refused).
+kvq::result<kvq::calib::artifact> load_artifact(params& p, const policy_target& target) {
   KVQ_EVAL_ASSIGN(path, p.required("artifact"));
-  return load_artifact_file(path, shape);
+  KVQ_EVAL_ASSIGN(art, load_artifact_file(path, target.shape));
+  if (!target.rotated) return art;
+  if (!art.has_rotated())
+    return status{errc::invalid_argument,
+                  fmt::format("artifact '{}' holds no rotated damages, which a rotated configuration reads "
+                              "(kvq-calibrate --rotated writes them)",
+                              path)};
+  if (art.rotation_seed != kvq::rotation::default_seed)
+    return status{errc::invalid_argument,
+                  fmt::format("artifact '{}': its rotated damages were measured with rotation seed {}, kvq-eval's "
+                              "caches use {}",
+                              path, art.rotation_seed, kvq::rotation::default_seed)};
+  art.sensitivity = std::move(art.rotated_sensitivity);
+  return art;
 }
 
-kvq::result<std::shared_ptr<kvq::policy>> make_kl_budget(std::string_view text, const kvq::cache_shape& shape) {
+kvq::result<std::shared_ptr<kvq::policy>> make_kl_budget(std::string_view text, const policy_target& target) {
   KVQ_EVAL_ASSIGN(p, params::parse(text));
   kvq::kl_budget_options opt;
   if (p.has("bits") == p.has("kl"))
@@ -122,12 +138,12 @@ kvq::result<std::shared_ptr<kvq::policy>> make_kl_budget(std::string_view text, 
   }
   KVQ_EVAL_ASSIGN(vw, p.number("v_weight", 1.0));
   opt.v_weight = vw;
-  KVQ_EVAL_ASSIGN(art, load_artifact(p, shape));
+  KVQ_EVAL_ASSIGN(art, load_artifact(p, target));
   KVQ_TRY(p.check_all_used("bits, kl, artifact, v_weight"));
   return std::shared_ptr<kvq::policy>(std::make_shared<kvq::kl_budget_policy>(std::move(art.sensitivity), opt));
 }
 
-kvq::result<std::shared_ptr<kvq::policy>> make_autok(std::string_view text, const kvq::cache_shape& shape) {
+kvq::result<std::shared_ptr<kvq::policy>> make_autok(std::string_view text, const policy_target& target) {
   KVQ_EVAL_ASSIGN(p, params::parse(text));
   kvq::autok_options opt;
   KVQ_EVAL_ASSIGN(phi, p.number("phi", 0.5));
@@ -147,7 +163,7 @@ kvq::result<std::shared_ptr<kvq::policy>> make_autok(std::string_view text, cons
     ref = *rf;
   }
   KVQ_EVAL_ASSIGN(vw, p.number("v_weight", 1.0));
-  KVQ_EVAL_ASSIGN(art, load_artifact(p, shape));
+  KVQ_EVAL_ASSIGN(art, load_artifact(p, target));
   KVQ_TRY(p.check_all_used("phi, high, low, ref, v_weight, artifact"));
   auto layers = art.sensitivity.per_layer(ref, vw);
   if (!layers) return layers.error();
@@ -156,21 +172,22 @@ kvq::result<std::shared_ptr<kvq::policy>> make_autok(std::string_view text, cons
   return std::shared_ptr<kvq::policy>(std::make_shared<kvq::autok_policy>(std::move(pol).value()));
 }
 
-kvq::result<std::shared_ptr<kvq::policy>> make_random(std::string_view text, const kvq::cache_shape& shape) {
+kvq::result<std::shared_ptr<kvq::policy>> make_random(std::string_view text, const policy_target& target) {
   KVQ_EVAL_ASSIGN(p, params::parse(text, "like"));
   KVQ_EVAL_ASSIGN(seed, p.unsigned_int("seed", 0));
   KVQ_EVAL_ASSIGN(like, p.required("like"));
   KVQ_TRY(p.check_all_used("seed, like (last)"));
-  auto inner = make_policy(like, shape);
+  auto inner = make_policy(like, target.shape, target.rotated);
   if (!inner) return inner.error();
-  if (status s = (*inner)->bind(shape); !s.ok()) return status{s.code(), fmt::format("like={}: {}", like, s.message())};
-  const kvq::format_map map = kvq::format_map::of(**inner, shape.layers, shape.kv_heads);
+  if (status s = (*inner)->bind(target.shape); !s.ok())
+    return status{s.code(), fmt::format("like={}: {}", like, s.message())};
+  const kvq::format_map map = kvq::format_map::of(**inner, target.shape.layers, target.shape.kv_heads);
   auto pol = kvq::random_policy::create(map, seed);
   if (!pol) return pol.error();
   return std::shared_ptr<kvq::policy>(std::make_shared<kvq::random_policy>(std::move(pol).value()));
 }
 
-kvq::result<std::shared_ptr<kvq::policy>> make_echokv(std::string_view text, const kvq::cache_shape&) {
+kvq::result<std::shared_ptr<kvq::policy>> make_echokv(std::string_view text, const policy_target&) {
   KVQ_EVAL_ASSIGN(p, params::parse(text));
   kvq::echokv_options opt;
   KVQ_EVAL_ASSIGN(seed, p.unsigned_int("seed", 0));
@@ -285,7 +302,8 @@ const std::vector<policy_entry>& policy_registry() {
   return registry;
 }
 
-kvq::result<std::shared_ptr<kvq::policy>> make_policy(std::string_view name_and_params, const kvq::cache_shape& shape) {
+kvq::result<std::shared_ptr<kvq::policy>> make_policy(std::string_view name_and_params, const kvq::cache_shape& shape,
+                                                      bool rotated) {
   if (name_and_params.empty())
     return kvq::status{kvq::errc::invalid_argument,
                        "empty configuration (expected a format spec or <policy>:<params>)"};
@@ -304,7 +322,7 @@ kvq::result<std::shared_ptr<kvq::policy>> make_policy(std::string_view name_and_
   } else {
     entry = &policy_registry().front();  // a bare spec is a static policy
   }
-  auto p = entry->make(params, shape);
+  auto p = entry->make(params, policy_target{shape, rotated});
   if (!p)
     return kvq::status{p.error().code(), fmt::format("configuration '{}': {}", name_and_params, p.error().message())};
   return p;
@@ -363,7 +381,7 @@ kvq::result<kvq::KVCache> make_eval_cache(const kvq::cache_shape& model_shape, s
                        fmt::format("configuration '{}': the clip ratios were calibrated on unrotated heads; run the "
                                    "rotated rolealign configuration without --clip-ratios",
                                    config)};
-  auto pol = make_policy(spec, shape);
+  auto pol = make_policy(spec, shape, rotated);
   if (!pol) return pol.error();
   kvq::cache_config cfg;
   cfg.shape = shape;

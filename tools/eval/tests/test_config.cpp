@@ -229,11 +229,12 @@ TEST_CASE("validate_options and run_eval: errors name the option, file or config
 namespace {
 
 // A calibration artifact for smol_shape(): kivi8/4/2 damages that grow with the layer index
-// (layer 29 is the most sensitive), written to a temporary file.
+// (layer 29 is the most sensitive), written to a temporary file; with `rotated`, also rotated
+// damages that shrink with the layer index (layer 0 the most sensitive on rotated heads).
 struct temp_artifact {
   std::string path;
   /// `clip`: every rolealign clip ratio of the artifact.
-  explicit temp_artifact(const kvq::cache_shape& s, float clip = 1.f) {
+  explicit temp_artifact(const kvq::cache_shape& s, float clip = 1.f, bool rotated = false) {
     kvq::calib::artifact a;
     a.shape = {s.layers, s.q_heads, s.kv_heads, s.head_dim};
     a.text_hash = kvq::calib::artifact::hash_text("calibration");
@@ -247,16 +248,25 @@ struct temp_artifact {
       for (int h = 0; h < s.kv_heads; ++h)
         for (kvq::role r : {kvq::role::k, kvq::role::v})
           for (int f = 0; f < 3; ++f) a.sensitivity.at(l, h, r, f) = (1.0 + l + 0.1 * h) * std::pow(16.0, f) * 1e-6;
+    if (rotated) {
+      a.rotated_sensitivity = a.sensitivity;
+      for (int l = 0; l < s.layers; ++l)
+        for (int h = 0; h < s.kv_heads; ++h)
+          for (kvq::role r : {kvq::role::k, kvq::role::v})
+            for (int f = 0; f < 3; ++f)
+              a.rotated_sensitivity.at(l, h, r, f) = (double(s.layers) - l + 0.1 * h) * std::pow(16.0, f) * 1e-7;
+    }
     a.clip_ratios.assign(size_t(s.layers) * s.kv_heads * 2, clip);
-    path = (std::filesystem::temp_directory_path() / fmt::format("kvq_eval_artifact_{}_{}.json", ::getpid(), clip))
+    path = (std::filesystem::temp_directory_path() /
+            fmt::format("kvq_eval_artifact_{}_{}_{}.json", ::getpid(), clip, rotated ? "rot" : "plain"))
                .string();
     kvq::check(a.save(path));
   }
   ~temp_artifact() { std::filesystem::remove(path); }
 };
 
-std::shared_ptr<kvq::policy> bound(std::string_view cfg, const kvq::cache_shape& shape) {
-  auto p = make_policy(cfg, shape);
+std::shared_ptr<kvq::policy> bound(std::string_view cfg, const kvq::cache_shape& shape, bool rotated = false) {
+  auto p = make_policy(cfg, shape, rotated);
   INFO(cfg << ": " << (p.ok() ? std::string("ok") : p.error().to_string()));
   REQUIRE(p.ok());
   REQUIRE((*p)->bind(shape).ok());
@@ -290,6 +300,34 @@ TEST_CASE("make_policy: kl_budget, autok, random and echokv by name", "[config]"
                                                 kvq::parse_format("kivi8/g32").value_or_throw()});
     CHECK(p->current(0, 0) == kvq::format_pair{kvq::parse_format("kivi2/g32").value_or_throw(),
                                                kvq::parse_format("kivi2/g32").value_or_throw()});
+  }
+  SECTION("a rotated cache's kl_budget and autok read the artifact's rotated damages") {
+    const temp_artifact rot(shape, 1.f, true);
+    const std::string R = ",artifact=" + rot.path;
+    const auto k8 = kvq::parse_format("kivi8/g32").value_or_throw();
+    const auto k2 = kvq::parse_format("kivi2/g32").value_or_throw();
+    const std::string autok = "autok:phi=0.1,high=kivi8/g32,low=kivi2/g32";
+    // unrotated: layer 29 is the most sensitive; rotated: layer 0
+    CHECK(bound(autok + R, shape)->current(29, 0) == kvq::format_pair{k8, k8});
+    const auto p = bound(autok + R, shape, true);
+    CHECK(p->current(0, 0) == kvq::format_pair{k8, k8});
+    CHECK(p->current(29, 0) == kvq::format_pair{k2, k2});
+    // kl_budget moves the least damaging units down first: the rotated table inverts the order
+    const auto plain = kvq::format_map::of(*bound("kl_budget:bits=4" + R, shape), shape.layers, shape.kv_heads);
+    const auto rotated = kvq::format_map::of(*bound("kl_budget:bits=4" + R, shape, true), shape.layers, shape.kv_heads);
+    CHECK_FALSE(plain == rotated);
+    CHECK(map_bits(*bound("kl_budget:bits=5" + R, shape, true), shape) <= 5.0);
+    CHECK(bound("random:seed=1,like=kl_budget:bits=4" + R, shape, true) != nullptr);
+    // an artifact without rotated damages is refused for a rotated cache, naming the fix
+    auto no_rot = make_policy("kl_budget:bits=5" + A, shape, true);
+    REQUIRE_FALSE(no_rot.ok());
+    CHECK_THAT(no_rot.error().message(), Contains("no rotated damages") && Contains("kvq-calibrate --rotated"));
+    CHECK_FALSE(make_policy(autok + A, shape, true).ok());
+    // the eval cache passes the rotation through: `<config>+rot`
+    cache_settings cs;
+    cs.max_tokens = 128;
+    CHECK_FALSE(make_eval_cache(shape, "kl_budget:bits=5" + A + "+rot", cs).ok());
+    CHECK(make_eval_cache(shape, "kl_budget:bits=5" + R + "+rot", cs).ok());
   }
   SECTION("random keeps the bytes of the configuration it copies and moves its formats") {
     const std::string like = "kl_budget:bits=4" + A;  // a mix of kivi4 and kivi2

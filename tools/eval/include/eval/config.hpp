@@ -26,10 +26,18 @@
 
 namespace kvq::eval {
 
-/// Builds a policy from its parameter string (the part after `<name>:`) for a cache of `shape`.
+/// What a policy is made for: the cache's shape, and whether every (layer, kv head) is rotated
+/// (`<config>+rot`). Policies that read a calibration artifact (kl_budget, autok) read its rotated
+/// damages for a rotated cache: a format's damage differs a lot with and without rotation.
+struct policy_target {
+  kvq::cache_shape shape;
+  bool rotated = false;
+};
+
+/// Builds a policy from its parameter string (the part after `<name>:`) for `target`.
 /// Errors name the bad parameter.
 using policy_factory =
-    std::function<kvq::result<std::shared_ptr<kvq::policy>>(std::string_view params, const kvq::cache_shape& shape)>;
+    std::function<kvq::result<std::shared_ptr<kvq::policy>>(std::string_view params, const policy_target& target)>;
 
 /// One named policy of the registry.
 struct policy_entry {
@@ -42,10 +50,13 @@ struct policy_entry {
 /// Every policy kvq-eval knows by name, in --help order.
 const std::vector<policy_entry>& policy_registry();
 
-/// The policy a configuration string names (grammar above), for a cache of `shape`. The policy is
-/// not bound yet (`KVCache::create` binds it). Errors (invalid_argument) quote the configuration:
-/// an unknown `<policy>:` prefix lists the known ones; a bad spec gives the parser's message.
-kvq::result<std::shared_ptr<kvq::policy>> make_policy(std::string_view name_and_params, const kvq::cache_shape& shape);
+/// The policy a configuration string names (grammar above, without `+rot`), for a cache of
+/// `shape`, rotated or not. The policy is not bound yet (`KVCache::create` binds it). Errors
+/// (invalid_argument) quote the configuration: an unknown `<policy>:` prefix lists the known ones;
+/// a bad spec gives the parser's message; a rotated cache's kl_budget or autok whose artifact
+/// holds no rotated damages (or damages of another rotation seed) says so.
+kvq::result<std::shared_ptr<kvq::policy>> make_policy(std::string_view name_and_params, const kvq::cache_shape& shape,
+                                                      bool rotated = false);
 
 /// Paging and budget of every cache kvq-eval creates.
 struct cache_settings {
