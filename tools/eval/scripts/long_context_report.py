@@ -2,6 +2,7 @@
 """Long-context results of kvq-eval runs: an SVG of KL against position and a markdown table.
 
 usage: long_context_report.py RUN.json [RUN.json ...] [--svg OUT.svg] [--bits-svg OUT.svg] [--md OUT.md]
+                               [--peer PEER.json ...]
 
 Each RUN.json is a kvq-eval record (schema kvq.eval v1, tools/eval/include/eval/report.hpp),
 one per evaluation text. Python 3 standard library only.
@@ -11,7 +12,13 @@ KL(P_fp16 || P_config) against the absolute position, one line per configuration
 series `kl_by_position`, a point per --kl-bucket positions), log y axis, linear x axis.
 
 --bits-svg writes one standalone SVG of mean KL (log) against bits per element (pages and the
-FP16 window), a point per configuration, rotated ones (`+rot`) in red.
+FP16 window), a point per configuration, rotated ones (`+rot`) in red; with --peer, the peer's
+caches as green squares in every panel of the same text.
+
+--peer names records of bench/peer_llamacpp_quality.py (llama.cpp's quantized caches against its
+own f16 cache on the same positions): --md then adds a table of every configuration of the runs
+and of the peers with the same text, ordered by bits per element, with each run's paging
+(page tokens P, window R, recent r) beside kvq's rows.
 
 --md (default: stdout) writes the markdown tables for docs/quality.md: per run the mean KL, top-1
 agreement and perplexity change by position range (`position_buckets`: fixed edges 0, 512, 1K,
@@ -124,14 +131,15 @@ def render_svg(recs):
     return render_panels(recs, panel, 900, 360)
 
 
-def bits_panel(rec, y0, width, height):
+def bits_panel(rec, y0, width, height, peer_pts=()):
     """One run's scatter of bits per element against mean KL as SVG elements, its top at y0: a
-    point per configuration (rotated ones, `+rot`, in red), labelled with its name."""
+    point per configuration (rotated ones, `+rot`, in red), labelled with its name, and the
+    peer's (bits, KL, label) points as green squares."""
     left, right, top, bottom = 70, 30, 28, 40
     pw, ph = width - left - right, height - top - bottom
     pts = [(c["bits"]["total_bits"], c["quality"]["mean_kl"], c["name"]) for c in rec["configs"]
            if not c["reference"] and c["quality"]["mean_kl"] is not None and c["quality"]["mean_kl"] > 0]
-    xs, ys = [x for x, _, _ in pts], [v for _, v, _ in pts]
+    xs, ys = [x for x, _, _ in pts + list(peer_pts)], [v for _, v, _ in pts + list(peer_pts)]
     x_lo, x_hi = (math.floor(min(xs)) - 0.5, math.ceil(max(xs)) + 0.5) if xs else (0, 16)
     lo, hi = (math.floor(math.log10(min(ys))), math.ceil(math.log10(max(ys)))) if ys else (-6, 0)
     hi = max(hi, lo + 1)
@@ -155,11 +163,80 @@ def bits_panel(rec, y0, width, height):
         color = PALETTE[1] if name.endswith("+rot") else PALETTE[0]
         s.append(f'<circle cx="{X(x):.1f}" cy="{Y(v):.1f}" r="4" fill="{color}"/>')
         s.append(f'<text x="{X(x) + 7:.1f}" y="{Y(v) + 4:.1f}" fill="{color}">{escape(name)}</text>')
+    for x, v, name in peer_pts:
+        s.append(f'<rect x="{X(x) - 4:.1f}" y="{Y(v) - 4:.1f}" width="8" height="8" fill="{PALETTE[2]}"/>')
+        s.append(f'<text x="{X(x) + 7:.1f}" y="{Y(v) + 4:.1f}" fill="{PALETTE[2]}">{escape(name)}</text>')
     return s
 
 
-def render_bits_svg(recs):
-    return render_panels(recs, bits_panel, 900, 420)
+def render_bits_svg(recs, peers=()):
+    def panel_of(rec, y0, width, height):
+        return bits_panel(rec, y0, width, height, peers_of(rec, peers))
+    return render_panels(recs, panel_of, 900, 420)
+
+
+# ---- the peer (llama.cpp) ------------------------------------------------------------------------
+
+def load_peer(path):
+    with open(path, encoding="utf-8") as f:
+        rec = json.load(f)
+    if rec.get("peer") != "llama.cpp" or "configs" not in rec:
+        raise SystemExit(f"{path}: not a bench/peer_llamacpp_quality.py record")
+    return rec
+
+
+def same_text(a, b):
+    return a.rsplit("/", 1)[-1] == b.rsplit("/", 1)[-1]
+
+
+def peers_of(rec, peers):
+    """The peer caches measured on the run's text: (bits, mean KL, label) each."""
+    return [(c["bits_per_element"], c["mean_kl"], f"llama.cpp {c['cache']}") for p in peers
+            if same_text(p["text"], rec["text"]["path"]) for c in p["configs"] if c["mean_kl"] > 0]
+
+
+def sci(v):
+    return "-" if v is None else f"{v:.2e}"
+
+
+def paging(rec):
+    c = rec.get("cache")
+    if not c:
+        return "-"
+    return f"P {c['page_tokens']}, R {c['window']}, r {c['recent']}"
+
+
+def peer_table(recs, peers):
+    """Every configuration of the runs and of the peers on one text, ordered by bits per element."""
+    out = []
+    for text in dict.fromkeys(r["text"]["path"] for r in recs):
+        runs = [r for r in recs if r["text"]["path"] == text]
+        ps = [p for p in peers if same_text(p["text"], text)]
+        if not ps:
+            continue
+        first, end = runs[0]["text"]["positions"]
+        rows = []
+        for r in runs:
+            for c in r["configs"]:
+                if c["reference"]:
+                    continue
+                q = c["quality"]
+                rows.append((c["bits"]["total_bits"], [f"kvq `{c['name']}`", paging(r), f"{c['bits']['total_bits']:.2f}",
+                             f"{q['mean_kl']:.2e}", sci(q.get("p99_kl")), f"{q['top1_agreement']:.4f}",
+                             f"{q['perplexity_delta']:+.3f}"]))
+        for p in ps:
+            for c in p["configs"]:
+                rot = "rotation on" if c["rotation"] else "rotation off"
+                rows.append((c["bits_per_element"], [f"llama.cpp `{c['type']}`", rot, f"{c['bits_per_element']:.2f}",
+                             f"{c['mean_kl']:.2e}", f"{c['p99_kl']:.2e}", f"{c['top1_agreement']:.4f}",
+                             f"{c['delta_ppl']:+.3f}"]))
+        rows.sort(key=lambda r: (r[0], r[1][0]))
+        versions = ", ".join(sorted({f"llama-cpp-python {p['version']}" for p in ps}))
+        out.append(f"**{escape(text.rsplit('/', 1)[-1])}, positions {first}..{end}**: kvq against its FP16 cache, "
+                   f"llama.cpp ({versions}) against its f16 cache\n\n" +
+                   table(["cache", "paging / rotation", "bits/el", "mean KL", "p99 KL", "top-1", "ΔPPL"],
+                         [r[1] for r in rows]))
+    return "\n".join(out)
 
 
 # ---- the markdown -----------------------------------------------------------------------------------
@@ -248,7 +325,7 @@ def needle_table(rec):
             table(head, rows))
 
 
-def render_md(recs):
+def render_md(recs, peers=()):
     parts = ["Mean KL(P_fp16 ‖ P_config) in nats, top-1 agreement with the FP16 cache and the perplexity change "
              "against it, by range of absolute positions.\n"]
     for rec in recs:
@@ -257,6 +334,8 @@ def render_md(recs):
         n = needle_table(rec)
         if n:
             parts.append(n)
+    if peers:
+        parts.append(peer_table(recs, peers))
     cmd = "; ".join(f"`{r['command']}`" for r in recs if r.get("command"))
     parts.append(f"Commands: {cmd}\n" if cmd else "")
     return "\n".join(p for p in parts if p)
@@ -268,15 +347,18 @@ def main(argv):
     ap.add_argument("--svg", help="write the KL-against-position SVG here")
     ap.add_argument("--bits-svg", help="write the SVG of mean KL against bits per element here")
     ap.add_argument("--md", help="write the markdown tables here (default: stdout)")
+    ap.add_argument("--peer", action="append", default=[],
+                    help="a bench/peer_llamacpp_quality.py record (repeatable)")
     a = ap.parse_args(argv)
     recs = [load(p) for p in a.runs]
+    peers = [load_peer(p) for p in a.peer]
     if a.svg:
         with open(a.svg, "w", encoding="utf-8") as f:
             f.write(render_svg(recs))
     if a.bits_svg:
         with open(a.bits_svg, "w", encoding="utf-8") as f:
-            f.write(render_bits_svg(recs))
-    md = render_md(recs)
+            f.write(render_bits_svg(recs, peers))
+    md = render_md(recs, peers)
     if a.md:
         with open(a.md, "w", encoding="utf-8") as f:
             f.write(md)

@@ -112,6 +112,37 @@ class LongContextReport(unittest.TestCase):
         self.assertAlmostEqual(float(dots[2].get("cy")) - float(dots[0].get("cy")), decade, places=0)
         self.assertIn("&lt;odd&gt;", svg)
 
+    def test_peer_points_and_table(self):
+        rec = record()
+        rec["cache"] = {"page_tokens": 32, "window": 32, "recent": 0}
+        peer = {"peer": "llama.cpp", "version": "0.3.36", "text": "/elsewhere/eval_legal.txt", "configs": [
+            {"cache": "q4_0", "type": "q4_0", "rotation": True, "bits_per_element": 4.5, "mean_kl": 0.06,
+             "p99_kl": 0.5, "top1_agreement": 0.88, "delta_ppl": 0.9},
+            {"cache": "q8_0:norot", "type": "q8_0", "rotation": False, "bits_per_element": 8.5, "mean_kl": 0.001,
+             "p99_kl": 0.01, "top1_agreement": 0.99, "delta_ppl": 0.01}]}
+        other = dict(peer, text="data/eval/other.txt")  # another text: neither plotted nor tabled
+        with tempfile.TemporaryDirectory() as d:
+            run = self._write(d, rec)
+            pp, po = Path(d) / "peer.json", Path(d) / "other.json"
+            import json
+            pp.write_text(json.dumps(peer), encoding="utf-8")
+            po.write_text(json.dumps(other), encoding="utf-8")
+            out, md = Path(d) / "bits.svg", Path(d) / "t.md"
+            self.assertEqual(lcr.main([run, "--bits-svg", str(out), "--md", str(md), "--peer", str(pp),
+                                       "--peer", str(po)]), 0)
+            svg, text = out.read_text(encoding="utf-8"), md.read_text(encoding="utf-8")
+        root = ET.fromstring(svg)
+        ns = "{http://www.w3.org/2000/svg}"
+        squares = [r for r in root.findall(f"{ns}rect") if r.get("fill") == lcr.PALETTE[2]]
+        self.assertEqual(len(squares), 2)
+        self.assertIn("llama.cpp q8_0:norot", svg)
+        # one table, rows by bits: kvq's 4.5-bit rows (with their paging), llama.cpp q4_0, then q8_0
+        self.assertIn("| cache | paging / rotation | bits/el | mean KL | p99 KL | top-1 | ΔPPL |", text)
+        self.assertIn("| llama.cpp `q4_0` | rotation on | 4.50 | 6.00e-02 | 5.00e-01 | 0.8800 | +0.900 |", text)
+        self.assertIn("| kvq `kivi2/g32` | P 32, R 32, r 0 | 4.50 | 2.00e-02 | - | 0.9700 | +0.050 |", text)
+        self.assertLess(text.index("llama.cpp `q4_0`"), text.index("llama.cpp `q8_0`"))
+        self.assertEqual(text.count("llama-cpp-python 0.3.36"), 1)
+
     def test_not_a_record(self):
         with tempfile.TemporaryDirectory() as d:
             with self.assertRaises(SystemExit):
