@@ -68,6 +68,7 @@ class RunLog:
     kv_bytes_per_token: list = field(default_factory=list)  # samples, one per admission round
     finished: list = field(default_factory=list)    # Requests, in finishing order
     refused: int = 0                                # admissions that passed can_admit but failed
+    unfinished: list = field(default_factory=list)  # Requests still running when the run stopped
 
 
 def exact_fits(req, running, bytes_per_token, budget):
@@ -92,7 +93,7 @@ def p90(xs):
     return s[min(len(s) - 1, max(0, math.ceil(0.9 * len(s)) - 1))]
 
 
-def run_trace(backend, trace, max_batch, log, max_steps=None, tagger=None, progress=None):
+def run_trace(backend, trace, max_batch, log, max_steps=None, tagger=None, progress=None, warmup=0):
     """Continuous batching over `trace` (all requests waiting at the start, served in order):
     before each step, finished requests leave and waiting ones are admitted in order while the
     backend says they fit (the first that does not fit waits, and so do those behind it); then
@@ -123,13 +124,16 @@ def run_trace(backend, trace, max_batch, log, max_steps=None, tagger=None, progr
                                f"{waiting[0].output}) does not fit in an empty cache")
         tag = tagger(step) if tagger else ""
         seconds = backend.step(running)
-        log.step_seconds.append(seconds)
-        log.step_batch.append(len(running))
-        log.step_tag.append(tag)
+        counted = step >= warmup
+        if counted:
+            log.step_seconds.append(seconds)
+            log.step_batch.append(len(running))
+            log.step_tag.append(tag)
         still = []
         for r in running:
             r.done += 1
-            r.step_times.append(seconds)
+            if counted:
+                r.step_times.append(seconds)
             if r.remaining == 0:
                 backend.release(r)
                 log.finished.append(r)
@@ -139,16 +143,18 @@ def run_trace(backend, trace, max_batch, log, max_steps=None, tagger=None, progr
         step += 1
         if progress:
             progress(step, running, waiting, log)
+    log.unfinished = list(running)
     return running, waiting
 
 
-def summary(log, bytes_per_token_peer=None):
+def summary(log):
     """The numbers the report needs: decode tokens/s (output tokens over decode time), time per
-    output token over the finished requests (mean and p90 of each request's mean step time; every
-    running request gets one token per step), the largest batch, KV bytes per token, fill time."""
+    output token over the requests that decoded (finished or still running at the end; mean and p90
+    of each request's mean step time: every running request gets one token per step), the largest
+    batch, KV bytes per token, fill time."""
     decode_s = sum(log.step_seconds)
     tokens = sum(log.step_batch)
-    tpot = [sum(r.step_times) / len(r.step_times) for r in log.finished if r.step_times]
+    tpot = [sum(r.step_times) / len(r.step_times) for r in log.finished + log.unfinished if r.step_times]
     out = {
         "backend": log.backend,
         "steps": len(log.step_seconds),

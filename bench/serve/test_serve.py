@@ -16,6 +16,8 @@ import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kvq_abi  # noqa: E402
+import report_serve  # noqa: E402
+import serve  # noqa: E402  (torch-free parts only: torch is imported under a guard)
 import serve_sched as ss  # noqa: E402
 
 LIB = None
@@ -125,6 +127,50 @@ class SchedulerTest(unittest.TestCase):
         self.assertAlmostEqual(ab["ab_overhead_pct"], 10.0)
         self.assertAlmostEqual(ab["ab_overhead_sem_pct"], 0.0)
         self.assertEqual(ss.ab_summary(ss.RunLog("none")), {})
+
+
+class WarmupAndReportTest(unittest.TestCase):
+    def test_warmup_steps_left_out(self):
+        log = ss.RunLog("fake")
+        ss.run_trace(FakeBackend(10 ** 9, 1), [ss.Request(0, 10, 6), ss.Request(1, 10, 3)], 8, log, warmup=2)
+        self.assertEqual(log.step_batch, [2, 1, 1, 1])
+        self.assertEqual([len(r.step_times) for r in log.finished], [1, 4])
+        self.assertEqual(ss.summary(log)["output_tokens"], 5)
+
+    def test_report_table(self):
+        runs = []
+        for name, per_req, bpt in (("peer", 4e-3, 131072), ("kivi4/g32", 1e-3, 40000), ("echokv", 1e-3, 40000)):
+            log = ss.RunLog(name)
+            tagger = (lambda step: "on" if (step // 2) % 2 == 0 else "off") if name == "echokv" else None
+            be = FakeBackend(10 ** 9, bpt)
+            be.step = lambda running, per_req=per_req: per_req * len(running)
+            ss.run_trace(be, ss.make_trace(6, 1, 1000, output_min=8, output_max=8), 4, log, tagger=tagger)
+            runs.append(ss.summary(log))
+        for r in runs:
+            r["ratio_to_peer"] = r["tokens_per_s"] / runs[0]["tokens_per_s"]
+        meta = {"device": "fake", "sms": 1, "torch": "-", "cuda": "-", "date": "d", "commit": "c", "weights_gib": 1.0,
+                "peer_attention": "varlen", "trace": {"requests": 6, "context_min": 1, "context_max": 2,
+                                                      "context_mean": 1.5, "output_mean": 8},
+                "args": {"layers": 2, "kv_gib": 1, "max_steps": 10, "warmup_steps": 0, "canary_block": 2}}
+        md = report_serve.table({"meta": meta, "results": runs})
+        self.assertIn("| kivi4/g32 | ", md)
+        self.assertIn("kivi4/g32 4.00x, met.", md)
+        self.assertIn("canary adds <= 0.1 % to the time per output token: +0.000 %", md)
+        self.assertEqual(md.count("\n| "), 5, md)  # header, rule, three rows
+
+
+class RangeAllocatorTest(unittest.TestCase):
+    def test_first_fit_and_coalescing(self):
+        a = serve.RangeAllocator(100)
+        self.assertEqual([a.take(30), a.take(30), a.take(30)], [0, 30, 60])
+        self.assertIsNone(a.take(20))
+        a.give(30, 30)
+        self.assertEqual(a.take(20), 30)
+        a.give(0, 30)
+        a.give(30, 20)
+        self.assertEqual(a.free, [(0, 60), (90, 100)])
+        self.assertIsNone(a.take(61))
+        self.assertEqual(a.take(60), 0)
 
 
 def f32_buffer(values):
