@@ -219,20 +219,26 @@ class AbiTest(unittest.TestCase):
             c.close()
 
     def test_kvq_admission(self):
-        c = self.cache("fp16", budget=4 << 20)
-        one = c.bytes_for(200 + 50)
-        req = ss.Request(1, 200, 50)
-        self.assertTrue(ss.kvq_fits(c, req, []))
-        self.assertFalse(ss.kvq_fits(c, ss.Request(2, 20000, 50), []))
-        c.create_sequence(1)
-        k, kp = f32_buffer([0.5] * (200 * self.H * self.D))
-        for layer in range(self.L):
-            c.append(1, layer, kp, kp, 200, dtype="f32")
-        reserve = c.bytes_for(50, 1)
-        free = c.stats()["free_bytes"]
-        # a second request fits exactly when its bytes plus the first's remaining 50 tokens fit
-        self.assertEqual(ss.kvq_fits(c, ss.Request(2, 200, 50), [req]), one + reserve <= free)
+        def first_request_held(budget):
+            c = self.cache("fp16", budget=budget)
+            c.create_sequence(1)
+            k, kp = f32_buffer([0.5] * (200 * self.H * self.D))
+            for layer in range(self.L):
+                c.append(1, layer, kp, kp, 200, dtype="f32")
+            return c
+
+        first, second = ss.Request(1, 200, 150), ss.Request(2, 200, 150)
+        c = first_request_held(4 << 20)
+        used, one, reserve = c.stats()["used_bytes"], c.bytes_for(350), c.bytes_for(150, 1)
+        self.assertGreater(reserve, 0)
+        self.assertFalse(ss.kvq_fits(c, ss.Request(2, 20000, 50), [first]))
         c.close()
+        # the second request fits exactly when its bytes and the first's remaining 150 tokens fit
+        for budget, fits in ((used + one + reserve, True), (used + one + reserve - 256, False)):
+            c = first_request_held(budget)
+            self.assertEqual(c.bytes_for(350), one)
+            self.assertEqual(ss.kvq_fits(c, second, [first]), fits, budget)
+            c.close()
 
     def test_decode_step_and_checks(self):
         c = self.cache("fp16")
