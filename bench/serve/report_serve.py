@@ -34,6 +34,11 @@ def table(doc):
                    f"{r['tpot_ms_p90']:.2f} | {r['max_batch']} | {r['mean_batch']:.1f} | "
                    f"{r['kv_bytes_per_token'] / 1024:.1f} | {r['fill_s']:.1f} ({r['filled_tokens']}) |")
     out.append("")
+    pk = m.get("peer_kernels")
+    if pk:
+        us = ", ".join(f"{k[:-3].replace('_', ' ')} {v:.1f} us" for k, v in pk.items() if k.endswith("_us") and v)
+        out.append(f"- The peer's kernel, one layer of decode attention at {pk['batch']} x {pk['context']} "
+                   f"(equal lengths): {us}.")
     four = [r for r in rows if r["backend"] in FOUR_BIT and r.get("ratio_to_peer")]
     for r in four:
         ok = "met" if r["ratio_to_peer"] >= TARGET_RATIO else "missed"

@@ -341,6 +341,55 @@ def check_varlen(dev):
         return f"{type(e).__name__}: {str(e)[:200]}"
 
 
+def time_us(fn, iters=20):
+    """Median microseconds of fn() on the GPU (CUDA events), after 3 warm-up calls."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(1e3 * a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
+def peer_kernel_check(dev, batch=8, length=32768):
+    """One layer's decode attention at an equal-length batch (no growth, one shape): the peer's
+    varlen flash against SDPA's cuDNN and flash backends on the batched [B, heads, L, D] layout,
+    so a reader sees how strong the peer's kernel is (microseconds; None where a backend fails)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    c = LLAMA3_8B
+    hq, hk, d = c["q_heads"], c["kv_heads"], c["head_dim"]
+    k = torch.randn(batch, hk, length, d, device=dev, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    q = torch.randn(batch, hq, 1, d, device=dev, dtype=torch.bfloat16)
+    out = {"batch": batch, "context": length}
+    for name, be in (("sdpa_cudnn_us", SDPBackend.CUDNN_ATTENTION), ("sdpa_flash_us", SDPBackend.FLASH_ATTENTION)):
+        try:
+            with sdpa_kernel(be):
+                out[name] = time_us(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+        except RuntimeError:
+            out[name] = None
+    kp, vp = k.transpose(1, 2).reshape(batch * length, hk, d), v.transpose(1, 2).reshape(batch * length, hk, d)
+    del k, v
+    i32 = torch.int32
+    cu_q = torch.arange(batch + 1, device=dev, dtype=i32)
+    cu_k = torch.arange(0, (batch + 1) * length, length, device=dev, dtype=i32)
+    used = torch.full((batch,), length, device=dev, dtype=i32)
+    qv = q[:, :, 0, :].contiguous()
+    try:
+        out["varlen_flash_us"] = time_us(lambda: varlen_flash(qv, kp, vp, cu_q, cu_k, length, used))
+    except RuntimeError:
+        out["varlen_flash_us"] = None
+    del kp, vp
+    torch.cuda.empty_cache()
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lib", default=".gpu/libkvq_serve.so")
@@ -388,6 +437,9 @@ def main():
                   f"({args.sdpa_backend})", flush=True)
             peer_attention = "sdpa"
     meta["peer_attention"] = peer_attention if peer_attention == "varlen" else f"sdpa-{args.sdpa_backend}"
+    if "peer" in args.backends.split(","):
+        meta["peer_kernels"] = peer_kernel_check(dev)
+        print(f"# peer kernels, one layer at 8 x 32K: {meta['peer_kernels']}", flush=True)
     print(f"# {props.name}, torch {torch.__version__}; model {args.layers} layers, random BF16 weights "
           f"{meta['weights_gib']:.1f} GiB; KV memory {args.kv_gib:g} GiB; trace {meta['trace']}", flush=True)
     from torch.nn.attention import SDPBackend

@@ -149,12 +149,15 @@ class WarmupAndReportTest(unittest.TestCase):
         for r in runs:
             r["ratio_to_peer"] = r["tokens_per_s"] / runs[0]["tokens_per_s"]
         meta = {"device": "fake", "sms": 1, "torch": "-", "cuda": "-", "date": "d", "commit": "c", "weights_gib": 1.0,
-                "peer_attention": "varlen", "trace": {"requests": 6, "context_min": 1, "context_max": 2,
+                "peer_attention": "varlen", "peer_kernels": {"batch": 8, "context": 32768, "sdpa_cudnn_us": 250.0,
+                                                             "sdpa_flash_us": None, "varlen_flash_us": 270.5},
+                "trace": {"requests": 6, "context_min": 1, "context_max": 2,
                                                       "context_mean": 1.5, "output_mean": 8},
                 "args": {"layers": 2, "kv_gib": 1, "max_steps": 10, "warmup_steps": 0, "canary_block": 2}}
         md = report_serve.table({"meta": meta, "results": runs})
         self.assertIn("| kivi4/g32 | ", md)
         self.assertIn("kivi4/g32 4.00x, met.", md)
+        self.assertIn("at 8 x 32768 (equal lengths): sdpa cudnn 250.0 us, varlen flash 270.5 us.", md)
         self.assertIn("canary adds <= 0.1 % to the time per output token: +0.000 %", md)
         self.assertEqual(md.count("\n| "), 5, md)  # header, rule, three rows
 
