@@ -15,7 +15,8 @@
 # the target: at most 1.5).
 # canary: EchoKV's device-canary overhead on a Llama-8B-like decode step (canary.log, canary.json).
 # serve: the end-to-end serving benchmark (bench/serve/README.md): a 2-layer smoke run, then the
-# Llama-3-8B-shaped run over every backend (KVQ_SERVE_ARGS: more serve.py options); serve.json,
+# Llama-3-8B-shaped run over every backend (KVQ_SERVE_BACKENDS: its --backends list, space-separated;
+# KVQ_SERVE_ARGS: more serve.py options); serve.json,
 # steps.csv, serve.log, and report_serve.py's serve.md, serve.svg, serve.png.
 set -uo pipefail
 OUT=${OUT:-$PWD/out/gpu}
@@ -92,8 +93,10 @@ PY
         --max-steps 8 --context 2048 --kv-gib 1 > "$OUT/serve.log" 2>&1; r=$?
       rm -rf "$OUT/serve_smoke"; echo "serve: smoke run (2 layers) exit $r"; tail -3 "$OUT/serve.log"; rc=$((rc | r))
       if [ $r = 0 ]; then
-        echo "serve: python3 bench/serve/serve.py --lib .gpu/libkvq_serve.so --out $OUT ${KVQ_SERVE_ARGS:-}" | tee -a "$OUT/serve.log"
-        python3 bench/serve/serve.py --lib .gpu/libkvq_serve.so --out "$OUT" ${KVQ_SERVE_ARGS:-} 2>&1 | tee -a "$OUT/serve.log"
+        echo "serve: python3 bench/serve/serve.py --lib .gpu/libkvq_serve.so --out $OUT" \
+          "${KVQ_SERVE_BACKENDS:+--backends \"$KVQ_SERVE_BACKENDS\"} ${KVQ_SERVE_ARGS:-}" | tee -a "$OUT/serve.log"
+        python3 bench/serve/serve.py --lib .gpu/libkvq_serve.so --out "$OUT" ${KVQ_SERVE_BACKENDS:+--backends "$KVQ_SERVE_BACKENDS"} \
+          ${KVQ_SERVE_ARGS:-} 2>&1 | tee -a "$OUT/serve.log"
         rc=$((rc | ${PIPESTATUS[0]}))
         python3 bench/serve/report_serve.py "$OUT/serve.json" --md "$OUT/serve.md" --plot "$OUT/serve"; rc=$((rc | $?))
       fi ;;

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Table and plot of a serving benchmark run (bench/serve/serve.py's serve.json): a markdown
 table per backend (decode tokens/s and its ratio to the BF16 peer of the same run, time per output
-token mean and p90, largest and mean batch, KV bytes per token, fill time), the targets, and a bar
+token mean and p90, largest and mean batch, KV bytes per token, host issue time, fill time), the
+targets, and a bar
 plot of tokens/s with the largest batch (SVG and PNG; matplotlib is optional, the table is not).
 
     python3 bench/serve/report_serve.py out/serve/serve.json [--md out/serve/serve.md] [--plot out/serve/serve]
@@ -26,14 +27,17 @@ def table(doc):
            f"{t['output_mean']:.0f}; {m['args']['max_steps']} decode steps per backend after "
            f"{m['args']['warmup_steps']} of warm-up. Peer attention: {m['peer_attention']}.", "",
            "| backend | tokens/s | / peer | TPOT ms mean | TPOT ms p90 | max batch | mean batch | KV KiB/token "
-           "| fill s (tokens) |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+           "| host issue ms | fill s (tokens) |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         ratio = f"{r['ratio_to_peer']:.2f}" if r.get("ratio_to_peer") else "-"
         out.append(f"| {r['backend']} | {r['tokens_per_s']:.0f} | {ratio} | {r['tpot_ms_mean']:.2f} | "
                    f"{r['tpot_ms_p90']:.2f} | {r['max_batch']} | {r['mean_batch']:.1f} | "
-                   f"{r['kv_bytes_per_token'] / 1024:.1f} | {r['fill_s']:.1f} ({r['filled_tokens']}) |")
+                   f"{r['kv_bytes_per_token'] / 1024:.1f} | {r.get('issue_ms_mean', float('nan')):.2f} | "
+                   f"{r['fill_s']:.1f} ({r['filled_tokens']}) |")
     out.append("")
+    out.append("- *host issue ms*: host time to issue a step's work; near the step time (TPOT), the GPU "
+               "waited on the host.")
     pk = m.get("peer_kernels")
     if pk:
         us = ", ".join(f"{k[:-3].replace('_', ' ')} {v:.1f} us" for k, v in pk.items() if k.endswith("_us") and v)

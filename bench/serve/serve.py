@@ -18,7 +18,7 @@ the cache synthetically (random K/V, not a prompt pass through the model), timed
 decode steps. Writes <out>/serve.json (summaries and the run's settings) and <out>/steps.csv.
 
     python3 bench/serve/serve.py --lib .gpu/libkvq_serve.so --out out/serve \
-        [--backends peer,fp16,sym8,kivi4/g32,kivi2/g32,echokv] [--kv-gib 40] [--requests 96] \
+        [--backends "peer fp16 sym8 kivi4/g32 kivi2/g32 echokv"] [--kv-gib 40] [--requests 96] \
         [--max-steps 400] [--context 32768] [--spread 0.25] [--outputs 128:512] [--layers 32]
 """
 import argparse
@@ -65,7 +65,7 @@ class Model:
         self.lm_head = w(c["hidden"], c["vocab"])
         inv = 1.0 / (c["rope_theta"] ** (torch.arange(0, d, 2, device=dev, dtype=torch.float32) / d))
         ang = torch.arange(max_positions, device=dev, dtype=torch.float32)[:, None] * inv[None, :]
-        self.cos, self.sin = ang.cos(), ang.sin()
+        self.rot = torch.polar(torch.ones_like(ang), ang)  # [positions, D/2] complex64
 
     def weight_bytes(self):
         ts = [self.embed, self.lm_head] + self.wqkv + self.wo + self.wgu + self.wdown
@@ -78,29 +78,29 @@ class Model:
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(x.dtype) * self.norm
 
     @staticmethod
-    def rope(x, cos, sin):
-        """Rotate-half RoPE of x [B, heads, D] at the rows' positions (cos, sin: [B, 1, D/2])."""
-        h = x.shape[-1] // 2
-        xf = x.float()
-        a, b = xf[..., :h], xf[..., h:]
-        return torch.cat((a * cos - b * sin, b * cos + a * sin), -1).to(x.dtype)
+    def rope(x, rot):
+        """RoPE of x [B, heads, D] at the rows' positions (rot: [B, 1, D/2] complex), channels
+        (2i, 2i + 1) rotated as a pair: three kernels for the q and k heads of a step together."""
+        xc = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
+        return torch.view_as_real(xc * rot).flatten(-2).to(x.dtype)
 
     def step(self, tokens, positions, attention):
-        """One decode step: tokens, positions [B] on the device; attention(layer, q, k, v) -> o,
-        q [B, q_heads, D] contiguous, k [B, kv_heads, D] contiguous, v [B, kv_heads, D] a strided
-        view of the QKV output. Returns the next tokens (argmax) [B]."""
+        """One decode step: tokens, positions [B] on the device; attention(layer, q, k, v) -> o
+        [B, q_heads, D], where q [B, q_heads, D] and k [B, kv_heads, D] are views of one RoPE output
+        and v [B, kv_heads, D] a view of the QKV output (heads and channels contiguous, rows
+        strided). Returns the next tokens (argmax) [B]."""
         c = self.c
         hq, hk, d = c["q_heads"], c["kv_heads"], c["head_dim"]
         B = tokens.shape[0]
         x = self.embed[tokens]
-        cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+        rot = self.rot[positions][:, None, :]
         for layer in range(self.layers):
             qkv = self.rms(x) @ self.wqkv[layer]
-            q = self.rope(qkv[:, : hq * d].view(B, hq, d), cos, sin)
-            k = self.rope(qkv[:, hq * d: (hq + hk) * d].view(B, hk, d), cos, sin)
+            qk = self.rope(qkv[:, : (hq + hk) * d].view(B, hq + hk, d), rot)
+            q, k = qk[:, :hq], qk[:, hq:]
             v = qkv[:, (hq + hk) * d:].view(B, hk, d)
             o = attention(layer, q, k, v)
-            x = x + o.view(B, hq * d) @ self.wo[layer]
+            x = x + o.reshape(B, hq * d) @ self.wo[layer]
             gu = self.rms(x) @ self.wgu[layer]
             x = x + (F.silu(gu[:, : c["mlp"]]) * gu[:, c["mlp"]:]) @ self.wdown[layer]
         return (self.rms(x) @ self.lm_head).argmax(-1)
@@ -117,6 +117,7 @@ class Backend:
         self.fill_k = torch.randn(shape, generator=g, device=dev, dtype=torch.bfloat16)
         self.fill_v = torch.randn(shape, generator=g, device=dev, dtype=torch.bfloat16)
         self.next_token = {}
+        self.issue_seconds = []  # per step: host time to issue the step's work (before its sync)
 
     def chunks(self, tokens):
         """(offset, length) of the fill chunks of a context."""
@@ -129,12 +130,14 @@ class Backend:
         torch.cuda.synchronize()
 
     def step(self, running):
+        """One timed decode step (from a synchronized start to the end-of-step synchronization)."""
         toks = torch.tensor([self.next_token.get(r.rid, 1) for r in running], device=self.dev)
         pos = torch.tensor([r.length for r in running], device=self.dev)
         self.prepare(running)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         out = self.model.step(toks, pos, self.attend)
+        self.issue_seconds.append(time.perf_counter() - t0)
         self.finish_step()
         seconds = time.perf_counter() - t0
         for r, t in zip(running, out.tolist()):
@@ -195,8 +198,8 @@ class KvqBackend(Backend):
 
     def attend(self, layer, q, k, v):
         self.cache.append_batch(layer, k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0))
-        o = torch.empty_like(q)
-        self.cache.attend(layer, q.data_ptr(), o.data_ptr())
+        o = torch.empty(q.shape, device=self.dev, dtype=q.dtype)
+        self.cache.attend(layer, q.data_ptr(), o.data_ptr(), q.stride(0))
         return o
 
     def finish_step(self):
@@ -292,8 +295,8 @@ class PeerBackend(Backend):
         kb.index_copy_(0, self.write, k)
         vb.index_copy_(0, self.write, v)
         if self.attention == "varlen":
-            return varlen_flash(q, kb, vb, self.cu_q, self.cu_k, self.max_k, self.used_k)
-        o = torch.empty_like(q)
+            return varlen_flash(q.contiguous(), kb, vb, self.cu_q, self.cu_k, self.max_k, self.used_k)
+        o = torch.empty(q.shape, device=self.dev, dtype=q.dtype)
         from torch.nn.attention import sdpa_kernel
         with sdpa_kernel(self.sdpa_backend):
             for i, (s, n) in enumerate(self.rows):
@@ -394,7 +397,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lib", default=".gpu/libkvq_serve.so")
     ap.add_argument("--out", default="out/serve")
-    ap.add_argument("--backends", default="peer,fp16,sym8,kivi4/g32,kivi2/g32,echokv")
+    ap.add_argument("--backends", default="peer fp16 sym8 kivi4/g32 kivi2/g32 echokv",
+                    help="space-separated: peer, echokv, or a kvq format spec (k=kivi4/g32,v=kivi2/g32 too)")
     ap.add_argument("--kv-gib", type=float, default=40.0, help="KV memory of every backend, GiB")
     ap.add_argument("--requests", type=int, default=96)
     ap.add_argument("--max-steps", type=int, default=400, help="decode steps per backend (after warm-up)")
@@ -414,6 +418,7 @@ def main():
         sys.exit("serve.py needs torch with a CUDA device")
     dev = torch.device("cuda")
     omin, omax = map(int, args.outputs.split(":"))
+    backends = args.backends.split()
     trace_args = dict(n=args.requests, seed=args.seed, context_mean=args.context, context_spread=args.spread,
                       output_min=omin, output_max=omax)
     probe = ss.make_trace(**trace_args)
@@ -430,14 +435,14 @@ def main():
                       "context_min": min(r.context for r in probe), "context_max": max(r.context for r in probe),
                       "output_mean": sum(r.output for r in probe) / len(probe)}}
     peer_attention = args.peer_attention
-    if "peer" in args.backends.split(",") and peer_attention == "varlen":
+    if "peer" in backends and peer_attention == "varlen":
         why = check_varlen(dev)
         if why:
             print(f"# peer: varlen flash unavailable or wrong ({why}); using SDPA per request "
                   f"({args.sdpa_backend})", flush=True)
             peer_attention = "sdpa"
     meta["peer_attention"] = peer_attention if peer_attention == "varlen" else f"sdpa-{args.sdpa_backend}"
-    if "peer" in args.backends.split(","):
+    if "peer" in backends:
         meta["peer_kernels"] = peer_kernel_check(dev)
         print(f"# peer kernels, one layer at 8 x 32K: {meta['peer_kernels']}", flush=True)
     print(f"# {props.name}, torch {torch.__version__}; model {args.layers} layers, random BF16 weights "
@@ -445,7 +450,7 @@ def main():
     from torch.nn.attention import SDPBackend
     sdpa_backend = SDPBackend.CUDNN_ATTENTION if args.sdpa_backend == "cudnn" else SDPBackend.FLASH_ATTENTION
     results, steps_rows = [], []
-    for name in args.backends.split(","):
+    for name in backends:
         if name == "peer":
             be = PeerBackend(model, dev, args.seed, budget, max_request, peer_attention, sdpa_backend)
         else:
@@ -470,6 +475,8 @@ def main():
         ss.run_trace(be, trace, args.max_batch, log, max_steps=args.max_steps + args.warmup_steps,
                                   tagger=tagger, progress=progress, warmup=args.warmup_steps)
         s = ss.summary(log)
+        counted = be.issue_seconds[args.warmup_steps:]
+        s["issue_ms_mean"] = 1e3 * sum(counted) / len(counted) if counted else float("nan")
         results.append(s)
         for i, (sec, b, tag) in enumerate(zip(log.step_seconds, log.step_batch, log.step_tag)):
             steps_rows.append((name, i, b, f"{1e3 * sec:.3f}", tag))
