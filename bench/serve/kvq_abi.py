@@ -77,6 +77,7 @@ class Cache:
 
     def __init__(self, lib, policy, *, cuda, layers, q_heads, kv_heads, head_dim, budget_bytes, max_sequences,
                  max_tokens, stream=0):
+        self.h = None
         if not isinstance(policy, str) or not policy:
             raise ValueError("policy must be a non-empty string")
         for n, v, lo in (("layers", layers, 1), ("q_heads", q_heads, 1), ("kv_heads", kv_heads, 1),

@@ -323,13 +323,14 @@ def check_varlen(dev):
         g = torch.Generator(device=dev).manual_seed(5)
         c = LLAMA3_8B
         hq, hk, d = c["q_heads"], c["kv_heads"], c["head_dim"]
-        k = torch.randn(700, hk, d, generator=g, device=dev, dtype=torch.bfloat16)
+        total = 70000
+        k = torch.randn(total, hk, d, generator=g, device=dev, dtype=torch.bfloat16)
         v = torch.randn_like(k)
         q = torch.randn(3, hq, d, generator=g, device=dev, dtype=torch.bfloat16)
-        rows = [(400, 257), (0, 129), (150, 3)]
+        rows = [(36000, 33001), (0, 20000), (30000, 3)]  # decode-sized lengths, out of order, gaps
         i32 = torch.int32
         o = varlen_flash(q, k, v, torch.arange(4, device=dev, dtype=i32),
-                         torch.tensor([s for s, _ in rows] + [700], device=dev, dtype=i32), 257,
+                         torch.tensor([s for s, _ in rows] + [total], device=dev, dtype=i32), 33001,
                          torch.tensor([n for _, n in rows], device=dev, dtype=i32))
         for i, (s, n) in enumerate(rows):
             kk = k[s: s + n].float().repeat_interleave(hq // hk, 1)
