@@ -379,7 +379,6 @@ def peer_kernel_check(dev, batch=8, length=32768):
         except RuntimeError:
             out[name] = None
     kp, vp = k.transpose(1, 2).reshape(batch * length, hk, d), v.transpose(1, 2).reshape(batch * length, hk, d)
-    del k, v
     i32 = torch.int32
     cu_q = torch.arange(batch + 1, device=dev, dtype=i32)
     cu_k = torch.arange(0, (batch + 1) * length, length, device=dev, dtype=i32)
@@ -389,9 +388,16 @@ def peer_kernel_check(dev, batch=8, length=32768):
         out["varlen_flash_us"] = time_us(lambda: varlen_flash(qv, kp, vp, cu_q, cu_k, length, used))
     except RuntimeError:
         out["varlen_flash_us"] = None
-    del kp, vp
-    torch.cuda.empty_cache()
     return out
+
+
+def canary_tagger(backend, block):
+    """The A/B of EchoKV's canary: on for `block` steps, off for the next `block`, and so on."""
+    def tag(step):
+        on = (step // block) % 2 == 0
+        backend.set_canary(on)
+        return "on" if on else "off"
+    return tag
 
 
 def main():
@@ -445,6 +451,7 @@ def main():
     meta["peer_attention"] = peer_attention if peer_attention == "varlen" else f"sdpa-{args.sdpa_backend}"
     if "peer" in backends:
         meta["peer_kernels"] = peer_kernel_check(dev)
+        torch.cuda.empty_cache()
         print(f"# peer kernels, one layer at 8 x 32K: {meta['peer_kernels']}", flush=True)
     print(f"# {props.name}, torch {torch.__version__}; model {args.layers} layers, random BF16 weights "
           f"{meta['weights_gib']:.1f} GiB; KV memory {args.kv_gib:g} GiB; trace {meta['trace']}", flush=True)
@@ -457,12 +464,7 @@ def main():
         else:
             be = KvqBackend(name, model, dev, args.seed, lib, name, budget, args.max_batch, max_request + 64)
         log = ss.RunLog(name)
-        tagger = None
-        if name == "echokv":
-            def tagger(step, be=be):
-                on = (step // args.canary_block) % 2 == 0
-                be.set_canary(on)
-                return "on" if on else "off"
+        tagger = canary_tagger(be, args.canary_block) if name == "echokv" else None
         t0 = [time.perf_counter()]
 
         def progress(step, running, waiting, log, name=name):

@@ -8,9 +8,7 @@ attend against a hand computation, failed calls changing nothing).
 """
 import argparse
 import ctypes
-import math
 import os
-import struct
 import sys
 import unittest
 
@@ -160,6 +158,20 @@ class WarmupAndReportTest(unittest.TestCase):
         self.assertIn("at 8 x 32768 (equal lengths): sdpa cudnn 250.0 us, varlen flash 270.5 us.", md)
         self.assertIn("canary adds <= 0.1 % to the time per output token: +0.000 %", md)
         self.assertEqual(md.count("\n| "), 5, md)  # header, rule, three rows
+
+
+class CanaryTaggerTest(unittest.TestCase):
+    def test_blocks_alternate_and_switch_the_backend(self):
+        class Switch:
+            calls = []
+
+            def set_canary(self, on):
+                self.calls.append(on)
+
+        sw = Switch()
+        tag = serve.canary_tagger(sw, 2)
+        self.assertEqual([tag(i) for i in range(6)], ["on", "on", "off", "off", "on", "on"])
+        self.assertEqual(sw.calls, [True, True, False, False, True, True])
 
 
 class RangeAllocatorTest(unittest.TestCase):
