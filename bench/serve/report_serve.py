@@ -29,6 +29,8 @@ def table(doc):
            "| backend | tokens/s | / peer | TPOT ms mean | TPOT ms p90 | max batch | mean batch | KV KiB/token "
            "| host issue ms | fill s (tokens) |",
            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    failed = [r for r in rows if "error" in r]
+    rows = [r for r in rows if "error" not in r]
     for r in rows:
         ratio = f"{r['ratio_to_peer']:.2f}" if r.get("ratio_to_peer") else "-"
         out.append(f"| {r['backend']} | {r['tokens_per_s']:.0f} | {ratio} | {r['tpot_ms_mean']:.2f} | "
@@ -36,6 +38,8 @@ def table(doc):
                    f"{r['kv_bytes_per_token'] / 1024:.1f} | {r.get('issue_ms_mean', float('nan')):.2f} | "
                    f"{r['fill_s']:.1f} ({r['filled_tokens']}) |")
     out.append("")
+    for r in failed:
+        out.append(f"- {r['backend']} failed: {r['error']}")
     out.append("- *host issue ms*: host time to issue a step's work; near the step time (TPOT), the GPU "
                "waited on the host.")
     pk = m.get("peer_kernels")
@@ -67,7 +71,9 @@ def plot(doc, stem):
     except ImportError:
         print("report_serve: no matplotlib, no plot", file=sys.stderr)
         return []
-    rows = doc["results"]
+    rows = [r for r in doc["results"] if "error" not in r]
+    if not rows:
+        return []
     names = [r["backend"] for r in rows]
     tps = [r["tokens_per_s"] for r in rows]
     fig, ax = plt.subplots(figsize=(1.3 * len(rows) + 2, 4))

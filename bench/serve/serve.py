@@ -28,6 +28,7 @@ import math
 import os
 import sys
 import time
+import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kvq_abi  # noqa: E402
@@ -391,6 +392,57 @@ def peer_kernel_check(dev, batch=8, length=32768):
     return out
 
 
+def run_backend(name, args, model, dev, lib, trace_args, budget, max_request, peer_attention, sdpa_backend):
+    """Runs the trace on one backend; returns its summary and its steps.csv rows."""
+    if name == "peer":
+        be = PeerBackend(model, dev, args.seed, budget, max_request, peer_attention, sdpa_backend)
+    else:
+        be = KvqBackend(name, model, dev, args.seed, lib, name, budget, args.max_batch, max_request + 64)
+    try:
+        log = ss.RunLog(name)
+        tagger = canary_tagger(be, args.canary_block) if name == "echokv" else None
+        t0 = [time.perf_counter()]
+
+        def progress(step, running, waiting, log):
+            s = log.step_seconds[-25:]
+            if s and (step % 25 == 0 or time.perf_counter() - t0[0] > 10):
+                t0[0] = time.perf_counter()
+                print(f"{name:>10}: step {step:4d}  batch {len(running):3d}  waiting {len(waiting):3d}  "
+                      f"finished {len(log.finished):3d}  step {1e3 * sum(s) / len(s):7.2f} ms", flush=True)
+
+        ss.run_trace(be, ss.make_trace(**trace_args), args.max_batch, log,
+                     max_steps=args.max_steps + args.warmup_steps, tagger=tagger, progress=progress,
+                     warmup=args.warmup_steps)
+        s = ss.summary(log)
+        counted = be.issue_seconds[args.warmup_steps:]
+        s["issue_ms_mean"] = 1e3 * sum(counted) / len(counted) if counted else float("nan")
+        rows = [(name, i, b, f"{1e3 * sec:.3f}", tag)
+                for i, (sec, b, tag) in enumerate(zip(log.step_seconds, log.step_batch, log.step_tag))]
+        print(f"{name:>10}: {s['tokens_per_s']:.0f} tok/s, TPOT {s['tpot_ms_mean']:.2f} ms (p90 "
+              f"{s['tpot_ms_p90']:.2f}), max batch {s['max_batch']}, {s['kv_bytes_per_token'] / 1024:.1f} KiB/token, "
+              f"host issue {s['issue_ms_mean']:.2f} ms, fill {s['fill_s']:.1f} s"
+              + (f", canary on-off {s['ab_overhead_pct']:+.3f} % (sem {s['ab_overhead_sem_pct']:.3f} %)"
+                 if "ab_pairs" in s else ""), flush=True)
+        return s, rows
+    finally:
+        be.close()
+
+
+def write_results(out, meta, results, steps_rows):
+    """serve.json (the settings and every backend's summary, with its ratio to the peer's tokens/s)
+    and steps.csv (every counted step); rewritten after each backend so a failure keeps the rest."""
+    peer = next((r for r in results if r["backend"] == "peer" and "error" not in r), None)
+    for r in results:
+        if "error" not in r:
+            r["ratio_to_peer"] = r["tokens_per_s"] / peer["tokens_per_s"] if peer and peer["tokens_per_s"] else None
+    with open(os.path.join(out, "serve.json"), "w") as f:
+        json.dump({"meta": meta, "results": results}, f, indent=1)
+    with open(os.path.join(out, "steps.csv"), "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["backend", "step", "batch", "ms", "tag"])
+        w.writerows(steps_rows)
+
+
 def canary_tagger(backend, block):
     """The A/B of EchoKV's canary: on for `block` steps, off for the next `block`, and so on."""
     def tag(step):
@@ -459,48 +511,19 @@ def main():
     sdpa_backend = SDPBackend.CUDNN_ATTENTION if args.sdpa_backend == "cudnn" else SDPBackend.FLASH_ATTENTION
     results, steps_rows = [], []
     for name in backends:
-        if name == "peer":
-            be = PeerBackend(model, dev, args.seed, budget, max_request, peer_attention, sdpa_backend)
-        else:
-            be = KvqBackend(name, model, dev, args.seed, lib, name, budget, args.max_batch, max_request + 64)
-        log = ss.RunLog(name)
-        tagger = canary_tagger(be, args.canary_block) if name == "echokv" else None
-        t0 = [time.perf_counter()]
-
-        def progress(step, running, waiting, log, name=name):
-            s = log.step_seconds[-25:]
-            if s and (step % 25 == 0 or time.perf_counter() - t0[0] > 10):
-                t0[0] = time.perf_counter()
-                print(f"{name:>10}: step {step:4d}  batch {len(running):3d}  waiting {len(waiting):3d}  "
-                      f"finished {len(log.finished):3d}  step {1e3 * sum(s) / len(s):7.2f} ms", flush=True)
-
-        trace = ss.make_trace(**trace_args)
-        ss.run_trace(be, trace, args.max_batch, log, max_steps=args.max_steps + args.warmup_steps,
-                                  tagger=tagger, progress=progress, warmup=args.warmup_steps)
-        s = ss.summary(log)
-        counted = be.issue_seconds[args.warmup_steps:]
-        s["issue_ms_mean"] = 1e3 * sum(counted) / len(counted) if counted else float("nan")
-        results.append(s)
-        for i, (sec, b, tag) in enumerate(zip(log.step_seconds, log.step_batch, log.step_tag)):
-            steps_rows.append((name, i, b, f"{1e3 * sec:.3f}", tag))
-        print(f"{name:>10}: {s['tokens_per_s']:.0f} tok/s, TPOT {s['tpot_ms_mean']:.2f} ms (p90 "
-              f"{s['tpot_ms_p90']:.2f}), max batch {s['max_batch']}, {s['kv_bytes_per_token'] / 1024:.1f} KiB/token, "
-              f"fill {s['fill_s']:.1f} s" + (f", canary on-off {s['ab_overhead_pct']:+.3f} % "
-                                              f"(sem {s['ab_overhead_sem_pct']:.3f} %)" if "ab_pairs" in s else ""),
-              flush=True)
-        be.close()
-        del be
+        try:
+            summary, rows = run_backend(name, args, model, dev, lib, trace_args, budget, max_request, peer_attention,
+                                        sdpa_backend)
+        except Exception as e:  # one backend's failure is reported; the others still run
+            print(f"{name:>10}: FAILED: {type(e).__name__}: {e}\n{traceback.format_exc()}", flush=True)
+            summary, rows = {"backend": name, "error": f"{type(e).__name__}: {e}"}, []
         torch.cuda.empty_cache()
-    peer = next((r for r in results if r["backend"] == "peer"), None)
-    for r in results:
-        r["ratio_to_peer"] = r["tokens_per_s"] / peer["tokens_per_s"] if peer and peer["tokens_per_s"] else None
-    with open(os.path.join(args.out, "serve.json"), "w") as f:
-        json.dump({"meta": meta, "results": results}, f, indent=1)
-    with open(os.path.join(args.out, "steps.csv"), "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["backend", "step", "batch", "ms", "tag"])
-        w.writerows(steps_rows)
+        results.append(summary)
+        steps_rows += rows
+        write_results(args.out, meta, results, steps_rows)
     print(f"# wrote {args.out}/serve.json and steps.csv", flush=True)
+    if any("error" in r for r in results):
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -152,7 +152,8 @@ class WarmupAndReportTest(unittest.TestCase):
                 "trace": {"requests": 6, "context_min": 1, "context_max": 2,
                                                       "context_mean": 1.5, "output_mean": 8},
                 "args": {"layers": 2, "kv_gib": 1, "max_steps": 10, "warmup_steps": 0, "canary_block": 2}}
-        md = report_serve.table({"meta": meta, "results": runs})
+        md = report_serve.table({"meta": meta, "results": runs + [{"backend": "sym8", "error": "KvqError: boom"}]})
+        self.assertIn("- sym8 failed: KvqError: boom", md)
         self.assertIn("| kivi4/g32 | ", md)
         self.assertIn("kivi4/g32 4.00x, met.", md)
         self.assertIn("at 8 x 32768 (equal lengths): sdpa cudnn 250.0 us, varlen flash 270.5 us.", md)
