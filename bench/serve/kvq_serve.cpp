@@ -1,14 +1,12 @@
 // The serving benchmark's C ABI over kvq::KVCache (bench/serve/kvq_serve.h).
 #include "kvq_serve.h"
 
-#include <kvq/cache/cache.hpp>
-#include <kvq/policy/echokv.hpp>
-#include <kvq/policy/static_policy.hpp>
-
-#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <kvq/cache/cache.hpp>
+#include <kvq/policy/echokv.hpp>
+#include <kvq/policy/static_policy.hpp>
 #include <memory>
 #include <string>
 #include <utility>
@@ -49,8 +47,8 @@ std::string check_tensor_args(const kvq_serve& s, int layer, int dtype, int64_t 
 std::string check_seqs(const kvq_serve& s, const int64_t* seqs, int n) {
   if (!seqs) return "seqs is null";
   if (n < 1 || n > s.cache.config().max_sequences)
-    return "n = " + std::to_string(n) + " outside [1, max_sequences = " +
-           std::to_string(s.cache.config().max_sequences) + "]";
+    return "n = " + std::to_string(n) +
+           " outside [1, max_sequences = " + std::to_string(s.cache.config().max_sequences) + "]";
   return {};
 }
 
@@ -140,10 +138,9 @@ KVQ_EXPORT int kvq_serve_stats_get(kvq_serve* s, kvq_serve_stats* out) {
   if (!s) return int(kvq::errc::invalid_argument);
   if (!out) return fail(s, "out is null");
   const kvq::cache_stats st = s->cache.stats();
-  *out = {st.budget_bytes,     st.used_bytes,       st.free_bytes,
-          st.largest_free_block, st.page_bytes,     st.window_bytes,
-          st.encoded_elements, st.overhead.device_bytes(), st.sequences,
-          st.tokens};
+  *out = {st.budget_bytes, st.used_bytes,   st.free_bytes,       st.largest_free_block,
+          st.page_bytes,   st.window_bytes, st.encoded_elements, st.overhead.device_bytes(),
+          st.sequences,    st.tokens};
   return finish(s, kvq::status{});
 }
 
@@ -158,8 +155,8 @@ KVQ_EXPORT int kvq_serve_append(kvq_serve* s, int64_t seq, int layer, const void
                                    view(v, dtype, tokens, sh.kv_heads, sh.head_dim, v_stride)));
 }
 
-KVQ_EXPORT int kvq_serve_append_batch(kvq_serve* s, int layer, const int64_t* seqs, int n, const void* k,
-                                      const void* v, int64_t k_stride, int64_t v_stride, int dtype) {
+KVQ_EXPORT int kvq_serve_append_batch(kvq_serve* s, int layer, const int64_t* seqs, int n, const void* k, const void* v,
+                                      int64_t k_stride, int64_t v_stride, int dtype) {
   if (!s) return int(kvq::errc::invalid_argument);
   if (auto e = check_tensor_args(*s, layer, dtype, k_stride, v_stride); !e.empty()) return fail(s, e);
   if (auto e = check_seqs(*s, seqs, n); !e.empty()) return fail(s, e);
@@ -167,8 +164,7 @@ KVQ_EXPORT int kvq_serve_append_batch(kvq_serve* s, int layer, const int64_t* se
   s->append_items.resize(size_t(n));
   for (int i = 0; i < n; ++i) s->append_items[size_t(i)] = {seqs[i], 1};
   const auto& sh = s->cache.config().shape;
-  return finish(s, s->cache.append_batch(s->append_items, layer,
-                                         view(k, dtype, n, sh.kv_heads, sh.head_dim, k_stride),
+  return finish(s, s->cache.append_batch(s->append_items, layer, view(k, dtype, n, sh.kv_heads, sh.head_dim, k_stride),
                                          view(v, dtype, n, sh.kv_heads, sh.head_dim, v_stride)));
 }
 
