@@ -40,6 +40,9 @@ def table(doc):
     out.append("")
     for r in failed:
         out.append(f"- {r['backend']} failed: {r['error']}")
+    over = [f"{r['backend']} {r['overhead_device_mib']:.0f} MiB" for r in rows if "overhead_device_mib" in r]
+    if over:
+        out.append("- kvq's device page tables and workspaces, outside the KV memory: " + ", ".join(over) + ".")
     out.append("- *host issue ms*: host time to issue a step's work; near the step time (TPOT), the GPU "
                "waited on the host.")
     pk = m.get("peer_kernels")

@@ -146,6 +146,7 @@ class WarmupAndReportTest(unittest.TestCase):
             runs.append(ss.summary(log))
         for r in runs:
             r["ratio_to_peer"] = r["tokens_per_s"] / runs[0]["tokens_per_s"]
+        runs[1]["overhead_device_mib"] = 96.0
         meta = {"device": "fake", "sms": 1, "torch": "-", "cuda": "-", "date": "d", "commit": "c", "weights_gib": 1.0,
                 "peer_attention": "varlen", "peer_kernels": {"batch": 8, "context": 32768, "sdpa_cudnn_us": 250.0,
                                                              "sdpa_flash_us": None, "varlen_flash_us": 270.5},
@@ -154,6 +155,7 @@ class WarmupAndReportTest(unittest.TestCase):
                 "args": {"layers": 2, "kv_gib": 1, "max_steps": 10, "warmup_steps": 0, "canary_block": 2}}
         md = report_serve.table({"meta": meta, "results": runs + [{"backend": "sym8", "error": "KvqError: boom"}]})
         self.assertIn("- sym8 failed: KvqError: boom", md)
+        self.assertIn("outside the KV memory: kivi4/g32 96 MiB.", md)
         self.assertIn("| kivi4/g32 | ", md)
         self.assertIn("kivi4/g32 4.00x, met.", md)
         self.assertIn("at 8 x 32768 (equal lengths): sdpa cudnn 250.0 us, varlen flash 270.5 us.", md)
