@@ -16,8 +16,8 @@
 # canary: EchoKV's device-canary overhead on a Llama-8B-like decode step (canary.log, canary.json).
 # serve: the end-to-end serving benchmark (bench/serve/README.md): a 2-layer smoke run, then the
 # Llama-3-8B-shaped run over every backend (KVQ_SERVE_BACKENDS: its --backends list, space-separated;
-# KVQ_SERVE_ARGS: more serve.py options); serve.json,
-# steps.csv, serve.log, and report_serve.py's serve.md, serve.svg, serve.png.
+# KVQ_SERVE_ARGS: more serve.py options); serve.json, steps.csv, serve.log, and report_serve.py's
+# serve.md, serve.svg, serve.png.
 set -uo pipefail
 OUT=${OUT:-$PWD/out/gpu}
 mkdir -p "$OUT"
