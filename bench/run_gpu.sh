@@ -3,7 +3,7 @@
 # sanitizer (memcheck + racecheck on reduced sizes), the decode benchmark and the FP16 peer, in
 # one session so that ratios compare like with like. Logs and raw results go to $OUT (default
 # out/gpu, git-ignored).
-#   bash bench/run_gpu.sh [tests] [sanitize] [examples] [bench] [peer] [canary] [prefill] [ab]
+#   bash bench/run_gpu.sh [tests] [sanitize] [examples] [bench] [peer] [canary] [prefill] [ab] [serve]
 #   (default: tests sanitize bench peer)
 # examples: the examples that run the CUDA backend or the low-level CUDA API (examples.log).
 # ab: the decode benchmark of another build (KVQ_AB_BASE, default out/gpu-base/, staged the same
@@ -14,6 +14,10 @@
 # SDPA peer (bench/peer_prefill.py) over the same chunks; prints kvq / peer time ratios (prefill.md;
 # the target: at most 1.5).
 # canary: EchoKV's device-canary overhead on a Llama-8B-like decode step (canary.log, canary.json).
+# serve: the end-to-end serving benchmark (bench/serve/README.md): a 2-layer smoke run, then the
+# Llama-3-8B-shaped run over every backend (KVQ_SERVE_BACKENDS: its --backends list, space-separated;
+# KVQ_SERVE_ARGS: more serve.py options); serve.json, steps.csv, serve.log, and report_serve.py's
+# serve.md, serve.svg, serve.png.
 set -uo pipefail
 OUT=${OUT:-$PWD/out/gpu}
 mkdir -p "$OUT"
@@ -84,6 +88,18 @@ PY
     canary)
       ./.gpu/kvq_bench_canary_cuda --steps 1280 --json "$OUT/canary.json" 2>&1 | tee "$OUT/canary.log" | grep -vE "filled|round"
       rc=$((rc | ${PIPESTATUS[0]})) ;;
+    serve)
+      python3 bench/serve/serve.py --lib .gpu/libkvq_serve.so --out "$OUT/serve_smoke" --layers 2 --requests 6 \
+        --max-steps 8 --context 2048 --kv-gib 1 > "$OUT/serve.log" 2>&1; r=$?
+      rm -rf "$OUT/serve_smoke"; echo "serve: smoke run (2 layers) exit $r"; tail -3 "$OUT/serve.log"; rc=$((rc | r))
+      if [ $r = 0 ]; then
+        echo "serve: python3 bench/serve/serve.py --lib .gpu/libkvq_serve.so --out $OUT" \
+          "${KVQ_SERVE_BACKENDS:+--backends \"$KVQ_SERVE_BACKENDS\"} ${KVQ_SERVE_ARGS:-}" | tee -a "$OUT/serve.log"
+        python3 bench/serve/serve.py --lib .gpu/libkvq_serve.so --out "$OUT" ${KVQ_SERVE_BACKENDS:+--backends "$KVQ_SERVE_BACKENDS"} \
+          ${KVQ_SERVE_ARGS:-} 2>&1 | tee -a "$OUT/serve.log"
+        rc=$((rc | ${PIPESTATUS[0]}))
+        python3 bench/serve/report_serve.py "$OUT/serve.json" --md "$OUT/serve.md" --plot "$OUT/serve"; rc=$((rc | $?))
+      fi ;;
     ab)
       base=${KVQ_AB_BASE:-out/gpu-base}
       mkdir -p "$OUT/ab"
