@@ -160,6 +160,13 @@ class WarmupAndReportTest(unittest.TestCase):
         self.assertIn("kivi4/g32 4.00x, met.", md)
         self.assertIn("at 8 x 32768 (equal lengths): sdpa cudnn 250.0 us, varlen flash 270.5 us.", md)
         self.assertIn("canary adds <= 0.1 % to the time per output token: +0.000 %", md)
+        self.assertIn("on and off in the same run; step", md)
+        # the verdict follows the two-standard-error bounds of the difference
+        ab = next(r for r in runs if "ab_pairs" in r)
+        for d, e, verdict in ((0.05, 0.01, "), met."), (-1.4, 0.5, "met (the difference is below zero"),
+                              (0.05, 0.2, "not resolved by this run"), (1.0, 0.1, "), missed.")):
+            ab["ab_overhead_pct"], ab["ab_overhead_sem_pct"] = d, e
+            self.assertIn(verdict, report_serve.table({"meta": meta, "results": runs}))
         self.assertEqual(md.count("\n| "), 5, md)  # header, rule, three rows
 
 
