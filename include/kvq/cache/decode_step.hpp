@@ -46,7 +46,8 @@ KVQ_NAMESPACE_BEGIN
 ///
 /// Not supported: the CPU backend, policies that watch queries (EchoKV's device canary runs
 /// outside a replayed step), a GQA group above 8 (replay runs the decode kernel), q_len > 1.
-/// The cache must outlive the step; the eager calls of the cache stay usable between steps.
+/// The cache must outlive the step and not move (the step keeps its address); the eager calls of
+/// the cache stay usable between steps.
 class KVQ_EXPORT decode_step {
  public:
   /// A step of at most `max_batch` sequences (1 to 256) of at most `max_tokens` tokens each
