@@ -60,7 +60,7 @@ class KVQ_EXPORT decode_step {
   ~decode_step();
 
   /// The next step: one new token for each of `seqs` (distinct existing sequences, in batch-row
-  /// order), every layer. Validates everything first (batch size, unknown or repeated sequences,
+  /// order), every layer. Call it outside any stream capture (its copy is not part of the graph). Validates everything first (batch size, unknown or repeated sequences,
   /// a sequence that would pass `max_tokens`, a budget that cannot hold the step's new pages and
   /// windows in one free block): a refused step changes nothing.
   status prepare(std::span<const seq_id> seqs);
