@@ -645,6 +645,16 @@ class cuda_step final : public step_backend {
     return {};
   }
 
+  status can_prepare() override {
+    KVQ_ON_DEVICE();
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    KVQ_TRY(cuda_status(cudaStreamIsCapturing(b_.stream(), &capturing), "cudaStreamIsCapturing"));
+    if (capturing != cudaStreamCaptureStatusNone)
+      return {errc::invalid_argument, "decode_step::prepare: the cache's stream is being captured; prepare a step "
+                                      "before the capture (its descriptor copy is not part of the graph)"};
+    return {};
+  }
+
   status stage(std::span<const entry> entries, int layer) override {
     KVQ_ON_DEVICE();
     const auto& sh = b_.cfg_.shape;

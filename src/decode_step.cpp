@@ -55,6 +55,7 @@ status decode_step::prepare(std::span<const seq_id> seqs) {
     }
     ss.push_back(s);
   }
+  KVQ_TRY(impl_->can_prepare());
   std::vector<seq_id> ids(seqs.begin(), seqs.end());
   std::sort(ids.begin(), ids.end());
   if (auto d = std::adjacent_find(ids.begin(), ids.end()); d != ids.end())

@@ -232,6 +232,15 @@ TEST_CASE("gpu: decode_step refuses bad requests and changes nothing", "[gpu][gr
     REQUIRE(past.code() == errc::out_of_budget);
     REQUIRE(past.message().find("max_tokens") != std::string::npos);
     REQUIRE(a.length(0, 0) == 100);
+    // inside a capture of the cache's stream
+    REQUIRE(cudaStreamBeginCapture(st.s, cudaStreamCaptureModeThreadLocal) == cudaSuccess);
+    const status captured = x.prepare(std::vector<seq_id>{0});
+    cudaGraph_t dropped = nullptr;
+    REQUIRE(cudaStreamEndCapture(st.s, &dropped) == cudaSuccess);
+    if (dropped) cudaGraphDestroy(dropped);
+    REQUIRE(captured.code() == errc::invalid_argument);
+    REQUIRE(captured.message().find("captured") != std::string::npos);
+    REQUIRE(a.length(0, 0) == 100);
     REQUIRE(x.append(L, k, k).code() == errc::invalid_argument);  // layer out of range
     const tensor_view k1{dk.p, dtype::f16, 1, H, D};
     REQUIRE(x.append(0, k1, k1).code() == errc::invalid_argument);  // not max_batch rows

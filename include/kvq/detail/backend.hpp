@@ -45,6 +45,9 @@ class step_backend {
     const sequence_state* s;
     const append_plan* plan;
   };
+  /// Before a step's bookkeeping changes: whether a step can be prepared now (not while the
+  /// cache's stream is being captured: the descriptor copy would land in the graph).
+  virtual status can_prepare() = 0;
   /// Writes the descriptors of one layer's append and attention of the next step into host
   /// memory (entry i is batch row i); checks them as the eager calls do. Runs nothing.
   virtual status stage(std::span<const entry> entries, int layer) = 0;
