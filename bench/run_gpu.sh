@@ -3,7 +3,7 @@
 # sanitizer (memcheck + racecheck on reduced sizes), the decode benchmark and the FP16 peer, in
 # one session so that ratios compare like with like. Logs and raw results go to $OUT (default
 # out/gpu, git-ignored).
-#   bash bench/run_gpu.sh [tests] [sanitize] [examples] [bench] [peer] [canary] [prefill] [ab] [serve]
+#   bash bench/run_gpu.sh [tests] [sanitize] [examples] [bench] [peer] [canary] [prefill] [ab] [serve] [replay]
 #   (default: tests sanitize bench peer)
 # examples: the examples that run the CUDA backend or the low-level CUDA API (examples.log).
 # ab: the decode benchmark of another build (KVQ_AB_BASE, default out/gpu-base/, staged the same
@@ -18,6 +18,8 @@
 # Llama-3-8B-shaped run over every backend (KVQ_SERVE_BACKENDS: its --backends list, space-separated;
 # KVQ_SERVE_ARGS: more serve.py options); serve.json, steps.csv, serve.log, and report_serve.py's
 # serve.md, serve.svg, serve.png.
+# replay: a decode step replayed from one CUDA graph (decode_step) against its eager calls, on a
+# Llama-8B-like stack at batch 1 / 8 / 32 and contexts 1K / 32K (replay.log).
 set -uo pipefail
 OUT=${OUT:-$PWD/out/gpu}
 mkdir -p "$OUT"
@@ -85,6 +87,10 @@ for f, ms in kvq.items():
     print(f"| {f} | {ms:.2f} | {peer[best]:.2f} | {ms / peer[best]:.2f} |" if best else f"| {f} | {ms:.2f} | - | - |")
 PY
       ;;
+    replay)
+      for b in 1 8 32; do for c in 1024 32768; do
+        ./.gpu/kvq_bench_replay_cuda --batch $b --context $c 2>&1 | tee -a "$OUT/replay.log"; rc=$((rc | ${PIPESTATUS[0]}))
+      done; done ;;
     canary)
       ./.gpu/kvq_bench_canary_cuda --steps 1280 --json "$OUT/canary.json" 2>&1 | tee "$OUT/canary.log" | grep -vE "filled|round"
       rc=$((rc | ${PIPESTATUS[0]})) ;;

@@ -10,6 +10,7 @@
 #include "attention/layout.hpp"
 #include "dtype.cuh"
 #include "launch.hpp"
+#include "replay.hpp"
 #include "rotation.cuh"
 #include "status.hpp"
 #include "view_checks.hpp"
@@ -31,15 +32,9 @@ using detail::threads;
 using detail::warp_rotate;
 using detail::with_per_lane;
 
-struct append_params {
-  paged_view kv;
-  uint8_t* arena;  // writable aliases of kv's
-  uint32_t* blocks;
-  uint8_t* fmts;
-  int layer;
-  const void* src[2];
-  dtype src_type[2];
-  int64_t src_stride[2];
+// The per-call part of an append: its sequences and new pages. Eager calls carry it in the
+// launch parameters; a replayed step's kernels read it from device memory (`append_params::table`).
+struct append_table {
   int n_items, pages;
   struct item {
     int slot;
@@ -52,10 +47,30 @@ struct append_params {
   uint32_t page_blocks[max_append_pages];
   uint8_t page_item[max_append_pages];
   uint8_t page_fmts[max_append_pages][max_kv_heads * 2];
+};
+
+struct append_params {
+  paged_view kv;
+  uint8_t* arena;  // writable aliases of kv's
+  uint32_t* blocks;
+  uint8_t* fmts;
+  int layer;
+  const void* src[2];
+  dtype src_type[2];
+  int64_t src_stride[2];
   float clip[max_kv_heads * 2];
   head_rotation rot;
+  const append_table* table;  // replay instances: the call's part, in device memory (`step` unused)
+  append_table step;
 };
 static_assert(max_append_items <= 256, "page_item is one byte");
+
+// The call's part: from the parameters (eager) or from the device table (`Replay`).
+template <bool Replay>
+__device__ __forceinline__ const append_table& table_of(const append_params& p) {
+  if constexpr (Replay) return *p.table;
+  else return p.step;
+}
 
 __device__ __forceinline__ uint16_t src_half(const append_params& p, int r, int64_t row, int h, int c) {
   const int64_t i = row * p.src_stride[r] + int64_t(h) * p.kv.head_dim + c;
@@ -82,7 +97,7 @@ __device__ __forceinline__ void rotated_row(const append_params& p, int r, int64
   });
 }
 
-__device__ __forceinline__ uint16_t* ring_of(const append_params& p, const append_params::item& it, int h, int r) {
+__device__ __forceinline__ uint16_t* ring_of(const append_params& p, const append_table::item& it, int h, int r) {
   return reinterpret_cast<uint16_t*>(p.arena + size_t(it.window_unit) * block_unit) +
          ring_halves(p.layer, p.kv.kv_heads, h, r, p.kv.window, p.kv.head_dim);
 }
@@ -90,13 +105,16 @@ __device__ __forceinline__ uint16_t* ring_of(const append_params& p, const appen
 // One block per (new page of any item, kv head, role): stage the page's fp16 rows (old tokens
 // from the item's ring, new ones from the input) in shared memory, then encode every unit with
 // the shared codec. `Rotating`: an instance for layers with rotated heads (the plain one keeps its
-// registers).
-template <bool Rotating>
+// registers). `Replay`: the call's part from the device table, whose grid covers the most pages a
+// step can encode (blocks past the step's pages exit).
+template <bool Rotating, bool Replay>
 __global__ void __launch_bounds__(threads) encode_kernel(const __grid_constant__ append_params p) {
   extern __shared__ __align__(16) uint8_t smem_raw[];
   uint16_t* src = reinterpret_cast<uint16_t*>(smem_raw);
   const int pg = blockIdx.x, h = blockIdx.y, r = blockIdx.z, d = p.kv.head_dim, P = p.kv.page_tokens;
-  const append_params::item& it = p.items[p.page_item[pg]];
+  const append_table& t = table_of<Replay>(p);
+  if (Replay && pg >= t.pages) return;
+  const append_table::item& it = t.items[t.page_item[pg]];
   const uint16_t* ring = ring_of(p, it, h, r);
   const int first_tok = it.e + (pg - it.page0) * P;
   const bool rotated = Rotating && head_rotated(p.rot, h);
@@ -108,29 +126,33 @@ __global__ void __launch_bounds__(threads) encode_kernel(const __grid_constant__
   if (rotated)  // the new rows, a warp each
     for (int row = max(0, it.n - first_tok) + threadIdx.x / 32; row < P; row += threads / 32)
       rotated_row(p, r, it.src_row + (first_tok + row - it.n), h, threadIdx.x % 32, src + size_t(row) * d);
-  const uint8_t* fm = p.page_fmts[pg];
+  const uint8_t* fm = t.page_fmts[pg];
   uint32_t off = 0;
   for (int hh = 0; hh < h; ++hh) off += p.kv.k_page_bytes[fm[2 * hh]] + p.kv.v_page_bytes[fm[2 * hh + 1]];
   if (r == 1) off += p.kv.k_page_bytes[fm[2 * h]];
   const format_id f = fm[2 * h + r];
   const codec::page_geom g = codec::make_geom(f, r == 0 ? role::k : role::v, P, d);
-  uint8_t* page = p.arena + size_t(p.page_blocks[pg]) * block_unit + off;
+  uint8_t* page = p.arena + size_t(t.page_blocks[pg]) * block_unit + off;
   for (uint32_t i = threadIdx.x * 16; i < g.lay.total(); i += threads * 16) *reinterpret_cast<uint4*>(page + i) = make_uint4(0, 0, 0, 0);
   __syncthreads();
   const float clip = p.clip[2 * h + r];
   for (int u = threadIdx.x; u < g.unit_count(); u += threads) codec::encode_unit(g, src, d, u, page, clip);
   if (h == 0 && r == 0) {
     const size_t row = (size_t(it.slot) * p.kv.layers + p.layer) * p.kv.max_pages + it.first_page + (pg - it.page0);
-    if (threadIdx.x == 0) p.blocks[row] = p.page_blocks[pg];
+    if (threadIdx.x == 0) p.blocks[row] = t.page_blocks[pg];
     for (int i = threadIdx.x; i < p.kv.kv_heads * 2; i += threads) p.fmts[row * p.kv.kv_heads * 2 + i] = fm[i];
   }
 }
 
 // The ring keeps the last `window` tokens: write each item's new tokens that remain among them
 // (grid y: the item). A thread writes 8 channels of one (token, head, role) row with one 16-byte
-// store; 32-bit index math (a row count times d fits easily).
+// store; 32-bit index math (a row count times d fits easily). `Replay`: the items from the device
+// table (grid rows past the step's items exit).
+template <bool Replay>
 __global__ void ring_kernel(const __grid_constant__ append_params p) {
-  const append_params::item& it = p.items[blockIdx.y];
+  const append_table& t = table_of<Replay>(p);
+  if (Replay && int(blockIdx.y) >= t.n_items) return;
+  const append_table::item& it = t.items[blockIdx.y];
   const int32_t first = max(it.n, it.n + it.m - p.kv.window);
   const int d8 = p.kv.head_dim / 8, rows = (it.n + it.m - first) * p.kv.kv_heads * 2;
   for (int idx = blockIdx.x * blockDim.x + threadIdx.x; idx < rows * d8; idx += gridDim.x * blockDim.x) {
@@ -149,8 +171,11 @@ __global__ void ring_kernel(const __grid_constant__ append_params p) {
 
 // `ring_kernel` for a layer with rotated heads (a kernel of its own: the plain one keeps its
 // registers): a warp per (token, head, role) row, rotated where the head is.
+template <bool Replay>
 __global__ void ring_rotated_kernel(const __grid_constant__ append_params p) {
-  const append_params::item& it = p.items[blockIdx.y];
+  const append_table& t = table_of<Replay>(p);
+  if (Replay && int(blockIdx.y) >= t.n_items) return;
+  const append_table::item& it = t.items[blockIdx.y];
   const int32_t first = max(it.n, it.n + it.m - p.kv.window);
   const int rows = (it.n + it.m - first) * p.kv.kv_heads * 2;
   const int lane = threadIdx.x % 32, warps = gridDim.x * blockDim.x / 32;
@@ -164,16 +189,19 @@ __global__ void ring_rotated_kernel(const __grid_constant__ append_params p) {
       for (int c = lane; c < p.kv.head_dim; c += 32) dst[c] = src_half(p, r, src_row, h, c);
   }
 }
-}  // namespace
 
-status append_run(const append_args& a, void* stream) {
+// The checks of an append call (its items' indices, page count, rows, formats and blocks), then its
+// per-call part written into `t`, the items' source rows counted from `first_row`; `max_m`: its
+// longest item. `t` is written only after every check passed.
+status fill_table(const append_args& a, int first_row, bool check_rows, append_table& t, int& max_m) {
   const auto& kv = a.kv;
   if (kv.kv_heads > max_kv_heads) return {errc::unsupported, msg("append: kv_heads ", kv.kv_heads, " above ", max_kv_heads)};
   if (a.items.size() > size_t(max_append_items))
     return {errc::invalid_argument, msg("append: ", a.items.size(), " sequences in one call, at most ", max_append_items)};
   if (a.layer < 0 || a.layer >= kv.layers)
     return {errc::invalid_argument, msg("append: layer ", a.layer, " outside [0, ", kv.layers, ")")};
-  int pages = 0, rows = 0, max_m = 0;
+  int pages = 0, rows = 0;
+  max_m = 0;
   for (size_t i = 0; i < a.items.size(); ++i) {
     const append_seq& it = a.items[i];
     // Indices the kernels write through: checked here, since a bad one writes outside the tables.
@@ -190,7 +218,7 @@ status append_run(const append_args& a, void* stream) {
   }
   if (pages > max_append_pages)
     return {errc::invalid_argument, msg("append: ", pages, " new pages in one call, at most ", max_append_pages)};
-  if (rows != a.k.tokens || rows != a.v.tokens)
+  if (check_rows && (rows != a.k.tokens || rows != a.v.tokens))
     return {errc::invalid_argument, msg("append: the items append ", rows, " tokens, K has ", a.k.tokens, " and V ", a.v.tokens)};
   if (a.rotation.mask != 0 &&
       (!rotation::is_power_of_two(kv.head_dim) || kv.head_dim < 32 || kv.head_dim > 256 ||
@@ -198,30 +226,6 @@ status append_run(const append_args& a, void* stream) {
     return {errc::invalid_argument, msg("append: rotation (mask ", a.rotation.mask, ") needs head_dim a power of two in [32, ",
                                         "256] (got head_dim ", kv.head_dim, ") and names only the layer's ", kv.kv_heads,
                                         " kv heads")};
-  if (a.items.empty()) return {};
-  cudaStream_t st = static_cast<cudaStream_t>(stream);
-  append_params p{};
-  p.arena = a.arena;
-  p.blocks = a.blocks;
-  p.fmts = a.fmts;
-  p.kv = kv;
-  p.layer = a.layer;
-  p.src[0] = a.k.data;
-  p.src[1] = a.v.data;
-  p.src_type[0] = a.k.type;
-  p.src_type[1] = a.v.type;
-  p.src_stride[0] = a.k.stride();
-  p.src_stride[1] = a.v.stride();
-  p.n_items = int(a.items.size());
-  p.pages = pages;
-  int row = 0, page = 0;
-  for (size_t i = 0; i < a.items.size(); ++i) {
-    const append_seq& it = a.items[i];
-    p.items[i] = {it.slot, it.n, it.e, it.m, it.window_unit, row, it.first_page, page};
-    for (int k = 0; k < it.pages; ++k) p.page_item[page + k] = uint8_t(i);
-    row += it.m;
-    page += it.pages;
-  }
   for (int i = 0; i < pages * kv.kv_heads * 2; ++i) {
     if (a.page_fmts[i] >= format_count || (i % 2 == 0 ? kv.k_page_bytes : kv.v_page_bytes)[a.page_fmts[i]] == 0)
       return {errc::invalid_argument, msg("append: new page ", i / (kv.kv_heads * 2), " has format id ",
@@ -235,24 +239,93 @@ status append_run(const append_args& a, void* stream) {
     for (int j = 0; j < kv.kv_heads * 2; ++j)
       bytes += (j % 2 == 0 ? kv.k_page_bytes : kv.v_page_bytes)[a.page_fmts[i * kv.kv_heads * 2 + j]];
     KVQ_TRY(detail::check_page_block(kv, "append", i, a.page_blocks[i], bytes));
-    p.page_blocks[i] = a.page_blocks[i];
-    for (int j = 0; j < kv.kv_heads * 2; ++j) p.page_fmts[i][j] = a.page_fmts[i * kv.kv_heads * 2 + j];
   }
-  for (int j = 0; j < kv.kv_heads * 2; ++j) p.clip[j] = a.clip ? a.clip[j] : 1.0f;
+  t.n_items = int(a.items.size());
+  t.pages = pages;
+  int row = first_row, page = 0;
+  for (size_t i = 0; i < a.items.size(); ++i) {
+    const append_seq& it = a.items[i];
+    t.items[i] = {it.slot, it.n, it.e, it.m, it.window_unit, row, it.first_page, page};
+    for (int k = 0; k < it.pages; ++k) t.page_item[page + k] = uint8_t(i);
+    row += it.m;
+    page += it.pages;
+  }
+  for (int i = 0; i < pages; ++i) {
+    t.page_blocks[i] = a.page_blocks[i];
+    for (int j = 0; j < kv.kv_heads * 2; ++j) t.page_fmts[i][j] = a.page_fmts[i * kv.kv_heads * 2 + j];
+  }
+  return {};
+}
+
+// The launch parameters shared by every call of a layer (`a`'s items and pages not read).
+void set_layer(const append_args& a, append_params& p) {
+  p.arena = a.arena;
+  p.blocks = a.blocks;
+  p.fmts = a.fmts;
+  p.kv = a.kv;
+  p.layer = a.layer;
+  p.src[0] = a.k.data;
+  p.src[1] = a.v.data;
+  p.src_type[0] = a.k.type;
+  p.src_type[1] = a.v.type;
+  p.src_stride[0] = a.k.stride();
+  p.src_stride[1] = a.v.stride();
+  for (int j = 0; j < a.kv.kv_heads * 2; ++j) p.clip[j] = a.clip ? a.clip[j] : 1.0f;
   p.rot = a.rotation;
+}
+
+// The encoder over `pages` pages (when any), then the ring write of `items` items of at most
+// `max_m` tokens each.
+template <bool Replay>
+status launch_append(const append_params& p, int pages, int items, int max_m, cudaStream_t st) {
+  const auto& kv = p.kv;
+  const bool rotating = p.rot.mask != 0;
   if (pages > 0) {  // before the ring kernel: pages read ring slots that the new tokens overwrite
     const int smem = kv.page_tokens * kv.head_dim * 2;
-    const auto kernel = a.rotation.mask != 0 ? encode_kernel<true> : encode_kernel<false>;
+    const auto kernel = rotating ? encode_kernel<true, Replay> : encode_kernel<false, Replay>;
     KVQ_TRY(detail::set_max_dynamic_smem(kernel, smem));
     KVQ_TRY(detail::launch("append launch (encode)", kernel, dim3(unsigned(pages), unsigned(kv.kv_heads), 2),
                            dim3(threads), size_t(smem), st, p));
   }
   const int64_t ring_chunks = int64_t(std::min(max_m, kv.window)) * kv.kv_heads * 2 * (kv.head_dim / 8);
   const int blocks = int(std::min<int64_t>(1024, (ring_chunks + 255) / 256));
-  const dim3 ring_grid(unsigned(std::max(1, blocks)), unsigned(a.items.size()));
-  return detail::launch("append launch (ring)", a.rotation.mask != 0 ? ring_rotated_kernel : ring_kernel, ring_grid,
+  const dim3 ring_grid(unsigned(std::max(1, blocks)), unsigned(items));
+  return detail::launch("append launch (ring)", rotating ? ring_rotated_kernel<Replay> : ring_kernel<Replay>, ring_grid,
                         dim3(256), 0, st, p);
 }
 
+}  // namespace
+
+status append_run(const append_args& a, void* stream) {
+  append_params p{};
+  int max_m = 0;
+  KVQ_TRY(fill_table(a, 0, true, p.step, max_m));
+  if (a.items.empty()) return {};
+  set_layer(a, p);
+  return launch_append<false>(p, p.step.pages, p.step.n_items, max_m, static_cast<cudaStream_t>(stream));
+}
+
+namespace detail {
+
+size_t append_table_bytes() { return sizeof(append_table); }
+
+status fill_append_table(const append_args& a, int first_row, void* table) {
+  int max_m = 0;
+  KVQ_TRY(fill_table(a, first_row, false, *static_cast<append_table*>(table), max_m));
+  if (max_m > 1) return {errc::invalid_argument, msg("append: a replayed step appends one token per sequence, not ", max_m)};
+  return {};
+}
+
+status launch_append_replay(const append_args& a, const void* table, int max_items, void* stream) {
+  if (max_items < 1 || max_items > max_append_pages)
+    return {errc::invalid_argument, msg("append: a replayed call takes 1 to ", max_append_pages, " sequences, not ", max_items)};
+  append_params p{};
+  set_layer(a, p);
+  p.table = static_cast<const append_table*>(table);
+  // One token per sequence encodes at most one page per sequence.
+  return launch_append<true>(p, max_items, max_items, 1, static_cast<cudaStream_t>(stream));
+}
+
+}  // namespace detail
 }  // namespace cuda
 KVQ_NAMESPACE_END

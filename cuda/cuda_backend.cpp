@@ -11,6 +11,7 @@
 #include "canary_runner.hpp"
 #include "device_buffer.hpp"
 #include "launch_plan.hpp"
+#include "replay.hpp"
 #include "ring_undo.hpp"
 #include "status.hpp"
 
@@ -432,6 +433,8 @@ class cuda_backend final : public cache_backend {
     a.num_sms = sms_;
   }
 
+  result<std::unique_ptr<step_backend>> make_step(int max_batch, int64_t max_tokens) override;
+
   cache_overhead overhead() const override {
     cache_overhead o;
     o.device_tables = blocks_.count * sizeof(uint32_t) + fmts_.count;
@@ -573,6 +576,7 @@ class cuda_backend final : public cache_backend {
   }
 
  private:
+  friend class cuda_step;
   device_scope teardown_;  // first member: destroyed last, after every buffer is freed on dev_
   int dev_ = 0;            // the device current at creation: every call runs on it
   int sms_ = 132;
@@ -599,6 +603,150 @@ class cuda_backend final : public cache_backend {
   canary_runner canary_;  // after the buffers: destroyed first (it waits for its launches)
   status canary_error_;  // the first canary failure since the last sync_policy
 };
+
+
+// The CUDA data plane of a replayable decode step (include/kvq/cache/decode_step.hpp). Its device
+// tables hold, per layer, the append tables of the batch's groups of max_append_pages sequences
+// (one token each encodes at most one page per sequence) and one attention table; two pinned
+// host copies of them take turns, each reused once the copy that read it two steps before is
+// done (an event), so the host prepares a step while the previous one runs.
+class cuda_step final : public step_backend {
+ public:
+  cuda_step(cuda_backend& b, int max_batch, int64_t max_tokens)
+      : b_(b), dev_(b.dev_), max_batch_(max_batch), max_tokens_(max_tokens),
+        groups_((max_batch + cuda::max_append_pages - 1) / cuda::max_append_pages) {}
+
+  ~cuda_step() override {
+    (void)teardown_.enter(dev_);
+    for (int i = 0; i < 2; ++i) {
+      if (done_[i]) (void)cudaEventSynchronize(done_[i]);  // a copy in flight still reads host_[i]
+      if (done_[i]) cudaEventDestroy(done_[i]);
+      if (host_[i]) cudaFreeHost(host_[i]);
+    }
+  }
+
+  status init() {
+    KVQ_TRY(teardown_.enter(dev_));
+    cuda::attend_args a;
+    b_.set_call(a, 0, {}, {});
+    size_t ws = 0;
+    const result<cuda::detail::launch_plan> lp = cuda::detail::replay_plan(a, max_batch_, max_tokens_, ws);
+    if (!lp) return lp.error();
+    plan_ = *lp;
+    KVQ_TRY(workspace_.allocate(ws, "decode step workspace"));
+    append_bytes_ = round16(cuda::detail::append_table_bytes());
+    layer_bytes_ = size_t(groups_) * append_bytes_ + round16(cuda::detail::decode_table_bytes());
+    const size_t bytes = layer_bytes_ * size_t(b_.cfg_.shape.layers);
+    KVQ_TRY(tables_.allocate(bytes, "decode step tables"));
+    for (int i = 0; i < 2; ++i) {
+      KVQ_TRY(cuda_status(cudaMallocHost(reinterpret_cast<void**>(&host_[i]), bytes), "cudaMallocHost (decode step)"));
+      KVQ_TRY(cuda_status(cudaEventCreateWithFlags(&done_[i], cudaEventDisableTiming), "cudaEventCreate"));
+    }
+    return {};
+  }
+
+  status can_prepare() override {
+    KVQ_ON_DEVICE();
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    KVQ_TRY(cuda_status(cudaStreamIsCapturing(b_.stream(), &capturing), "cudaStreamIsCapturing"));
+    if (capturing != cudaStreamCaptureStatusNone)
+      return {errc::invalid_argument, "decode_step::prepare: the cache's stream is being captured; prepare a step "
+                                      "before the capture (its descriptor copy is not part of the graph)"};
+    return {};
+  }
+
+  status stage(std::span<const entry> entries, int layer) override {
+    KVQ_ON_DEVICE();
+    const auto& sh = b_.cfg_.shape;
+    if (!staging_) {  // the buffer's previous copy (two steps ago) has read it
+      KVQ_TRY(cuda_status(cudaEventSynchronize(done_[cur_]), "cudaEventSynchronize (decode step)"));
+      staging_ = true;
+    }
+    uint8_t* at = host_[cur_] + size_t(layer) * layer_bytes_;
+    std::vector<cuda::decode_item> items;
+    items.reserve(entries.size());
+    for (int g = 0; g < groups_; ++g) {
+      const size_t first = size_t(g) * cuda::max_append_pages;
+      const size_t last = std::min(entries.size(), first + cuda::max_append_pages);
+      b_.calls_used_ = 0;
+      cuda_backend::append_call& c = b_.next_call(int64_t(first));
+      for (size_t i = first; i < last; ++i) {
+        const sequence_state& s = *entries[i].s;
+        const layer_state& ls = s.layers[size_t(layer)];
+        const append_plan& plan = *entries[i].plan;
+        const uint32_t window = uint32_t(s.window_offset / block_unit);
+        c.items.push_back({s.slot, int32_t(ls.n), int32_t(ls.e), 1, window, int(plan.first_page), plan.pages});
+        b_.add_pages(plan, 0, plan.pages, c);
+        const int64_t n = ls.n + 1, e = ls.e + int64_t(plan.pages) * sh.page_tokens;
+        items.push_back({s.slot, 1, int32_t(n), int32_t(std::min(e, n - 1)), window, int32_t(i)});
+      }
+      cuda::append_args a = b_.append_args(layer);
+      a.items = c.items;
+      a.page_blocks = c.blocks.data();
+      a.page_fmts = c.fmts.data();
+      KVQ_TRY(cuda::detail::fill_append_table(a, int(first), at + size_t(g) * append_bytes_));
+    }
+    cuda::detail::fill_decode_table(items, at + size_t(groups_) * append_bytes_);
+    for (const entry& en : entries) b_.note_pages(layer, *en.plan);
+    return {};
+  }
+
+  status upload() override {
+    KVQ_ON_DEVICE();
+    staging_ = false;
+    KVQ_TRY(cuda_status(cudaMemcpyAsync(tables_.ptr, host_[cur_], tables_.count, cudaMemcpyHostToDevice, b_.stream()),
+                        "cudaMemcpyAsync (decode step tables)"));
+    KVQ_TRY(cuda_status(cudaEventRecord(done_[cur_], b_.stream()), "cudaEventRecord (decode step)"));
+    cur_ ^= 1;
+    return {};
+  }
+
+  status append(int layer, const tensor_view& k, const tensor_view& v) override {
+    KVQ_ON_DEVICE();
+    cuda::append_args a = b_.append_args(layer);
+    a.k = k;
+    a.v = v;
+    for (int g = 0; g < groups_; ++g)
+      KVQ_TRY(cuda::detail::launch_append_replay(
+          a, tables_.ptr + size_t(layer) * layer_bytes_ + size_t(g) * append_bytes_,
+          std::min(cuda::max_append_pages, max_batch_ - g * cuda::max_append_pages), b_.cfg_.stream));
+    return {};
+  }
+
+  status attend(int layer, const tensor_view& q, const tensor_mut& o) override {
+    KVQ_ON_DEVICE();
+    cuda::attend_args a;
+    b_.set_call(a, layer, q, o);
+    a.rotation = b_.rotation_of(layer);
+    return cuda::detail::launch_attend_replay(a, plan_, tables_.ptr + size_t(layer) * layer_bytes_ + size_t(groups_) * append_bytes_,
+                                              max_batch_, workspace_.ptr, b_.cfg_.stream);
+  }
+
+ private:
+  static size_t round16(size_t x) { return (x + 15) / 16 * 16; }
+
+  device_scope teardown_;  // first member: destroyed last
+  cuda_backend& b_;
+  int dev_;
+  int max_batch_;
+  int64_t max_tokens_;
+  int groups_;  // append tables per layer
+  cuda::detail::launch_plan plan_{};
+  size_t append_bytes_ = 0, layer_bytes_ = 0;
+  device_buffer<uint8_t> tables_;     // [layers][groups append tables, one attention table]
+  device_buffer<uint8_t> workspace_;  // the attention's partial results under plan_
+  uint8_t* host_[2] = {nullptr, nullptr};  // pinned, tables_'s layout
+  cudaEvent_t done_[2] = {nullptr, nullptr};
+  int cur_ = 0;
+  bool staging_ = false;
+};
+
+result<std::unique_ptr<step_backend>> cuda_backend::make_step(int max_batch, int64_t max_tokens) {
+  KVQ_ON_DEVICE();
+  auto step = std::make_unique<cuda_step>(*this, max_batch, max_tokens);
+  KVQ_TRY(step->init());
+  return std::unique_ptr<step_backend>(std::move(step));
+}
 
 }  // namespace
 

@@ -2,6 +2,8 @@
 #include <kvq/cache/cache.hpp>
 #include <kvq/detail/backend.hpp>
 
+#include "cache_calls.hpp"
+
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -10,7 +12,7 @@
 
 KVQ_NAMESPACE_BEGIN
 
-namespace {
+namespace detail {
 status validate_config(const cache_config& c) {
   const auto& s = c.shape;
   auto bad = [](std::string m) { return status{errc::invalid_argument, "cache_config: " + m}; };
@@ -111,7 +113,8 @@ result<append_plan> plan_pages(page_store& store, policy& pol, sequence_state& s
                   fmt::format("policy {} chose an unusable format: {}", pol.name(), plan.error().message())};
   return plan;
 }
-}  // namespace
+}  // namespace detail
+using namespace detail;
 
 result<KVCache> KVCache::create(const cache_config& cfg, std::shared_ptr<policy> pol) {
   KVQ_TRY(validate_config(cfg));

@@ -8,17 +8,49 @@
 #include "attention/tile_launch.cuh"
 #include "launch.hpp"
 #include "launch_plan.hpp"
+#include "replay.hpp"
 #include "status.hpp"
 
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 KVQ_NAMESPACE_BEGIN
 namespace cuda {
 namespace detail {
 namespace {
+
+// The launch parameters of a part of `items` items of a call, but its items.
+void set_params(const attend_args& a, const launch_plan& lp, const void* q, dtype q_type, int64_t q_stride,
+                bool q_rotated, void* workspace, size_t items, attend_params& p) {
+  p.kv = a.kv;
+  p.layer = a.layer;
+  p.q_heads = a.q_heads;
+  p.group = a.q_heads / a.kv.kv_heads;
+  p.mtiles = lp.mtiles;
+  p.q = q;
+  p.q_type = q_type;
+  p.q_stride = q_stride;
+  p.rot = a.rotation;
+  p.q_rotated = q_rotated ? 1 : 0;
+  p.o = a.o;
+  p.o_type = a.o_type;
+  p.o_stride = a.o_stride ? a.o_stride : int64_t(a.q_heads) * a.kv.head_dim;
+  const float scale = a.scale > 0.f ? a.scale : 1.0f / std::sqrt(float(a.kv.head_dim));
+  p.scale_log2 = scale * 1.4426950408889634f;
+  p.tiles_per_split = lp.tiles_per_split;
+  p.max_splits = lp.max_splits;
+  const size_t parts = items * a.kv.kv_heads * lp.mtiles * lp.max_splits;
+  p.ws_o = static_cast<float*>(workspace);
+  p.ws_ml = p.ws_o + parts * 16 * a.kv.head_dim;
+  p.q_stage = a.q_stage;
+  p.unit_tokens = lp.unit;
+  p.stages = lp.stages;
+  p.stage_cap = lp.stage_cap;
+  p.page_stage = lp.page_stage;
+}
 
 template <int D>
 status launch_attend(const attend_params& p, const launch_plan& lp, int kv_heads, int items, cudaStream_t st) {
@@ -69,39 +101,65 @@ status launch_planned(const attend_args& a, const launch_plan& lp, void* workspa
   for (size_t first = 0; first < a.items.size(); first += max_items) {
     const std::span<const decode_item> items = a.items.subspan(first, std::min<size_t>(max_items, a.items.size() - first));
     attend_params p{};
-    p.kv = a.kv;
-    p.layer = a.layer;
-    p.q_heads = a.q_heads;
-    p.group = a.q_heads / a.kv.kv_heads;
-    p.mtiles = lp.mtiles;
-    p.q = q;
-    p.q_type = q_type;
-    p.q_stride = q_stride;
-    p.rot = a.rotation;
-    p.q_rotated = q_rotated ? 1 : 0;
-    p.o = a.o;
-    p.o_type = a.o_type;
-    p.o_stride = a.o_stride ? a.o_stride : int64_t(a.q_heads) * a.kv.head_dim;
-    const float scale = a.scale > 0.f ? a.scale : 1.0f / std::sqrt(float(a.kv.head_dim));
-    p.scale_log2 = scale * 1.4426950408889634f;
-    p.tiles_per_split = lp.tiles_per_split;
-    p.max_splits = lp.max_splits;
-    const size_t parts = items.size() * a.kv.kv_heads * lp.mtiles * lp.max_splits;
-    p.ws_o = static_cast<float*>(workspace);
-    p.ws_ml = p.ws_o + parts * 16 * a.kv.head_dim;
-    p.q_stage = a.q_stage;
+    set_params(a, lp, q, q_type, q_stride, q_rotated, workspace, items.size(), p);
     p.n_items = int(items.size());
     std::copy(items.begin(), items.end(), p.items);
-    p.unit_tokens = lp.unit;
-    p.stages = lp.stages;
-    p.stage_cap = lp.stage_cap;
-    p.page_stage = lp.page_stage;
     if (a.kv.head_dim == 128)
       KVQ_TRY(launch_attend<128>(p, lp, a.kv.kv_heads, int(items.size()), st));
     else
       KVQ_TRY(launch_attend<64>(p, lp, a.kv.kv_heads, int(items.size()), st));
   }
   return {};
+}
+
+size_t decode_table_bytes() { return sizeof(decode_table); }
+
+void fill_decode_table(std::span<const decode_item> items, void* table) {
+  decode_table& t = *static_cast<decode_table*>(table);
+  t.n_items = int32_t(items.size());
+  std::copy(items.begin(), items.end(), t.items);
+}
+
+result<launch_plan> replay_plan(const attend_args& a, int max_items_, int64_t max_tokens, size_t& workspace) {
+  const int group = a.q_heads / std::max(1, a.kv.kv_heads);
+  if (max_items_ < 1 || max_items_ > max_items)
+    return status{errc::invalid_argument, msg("replayed attention: a batch of 1 to ", max_items, " sequences, not ", max_items_)};
+  if (max_tokens < 2 || max_tokens > int64_t(a.kv.max_pages) * a.kv.page_tokens)
+    return status{errc::invalid_argument, msg("replayed attention: max_tokens ", max_tokens, " outside [2, ",
+                                              int64_t(a.kv.max_pages) * a.kv.page_tokens, "] (the page tables' tokens)")};
+  // The longest item a step can hold, every one of the batch: its units are the most any item of
+  // at most max_tokens tokens has (from_pages off a slab edge adds one).
+  std::vector<decode_item> longest(size_t(max_items_), decode_item{0, 1, int32_t(max_tokens), int32_t(max_tokens - 1), 0, 0});
+  for (int i = 0; i < max_items_; ++i) longest[size_t(i)].q_row = i;
+  attend_args w = a;
+  w.items = longest;
+  w.max_page_bits = 16;  // the wide kernel: it reads every format, page by page
+  w.one_format_per_head = false;
+  result<launch_plan> lp = checked_plan(w);
+  if (!lp) return lp.error();
+  if (!lp->decode || !lp->wide)
+    return status{errc::unsupported, msg("replayed attention runs the decode kernel: a GQA group of at most 8, not ", group)};
+  workspace = workspace_bytes(w, *lp);
+  return lp;
+}
+
+status launch_attend_replay(const attend_args& a, const launch_plan& lp, const void* table, int max_items_,
+                            void* workspace, void* stream) {
+  attend_params p{};
+  set_params(a, lp, a.q, a.q_type, a.q_stride ? a.q_stride : int64_t(a.q_heads) * a.kv.head_dim, false, workspace,
+             size_t(max_items_), p);
+  p.q_stage = nullptr;
+  p.n_items = max_items_;
+  p.table = static_cast<const decode_table*>(table);
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  const dim3 grid(unsigned(lp.max_splits), unsigned(a.kv.kv_heads), unsigned(max_items_));
+  const dim3 mgrid(unsigned(max_items_), unsigned(a.kv.kv_heads * lp.mtiles), unsigned(lp.rows));
+  if (a.kv.head_dim == 128) {
+    KVQ_TRY(launch("attention launch (replay)", decode_wide_kernel<128, true>, grid, dim3(dec_warps * 32), 0, st, p));
+    return launch_merge<128, true>("merge launch (replay)", p, mgrid, st);
+  }
+  KVQ_TRY(launch("attention launch (replay)", decode_wide_kernel<64, true>, grid, dim3(dec_warps * 32), 0, st, p));
+  return launch_merge<64, true>("merge launch (replay)", p, mgrid, st);
 }
 
 }  // namespace detail

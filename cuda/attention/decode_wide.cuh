@@ -10,13 +10,16 @@ namespace cuda::detail {
 // ---- the wide decode kernel: layers that hold a 16-bit page -------------------------------------
 // K codes of up to 16 bits are loaded from global memory into registers one slab ahead; V of up
 // to 8 bits and the KIVI key scales go through two cp.async staging slots per warp (2 blocks/SM).
-template <int D>
+// It reads every format page by page, so it is also the kernel of a replayed step (`Replay`: the
+// items from `attend_params::table`), whose formats are not known when it is captured.
+template <int D, bool Replay = false>
 __global__ void __launch_bounds__(dec_warps * 32, 2) decode_wide_kernel(const __grid_constant__ attend_params p) {
   pdl_trigger();
   constexpr int Cap = 16;
   __shared__ decode_smem<D> sm;
   const int h = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const decode_item item = p.items[blockIdx.z];
+  decode_item item;
+  if (!load_item<Replay>(p, int(blockIdx.z), item)) return;
   const slab_range rg = block_slabs(p, item, warp);
   if (rg.c0 >= rg.c1) return;
   const int P = p.kv.page_tokens, page_slabs = rg.page_slabs, s0 = rg.s0, s1 = rg.s1;

@@ -19,9 +19,10 @@ namespace cuda::detail {
 // up to 8 loads in flight per lane; the warps' sums meet in shared memory. (A thread per output
 // element walking the splits one dependent load at a time took 21 us of a 1 x 128K step: 49
 // splits on 8 blocks.)
-// `Rotated`: the instance for layers with rotated heads (the plain one stays as it is).
+// `Rotated`: the instance for layers with rotated heads (the plain one stays as it is); `Replay`:
+// the items from `attend_params::table` (a replayed step).
 constexpr int merge_threads = 256;
-template <int D, bool Rotated = false>
+template <int D, bool Rotated = false, bool Replay = false>
 __global__ void __launch_bounds__(merge_threads) merge_kernel(const __grid_constant__ attend_params p) {
   pdl_wait();  // the attention grid's partials
   constexpr int warps = merge_threads / 32, per_lane = D / 32;
@@ -31,7 +32,8 @@ __global__ void __launch_bounds__(merge_threads) merge_kernel(const __grid_const
   __shared__ float red_out, f_s[merge_threads];
   __shared__ __align__(16) float wo_sum[warps][D];
   const int h = blockIdx.y / p.mtiles, mt = blockIdx.y % p.mtiles, r = blockIdx.z;
-  const decode_item item = p.items[blockIdx.x];
+  decode_item item;
+  if (!load_item<Replay>(p, int(blockIdx.x), item)) return;
   const int rows_used = p.group * item.q_len;
   if (mt * 16 + r >= rows_used) return;
   if (r == 0 && p.q_stage && item.stage_row >= 0) {  // the canary's copy of this m-tile's query rows

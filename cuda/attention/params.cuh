@@ -11,6 +11,14 @@
 KVQ_NAMESPACE_BEGIN
 namespace cuda::detail {
 
+/// The items of a replayed attention call (a captured decode step, cache/decode_step.hpp), in
+/// device memory at an address fixed at capture: the host rewrites them before every replay.
+/// Blocks of the fixed grid past `n_items` exit at once.
+struct decode_table {
+  int32_t n_items;
+  decode_item items[max_items];
+};
+
 struct attend_params {
   paged_view kv;
   int layer, q_heads, group, mtiles;
@@ -34,7 +42,21 @@ struct attend_params {
   float* lse;         // merge, optional: [rows][q_heads] natural-log log-sum-exp of each output row
   int n_items;
   decode_item items[max_items];
+  const decode_table* table;  // replay instances: the items, read from device memory (`items` unused)
 };
+
+// Item i of a call: from the parameters (eager), or from the device table (`Replay`), where it is
+// false for a block past the step's items.
+template <bool Replay>
+__device__ __forceinline__ bool load_item(const attend_params& p, int i, decode_item& out) {
+  if constexpr (Replay) {
+    if (i >= p.table->n_items) return false;
+    out = p.table->items[i];
+  } else {
+    out = p.items[i];
+  }
+  return true;
+}
 
 static_assert(slab <= ring_slack_slots, "the ring blocks' slack covers a slab read past a sequence's last slot");
 static_assert(sizeof(attend_params) <= 32764, "kernel parameters of at most 32764 bytes (sm_70+, CUDA 12.1+)");

@@ -23,7 +23,8 @@ status launch_tile(const char* what, const attend_params& p, dim3 grid, cudaStre
 
 // The split merge over `grid` (item, kv head x m-tile, row of the m-tile); on sm_90+ a
 // programmatic dependent launch (`pdl_trigger` / `pdl_wait`), elsewhere in plain stream order.
-template <int D>
+// `Replay`: the items from `attend_params::table`.
+template <int D, bool Replay = false>
 status launch_merge(const char* what, const attend_params& p, dim3 grid, cudaStream_t st) {
   cudaLaunchAttribute pdl[1];
   pdl[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -32,7 +33,7 @@ status launch_merge(const char* what, const attend_params& p, dim3 grid, cudaStr
   KVQ_TRY(cuda_status(cudaGetDevice(&dev), "cudaGetDevice"));
   KVQ_TRY(
       cuda_status(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), "cudaDeviceGetAttribute"));
-  const auto merge = p.rot.mask != 0 ? merge_kernel<D, true> : merge_kernel<D, false>;
+  const auto merge = p.rot.mask != 0 ? merge_kernel<D, true, Replay> : merge_kernel<D, false, Replay>;
   return launch(what, merge, grid, dim3(merge_threads), 0, st, std::span<cudaLaunchAttribute>(pdl, major >= 9 ? 1 : 0),
                 p);
 }

@@ -4,7 +4,8 @@
 // cudaSuccess, and replaying the graph once computes exactly (bit for bit) what the eager calls
 // compute.
 //
-// A captured step is good for that one step only. Replaying it later does not advance the cache:
+// Eager calls captured this way are good for that one step only. Replaying them later does not
+// advance the cache:
 // - attention's per-sequence descriptors (slot, q_len, n = tokens held, from_pages = tokens read
 //   from pages, window block, query row) are copied by value into the kernel parameters
 //   (`attend_params::items` in cuda/attention/params.cuh, a __grid_constant__ argument), and the launch
@@ -14,8 +15,8 @@
 // - append's kernels likewise take each sequence's n / e / m, window block and the new pages'
 //   block offsets and formats as parameters (`append_params`), and the host bookkeeping (lengths,
 //   page allocation) advances once, at capture time: a replay rewrites the same positions.
-// An engine re-captures per step, or updates the kernel nodes' parameters
-// (cudaGraphExecKernelNodeSetParams) with the next step's descriptors; kvq does not do either.
+// The replayable step is `decode_step` (include/kvq/cache/decode_step.hpp, tested in
+// test_cuda_decode_step.cpp): its descriptors live in device tables the host rewrites per step.
 #include <kvq/cache/cache.hpp>
 #include <kvq/format/numeric.hpp>
 #include <kvq/policy/static_policy.hpp>

@@ -130,9 +130,12 @@ struct append_item {
 namespace detail {
 struct cache_state;
 class cache_backend;
+class step_backend;
 }  // namespace detail
 
 /// The cache. Move-only; create with `KVCache::create`.
+class decode_step;
+
 class KVQ_EXPORT KVCache {
  public:
   /// Validates the configuration and binds the policy (shared: a policy may serve several caches
@@ -290,6 +293,7 @@ class KVQ_EXPORT KVCache {
   policy& active_policy() const;
 
  private:
+  friend class decode_step;  // a replayable step keeps the bookkeeping of the cache it was made from
   KVCache(std::unique_ptr<detail::cache_state> st, std::unique_ptr<detail::cache_backend> b);
   std::unique_ptr<detail::cache_state> state_;    ///< bookkeeping: config, policy, store, clip ratios
   std::unique_ptr<detail::cache_backend> impl_;   ///< the data plane; reads `state_`

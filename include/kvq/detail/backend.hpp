@@ -30,6 +30,36 @@ struct cache_state {
   std::vector<float> clip;  ///< [layers][kv_heads][2]
 };
 
+/// The data plane of a replayable decode step (`decode_step`, cache/decode_step.hpp): launches
+/// whose per-step descriptors live in device memory at fixed addresses, so a capture of them is
+/// replayed for every later step. The caller keeps the bookkeeping and validates every request.
+class step_backend {
+ public:
+  step_backend() = default;
+  step_backend(const step_backend&) = delete;
+  step_backend& operator=(const step_backend&) = delete;
+  virtual ~step_backend() = default;
+  /// One sequence of the next step, before its one-token append to the layer is committed: its
+  /// state as it is (its window already where the append writes) and the append's planned pages.
+  struct entry {
+    const sequence_state* s;
+    const append_plan* plan;
+  };
+  /// Before a step's bookkeeping changes: whether a step can be prepared now (not while the
+  /// cache's stream is being captured: the descriptor copy would land in the graph).
+  virtual status can_prepare() = 0;
+  /// Writes the descriptors of one layer's append and attention of the next step into host
+  /// memory (entry i is batch row i); checks them as the eager calls do. Runs nothing.
+  virtual status stage(std::span<const entry> entries, int layer) = 0;
+  /// Makes the staged step the one the next launches read: one copy of every layer's descriptors
+  /// to the device, on the cache's stream.
+  virtual status upload() = 0;
+  /// The layer's append kernels over the device descriptors (capturable).
+  virtual status append(int layer, const tensor_view& k, const tensor_view& v) = 0;
+  /// The layer's attention kernels over the device descriptors (capturable).
+  virtual status attend(int layer, const tensor_view& q, const tensor_mut& o) = 0;
+};
+
 /// The data plane of a cache: it owns the bytes (host or device) and runs append and attention
 /// over the bookkeeping of `cache_state`, which it only reads. Its own state is private to it.
 class cache_backend {
@@ -102,6 +132,11 @@ class cache_backend {
   virtual status flush_policy() { return {}; }
   /// Memory held outside the budget now (`cache_stats::overhead`).
   virtual cache_overhead overhead() const { return {}; }
+  /// The data plane of a replayable decode step of up to `max_batch` sequences of up to
+  /// `max_tokens` tokens; its buffers are allocated here, once.
+  virtual result<std::unique_ptr<step_backend>> make_step(int /*max_batch*/, int64_t /*max_tokens*/) {
+    return status{errc::unsupported, "decode_step: a replayable step needs the CUDA backend"};
+  }
 
  protected:
   const cache_config& cfg_;

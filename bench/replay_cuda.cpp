@@ -1,0 +1,157 @@
+// A decode step replayed from one CUDA graph (`decode_step`) against the same step's eager calls,
+// on a Llama-8B-like stack (32 layers, 32 query heads, 8 kv heads, head_dim 128, CUDA backend,
+// kivi4/g32 pages): one cache, both kinds of step in interleaved blocks (so that clock drift and
+// the growing context cancel). A step is, for every layer, the new token of every sequence
+// appended and the batch attended: eager, `append_batch` + `attend` per layer (2 + 4 launches
+// per layer from the host); replayed, `prepare` on the host (bookkeeping and one descriptor copy)
+// and one graph launch. Time per step: wall time over a block of steps from the host's first
+// call to the stream's end, so host launch costs count where the GPU waits for them. The
+// replayed step plans its splits for `max_tokens` (context + steps) and runs the wide decode
+// kernel; the eager one plans for the batch's longest sequence and runs the block-staged kernel.
+//   kvq_bench_replay_cuda [--batch 8] [--context 32768] [--steps 256] [--block 16]
+#include <kvq/cache/cache.hpp>
+#include <kvq/cache/decode_step.hpp>
+#include <kvq/format/numeric.hpp>
+#include <kvq/policy/static_policy.hpp>
+
+#include <cuda_runtime.h>
+
+#include "cuda_check.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace {
+
+constexpr int layers = 32, Hq = 32, H = 8, D = 128;
+
+struct device_halves {
+  explicit device_halves(size_t n) { CUDA_CHECK(cudaMalloc(&p, n * 2)); }
+  ~device_halves() { cudaFree(p); }
+  device_halves(const device_halves&) = delete;
+  device_halves& operator=(const device_halves&) = delete;
+  void* p = nullptr;
+};
+
+double mean(const std::vector<double>& x) {
+  double s = 0;
+  for (double v : x) s += v;
+  return s / double(x.size());
+}
+
+double stderr_of(const std::vector<double>& x) {
+  const double m = mean(x);
+  double s = 0;
+  for (double v : x) s += (v - m) * (v - m);
+  return std::sqrt(s / double(x.size() - 1) / double(x.size()));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int batch = 8, context = 32768, steps = 256, block = 16;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string a = argv[i];
+    const int v = std::atoi(argv[i + 1]);
+    if (a == "--batch") batch = v;
+    else if (a == "--context") context = v;
+    else if (a == "--steps") steps = v;
+    else if (a == "--block") block = v;
+    else {
+      std::fprintf(stderr, "unknown option %s\n", argv[i]);
+      return 2;
+    }
+  }
+  if (batch < 1 || batch > 256 || context < 1 || steps < 2 * block || block < 1) {
+    std::fprintf(stderr, "need 1 <= batch <= 256, context >= 1, block >= 1, steps >= 2 x block\n");
+    return 2;
+  }
+  cudaStream_t stream;
+  CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  kvq::cache_config cfg;
+  cfg.shape = {layers, Hq, H, D, 64, 128, 32};
+  cfg.where = kvq::backend::cuda;
+  cfg.max_sequences = batch;
+  cfg.max_tokens = context + steps + 64;
+  cfg.stream = stream;
+  cfg.check_values = false;
+  // kivi4/g32: 5 bits per element with its scales and zeros; a ring block (16.8 MB) and slack per sequence
+  cfg.budget_bytes = uint64_t(batch) * (uint64_t(cfg.max_tokens) * layers * H * D * 2 * 5 / 8 + (24ull << 20));
+  auto pol = kvq::static_policy::parse("kivi4/g32").value_or_throw();
+  kvq::KVCache cache = kvq::KVCache::create(cfg, std::make_shared<kvq::static_policy>(pol)).value_or_throw();
+  {  // the context: the same random tokens in every sequence and layer (speed does not depend on them)
+    std::mt19937 rng(1);
+    std::normal_distribution<float> nd;
+    std::vector<uint16_t> h(size_t(context) * H * D);
+    for (auto& x : h) x = kvq::float_to_half(nd(rng));
+    device_halves kv(h.size());
+    CUDA_CHECK(cudaMemcpy(kv.p, h.data(), h.size() * 2, cudaMemcpyHostToDevice));
+    const kvq::tensor_view t{kv.p, kvq::dtype::f16, context, H, D};
+    for (int s = 0; s < batch; ++s) {
+      kvq::check(cache.create_sequence(s));
+      for (int l = 0; l < layers; ++l) kvq::check(cache.append(s, l, t, t));
+    }
+    CUDA_CHECK(cudaStreamSynchronize(stream));
+  }
+  device_halves k(size_t(layers) * batch * H * D), v(size_t(layers) * batch * H * D), q(size_t(layers) * batch * Hq * D),
+      o(size_t(layers) * batch * Hq * D);
+  CUDA_CHECK(cudaMemset(k.p, 0, size_t(layers) * batch * H * D * 2));
+  CUDA_CHECK(cudaMemset(v.p, 0, size_t(layers) * batch * H * D * 2));
+  CUDA_CHECK(cudaMemset(q.p, 0, size_t(layers) * batch * Hq * D * 2));
+  auto rows = [&](const device_halves& m, int l, int heads) {
+    return static_cast<uint16_t*>(m.p) + size_t(l) * batch * heads * D;
+  };
+  std::vector<kvq::seq_id> seqs;
+  std::vector<kvq::append_item> adds;
+  std::vector<kvq::attend_item> items;
+  for (int s = 0; s < batch; ++s) seqs.push_back(s), adds.push_back({s, 1}), items.push_back({s, 1});
+  auto eager_step = [&] {
+    for (int l = 0; l < layers; ++l) {
+      const kvq::tensor_view kr{rows(k, l, H), kvq::dtype::f16, batch, H, D}, vr{rows(v, l, H), kvq::dtype::f16, batch, H, D};
+      kvq::check(cache.append_batch(adds, l, kr, vr));
+      kvq::check(cache.attend(items, l, {rows(q, l, Hq), kvq::dtype::f16, batch, Hq, D},
+                              kvq::tensor_mut{rows(o, l, Hq), kvq::dtype::f16, batch, Hq, D}));
+    }
+  };
+  kvq::decode_step step = kvq::decode_step::create(cache, batch, cfg.max_tokens).value_or_throw();
+  kvq::check(step.prepare(seqs));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  for (int l = 0; l < layers; ++l) {
+    kvq::check(step.append(l, {rows(k, l, H), kvq::dtype::f16, batch, H, D}, {rows(v, l, H), kvq::dtype::f16, batch, H, D}));
+    kvq::check(step.attend(l, {rows(q, l, Hq), kvq::dtype::f16, batch, Hq, D},
+                           kvq::tensor_mut{rows(o, l, Hq), kvq::dtype::f16, batch, Hq, D}));
+  }
+  CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  CUDA_CHECK(cudaGraphLaunch(exec, stream));
+  auto replay_step = [&] {
+    kvq::check(step.prepare(seqs));
+    CUDA_CHECK(cudaGraphLaunch(exec, stream));
+  };
+  eager_step();  // warm-up: the eager workspace
+  CUDA_CHECK(cudaStreamSynchronize(stream));
+  std::vector<double> eager_us, replay_us;
+  for (int done = 0; done + 2 * block <= steps; done += 2 * block)
+    for (int kind = 0; kind < 2; ++kind) {
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int i = 0; i < block; ++i) kind == 0 ? eager_step() : replay_step();
+      CUDA_CHECK(cudaStreamSynchronize(stream));
+      const double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / block;
+      (kind == 0 ? eager_us : replay_us).push_back(us);
+    }
+  const double e = mean(eager_us), r = mean(replay_us);
+  std::printf("batch %d context %d: eager step %.1f us (+- %.1f), replayed step %.1f us (+- %.1f), replay / eager %.3f "
+              "(%zu blocks of %d steps each)\n",
+              batch, context, e, stderr_of(eager_us), r, stderr_of(replay_us), r / e, eager_us.size(), block);
+  CUDA_CHECK(cudaGraphExecDestroy(exec));
+  CUDA_CHECK(cudaGraphDestroy(graph));
+  return 0;
+}
