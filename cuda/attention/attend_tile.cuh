@@ -54,7 +54,8 @@ __global__ void __launch_bounds__(threads, 2) attend_kernel(const __grid_constan
   // it is dequantized. Only warp 0 keeps the counters and waits on the copy groups.
   load_tile_table<D>(p, item, h, t0, t1, sm.tiles);
   __syncthreads();
-  tile_pump<D, ring_bytes> pipe(t0, t1);
+  uint32_t pipe_end[pipeline_tiles];
+  tile_pump<D, ring_bytes> pipe(t0, t1, pipe_end);
   const auto pump = [&](int consumed_upto) {
     pipe.run(p, item, h, t0, sm.tiles, sm.slot, sm.slot_at, raw_base, lane, consumed_upto);
   };

@@ -86,7 +86,8 @@ __global__ void __launch_bounds__(threads, 2) prefix_kernel(const __grid_constan
 
   // The copy pipeline, as in the tile kernel: warp 0 issues tiles in order into the raw ring while
   // space and group slots last; a tile's bytes are freed once it is dequantized.
-  tile_pump<D, ring_bytes> pipe(t0, t1);
+  uint32_t pipe_end[pipeline_tiles];
+  tile_pump<D, ring_bytes> pipe(t0, t1, pipe_end);
   const auto pump = [&](int consumed_upto) {
     pipe.run(p, item, h, t0, sm.tiles, sm.slot, sm.slot_at, raw_base, lane, consumed_upto);
   };

@@ -146,14 +146,16 @@ __device__ __forceinline__ void issue_tile(const tile_src& s, uint32_t dst, int 
 // The copy pipeline of a tile loop over tiles [t0, t1): the producer warp issues tiles in order
 // into the block's raw ring of `RingBytes` while space and group slots last, and publishes each
 // tile's description and ring offset in shared slots; a tile's bytes are freed (`release`) once
-// it is dequantized. Only the producer warp keeps it and waits on the copy groups.
+// it is dequantized. Only the producer warp keeps it and waits on the copy groups. `end` (each
+// in-flight tile's end offset) is the caller's array, so that the counters stay in registers
+// while the dynamically indexed array lives in local memory.
 template <int D, uint32_t RingBytes>
 struct tile_pump {
   int issued, t1;
   uint32_t head = 0, tail = 0;  // monotone byte counters over the ring
-  uint32_t end[pipeline_tiles];
+  uint32_t* end;                // [pipeline_tiles]
 
-  __device__ __forceinline__ tile_pump(int t0, int t1_) : issued(t0), t1(t1_) {}
+  __device__ __forceinline__ tile_pump(int t0, int t1_, uint32_t* end_) : issued(t0), t1(t1_), end(end_) {}
   // Issues what fits, at most `pipeline_tiles` ahead of `consumed_upto`.
   __device__ __forceinline__ void run(const attend_params& p, const decode_item& item, int h, int t0,
                                       const tile_table& tt, tile_src* slot, uint32_t* slot_at, uint32_t raw_base,
