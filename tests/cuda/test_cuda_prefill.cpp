@@ -211,7 +211,8 @@ TEST_CASE("gpu prefill: the prefix kernel's edges (rows per item, prefix at page
   REQUIRE(prefill_both(t, T, rng) < nmse_bound);
 }
 
-TEST_CASE("gpu prefill: the prefix kernel at head_dim 64, KIVI and FP16 pages and the ring", "[gpu][prefill][prefix_kernel]") {
+TEST_CASE("gpu prefill: the prefix kernel at head_dim 64, KIVI and FP16 pages and the ring",
+          "[gpu][prefill][prefix_kernel]") {
   const int gqa = GENERATE(1, 4);
   const std::string spec = GENERATE("fp16", "kivi4/g32", "mixed");
   const int64_t T = GENERATE_COPY(from_range(small() ? sizes{65} : sizes{17, 65, 300}));
