@@ -6,7 +6,9 @@
 // (the engine's synchronization-free path). Counters: ms per prompt and the attention TFLOP/s
 // (the visible (query, key) pairs x 4 x heads x head_dim). The peer is bench/peer_prefill.py
 // (PyTorch SDPA in BF16 over the same chunks); bench/run_gpu.sh's `prefill` step runs both and
-// prints the ratios.
+// prints the ratios. The `prefix/` rows time the prefix part alone: the whole prompt stored once,
+// then per chunk `attend_prefix` of its queries over the tokens before it (what each prefill's
+// prefix kernel computes), FLOPs counted over those pairs only.
 #include <benchmark/benchmark.h>
 #include <cuda_runtime.h>
 
@@ -36,16 +38,16 @@ void* random_device(std::mt19937& rng, size_t count) {
   return d;
 }
 
-double attention_flops(int prompt, int chunk) {
+double attention_flops(int prompt, int chunk, bool prefix_only) {
   double pairs = 0;
   for (int c0 = 0; c0 < prompt; c0 += chunk) {
     const double t = std::min(chunk, prompt - c0);
-    pairs += t * c0 + t * (t + 1) / 2;
+    pairs += t * c0 + (prefix_only ? 0.0 : t * (t + 1) / 2);
   }
   return 4.0 * pairs * Hq * D;
 }
 
-void bm_prefill(benchmark::State& state, const std::string& spec, int prompt, int chunk) {
+void bm_prefill(benchmark::State& state, const std::string& spec, int prompt, int chunk, bool prefix_only) {
   const auto fp = kvq::parse_format_pair(spec).value();
   kvq::cache_config cfg;
   cfg.shape = {1, Hq, H, D, 64, 128, 64};
@@ -69,23 +71,34 @@ void bm_prefill(benchmark::State& state, const std::string& spec, int prompt, in
   cudaEvent_t e0, e1;
   cudaEventCreate(&e0);
   cudaEventCreate(&e1);
-  auto prompt_pass = [&] {
-    kvq::check(cache.create_sequence(0));
-    cudaEventRecord(e0);
+  const auto chunks = [&](bool prefix_part) {
     for (int c0 = 0; c0 < prompt; c0 += chunk) {
       const int t = std::min(chunk, prompt - c0);
       const auto* k = static_cast<const uint16_t*>(dk) + size_t(c0) * H * D;
       const auto* v = static_cast<const uint16_t*>(dv) + size_t(c0) * H * D;
       const auto* q = static_cast<const uint16_t*>(dq) + size_t(c0) * Hq * D;
       auto* o = static_cast<uint16_t*>(dout) + size_t(c0) * Hq * D;
-      kvq::check(cache.prefill(0, 0, {k, kvq::dtype::f16, t, H, D}, {v, kvq::dtype::f16, t, H, D},
-                               {q, kvq::dtype::f16, t, Hq, D}, {o, kvq::dtype::f16, t, Hq, D}));
+      if (!prefix_part)
+        kvq::check(cache.prefill(0, 0, {k, kvq::dtype::f16, t, H, D}, {v, kvq::dtype::f16, t, H, D},
+                                 {q, kvq::dtype::f16, t, Hq, D}, {o, kvq::dtype::f16, t, Hq, D}));
+      else if (c0 > 0)
+        kvq::check(
+            cache.attend_prefix(0, 0, c0, {q, kvq::dtype::f16, t, Hq, D}, {o, kvq::dtype::f16, t, Hq, D}, nullptr));
     }
+  };
+  if (prefix_only) {  // the prompt stored once
+    kvq::check(cache.create_sequence(0));
+    chunks(false);
+  }
+  auto prompt_pass = [&] {
+    if (!prefix_only) kvq::check(cache.create_sequence(0));
+    cudaEventRecord(e0);
+    chunks(prefix_only);
     cudaEventRecord(e1);
     cudaEventSynchronize(e1);
     float ms;
     cudaEventElapsedTime(&ms, e0, e1);
-    kvq::check(cache.release_sequence(0));
+    if (!prefix_only) kvq::check(cache.release_sequence(0));
     return double(ms) * 1e-3;
   };
   for (int w = 0; w < 2; ++w) prompt_pass();
@@ -99,7 +112,7 @@ void bm_prefill(benchmark::State& state, const std::string& spec, int prompt, in
   std::sort(times.begin(), times.end());
   const double med = times[times.size() / 2];
   state.counters["ms_per_prompt"] = med * 1e3;
-  state.counters["TFLOPs"] = attention_flops(prompt, chunk) / med / 1e12;
+  state.counters["TFLOPs"] = attention_flops(prompt, chunk, prefix_only) / med / 1e12;
   cudaFree(dk);
   cudaFree(dv);
   cudaFree(dq);
@@ -109,12 +122,13 @@ void bm_prefill(benchmark::State& state, const std::string& spec, int prompt, in
 }  // namespace
 
 int main(int argc, char** argv) {
-  for (const char* spec : {"fp16", "kivi4/g32"})
-    benchmark::RegisterBenchmark((std::string("prefill/") + spec + "/32768/4096").c_str(), bm_prefill,
-                                 std::string(spec), 32768, 4096)
-        ->UseManualTime()
-        ->Unit(benchmark::kMillisecond)
-        ->Iterations(10);
+  for (const bool prefix_only : {false, true})
+    for (const char* spec : {"fp16", "kivi4/g32"})
+      benchmark::RegisterBenchmark((std::string(prefix_only ? "prefix/" : "prefill/") + spec + "/32768/4096").c_str(),
+                                   bm_prefill, std::string(spec), 32768, 4096, prefix_only)
+          ->UseManualTime()
+          ->Unit(benchmark::kMillisecond)
+          ->Iterations(10);
   benchmark::Initialize(&argc, argv);
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();

@@ -12,7 +12,7 @@
 # ab_json.tar.gz the raw results.
 # prefill: a 32K prompt in 8 chunks of 4K through KVCache::prefill (fp16, kivi4/g32) and the BF16
 # SDPA peer (bench/peer_prefill.py) over the same chunks; prints kvq / peer time ratios (prefill.md;
-# the target: at most 1.5).
+# the target: at most 1.5); the "prefix" rows time the prefill's prefix part alone (attend_prefix).
 # canary: EchoKV's device-canary overhead on a Llama-8B-like decode step (canary.log, canary.json).
 # serve: the end-to-end serving benchmark (bench/serve/README.md): a 2-layer smoke run, then the
 # Llama-3-8B-shaped run over every backend (KVQ_SERVE_BACKENDS: its --backends list, space-separated;
@@ -53,7 +53,7 @@ for s in $steps; do
           > "$OUT/racecheck_one.log" 2>&1; r=$?; echo "racecheck $f: $(tail -1 "$OUT/racecheck_one.log")" | tee -a "$OUT/racecheck.log"
         rm -f "$OUT/racecheck_one.log"; rc=$((rc | r))
       done
-      # the prefill's chunk kernel (two-stage cp.async ring) and the tile kernel's prefix mode
+      # the prefill's chunk kernel (two-stage cp.async ring) and its prefix kernel (64 rows a block)
       KVQ_GPU_TEST_SMALL=1 "$cs" --tool racecheck --error-exitcode 3 ./.gpu/kvq_cuda_tests "gpu prefill: head_dim*" \
         > "$OUT/racecheck_one.log" 2>&1; r=$?; echo "racecheck [prefill]: $(tail -1 "$OUT/racecheck_one.log")" | tee -a "$OUT/racecheck.log"
       rm -f "$OUT/racecheck_one.log"; rc=$((rc | r)) ;;
@@ -75,14 +75,15 @@ for s in $steps; do
       python3 .gpu/peer_decode.py 2>&1 | tee "$OUT/peer.csv" ;;
     prefill)
       ./.gpu/kvq_bench_prefill_cuda --benchmark_out="$OUT/prefill.json" --benchmark_out_format=json 2>&1 \
-        | tee "$OUT/prefill.log" | grep -E "prefill/"; rc=$((rc | ${PIPESTATUS[0]}))
+        | tee "$OUT/prefill.log" | grep -E "(prefill|prefix)/"; rc=$((rc | ${PIPESTATUS[0]}))
       python3 .gpu/peer_prefill.py 2> "$OUT/peer_prefill.err" | tee "$OUT/peer_prefill.csv"; rc=$((rc | ${PIPESTATUS[0]}))
       python3 - "$OUT/prefill.json" "$OUT/peer_prefill.csv" <<'PY' | tee "$OUT/prefill.md"
 import csv, json, sys
-kvq = {b["name"].split("/")[1]: b["ms_per_prompt"] for b in json.load(open(sys.argv[1]))["benchmarks"]}
+# "prefill/<format>": whole prefill calls; "prefix/<format>": their prefix part alone (attend_prefix)
+kvq = {" ".join(b["name"].split("/")[:2]): b["ms_per_prompt"] for b in json.load(open(sys.argv[1]))["benchmarks"]}
 peer = {r[0]: float(r[1]) for r in csv.reader(l for l in open(sys.argv[2]) if l.strip() and l[0] != "#") if r[0] != "backend"}
 best = min(peer, key=peer.get) if peer else None
-print("| kvq format | kvq ms | peer (" + str(best) + ") ms | kvq / peer |\n| --- | --- | --- | --- |")
+print("| kvq call, format | kvq ms | peer (" + str(best) + ") ms | kvq / peer |\n| --- | --- | --- | --- |")
 for f, ms in kvq.items():
     print(f"| {f} | {ms:.2f} | {peer[best]:.2f} | {ms / peer[best]:.2f} |" if best else f"| {f} | {ms:.2f} | - | - |")
 PY

@@ -54,26 +54,10 @@ __global__ void __launch_bounds__(threads, 2) attend_kernel(const __grid_constan
   // it is dequantized. Only warp 0 keeps the counters and waits on the copy groups.
   load_tile_table<D>(p, item, h, t0, t1, sm.tiles);
   __syncthreads();
-  int issued = t0;
-  uint32_t head = 0, tail = 0;  // monotone byte counters over the ring
-  uint32_t end[pipeline_tiles];
-  auto pump = [&](int consumed_upto) {
-    while (issued < t1 && issued - consumed_upto < pipeline_tiles) {
-      const tile_src s = describe_tile<D>(p, item, h, issued, t0, sm.tiles);
-      const uint32_t need = s.bytes();
-      const uint32_t off = head % ring_bytes;
-      const uint32_t pad = off + need > ring_bytes ? ring_bytes - off : 0;
-      if (head + pad + need - tail > ring_bytes) break;
-      head += pad;
-      if (lane == 0) {
-        sm.slot[issued % pipeline_tiles] = s;
-        sm.slot_at[issued % pipeline_tiles] = head % ring_bytes;
-      }
-      issue_tile<D>(s, raw_base + head % ring_bytes, p.kv.window, lane);
-      head += need;
-      end[issued % pipeline_tiles] = head;
-      ++issued;
-    }
+  uint32_t pipe_end[pipeline_tiles];
+  tile_pump<D, ring_bytes> pipe(t0, t1, pipe_end);
+  const auto pump = [&](int consumed_upto) {
+    pipe.run(p, item, h, t0, sm.tiles, sm.slot, sm.slot_at, raw_base, lane, consumed_upto);
   };
   if (warp == 0) pump(t0);
 
@@ -100,27 +84,14 @@ __global__ void __launch_bounds__(threads, 2) attend_kernel(const __grid_constan
                                p.prefix ? item.n - 1 : q_first + (mt * 16 + lane / 4 + 8) / p.group};
 
   for (int t = t0; t < t1; ++t) {
-    if (warp == 0) cp_wait_dyn(issued - t - 1);  // this tile's copies have landed
+    if (warp == 0) cp_wait_dyn(pipe.issued - t - 1);  // this tile's copies have landed
     __syncthreads();  // ... visible to all; the previous tile is consumed
     const tile_src s = sm.slot[t % pipeline_tiles];
     const uint8_t* raw = sm.raw + sm.slot_at[t % pipeline_tiles];
     bool k_codes = false;
     int groups_base = 0, G = 1;
-    if (s.ring) {
-      constexpr int cpr = D * 2 / 16;
-#pragma unroll
-      for (int i = 0; i < tile_tokens * cpr / threads; ++i) {
-        const int c = tid + i * threads, row = c / cpr, ch = c % cpr;
-        const bool ok = row < s.valid;
-        const uint4 kk = ok ? reinterpret_cast<const uint4*>(raw)[c] : make_uint4(0, 0, 0, 0);
-        const uint4 vv = ok ? reinterpret_cast<const uint4*>(raw + tile_tokens * D * 2)[c] : make_uint4(0, 0, 0, 0);
-        reinterpret_cast<uint4*>(sm.k)[swz<D>(row, ch) / 8] = kk;
-        reinterpret_cast<uint4*>(sm.v)[swz<D>(row, ch) / 8] = vv;
-      }
-    } else {
-      const uint8_t* vraw = raw + s.size[0][0] + s.size[0][1] + s.size[0][2];
-      dequant_role<D>(raw, s.size[0], s.fk, role::k, s.valid, sm.k);
-      dequant_role<D>(vraw, s.size[1], s.fv, role::v, s.valid, sm.v);
+    tile_to_fp16<D>(s, raw, sm.k, sm.v);
+    if (!s.ring) {
       const format_traits fk = traits_of(s.fk);
       k_codes = fk.k_along_tokens();
       if (k_codes) {
@@ -152,7 +123,7 @@ __global__ void __launch_bounds__(threads, 2) attend_kernel(const __grid_constan
     }
     __syncthreads();  // tile ready; its raw bytes are free
     if (warp == 0) {
-      tail = end[t % pipeline_tiles];
+      pipe.release(t);
       pump(t + 1);  // keep the copies flowing while the tensor cores work
     }
 

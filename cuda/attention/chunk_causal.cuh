@@ -179,26 +179,11 @@ __global__ void __launch_bounds__(threads, 2) chunk_kernel(const __grid_constant
   }
 
   // ---- this warp's 16 rows: the partial of the merge's last split ----
-#pragma unroll
-  for (int hr = 0; hr < 2; ++hr) {
-    row_sum[hr] += __shfl_xor_sync(0xffffffffu, row_sum[hr], 1);
-    row_sum[hr] += __shfl_xor_sync(0xffffffffu, row_sum[hr], 2);
-  }
   const int rr = row0 + wrow;  // the warp's first row: 16 rows of one m-tile of one item
   if (rr >= p.rows) return;
   const int item = rr / p.item_rows, mt = (rr % p.item_rows) / 16;
   const size_t part = ((size_t(item) * p.kv_heads + h) * p.mtiles + mt) * p.max_splits + (p.max_splits - 1);
-  float* wo = p.ws_o + part * 16 * D;
-#pragma unroll
-  for (int j = 0; j < D / 8; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) wo[(r_lo + (e / 2) * 8) * D + j * 8 + (lane % 4) * 2 + (e % 2)] = acc[j][e];
-  if (lane % 4 == 0)
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      p.ws_ml[(part * 16 + r_lo + hr * 8) * 2] = row_max[hr];
-      p.ws_ml[(part * 16 + r_lo + hr * 8) * 2 + 1] = row_sum[hr];
-    }
+  store_warp_partial<D>(p.ws_o + part * 16 * D, p.ws_ml + part * 16 * 2, acc, row_max, row_sum);
 }
 
 }  // namespace cuda::detail

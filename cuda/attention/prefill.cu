@@ -1,7 +1,8 @@
 // Launch glue of a prefix / prefill call (attention/prefill.hpp): the query rotation of rotated
 // heads, the chunk's fp16 K/V and its causal part (attention/chunk_causal.cuh), the prefix part on
-// the tile kernel (attention/attend_tile.cuh, unmasked), then the split merge, which merges both
-// parts by log-sum-exp and writes O and the log-sum-exps.
+// the prefix kernel (attention/prefix_tile.cuh; an item of at most 16 query rows: the tile kernel,
+// attention/attend_tile.cuh, unmasked), then the split merge, which merges both parts by
+// log-sum-exp and writes O and the log-sum-exps.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -9,6 +10,7 @@
 
 #include "attention/chunk_causal.cuh"
 #include "attention/prefill.hpp"
+#include "attention/prefix_tile.cuh"
 #include "attention/query.cuh"
 #include "attention/tile_launch.cuh"
 #include "launch.hpp"
@@ -20,12 +22,15 @@ namespace cuda::detail {
 namespace {
 
 // How a call splits: items of `prefill_item_queries` queries, launches of up to `max_items` items,
-// the prefix's 64-token tiles over `prefix_splits` blocks per (item, kv head, m-tile), and the
-// chunk's part (a prefill) as one more split.
+// the prefix's 64-token tiles over `prefix_splits` blocks per (item, kv head, row block), and the
+// chunk's part (a prefill) as one more split. A row block is 64 rows (the prefix kernel) when an
+// item has more than 16 rows, else the tile kernel's one m-tile.
 struct prefill_plan {
   int items;         // ceil(T / prefill_item_queries)
   int launch_items;  // items of one launch, at most max_items
   int mtiles;        // 16-row m-tiles per item
+  bool wide;         // the prefix kernel (64 rows a block), else the tile kernel (16)
+  int row_blocks;    // blocks per (item, kv head) of the prefix part
   int prefix_tiles;  // 64-token tiles of the prefix
   int tiles_per_split, prefix_splits, max_splits;
   size_t parts;     // partials of one launch
@@ -41,10 +46,12 @@ prefill_plan plan_of(const prefill_args& a) {
   lp.items = int((a.queries + prefill_item_queries - 1) / prefill_item_queries);
   lp.launch_items = std::min(lp.items, max_items);
   lp.mtiles = ceil_div(int(per_item) * group, 16);
+  lp.wide = lp.mtiles > 1;
+  lp.row_blocks = lp.wide ? ceil_div(lp.mtiles, prefix_rows / 16) : lp.mtiles;
   lp.prefix_tiles = ceil_div(a.from_pages, tile_tokens) + ceil_div(a.prefix - a.from_pages, tile_tokens);
   // the tile kernel's rule (launch_plan.cpp): about four blocks per SM, at most max_split_tiles
   // tiles per block
-  const int64_t base = int64_t(lp.launch_items) * a.kv.kv_heads * lp.mtiles;
+  const int64_t base = int64_t(lp.launch_items) * a.kv.kv_heads * lp.row_blocks;
   const auto splits_for = [&](int tiles) {  // non-decreasing in tiles
     const int64_t want = int64_t(a.num_sms) * 4;
     const int s = int(std::clamp<int64_t>((want + base - 1) / base, 1, std::max(1, tiles)));
@@ -163,9 +170,14 @@ status launch_prefill(const prefill_args& a, const prefill_plan& lp, const prefi
       KVQ_TRY(launch("prefill: chunk attention launch", chunk_kernel<D>,
                      dim3(unsigned(ceil_div(c.rows, chunk_rows)), unsigned(H)), dim3(threads), size_t(smem), st, c));
     }
-    if (lp.prefix_splits > 0)
-      KVQ_TRY(launch_tile<D>("prefill: prefix attention launch", p,
-                             dim3(unsigned(lp.prefix_splits), unsigned(H * lp.mtiles), unsigned(items)), st));
+    const dim3 pgrid(unsigned(lp.prefix_splits), unsigned(H * lp.row_blocks), unsigned(items));
+    if (lp.prefix_splits > 0 && lp.wide) {
+      const int smem = int(sizeof(prefix_smem<D>));
+      KVQ_TRY(set_max_dynamic_smem(prefix_kernel<D>, smem));
+      KVQ_TRY(launch("prefill: prefix attention launch", prefix_kernel<D>, pgrid, dim3(threads), size_t(smem), st, p));
+    } else if (lp.prefix_splits > 0) {
+      KVQ_TRY(launch_tile<D>("prefill: prefix attention launch", p, pgrid, st));
+    }
     const dim3 mgrid(unsigned(items), unsigned(H * lp.mtiles), 16u);
     KVQ_TRY(launch_merge<D>("prefill: merge launch", p, mgrid, st));
   }

@@ -41,5 +41,29 @@ __device__ __forceinline__ void row_softmax_step(const float (&s)[NT][4], float 
   }
 }
 
+// Stores one warp's 16 rows as a split's partial of the split merge (max, sum, unnormalized O, in
+// base 2): `wo` [16][D], `wml` [16][2] (max, sum). The row sums are summed over each lane quad
+// first.
+template <int D>
+__device__ __forceinline__ void store_warp_partial(float* wo, float* wml, const float (&acc)[D / 8][4],
+                                                   const float (&row_max)[2], float (&row_sum)[2]) {
+  const int lane = threadIdx.x % 32, r_lo = lane / 4;
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    row_sum[hr] += __shfl_xor_sync(0xffffffffu, row_sum[hr], 1);
+    row_sum[hr] += __shfl_xor_sync(0xffffffffu, row_sum[hr], 2);
+  }
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) wo[(r_lo + (e / 2) * 8) * D + j * 8 + (lane % 4) * 2 + (e % 2)] = acc[j][e];
+  if (lane % 4 == 0)
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      wml[(r_lo + hr * 8) * 2] = row_max[hr];
+      wml[(r_lo + hr * 8) * 2 + 1] = row_sum[hr];
+    }
+}
+
 }  // namespace cuda::detail
 KVQ_NAMESPACE_END

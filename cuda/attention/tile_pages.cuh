@@ -143,6 +143,43 @@ __device__ __forceinline__ void issue_tile(const tile_src& s, uint32_t dst, int 
   cp_commit();
 }
 
+// The copy pipeline of a tile loop over tiles [t0, t1): the producer warp issues tiles in order
+// into the block's raw ring of `RingBytes` while space and group slots last, and publishes each
+// tile's description and ring offset in shared slots; a tile's bytes are freed (`release`) once
+// it is dequantized. Only the producer warp keeps it and waits on the copy groups. `end` (each
+// in-flight tile's end offset) is the caller's array, so that the counters stay in registers
+// while the dynamically indexed array lives in local memory.
+template <int D, uint32_t RingBytes>
+struct tile_pump {
+  int issued, t1;
+  uint32_t head = 0, tail = 0;  // monotone byte counters over the ring
+  uint32_t* end;                // [pipeline_tiles]
+
+  __device__ __forceinline__ tile_pump(int t0, int t1_, uint32_t* end_) : issued(t0), t1(t1_), end(end_) {}
+  // Issues what fits, at most `pipeline_tiles` ahead of `consumed_upto`.
+  __device__ __forceinline__ void run(const attend_params& p, const decode_item& item, int h, int t0,
+                                      const tile_table& tt, tile_src* slot, uint32_t* slot_at, uint32_t raw_base,
+                                      int lane, int consumed_upto) {
+    while (issued < t1 && issued - consumed_upto < pipeline_tiles) {
+      const tile_src s = describe_tile<D>(p, item, h, issued, t0, tt);
+      const uint32_t need = s.bytes();
+      const uint32_t off = head % RingBytes;
+      const uint32_t pad = off + need > RingBytes ? RingBytes - off : 0;
+      if (head + pad + need - tail > RingBytes) break;
+      head += pad;
+      if (lane == 0) {
+        slot[issued % pipeline_tiles] = s;
+        slot_at[issued % pipeline_tiles] = head % RingBytes;
+      }
+      issue_tile<D>(s, raw_base + head % RingBytes, p.kv.window, lane);
+      head += need;
+      end[issued % pipeline_tiles] = head;
+      ++issued;
+    }
+  }
+  __device__ __forceinline__ void release(int t) { tail = end[t % pipeline_tiles]; }
+};
+
 // One 16-byte chunk (128/Bits channels of one token row) from the raw ring -> halves in the tile.
 // KIVI/RoleAlign keys keep centered codes (code - 2^(b-1), exact in fp16): the caller folds their
 // scales and zero points into the query.
@@ -207,6 +244,27 @@ __device__ __forceinline__ void dequant_role(const uint8_t* raw, const uint32_t 
     case 8: tile_from_raw<D, 8>(raw, p1, p2, f, r, valid, dst); break;
     case 4: tile_from_raw<D, 4>(raw, p1, p2, f, r, valid, dst); break;
     default: tile_from_raw<D, 2>(raw, p1, p2, f, r, valid, dst); break;
+  }
+}
+
+// One tile's raw bytes -> the fp16 K and V tiles (swizzled, rows past `valid` zero): ring rows
+// as they are, page rows through `dequant_role` (KIVI keys as centered codes). All threads.
+template <int D>
+__device__ __forceinline__ void tile_to_fp16(const tile_src& s, const uint8_t* raw, __half* k, __half* v) {
+  if (s.ring) {
+    constexpr int cpr = D * 2 / 16;
+#pragma unroll
+    for (int i = 0; i < tile_tokens * cpr / threads; ++i) {
+      const int c = threadIdx.x + i * threads, row = c / cpr, ch = c % cpr;
+      const bool ok = row < s.valid;
+      const uint4 kk = ok ? reinterpret_cast<const uint4*>(raw)[c] : make_uint4(0, 0, 0, 0);
+      const uint4 vv = ok ? reinterpret_cast<const uint4*>(raw + tile_tokens * D * 2)[c] : make_uint4(0, 0, 0, 0);
+      reinterpret_cast<uint4*>(k)[swz<D>(row, ch) / 8] = kk;
+      reinterpret_cast<uint4*>(v)[swz<D>(row, ch) / 8] = vv;
+    }
+  } else {
+    dequant_role<D>(raw, s.size[0], s.fk, role::k, s.valid, k);
+    dequant_role<D>(raw + s.size[0][0] + s.size[0][1] + s.size[0][2], s.size[1], s.fv, role::v, s.valid, v);
   }
 }
 

@@ -190,6 +190,42 @@ TEST_CASE("gpu prefill: head_dim 64/128, GQA 1/4, rotation on and off", "[gpu][p
   REQUIRE(prefill_both(t, small() ? 65 : 300, rng) < nmse_bound);
 }
 
+// The prefix part runs the 64-row prefix kernel when an item has more than 16 query rows (T x
+// group), else the 16-row tile kernel: rows around both edges and not a multiple of 64, prefixes
+// around page (64) and window (128) edges, GQA 1 and 8, KIVI keys of one and two token groups per
+// tile, and the ring.
+TEST_CASE("gpu prefill: the prefix kernel's edges (rows per item, prefix at page and ring edges, GQA 1 and 8)",
+          "[gpu][prefill][prefix_kernel]") {
+  const int gqa = GENERATE(1, 8);
+  const std::string spec = GENERATE("fp16", "k=kivi4/g64,v=kivi2/g32", "kivi2/g32", "k=int8,v=fp8", "mixed");
+  const int64_t n0 = GENERATE_COPY(from_range(small() ? sizes{65, 200} : sizes{1, 63, 64, 65, 127, 129, 200, 1000}));
+  const int64_t T = GENERATE_COPY(from_range(small() ? sizes{17, 65} : sizes{2, 16, 17, 33, 65, 257, 300}));
+  const bool rotated = gqa == 8;
+  CAPTURE(gqa, spec, n0, T, rotated);
+  auto t = make(spec, gqa, 128, rotated);
+  std::mt19937 rng(uint32_t(n0 * 7919 + T * 31 + gqa));
+  fill_prefix(t, spec, n0, rng);
+  const prefix_result r = prefix_both(t, n0, T, rng);
+  REQUIRE(nmse(r.og, r.oc) < nmse_bound);
+  require_close_lse(t, n0, r);
+  REQUIRE(prefill_both(t, T, rng) < nmse_bound);
+}
+
+TEST_CASE("gpu prefill: the prefix kernel at head_dim 64, KIVI and FP16 pages and the ring",
+          "[gpu][prefill][prefix_kernel]") {
+  const int gqa = GENERATE(1, 4);
+  const std::string spec = GENERATE("fp16", "kivi4/g32", "mixed");
+  const int64_t T = GENERATE_COPY(from_range(small() ? sizes{65} : sizes{17, 65, 300}));
+  CAPTURE(gqa, spec, T);
+  auto t = make(spec, gqa, 64, false);
+  std::mt19937 rng(uint32_t(T * 17 + gqa));
+  fill_prefix(t, spec, 450, rng);
+  const prefix_result r = prefix_both(t, 450, T, rng);
+  REQUIRE(nmse(r.og, r.oc) < nmse_bound);
+  require_close_lse(t, 450, r);
+  REQUIRE(prefill_both(t, T, rng) < nmse_bound);
+}
+
 TEST_CASE("gpu prefill: attend_prefix alone matches the CPU, outputs and log-sum-exps",
           "[gpu][prefill][attend_prefix]") {
   const std::string spec = GENERATE("fp16", "kivi2/g32", "mixed");
