@@ -119,10 +119,10 @@ __global__ void __launch_bounds__(threads, 2) attend_kernel(const __grid_constan
       }
     } else {
       const uint8_t* vraw = raw + s.size[0][0] + s.size[0][1] + s.size[0][2];
-      dequant_role<D>(raw, s.size[0], s.fk, role::k, s.valid, sm.k);
-      dequant_role<D>(vraw, s.size[1], s.fv, role::v, s.valid, sm.v);
+      dequant_role<D>(raw, s.size[0], s.fk, role::k, s.valid, sm.k, s.page[0], p.kv.page_tokens, s.row0);
+      dequant_role<D>(vraw, s.size[1], s.fv, role::v, s.valid, sm.v, s.page[1], p.kv.page_tokens, s.row0);
       const format_traits fk = traits_of(s.fk);
-      k_codes = fk.k_along_tokens();
+      k_codes = fk.k_along_tokens() && !read_by_element(fk);  // (by element: values, the plain query)
       if (k_codes) {
         // fold the channel scales into the query and the zero points into one dot product per row
         G = fk.group;
