@@ -1,12 +1,13 @@
 #pragma once
 // Pages read element by element: the narrow formats without a kernel kind (3-bit sym, kivi and
 // rolealign, the codebook formats, nvfp4; `kvq::read_by_element`). Their pages are not staged:
-// the decode kernels and the tile kernel read them from global memory where they are used, each
-// element through its format's codec (`decode_element`, the CPU reference's own decode), rounded
-// to fp16 for the tensor cores. A codebook page's levels, an nvfp4 page's tensor scale and the
-// per-token scales are read from the page itself (the loads of one row hit L1 after the first).
-// NOTE: one path for every such format, chosen per page (docs/decisions.md, "CUDA attention:
-// formats read by element").
+// the wide decode kernel (the kernel of any layer that holds one: `kvq::kernel_bits`) and the tile
+// kernel read them from global memory where they are used, each element through its format's
+// codec (`decode_element`, the CPU reference's own decode), rounded to fp16 for the tensor cores.
+// A codebook page's levels, an nvfp4 page's tensor scale and the per-token scales are read from
+// the page itself (the loads of one row hit L1 after the first).
+// NOTE: one path for every such format, chosen per page, and not in the staged decode kernels
+// (docs/decisions.md, "The CUDA kernels read the 3-bit, codebook and nvfp4 formats by element").
 #include <kvq/codec/unit.hpp>
 #include <kvq/format/codebook.hpp>
 #include <kvq/format/kivi.hpp>
