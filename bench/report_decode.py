@@ -11,7 +11,11 @@ usage: report_decode.py out/gpu/bench.json out/gpu/peer.csv [--svg out/gpu/decod
 --svg also draws kvq / cuDNN per format and shape (8 x 32K, 32 x 32K, 1 x 128K) as a bar chart,
 with the issue's targets marked (plain SVG, no dependencies).
 
-A second table lists the append-step benchmarks (one token appended to each of 64 sequences by one
+A second table sets the formats the kernels read by element (cb4, cb2, nvfp4, kivi3) beside kivi
+at the same code bits, each shape of the same run: their time ratio, and for the codebook formats
+the issue's goal (within 10 % of kivi: ratio <= 1.10).
+
+A third table lists the append-step benchmarks (one token appended to each of 64 sequences by one
 append_batch call and by 64 append calls, against the same batch's attention, all timed in the
 same process): the append_batch call from an idle GPU (host work, launch latency and kernels
 inside the events) and queued behind the step's attention (the host ahead of the GPU, as in an
@@ -53,6 +57,30 @@ if csv_path:
         w.writerow(["format", "bits_per_elem", "batch", "context", "kvq_us", "cudnn_bf16_us", "kvq_over_cudnn",
                     "flash_us", "kvq_tbps", "floor_fraction"])
         w.writerows(csv_rows)
+
+# Formats read by element against kivi at the same code bits, same run: the goal for a
+# codebook format is a decode time within 10 % of kivi's (ratio <= 1.10).
+decode_us = {}
+for b in bench["benchmarks"]:
+    m = re.match(r"decode/(.+)/B(\d+)/L(\d+)/", b["name"])
+    if m:
+        decode_us[(m.group(1), int(m.group(2)), int(m.group(3)))] = b["median_us"]
+SAME_BITS = [("cb4", "kivi4/g32", 1.10), ("cb2", "kivi2/g32", 1.10), ("nvfp4", "kivi4/g32", None),
+             ("kivi3/g32", "kivi4/g32", None)]
+same_rows = []
+for fmt, base, goal in SAME_BITS:
+    for rot in ("", "+rot"):
+        for (f, B, L), us in decode_us.items():
+            ref = decode_us.get((base + rot, B, L))
+            if f == fmt + rot and ref:
+                verdict = ("met" if us / ref <= goal else "missed") if goal else "-"
+                same_rows.append(f"| {fmt + rot} | {base + rot} | {B} | {L} | {us:.1f} | {ref:.1f} | {us / ref:.2f} | "
+                                 f"{goal if goal else '-'} | {verdict} |")
+if same_rows:
+    print()
+    print("| format | kivi at the same bits | B | context | µs | kivi µs | ratio | goal | goal met |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("\n".join(same_rows))
 
 steps = [b for b in bench["benchmarks"] if b["name"].startswith("append_step/")]
 if steps:

@@ -4,6 +4,7 @@
 // warp each (rotation.cuh) before they are rounded to fp16, in both kernels.
 #include <kvq/codec/codec.hpp>
 #include <kvq/format/kinds.hpp>
+#include <kvq/format/nvfp4.hpp>
 #include <kvq/cuda/paged_attention.hpp>
 #include <kvq/store/window_layout.hpp>
 
@@ -135,8 +136,24 @@ __global__ void __launch_bounds__(threads) encode_kernel(const __grid_constant__
   uint8_t* page = p.arena + size_t(t.page_blocks[pg]) * block_unit + off;
   for (uint32_t i = threadIdx.x * 16; i < g.lay.total(); i += threads * 16) *reinterpret_cast<uint4*>(page + i) = make_uint4(0, 0, 0, 0);
   __syncthreads();
-  const float clip = p.clip[2 * h + r];
-  for (int u = threadIdx.x; u < g.unit_count(); u += threads) codec::encode_unit(g, src, d, u, page, clip);
+  if (g.fmt.fam == family::nvfp4) {
+    // the page's one unit in parallel: the block's absmax (a max: any order gives the CPU's), then
+    // its 16-channel blocks, each encoded as the codec encodes it
+    __shared__ float warp_max[threads / 32];
+    float amax = 0.f;
+    for (int i = threadIdx.x; i < P * d; i += threads) amax = codec::fmax_(amax, codec::fabs_(half_to_float(src[i])));
+    for (int o = 16; o > 0; o /= 2) amax = codec::fmax_(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = amax;
+    __syncthreads();
+    for (int w = 0; w < threads / 32; ++w) amax = codec::fmax_(amax, warp_max[w]);
+    const float ts = nvfp4_codec::tensor_scale_of(amax);
+    if (threadIdx.x == 0) nvfp4_codec::put_tensor_scale(g, page, ts);
+    for (int b = threadIdx.x; b < P * (d / 16); b += threads)
+      nvfp4_codec::encode_block(g, src, d, page, ts, b / (d / 16), b % (d / 16));
+  } else {
+    const float clip = p.clip[2 * h + r];
+    for (int u = threadIdx.x; u < g.unit_count(); u += threads) codec::encode_unit(g, src, d, u, page, clip);
+  }
   if (h == 0 && r == 0) {
     const size_t row = (size_t(it.slot) * p.kv.layers + p.layer) * p.kv.max_pages + it.first_page + (pg - it.page0);
     if (threadIdx.x == 0) p.blocks[row] = t.page_blocks[pg];

@@ -237,12 +237,14 @@ class cuda_backend final : public cache_backend {
   }
 
   // After a write succeeded: notes, for the decode kernel's choice, the widest format of the
-  // layer and whether each head has kept one format pair.
+  // layer (a format read by element counts as 16 bits: `kernel_bits`) and whether each head has
+  // kept one format pair.
   void note_pages(int layer, const append_plan& plan) {
     const int per_page = cfg_.shape.kv_heads * 2;
     for (size_t at = 0; at < plan.entries.size(); at += size_t(per_page)) {
       for (int j = 0; j < per_page; ++j)
-        layer_bits_[size_t(layer)] = std::max(layer_bits_[size_t(layer)], traits_of(plan.entries[at + size_t(j)].fmt).bits);
+        layer_bits_[size_t(layer)] =
+            std::max(layer_bits_[size_t(layer)], uint8_t(kernel_bits(plan.entries[at + size_t(j)].fmt)));
       for (int h = 0; h < cfg_.shape.kv_heads; ++h) {
         const int pair =
             256 * int(plan.entries[at + size_t(2 * h)].fmt) + int(plan.entries[at + size_t(2 * h + 1)].fmt);

@@ -90,10 +90,10 @@ __global__ void __launch_bounds__(threads, 2) attend_kernel(const __grid_constan
     const uint8_t* raw = sm.raw + sm.slot_at[t % pipeline_tiles];
     bool k_codes = false;
     int groups_base = 0, G = 1;
-    tile_to_fp16<D>(s, raw, sm.k, sm.v);
+    tile_to_fp16<D>(s, raw, sm.k, sm.v, p.kv.page_tokens);
     if (!s.ring) {
       const format_traits fk = traits_of(s.fk);
-      k_codes = fk.k_along_tokens();
+      k_codes = fk.k_along_tokens() && !read_by_element(fk);  // (by element: values, the plain query)
       if (k_codes) {
         // fold the channel scales into the query and the zero points into one dot product per row
         G = fk.group;

@@ -1,6 +1,7 @@
 #pragma once
 // The wide decode kernel `decode_wide_kernel`: layers that may hold a 16-bit page.
 #include "attention/decode_mma.cuh"
+#include "attention/element_read.cuh"
 #include "attention/query.cuh"
 #include "attention/softmax.cuh"
 
@@ -36,12 +37,13 @@ __global__ void __launch_bounds__(dec_warps * 32, 2) decode_wide_kernel(const __
   slab_ref cur{};
   k_raw<D, Cap> kc;
   const uint32_t slots = smem_addr(sm.vslot[warp][0]);
-  // V of page slabs of up to 8 bits goes through the staging slots; 16-bit V is read where it is
-  // used (staging it measured slower: 8 copies per lane and 4-way bank conflicts on the reads)
-  auto staged = [&](const slab_ref& s) { return !s.ring && s.fv.bits <= 8; };
+  // V of page slabs of up to 8 bits with a kind goes through the staging slots; 16-bit V is read
+  // where it is used (staging it measured slower: 8 copies per lane and 4-way bank conflicts on the
+  // reads), as are pages read by element
+  auto staged = [&](const slab_ref& s) { return !s.ring && s.kv >= 0 && s.fv.bits <= 8; };
   if (s0 < s1) {
     cur = locate_slab<D>(p, item, h, s0, page_slabs, sm.pages);
-    load_k<D, Cap>(cur, cur.fk, P, p.kv.window, g, t, kc);
+    if (cur.ring || !by_element(cur.fk, cur.kk)) load_k<D, Cap>(cur, cur.fk, P, p.kv.window, g, t, kc);
     if (!cur.ring) stage_slab<D>(cur, P, lane, slots + (s0 & 1) * slot_bytes<D>);
   }
   cp_commit();
@@ -51,7 +53,7 @@ __global__ void __launch_bounds__(dec_warps * 32, 2) decode_wide_kernel(const __
     k_raw<D, Cap> kn = kc;
     if (j + 1 < s1) {
       const slab_ref nxt = locate_slab<D>(p, item, h, j + 1, page_slabs, sm.pages);
-      load_k<D, Cap>(nxt, nxt.fk, P, p.kv.window, g, t, kn);
+      if (nxt.ring || !by_element(nxt.fk, nxt.kk)) load_k<D, Cap>(nxt, nxt.fk, P, p.kv.window, g, t, kn);
       if (!nxt.ring) stage_slab<D>(nxt, P, lane, slots + ((j + 1) & 1) * slot_bytes<D>);
     }
     cp_commit();  // one group per slab (possibly empty): wait_group 1 leaves only the next in flight
@@ -59,7 +61,7 @@ __global__ void __launch_bounds__(dec_warps * 32, 2) decode_wide_kernel(const __
     __syncwarp();
     const uint8_t* slot = sm.vslot[warp][j & 1];
 
-    const bool k_codes = !cur.ring && fk.k_along_tokens();
+    const bool k_codes = !cur.ring && cur.kk >= 0 && fk.k_along_tokens();  // (by element: plain query)
     const int lgk = k_codes ? log2i(fk.group) : 0;
     const uint8_t* group_key =
         k_codes ? cur.k + uint32_t(P) * ((D * fk.bits) >> 3) + uint32_t(cur.row0 >> lgk) * D * 2 : nullptr;
@@ -74,7 +76,9 @@ __global__ void __launch_bounds__(dec_warps * 32, 2) decode_wide_kernel(const __
     }
 
     float sc[4] = {0.f, 0.f, 0.f, 0.f};
-    {
+    if (!cur.ring && by_element(fk, cur.kk)) {
+      scores_by_element<D>(cur, P, g, t, qh, lane, sc);
+    } else {
       uint32_t kg[D / 8], kg8[D / 8];
       switch (fk.bits) {
         case 16: k_frags<D, 16, Cap>(kc.w, fk.fam, kc.ps, kg, kg8); break;
@@ -84,13 +88,14 @@ __global__ void __launch_bounds__(dec_warps * 32, 2) decode_wide_kernel(const __
       }
       scores_mma<D>(kg, kg8, qb, sc);
     }
-    v_raw<D, Cap> vr;
+    const bool v_elem = !cur.ring && by_element(fv, cur.kv);
+    v_raw<D, Cap> vr;  // (unused for a page read by element)
     if (staged(cur)) {
       slab_ref sv = cur;
       sv.v = slot;
       sv.row0 = 0;
       load_v<D, Cap, false>(sv, fv, 16, p.kv.window, g, t, vr);
-    } else {
+    } else if (!v_elem) {
       load_v<D, Cap, true>(cur, fv, P, p.kv.window, g, t, vr);  // 16-bit pages and the ring
     }
     float rs[2] = {1.f, 1.f};  // fp8 keys: per-token scales of rows g, g+8
@@ -106,7 +111,8 @@ __global__ void __launch_bounds__(dec_warps * 32, 2) decode_wide_kernel(const __
     }
     uint32_t pb0, pb1;
     p_frags(pv, pb0, pb1);
-    values_slab<D, Cap>(vr, fv, cur.valid, t, pb0, pb1, cs.acc);
+    if (v_elem) values_by_element<D>(cur, P, g, t, pb0, pb1, cs.acc);
+    else values_slab<D, Cap>(vr, fv, cur.valid, t, pb0, pb1, cs.acc);
 
     __syncwarp();  // every lane is done with this slab's staging slot
     // the next slab's description again (cheaper than keeping it live across the slab)

@@ -199,11 +199,11 @@ __device__ __forceinline__ void load_v(const slab_ref& s, format_traits f, int P
 
 // Copies what a page slab needs from memory besides its K codes into a staging slot, with
 // cp.async, so that the copy is in flight while the previous slab is computed: V (code rows and
-// their parameter rows, laid out as a 16-row page) when V has at most 8 bits, and the KIVI key
-// scales and zeros of the slab's token group.
+// their parameter rows, laid out as a 16-row page) when V has a kind, and the KIVI key scales and
+// zeros of the slab's token group (pages read by element copy nothing).
 template <int D>
 __device__ __forceinline__ void stage_slab(const slab_ref& s, int P, int lane, uint32_t slot) {
-  if (s.fk.has_zero()) {
+  if (s.fk.has_zero() && s.kk >= 0) {
     const int lg = log2i(s.fk.group);
     const uint8_t* sc = s.k + uint32_t(P) * ((D * s.fk.bits) >> 3) + uint32_t(s.row0 >> lg) * D * 2;
     if (lane < D / 8) cp_async16(slot + slot_kpar<D> + lane * 16, sc + lane * 16);
@@ -211,7 +211,7 @@ __device__ __forceinline__ void stage_slab(const slab_ref& s, int P, int lane, u
       cp_async16(slot + slot_kpar<D> + D * 2 + (lane - 16) * 16, sc + uint32_t(P >> lg) * D * 2 + (lane - 16) * 16);
   }
   const format_traits f = s.fv;
-  if (f.bits > 8) return;
+  if (f.bits > 8 || s.kv < 0) return;
   const uint32_t row_bytes = (D * f.bits) >> 3, code_bytes = uint32_t(P) * row_bytes;
   const uint8_t* src = s.v + uint32_t(s.row0) * row_bytes;
   for (uint32_t c = lane; c < row_bytes; c += 32) cp_async16(slot + c * 16, src + c * 16);  // 16 rows: row_bytes chunks

@@ -3,6 +3,7 @@
 // 64-token tile needs of its K and V pages (or of the FP16 ring), and their cp.async copies into
 // the block's raw ring; then the raw ring -> fp16 tiles.
 #include "attention/dequant.cuh"
+#include "attention/element_read.cuh"
 #include "attention/params.cuh"
 
 #include <kvq/store/window_layout.hpp>
@@ -25,7 +26,8 @@ struct tile_src {
 
 // The byte ranges `rows` token rows starting at `row0` of a page need: codes, then up to two
 // parameter sections (scales, zeros), each contiguous and 16-byte aligned. KIVI keys need the
-// channel scales and zeros of the token groups the rows touch.
+// channel scales and zeros of the token groups the rows touch. A page read by element needs none
+// (`dequant_role` reads it where it lies).
 template <int D>
 __device__ __forceinline__ void role_ranges(format_id fid, role r, int P, int row0, int rows, uint32_t (&size)[3],
                                             uint32_t (&from)[3]) {
@@ -35,7 +37,9 @@ __device__ __forceinline__ void role_ranges(format_id fid, role r, int P, int ro
   from[0] = uint32_t(row0) * row_bytes;
   size[1] = size[2] = 0;
   from[1] = from[2] = code_bytes;
-  if (f.fam == family::fp8_e4m3) {
+  if (read_by_element(f)) {
+    size[0] = 0;
+  } else if (f.fam == family::fp8_e4m3) {
     size[1] = uint32_t(rows) * 4;
     from[1] += uint32_t(row0) * 4;
   } else if (f.fam == family::sym || (f.has_zero() && r == role::v)) {
@@ -233,10 +237,16 @@ __device__ __forceinline__ void tile_from_raw(const uint8_t* codes, const uint8_
   }
 }
 
+// One role of a page tile -> fp16 tile: from its bytes in the raw ring, or (a format read by
+// element) from the page itself, rows row0 .. row0 + 63 of page_tokens P.
 template <int D>
 __device__ __forceinline__ void dequant_role(const uint8_t* raw, const uint32_t (&size)[3], format_id fid, role r,
-                                             int valid, __half* dst) {
+                                             int valid, __half* dst, const uint8_t* page, int P, int row0) {
   const format_traits f = traits_of(fid);
+  if (read_by_element(f)) {
+    tile_by_element<D>(fid, r, P, page, row0, valid, dst);
+    return;
+  }
   const uint8_t* p1 = raw + size[0];
   const uint8_t* p2 = p1 + size[1];
   switch (f.bits) {
@@ -250,7 +260,8 @@ __device__ __forceinline__ void dequant_role(const uint8_t* raw, const uint32_t 
 // One tile's raw bytes -> the fp16 K and V tiles (swizzled, rows past `valid` zero): ring rows
 // as they are, page rows through `dequant_role` (KIVI keys as centered codes). All threads.
 template <int D>
-__device__ __forceinline__ void tile_to_fp16(const tile_src& s, const uint8_t* raw, __half* k, __half* v) {
+__device__ __forceinline__ void tile_to_fp16(const tile_src& s, const uint8_t* raw, __half* k, __half* v,
+                                             int page_tokens) {
   if (s.ring) {
     constexpr int cpr = D * 2 / 16;
 #pragma unroll
@@ -263,8 +274,9 @@ __device__ __forceinline__ void tile_to_fp16(const tile_src& s, const uint8_t* r
       reinterpret_cast<uint4*>(v)[swz<D>(row, ch) / 8] = vv;
     }
   } else {
-    dequant_role<D>(raw, s.size[0], s.fk, role::k, s.valid, k);
-    dequant_role<D>(raw + s.size[0][0] + s.size[0][1] + s.size[0][2], s.size[1], s.fv, role::v, s.valid, v);
+    dequant_role<D>(raw, s.size[0], s.fk, role::k, s.valid, k, s.page[0], page_tokens, s.row0);
+    dequant_role<D>(raw + s.size[0][0] + s.size[0][1] + s.size[0][2], s.size[1], s.fv, role::v, s.valid, v, s.page[1],
+                    page_tokens, s.row0);
   }
 }
 

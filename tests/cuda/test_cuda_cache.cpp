@@ -100,6 +100,24 @@ double attend_both(pair_of_caches& c, const std::vector<attend_item>& items, int
   return nmse(og, oc);
 }
 
+// Sequence 0, layer 1 (8 kv heads of head_dim 128) appended on both caches in `steps` pieces of
+// 150 + 37 i tokens, piece i under tiers[i] with kv head i % 8 on `head_even` or `head_odd` (i even
+// or odd); requires the two stores to match and returns the number of formats the GPU's pages use.
+int append_striped(pair_of_caches& c, const char* const* tiers, int steps, const char* head_even, const char* head_odd,
+                   std::mt19937& rng) {
+  for (int i = 0; i < steps; ++i) {
+    c.pol->set_all(*parse_format_pair(tiers[i]));
+    c.pol->set_head(1, i % 8, *parse_format_pair(i % 2 ? head_odd : head_even));
+    const int64_t len = 150 + 37 * i;
+    auto k = randn_h(rng, size_t(len) * 8 * 128), v = randn_h(rng, size_t(len) * 8 * 128);
+    append_both(c, 0, 1, k, v, len, 8, 128);
+  }
+  require_same_store(c, 0, 1);
+  int formats_used = 0;
+  for (auto p : c.gpu.stats().pages_by_format) formats_used += p > 0;
+  return formats_used;
+}
+
 }  // namespace
 
 TEST_CASE("gpu: append stores what the CPU stores, every format", "[gpu][append]") {
@@ -123,27 +141,67 @@ TEST_CASE("gpu: append stores what the CPU stores, every format", "[gpu][append]
   require_same_store(c, 3, 1);
 }
 
-TEST_CASE("gpu: a format the kernels do not read is refused at append, and nothing is stored", "[gpu][append]") {
-  const std::string spec = GENERATE("sym3/g32", "kivi3/g32", "cb4", "cb2/g32", "nvfp4", "k=kivi4/g32,v=cb3");
-  CAPTURE(spec);
-  auto c = make(spec, 1, 4, 2, 64);
-  std::mt19937 rng(uint32_t(spec.size()));
+// The formats read by element on edge inputs: an all-zero page (nvfp4's tensor scale 1, zero
+// codebook scales), a page with one outlier (nvfp4's block-parallel absmax on the device), the
+// rest random; both roles, as the CPU stores them byte for byte.
+TEST_CASE("gpu: appends of zero pages and single outliers store the CPU's bytes, formats read by element",
+          "[gpu][append][by_element]") {
+  const std::string spec = GENERATE("nvfp4", "cb4", "cb3/g32", "cb2/g64", "sym3/g32", "kivi3/g32");
+  const int d = GENERATE(64, 128);
+  CAPTURE(spec, d);
+  auto c = make(spec, 1, 4, 2, d);
+  std::mt19937 rng(uint32_t(spec.size() * 3 + d));
   check(c.cpu.create_sequence(0));
   check(c.gpu.create_sequence(0));
-  const auto k = randn_h(rng, size_t(40) * 2 * 64), v = randn_h(rng, size_t(40) * 2 * 64);
-  append_both(c, 0, 0, k, v, 40, 2, 64);  // the ring only: no page yet
-  const auto k2 = randn_h(rng, size_t(200) * 2 * 64), v2 = randn_h(rng, size_t(200) * 2 * 64);
-  dev_mem dk(k2.size() * 2), dv(v2.size() * 2);
-  upload(dk, k2);
-  upload(dv, v2);
-  const status s = c.gpu.append(0, 0, {dk.p, dtype::f16, 200, 2, 64}, {dv.p, dtype::f16, 200, 2, 64});
-  CHECK(s.code() == errc::unsupported);
-  CHECK_THAT(s.message(), Catch::Contains("not read by the CUDA attention kernels"));
-  CHECK(c.gpu.length(0, 0) == 40);
-  CHECK(c.gpu.stats().pages == 0);
-  // the CPU backend stores and reads the same append
-  check(c.cpu.append(0, 0, {k2.data(), dtype::f16, 200, 2, 64}, {v2.data(), dtype::f16, 200, 2, 64}));
-  CHECK(c.cpu.stats().pages > 0);
+  const int64_t len = 5 * 64 + 5;  // pages 0-2 leave the 128-token window
+  auto k = randn_h(rng, size_t(len) * 2 * d), v = randn_h(rng, k.size());
+  for (size_t i = 0; i < size_t(64) * 2 * d; ++i) k[i] = v[i] = 0;  // page 0: zeros
+  k[size_t(64 + 17) * 2 * d + 5] = float_to_half(900.f);            // page 1: one outlier per role
+  v[size_t(64 + 40) * 2 * d + d + 9] = float_to_half(-700.f);
+  append_both(c, 0, 0, k, v, len, 2, d);
+  require_same_store(c, 0, 0);
+}
+
+// The formats the kernels read by element (3-bit, codebook, nvfp4; cuda/attention/element_read.cuh):
+// decode (GQA x q_len <= 8: the wide decode kernel) and q_len 16 (the tile kernel), alone and as
+// the K or V of a pair with a staged or 16-bit format.
+TEST_CASE("gpu: formats read by element: decode and tile attention match the CPU", "[gpu][decode][by_element]") {
+  const std::string spec = GENERATE("sym3/g32", "kivi3/g32", "kivi3/g64", "cb4", "cb4/g32", "cb3/g32", "cb2",
+                                    "cb2/g64", "nvfp4", "k=kivi4/g32,v=cb3", "k=cb2/g32,v=kivi2/g32",
+                                    "k=nvfp4,v=fp16", "k=fp16,v=sym3/g32", "k=kivi3/g32,v=nvfp4");
+  const int d = GENERATE(64, 128);
+  const int gqa = GENERATE(1, 4);
+  const int q_len = GENERATE(1, 16);
+  CAPTURE(spec, d, gqa, q_len);
+  REQUIRE(supported(spec, d));
+  auto c = make(spec, 1, 2 * gqa, 2, d);
+  std::mt19937 rng(uint32_t(spec.size() * 13 + d + gqa + q_len));
+  const std::vector<int64_t> lens = small() ? std::vector<int64_t>{17, 65, 130}
+                                            : std::vector<int64_t>{17, 63, 64, 65, 127, 129, 200, 700};
+  std::vector<attend_item> items = fill_sequences(c, lens, d, rng);
+  for (auto& it : items) it.q_len = q_len;  // the last q_len tokens are the queries' own
+  REQUIRE(c.gpu.stats().pages > 0);
+  REQUIRE(attend_both(c, items, 0, rng) < nmse_bound);
+}
+
+// Pages read by element beside staged and 16-bit pages in one layer (temporal striping and one head
+// on its own format), at page_tokens 64 and 128, through both kernels that read them: the wide
+// decode kernel (q_len 1: the layer's hint counts them as 16 bits) and the tile kernel (q_len 16).
+TEST_CASE("gpu: mixed formats with pages read by element", "[gpu][decode][by_element]") {
+  const int which = GENERATE(0, 1, 2);
+  const int q_len = GENERATE(1, 16);
+  CAPTURE(which, q_len);
+  const int page = which == 1 ? 128 : 64;
+  auto c = make("kivi4/g32", 2, 32, 8, 128, page);
+  std::mt19937 rng(uint32_t(40 + which * 2 + q_len));
+  check(c.cpu.create_sequence(0));
+  check(c.gpu.create_sequence(0));
+  const char* narrow_tiers[] = {"kivi4/g32", "cb4", "k=kivi2/g32,v=cb2/g32", "kivi3/g32", "k=nvfp4,v=kivi4/g32", "sym3/g32"};
+  const char* eight_tiers[] = {"kivi8/g32", "cb3/g32", "k=int8,v=nvfp4", "kivi4/g32", "k=kivi3/g32,v=fp8", "cb2"};
+  const char* wide_tiers[] = {"fp16", "cb4/g32", "k=kivi4/g32,v=kivi3/g32", "k=nvfp4,v=fp16", "kivi2/g32", "cb2/g64"};
+  const char* const* tiers = which == 0 ? narrow_tiers : which == 1 ? eight_tiers : wide_tiers;
+  REQUIRE(append_striped(c, tiers, small() ? 4 : 6, "kivi4/g32", "cb3", rng) >= (small() ? 4 : 6));
+  REQUIRE(attend_both(c, {{0, q_len}}, 1, rng) < nmse_bound);
 }
 
 TEST_CASE("gpu: decode attention matches the CPU reference over formats and lengths", "[gpu][decode]") {
@@ -212,19 +270,7 @@ TEST_CASE("gpu: mixed formats within one sequence (temporal striping)", "[gpu][d
   const char* wide_tiers[] = {"kivi4/g32", "k=kivi2/g32,v=fp8", "fp16", "k=int8,v=kivi2/g64", "ra2/g32", "bf16"};
   const char* narrow_tiers[] = {"kivi4/g32", "k=kivi2/g32,v=fp8", "kivi8/g64", "k=int8,v=kivi2/g64", "ra2/g32", "k=fp8,v=sym2/g32"};
   const char* const* tiers = wide ? wide_tiers : narrow_tiers;
-  const int steps = small() ? 3 : 6;
-  for (int i = 0; i < steps; ++i) {
-    c.pol->set_all(*parse_format_pair(tiers[i]));
-    c.pol->set_head(1, i % 8, *parse_format_pair("sym4/g32"));
-    const int64_t len = 150 + 37 * i;
-    auto k = randn_h(rng, size_t(len) * 8 * 128), v = randn_h(rng, size_t(len) * 8 * 128);
-    append_both(c, 0, 1, k, v, len, 8, 128);
-  }
-  require_same_store(c, 0, 1);
-  const auto st = c.gpu.stats();
-  int formats_used = 0;
-  for (auto p : st.pages_by_format) formats_used += p > 0;
-  REQUIRE(formats_used >= (small() ? 5 : 6));
+  REQUIRE(append_striped(c, tiers, small() ? 3 : 6, "sym4/g32", "sym4/g32", rng) >= (small() ? 5 : 6));
   REQUIRE(attend_both(c, {{0, 1}}, 1, rng) < nmse_bound);
 }
 

@@ -170,6 +170,15 @@ TEST_CASE("gpu: attend_run over a caller-built arena reads every page under any 
   check_hints(P, mixed_pages, {16, 8, 4, 2});
 }
 
+// Pages of the formats read by element (3-bit, codebook, nvfp4) among the others: they count as
+// 16 bits (`kernel_bits`), so the hint is 16 and the wide decode kernel reads them.
+TEST_CASE("gpu: attend_run reads pages of the formats read by element under the hint 16",
+          "[gpu][decode][lowlevel][by_element]") {
+  const int P = GENERATE(64, 128);
+  CAPTURE(P);
+  check_hints(P, {"cb4", "k=kivi4/g32,v=nvfp4", "sym3/g32", "k=cb2/g32,v=fp16", "kivi3/g64", "k=fp8,v=cb3/g32"}, {16});
+}
+
 // A page whose V the stages hold but whose K is wider than them: its V goes to the start of its
 // page stage. (At its offset in the page-head, after the wider K, it ran into the next stage,
 // which held the next page in flight: memcheck found the last stage's copy running past the

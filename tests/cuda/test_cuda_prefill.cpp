@@ -30,8 +30,13 @@ constexpr double nmse_bound = 2e-5;  // as tests/cuda/test_cuda_cache.cpp: fp16 
 constexpr int H = 2;                 // kv heads
 using sizes = std::vector<int64_t>;
 
-// "mixed": the prefix is appended in pieces under changing tiers, one head on its own format.
+// "mixed": the prefix is appended in pieces under changing tiers, one head on its own format;
+// "mixed by element": the same with tiers of formats the kernels read by element among them.
 const char* const mixed_tiers[] = {"kivi4/g32", "k=kivi2/g32,v=fp8", "fp16", "k=int8,v=kivi2/g64"};
+const char* const mixed_element_tiers[] = {"cb4", "k=kivi2/g32,v=nvfp4", "fp16", "k=kivi3/g32,v=kivi4/g32"};
+const char* const* tiers_of(const std::string& spec) {
+  return spec == "mixed" ? mixed_tiers : spec == "mixed by element" ? mixed_element_tiers : nullptr;
+}
 
 struct twin {
   KVCache cpu, gpu;
@@ -48,7 +53,7 @@ twin make(const std::string& spec, int gqa, int d, bool rotated) {
   cfg.cpu_threads = 4;
   if (rotated) cfg.rotation = {{1, 0}, 4321};  // head 0 rotated, head 1 plain
   auto pol =
-      std::make_shared<static_policy>(parse_format_pair(spec == "mixed" ? mixed_tiers[0] : spec).value_or_throw());
+      std::make_shared<static_policy>(parse_format_pair(tiers_of(spec) ? tiers_of(spec)[0] : spec).value_or_throw());
   auto c = KVCache::create(cfg, pol).value_or_throw();
   cfg.where = backend::cuda;
   auto g = KVCache::create(cfg, pol).value_or_throw();
@@ -60,10 +65,11 @@ twin make(const std::string& spec, int gqa, int d, bool rotated) {
 // n0 stored tokens on both caches (a mixed layer: in pieces under changing tiers).
 void fill_prefix(twin& t, const std::string& spec, int64_t n0, std::mt19937& rng) {
   int64_t done = 0;
+  const char* const* tiers = tiers_of(spec);
   for (int piece = 0; done < n0; ++piece) {
-    const int64_t m = spec == "mixed" ? std::min<int64_t>(n0 - done, 150 + 37 * piece) : n0 - done;
-    if (spec == "mixed") {
-      t.pol->set_all(*parse_format_pair(mixed_tiers[piece % 4]));
+    const int64_t m = tiers ? std::min<int64_t>(n0 - done, 150 + 37 * piece) : n0 - done;
+    if (tiers) {
+      t.pol->set_all(*parse_format_pair(tiers[piece % 4]));
       t.pol->set_head(0, 1, *parse_format_pair("sym4/g32"));
     }
     const auto k = randn_h(rng, size_t(m) * H * t.d), v = randn_h(rng, size_t(m) * H * t.d);
@@ -164,7 +170,8 @@ void require_close_lse(twin& t, int64_t prefix, const prefix_result& r) {
 }  // namespace
 
 TEST_CASE("gpu prefill: chunks of any length after stored tokens match the CPU, every format", "[gpu][prefill]") {
-  const std::string spec = GENERATE("fp16", "kivi4/g32", "kivi2/g32", "int8", "mixed");
+  const std::string spec = GENERATE("fp16", "kivi4/g32", "kivi2/g32", "int8", "mixed", "cb4", "kivi3/g32",
+                                    "k=nvfp4,v=cb2/g32", "mixed by element");
   const int64_t n0 = GENERATE_COPY(from_range(small() ? sizes{0, 37} : sizes{0, 37, 1000}));
   const int64_t T = GENERATE_COPY(from_range(small() ? sizes{1, 129, 300} : sizes{1, 100, 128, 129, 700, 4096}));
   CAPTURE(spec, n0, T);
@@ -178,7 +185,7 @@ TEST_CASE("gpu prefill: head_dim 64/128, GQA 1/4, rotation on and off", "[gpu][p
   const int d = GENERATE(64, 128);
   const int gqa = GENERATE(1, 4);
   const bool rotated = GENERATE(false, true);
-  const std::string spec = GENERATE("kivi4/g32", "mixed");
+  const std::string spec = GENERATE("kivi4/g32", "mixed", "mixed by element");
   const int64_t T = GENERATE_COPY(from_range(small() ? sizes{129} : sizes{129, 700, 4096}));
   const int64_t n0 = small() ? 300 : 1000;
   CAPTURE(d, gqa, rotated, spec, T, n0);

@@ -109,7 +109,8 @@ TEST_CASE("gpu rotation: rotated appends store what the CPU stores, every format
 
 TEST_CASE("gpu rotation: decode and extend attention of rotated heads match the CPU", "[gpu][rotation]") {
   const std::string spec = GENERATE("fp16", "fp8", "int8", "sym4/g32", "kivi8/g32", "kivi4/g32", "kivi2/g32",
-                                    "ra4/g32", "k=kivi4/g32,v=kivi2/g32");
+                                    "ra4/g32", "k=kivi4/g32,v=kivi2/g32", "sym3/g32", "kivi3/g32", "cb4", "cb3/g32",
+                                    "cb2/g32", "nvfp4", "k=kivi4/g32,v=cb2", "k=cb4,v=fp16");
   const int d = GENERATE(64, 128);
   const int q_len = GENERATE(1, 2, 3, 16);  // GQA 4: 1 and 2 decode kernels, 3 and 16 the tile kernel (> 8 rows)
   CAPTURE(spec, d, q_len);

@@ -99,6 +99,9 @@ struct attend_args {
   /// Widest code width (bits) of any page of the layer, if the caller knows it: 16 (the default)
   /// is always correct; 8 or less lets decode run a kernel that keeps fewer registers per warp
   /// and more warps per SM. A 16-bit page under a smaller hint is still read correctly, slower.
+  /// A page of a format read by element (3-bit, codebook, nvfp4: `kvq::read_by_element`) counts
+  /// as 16 bits (`kvq::kernel_bits`): only the wide decode kernel reads it, so a layer that may
+  /// hold one needs a hint of 16.
   int max_page_bits = 16;
   /// True if the caller knows that every page of each kv head of the layer has one K format and
   /// one V format (the heads may differ: a static policy's layers, or EchoKV's until it moves

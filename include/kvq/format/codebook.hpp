@@ -134,7 +134,7 @@ struct codebook {
   static constexpr const char* spec_alias = "codebook";
   static constexpr bool named_by_bits = true;
   static constexpr int default_group = 0;  ///< `cb4` scales by the rms of the whole head
-  /// Not decoded by the CUDA kernels (no kernel kind; docs/architecture.md).
+  /// No kernel kind: the CUDA kernels read its pages by element (format/kinds.hpp).
   static constexpr bool staged = false;
   static constexpr family decode_as = family::codebook;
   static constexpr page_layout page(role r, int page_tokens, int head_dim) {

@@ -13,7 +13,7 @@
 /// |      | kivi8 | kivi4 | kivi2 | sym8 | sym4 | sym2 | fp8 |
 ///
 /// 16-bit formats have kind -1 (the unstaged path). 3-bit, codebook and nvfp4 formats are not
-/// staged and have kind -1 too, but no unstaged path reads them: `kernels_read` is false.
+/// staged and have kind -1 too: the kernels read them by element (`read_by_element`).
 
 #include <kvq/config.hpp>
 #include <kvq/format/format.hpp>
@@ -118,9 +118,25 @@ inline constexpr int kind_count = format_kinds::count;
 /// Kind of a format (-1: read unstaged); host and device.
 KVQ_HOST_DEVICE constexpr int kind_of(const format_traits& f) { return format_kinds::kind_of(f); }
 KVQ_HOST_DEVICE constexpr int kind_of(format_id id) { return format_kinds::kind_of(traits_of(id)); }
-/// True for the formats the CUDA attention kernels read: those with a kind and the 16-bit ones.
-/// 3-bit, codebook and nvfp4 pages have neither (the CPU backend reads every format).
-KVQ_HOST_DEVICE constexpr bool kernels_read(format_id id) { return kind_of(id) >= 0 || traits_of(id).bits == 16; }
+/// True for the narrow formats without a kind (3-bit sym, kivi and rolealign, codebook, nvfp4):
+/// the CUDA kernels read their pages unstaged, each element through its codec
+/// (cuda/attention/element_read.cuh; docs/architecture.md).
+KVQ_HOST_DEVICE constexpr bool read_by_element(const format_traits& f) {
+  return kind_of(f) < 0 && f.bits < 16 &&
+         (f.fam == family::sym || f.has_zero() || f.fam == family::codebook || f.fam == family::nvfp4);
+}
+/// True for the formats the CUDA attention kernels read: those with a kind, the 16-bit ones and
+/// those read by element (a format of none of these is refused at append; the CPU backend reads
+/// every format).
+KVQ_HOST_DEVICE constexpr bool kernels_read(format_id id) {
+  return kind_of(id) >= 0 || traits_of(id).bits == 16 || read_by_element(traits_of(id));
+}
+/// The code width a page of format `id` counts as in the choice of decode kernel
+/// (`cuda::attend_args::max_page_bits`): its bits, or 16 for a format read by element, which
+/// only the wide decode kernel (and the tile kernel) read.
+KVQ_HOST_DEVICE constexpr int kernel_bits(format_id id) {
+  return read_by_element(traits_of(id)) ? 16 : int(traits_of(id).bits);
+}
 /// Decode family of kind k: `family::kivi` (kivi and rolealign), `family::sym` or `family::fp8_e4m3`.
 KVQ_HOST_DEVICE constexpr family kind_family(int k) { return format_kinds::kind_family(k); }
 /// Bit width of kind k.
@@ -179,8 +195,9 @@ static_assert(kind_count == 7 && kernel_kind::kivi8 == 0 && kernel_kind::kivi2 =
                   kind_v<fp16> == -1 && kind_v<sym<3, 32>> == -1 && kind_v<codebook<4, 0>> == -1 && kind_v<nvfp4> == -1,
               "the kernels' kind numbering");
 static_assert(kernels_read(fp16_format) && kernels_read(format_id_v<kivi<2, 32>>) &&
-                  !kernels_read(format_id_v<kivi<3, 32>>) && !kernels_read(format_id_v<codebook<2, 32>>) &&
-                  !kernels_read(format_id_v<nvfp4>),
+                  kernels_read(format_id_v<kivi<3, 32>>) && kernels_read(format_id_v<codebook<2, 32>>) &&
+                  kernels_read(format_id_v<nvfp4>) && read_by_element(traits_of(format_id_v<sym<3, 32>>)) &&
+                  !read_by_element(traits_of(format_id_v<kivi<4, 32>>)) && !read_by_element(traits_of(fp16_format)),
               "the formats the CUDA kernels read");
 
 KVQ_NAMESPACE_END

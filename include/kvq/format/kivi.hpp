@@ -108,7 +108,7 @@ struct kivi_layout_format {
   static constexpr const char* spec_alias = Fam == family::kivi ? nullptr : "rolealign";
   static constexpr bool named_by_bits = true;
   static constexpr int default_group = 32;
-  /// 3-bit pages are not decoded by the CUDA kernels (no kernel kind; docs/architecture.md).
+  /// 3-bit pages have no kernel kind: the CUDA kernels read them by element (format/kinds.hpp).
   static constexpr bool staged = Bits != 3;
   static constexpr family decode_as = family::kivi;  ///< rolealign decodes as kivi
   static constexpr page_layout page(role r, int page_tokens, int head_dim) {

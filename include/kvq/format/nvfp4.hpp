@@ -75,27 +75,37 @@ struct nvfp4_codec {
   KVQ_HOST_DEVICE static float tensor_scale(const codec::page_geom& g, const uint8_t* page) {
     return *reinterpret_cast<const float*>(page + g.lay.zero_offset());
   }
-  /// Encodes the whole page with tensor scale `ts` (checked by `check_nvfp4_tensor_scale`).
-  KVQ_HOST_DEVICE static void encode_page_with(const codec::page_geom& g, const uint16_t* src, int src_stride,
-                                               uint8_t* page, float ts) {
-    const int d = g.head_dim, rb = d / 2;
+  /// The tensor scale of a page whose largest magnitude is `amax` (1 for an all-zero page).
+  KVQ_HOST_DEVICE static float tensor_scale_of(float amax) {
+    return amax > 0.f ? codec::div_rn(amax, e2m1_max * fp8_e4m3_max) : 1.0f;
+  }
+  /// Writes the page's tensor scale `ts` and the zero bytes after it.
+  KVQ_HOST_DEVICE static void put_tensor_scale(const codec::page_geom& g, uint8_t* page, float ts) {
     float* tail = reinterpret_cast<float*>(page + g.lay.zero_offset());
     tail[0] = ts;
     tail[1] = tail[2] = tail[3] = 0.f;
-    uint8_t* bscales = page + g.lay.code_bytes;
-    const float block_div = codec::mul_rn(e2m1_max, ts);
+  }
+  /// Encodes block j (channels 16j .. 16j + 15) of token t with tensor scale `ts`: its e4m3
+  /// scale and its 8 code bytes (blocks touch disjoint bytes, so they may be encoded in parallel).
+  KVQ_HOST_DEVICE static void encode_block(const codec::page_geom& g, const uint16_t* src, int src_stride,
+                                           uint8_t* page, float ts, int t, int j) {
+    const int d = g.head_dim;
+    const uint16_t* x = src + t * src_stride + 16 * j;
+    float amax = 0.f;
+    for (int c = 0; c < 16; ++c) amax = codec::fmax_(amax, codec::fabs_(half_to_float(x[c])));
+    const uint8_t bs = float_to_e4m3(codec::div_rn(amax, codec::mul_rn(e2m1_max, ts)));
+    page[g.lay.code_bytes + t * (d / 16) + j] = bs;
+    const float S = codec::mul_rn(e4m3_to_float(bs), ts);
+    for (int c = 0; c < 16; ++c)
+      codec::put_code(page + t * (d / 2), 4, 16 * j + c,
+                      S > 0.f ? float_to_e2m1(codec::div_rn(half_to_float(x[c]), S)) : 0u);
+  }
+  /// Encodes the whole page with tensor scale `ts` (checked by `check_nvfp4_tensor_scale`).
+  KVQ_HOST_DEVICE static void encode_page_with(const codec::page_geom& g, const uint16_t* src, int src_stride,
+                                               uint8_t* page, float ts) {
+    put_tensor_scale(g, page, ts);
     for (int t = 0; t < g.page_tokens; ++t)
-      for (int j = 0; j < d / 16; ++j) {
-        const uint16_t* x = src + t * src_stride + 16 * j;
-        float amax = 0.f;
-        for (int c = 0; c < 16; ++c) amax = codec::fmax_(amax, codec::fabs_(half_to_float(x[c])));
-        const uint8_t bs = float_to_e4m3(codec::div_rn(amax, block_div));
-        bscales[t * (d / 16) + j] = bs;
-        const float S = codec::mul_rn(e4m3_to_float(bs), ts);
-        for (int c = 0; c < 16; ++c)
-          codec::put_code(page + t * rb, 4, 16 * j + c,
-                          S > 0.f ? float_to_e2m1(codec::div_rn(half_to_float(x[c]), S)) : 0u);
-      }
+      for (int j = 0; j < g.head_dim / 16; ++j) encode_block(g, src, src_stride, page, ts, t, j);
   }
   /// Encodes the page (its one unit) with the tensor scale of its absmax.
   KVQ_HOST_DEVICE static void encode_unit(const codec::page_geom& g, const uint16_t* src, int src_stride, int,
@@ -104,7 +114,7 @@ struct nvfp4_codec {
     for (int t = 0; t < g.page_tokens; ++t)
       for (int c = 0; c < g.head_dim; ++c)
         amax = codec::fmax_(amax, codec::fabs_(half_to_float(src[t * src_stride + c])));
-    encode_page_with(g, src, src_stride, page, amax > 0.f ? codec::div_rn(amax, e2m1_max * fp8_e4m3_max) : 1.0f);
+    encode_page_with(g, src, src_stride, page, tensor_scale_of(amax));
   }
   KVQ_HOST_DEVICE static float decode_element(const codec::page_geom& g, const uint8_t* page, int t, int c) {
     const float bs = e4m3_to_float(page[g.lay.code_bytes + t * (g.head_dim / 16) + c / 16]);
@@ -122,7 +132,7 @@ struct nvfp4 {
   static constexpr const char* spec_alias = "fp4";
   static constexpr bool named_by_bits = false;
   static constexpr int default_group = 16;
-  /// Not decoded by the CUDA kernels (no kernel kind; docs/architecture.md).
+  /// No kernel kind: the CUDA kernels read its pages by element (format/kinds.hpp).
   static constexpr bool staged = false;
   static constexpr family decode_as = family::nvfp4;
   static constexpr page_layout page(role r, int page_tokens, int head_dim) {
