@@ -38,9 +38,9 @@ struct stream_guard {
 };
 
 // The step's launches are planned per layer from these maps: the wide kernel for layer 0 of
-// `spec` and of the fp16 map, the block-staged kernel for the others (whole 64-token units on the
-// 4/2-bit ring of `spec`'s and the fp16 map's layer 1; 8-bit page-heads, mixed formats per head,
-// on rings with two full barriers in both layers of the narrow map).
+// `spec` and of the fp16 map, the block-staged kernel for the others (the whole-unit instance on
+// the 4/2-bit rings of their layer 1; 8-bit page-heads, mixed formats per head, on rings with two
+// full barriers in both layers of the narrow map).
 const std::string narrow_spec = "k=kivi8/g32,v=sym4/g32;0.1=k=kivi4/g32,v=kivi2/g32;1.0=k=sym8/g32,v=fp8;1.1=kivi2/g32";
 const std::string fp16_spec = "fp16;1=kivi4/g32";
 
