@@ -6,8 +6,8 @@
 // per layer from the host); replayed, `prepare` on the host (bookkeeping and one descriptor copy)
 // and one graph launch. Time per step: wall time over a block of steps from the host's first
 // call to the stream's end, so host launch costs count where the GPU waits for them. The
-// replayed step plans its splits for `max_tokens` (context + steps) and runs the wide decode
-// kernel; the eager one plans for the batch's longest sequence and runs the block-staged kernel.
+// replayed step plans its splits for `max_tokens` (context + steps), the eager one for the batch's
+// longest sequence; both run the block-staged kernel (the policy's widest format, 4 bits).
 //   kvq_bench_replay_cuda [--batch 8] [--context 32768] [--steps 256] [--block 16]
 #include <kvq/cache/cache.hpp>
 #include <kvq/cache/decode_step.hpp>

@@ -435,7 +435,8 @@ class cuda_backend final : public cache_backend {
     a.num_sms = sms_;
   }
 
-  result<std::unique_ptr<step_backend>> make_step(int max_batch, int64_t max_tokens) override;
+  result<std::unique_ptr<step_backend>> make_step(int max_batch, int64_t max_tokens,
+                                                  std::span<step_layer> layers) override;
 
   cache_overhead overhead() const override {
     cache_overhead o;
@@ -618,6 +619,33 @@ class cuda_step final : public step_backend {
       : b_(b), dev_(b.dev_), max_batch_(max_batch), max_tokens_(max_tokens),
         groups_((max_batch + cuda::max_append_pages - 1) / cuda::max_append_pages) {}
 
+  // Each layer's attention plan, as the eager call would plan it for pages of the widest format
+  // the layer holds or will hold (`layers`, from the policy; raised to the plan's) and
+  // max_tokens; the workspace fits the largest.
+  status plan(std::span<step_layer> layers) {
+    const int heads = b_.cfg_.shape.kv_heads;
+    size_t ws = 0;
+    plans_.resize(layers.size());
+    for (size_t l = 0; l < layers.size(); ++l) {
+      cuda::attend_args a;
+      b_.set_call(a, int(l), {}, {});
+      a.max_page_bits = std::max(layers[l].max_bits, int(b_.layer_bits_[l]));
+      a.one_format_per_head = layers[l].one_pair_per_head;
+      for (int h = 0; h < heads; ++h) {  // the pages held so far must keep the policy's pair
+        const format_pair f = b_.pol_->current(int(l), h);
+        const int16_t held = b_.head_pair_[l * size_t(heads) + size_t(h)];
+        if (held != -1 && held != 256 * int(f.k) + int(f.v)) a.one_format_per_head = false;
+      }
+      size_t need = 0;
+      const result<cuda::detail::launch_plan> lp = cuda::detail::replay_plan(a, max_batch_, max_tokens_, need);
+      if (!lp) return lp.error();
+      plans_[l] = *lp;
+      ws = std::max(ws, need);
+      layers[l] = {a.max_page_bits, a.one_format_per_head};
+    }
+    return workspace_.allocate(ws, "decode step workspace");
+  }
+
   ~cuda_step() override {
     (void)teardown_.enter(dev_);
     for (int i = 0; i < 2; ++i) {
@@ -629,13 +657,6 @@ class cuda_step final : public step_backend {
 
   status init() {
     KVQ_TRY(teardown_.enter(dev_));
-    cuda::attend_args a;
-    b_.set_call(a, 0, {}, {});
-    size_t ws = 0;
-    const result<cuda::detail::launch_plan> lp = cuda::detail::replay_plan(a, max_batch_, max_tokens_, ws);
-    if (!lp) return lp.error();
-    plan_ = *lp;
-    KVQ_TRY(workspace_.allocate(ws, "decode step workspace"));
     append_bytes_ = round16(cuda::detail::append_table_bytes());
     layer_bytes_ = size_t(groups_) * append_bytes_ + round16(cuda::detail::decode_table_bytes());
     const size_t bytes = layer_bytes_ * size_t(b_.cfg_.shape.layers);
@@ -720,8 +741,9 @@ class cuda_step final : public step_backend {
     cuda::attend_args a;
     b_.set_call(a, layer, q, o);
     a.rotation = b_.rotation_of(layer);
-    return cuda::detail::launch_attend_replay(a, plan_, tables_.ptr + size_t(layer) * layer_bytes_ + size_t(groups_) * append_bytes_,
-                                              max_batch_, workspace_.ptr, b_.cfg_.stream);
+    const uint8_t* table = tables_.ptr + size_t(layer) * layer_bytes_ + size_t(groups_) * append_bytes_;
+    return cuda::detail::launch_attend_replay(a, plans_[size_t(layer)], table, max_batch_, workspace_.ptr,
+                                              b_.cfg_.stream);
   }
 
  private:
@@ -733,20 +755,22 @@ class cuda_step final : public step_backend {
   int max_batch_;
   int64_t max_tokens_;
   int groups_;  // append tables per layer
-  cuda::detail::launch_plan plan_{};
+  std::vector<cuda::detail::launch_plan> plans_;  // [layers]
   size_t append_bytes_ = 0, layer_bytes_ = 0;
   device_buffer<uint8_t> tables_;     // [layers][groups append tables, one attention table]
-  device_buffer<uint8_t> workspace_;  // the attention's partial results under plan_
+  device_buffer<uint8_t> workspace_;  // the attention's partial results under the largest of plans_
   uint8_t* host_[2] = {nullptr, nullptr};  // pinned, tables_'s layout
   cudaEvent_t done_[2] = {nullptr, nullptr};
   int cur_ = 0;
   bool staging_ = false;
 };
 
-result<std::unique_ptr<step_backend>> cuda_backend::make_step(int max_batch, int64_t max_tokens) {
+result<std::unique_ptr<step_backend>> cuda_backend::make_step(int max_batch, int64_t max_tokens,
+                                                               std::span<step_layer> layers) {
   KVQ_ON_DEVICE();
   auto step = std::make_unique<cuda_step>(*this, max_batch, max_tokens);
   KVQ_TRY(step->init());
+  KVQ_TRY(step->plan(layers));
   return std::unique_ptr<step_backend>(std::move(step));
 }
 

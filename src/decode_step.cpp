@@ -23,13 +23,31 @@ result<decode_step> decode_step::create(KVCache& cache, int max_batch, int64_t m
     return status{errc::unsupported, fmt::format("decode_step: policy {} watches queries; its device canary runs outside "
                                                  "a replayed step (use eager append_batch + attend)",
                                                  st.pol->name())};
-  auto impl = cache.impl_->make_step(max_batch, max_tokens);
+  // The formats each layer's new pages will have: the policy's map (table-driven policies keep
+  // it; a page chosen wider is refused by prepare). The launches are planned for them and for
+  // the pages the layers hold (the backend raises `layers` to its plan).
+  const cache_shape& sh = st.cfg.shape;
+  std::vector<detail::step_layer> layers(size_t(sh.layers));
+  for (int l = 0; l < sh.layers; ++l) {
+    detail::step_layer& sl = layers[size_t(l)];
+    sl = {0, true};  // (a map gives each head one pair; the backend adds the pages the layer holds)
+    for (int h = 0; h < sh.kv_heads; ++h) {
+      const format_pair f = st.pol->current(l, h);
+      sl.max_bits = std::max({sl.max_bits, int(traits_of(f.k).bits), int(traits_of(f.v).bits)});
+    }
+  }
+  auto impl = cache.impl_->make_step(max_batch, max_tokens, layers);
   if (!impl) return impl.error();
-  return decode_step(cache, std::move(impl).value(), max_batch, max_tokens);
+  return decode_step(cache, std::move(impl).value(), max_batch, max_tokens, std::move(layers));
 }
 
-decode_step::decode_step(KVCache& cache, std::unique_ptr<detail::step_backend> impl, int max_batch, int64_t max_tokens)
-    : cache_(&cache), impl_(std::move(impl)), max_batch_(max_batch), max_tokens_(max_tokens) {}
+decode_step::decode_step(KVCache& cache, std::unique_ptr<detail::step_backend> impl, int max_batch, int64_t max_tokens,
+                         std::vector<detail::step_layer> layers)
+    : cache_(&cache),
+      impl_(std::move(impl)),
+      layers_(std::move(layers)),
+      max_batch_(max_batch),
+      max_tokens_(max_tokens) {}
 decode_step::decode_step(decode_step&&) noexcept = default;
 decode_step& decode_step::operator=(decode_step&&) noexcept = default;
 decode_step::~decode_step() = default;
@@ -56,6 +74,25 @@ status decode_step::prepare(std::span<const seq_id> seqs) {
     ss.push_back(s);
   }
   KVQ_TRY(impl_->can_prepare());
+  // The pages the step creates, in the formats the policy chooses for them: none may be wider
+  // than the formats the step's launches were planned for.
+  for (const sequence_state* s : ss)
+    for (int l = 0; l < sh.layers; ++l) {
+      const int pages = st.store.new_pages(*s, l, 1);
+      for (int i = 0; i < pages; ++i)
+        for (int h = 0; h < sh.kv_heads; ++h)
+          for (const role r : {role::k, role::v}) {
+            const int64_t first = s->layers[size_t(l)].e + int64_t(i) * sh.page_tokens;
+            const format_id f = st.pol->choose({s->id, l, h, r, first});
+            if (int(traits_of(f).bits) > layers_[size_t(l)].max_bits)
+              return {errc::unsupported,
+                      fmt::format("decode_step::prepare: layer {} kv head {}: policy {} chose {} ({} bits) for a new "
+                                  "page of sequence {}; the step was planned for at most {} bits in this layer (make "
+                                  "a new decode_step); nothing was changed",
+                                  l, h, st.pol->name(), format_name(f), int(traits_of(f).bits), s->id,
+                                  layers_[size_t(l)].max_bits)};
+          }
+    }
   std::vector<seq_id> ids(seqs.begin(), seqs.end());
   std::sort(ids.begin(), ids.end());
   if (auto d = std::adjacent_find(ids.begin(), ids.end()); d != ids.end())

@@ -52,22 +52,26 @@ void set_params(const attend_args& a, const launch_plan& lp, const void* q, dtyp
   p.page_stage = lp.page_stage;
 }
 
+// The decode kernel `lp` names over `grid` (splits, kv heads, items); `Replay`: its instance that
+// reads the items from `p.table`.
+template <int D, bool Replay>
+status launch_decode(const char* what, const attend_params& p, const launch_plan& lp, dim3 grid, cudaStream_t st) {
+  if (lp.wide) return launch(what, decode_wide_kernel<D, Replay>, grid, dim3(dec_warps * 32), 0, st, p);
+  const auto kernel = !lp.page_stage ? decode_kernel<D, Replay>
+                      : lp.two_full  ? decode_paged_kernel<D, true, false, Replay>
+                      : lp.whole     ? decode_paged_kernel<D, false, true, Replay>
+                                     : decode_paged_kernel<D, false, false, Replay>;
+  // The shared-memory opt-in belongs to the current device: set before every launch.
+  KVQ_TRY(set_max_dynamic_smem(kernel, lp.smem));
+  return launch(what, kernel, grid, dim3(dec_warps * 32), size_t(lp.smem), st, p);
+}
+
 template <int D>
 status launch_attend(const attend_params& p, const launch_plan& lp, int kv_heads, int items, cudaStream_t st) {
   const dim3 mgrid(unsigned(items), unsigned(kv_heads * lp.mtiles), unsigned(lp.rows));
   if (lp.decode) {
     const dim3 grid(unsigned(lp.max_splits), unsigned(kv_heads), unsigned(items));
-    if (lp.wide) {
-      KVQ_TRY(launch("attention launch", decode_wide_kernel<D>, grid, dim3(dec_warps * 32), 0, st, p));
-    } else {
-      const auto kernel = !lp.page_stage ? decode_kernel<D>
-                          : lp.two_full  ? decode_paged_kernel<D, true, false>
-                          : lp.whole     ? decode_paged_kernel<D, false, true>
-                                         : decode_paged_kernel<D, false, false>;
-      // The shared-memory opt-in belongs to the current device: set before every launch.
-      KVQ_TRY(set_max_dynamic_smem(kernel, lp.smem));
-      KVQ_TRY(launch("attention launch", kernel, grid, dim3(dec_warps * 32), size_t(lp.smem), st, p));
-    }
+    KVQ_TRY((launch_decode<D, false>("attention launch", p, lp, grid, st)));
   } else {
     KVQ_TRY(launch_tile<D>("attention launch", p,
                            dim3(unsigned(lp.max_splits), unsigned(kv_heads * lp.mtiles), unsigned(items)), st));
@@ -131,13 +135,11 @@ result<launch_plan> replay_plan(const attend_args& a, int max_items_, int64_t ma
   // at most max_tokens tokens has (from_pages off a slab edge adds one).
   std::vector<decode_item> longest(size_t(max_items_), decode_item{0, 1, int32_t(max_tokens), int32_t(max_tokens - 1), 0, 0});
   for (int i = 0; i < max_items_; ++i) longest[size_t(i)].q_row = i;
-  attend_args w = a;
+  attend_args w = a;  // (its max_page_bits and one_format_per_head: the formats the step's layer can hold)
   w.items = longest;
-  w.max_page_bits = 16;  // the wide kernel: it reads every format, page by page
-  w.one_format_per_head = false;
   result<launch_plan> lp = checked_plan(w);
   if (!lp) return lp.error();
-  if (!lp->decode || !lp->wide)
+  if (!lp->decode)
     return status{errc::unsupported, msg("replayed attention runs the decode kernel: a GQA group of at most 8, not ", group)};
   workspace = workspace_bytes(w, *lp);
   return lp;
@@ -155,10 +157,10 @@ status launch_attend_replay(const attend_args& a, const launch_plan& lp, const v
   const dim3 grid(unsigned(lp.max_splits), unsigned(a.kv.kv_heads), unsigned(max_items_));
   const dim3 mgrid(unsigned(max_items_), unsigned(a.kv.kv_heads * lp.mtiles), unsigned(lp.rows));
   if (a.kv.head_dim == 128) {
-    KVQ_TRY(launch("attention launch (replay)", decode_wide_kernel<128, true>, grid, dim3(dec_warps * 32), 0, st, p));
+    KVQ_TRY((launch_decode<128, true>("attention launch (replay)", p, lp, grid, st)));
     return launch_merge<128, true>("merge launch (replay)", p, mgrid, st);
   }
-  KVQ_TRY(launch("attention launch (replay)", decode_wide_kernel<64, true>, grid, dim3(dec_warps * 32), 0, st, p));
+  KVQ_TRY((launch_decode<64, true>("attention launch (replay)", p, lp, grid, st)));
   return launch_merge<64, true>("merge launch (replay)", p, mgrid, st);
 }
 

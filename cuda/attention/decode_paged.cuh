@@ -39,8 +39,9 @@ __device__ __forceinline__ void issue_page(const attend_params& p, const page_ta
 // one_format_per_head`): blocks of 4/2-bit pages of one pair read whole 64-token units per step
 // (`pages`, below). An instance of its own: compiled into one kernel with the per-page dispatch,
 // it made that dispatch 2-5 % slower (register allocation), and a decode step over mixed layers
-// (EchoKV's tiers over time) 6-7 % slower.
-template <int D, bool TwoFull, bool Whole>
+// (EchoKV's tiers over time) 6-7 % slower. Replay: the items from `attend_params::table` (a
+// replayed step; blocks past its items exit at once).
+template <int D, bool TwoFull, bool Whole, bool Replay = false>
 __global__ void __launch_bounds__(dec_warps * 32, staged_blocks) decode_paged_kernel(const __grid_constant__ attend_params p) {
   pdl_trigger();
   constexpr int Cap = 8;
@@ -49,7 +50,8 @@ __global__ void __launch_bounds__(dec_warps * 32, staged_blocks) decode_paged_ke
   uint8_t* stages = dsm + staged_head_bytes<D>;
   const int h = blockIdx.y, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int warp = __shfl_sync(0xffffffffu, int(threadIdx.x) / 32, 0);  // (known warp-uniform: uniform registers)
-  const decode_item item = p.items[blockIdx.z];
+  decode_item item;
+  if (!load_item<Replay>(p, int(blockIdx.z), item)) return;
   const slab_range rg = block_slabs(p, item, 0);  // (the block's range; warps interleave below)
   if (rg.c0 >= rg.c1) return;
   const int P = p.kv.page_tokens, page_slabs = rg.page_slabs, c0 = rg.c0;  // c0: on a page boundary

@@ -18,8 +18,9 @@ namespace cuda::detail {
 
 // One slab per stage (layers of 8 bits whose page-heads leave room for fewer than 3 page stages,
 // e.g. page_tokens 128; the block-staged kernel takes the others). With the two-slab step compiled
-// in, this path measured 3-10 % slower (one register allocation for both).
-template <int D>
+// in, this path measured 3-10 % slower (one register allocation for both). `Replay`: the items
+// from `attend_params::table` (a replayed step; blocks past its items exit at once).
+template <int D, bool Replay = false>
 __global__ void __launch_bounds__(dec_warps * 32, staged_blocks) decode_kernel(const __grid_constant__ attend_params p) {
   pdl_trigger();
   constexpr int Cap = 8;
@@ -27,7 +28,8 @@ __global__ void __launch_bounds__(dec_warps * 32, staged_blocks) decode_kernel(c
   staged_head<D>& sm = *reinterpret_cast<staged_head<D>*>(dsm);
   uint8_t* stages = dsm + staged_head_bytes<D>;
   const int h = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const decode_item item = p.items[blockIdx.z];
+  decode_item item;
+  if (!load_item<Replay>(p, int(blockIdx.z), item)) return;
   const slab_range rg = block_slabs(p, item, warp);
   if (rg.c0 >= rg.c1) return;
   const int P = p.kv.page_tokens, page_slabs = rg.page_slabs, s0 = rg.s0, s1 = rg.s1;

@@ -11,8 +11,8 @@ namespace cuda::detail {
 // ---- the wide decode kernel: layers that hold a 16-bit page -------------------------------------
 // K codes of up to 16 bits are loaded from global memory into registers one slab ahead; V of up
 // to 8 bits and the KIVI key scales go through two cp.async staging slots per warp (2 blocks/SM).
-// It reads every format page by page, so it is also the kernel of a replayed step (`Replay`: the
-// items from `attend_params::table`), whose formats are not known when it is captured.
+// `Replay`: the items from `attend_params::table` (a replayed step whose layer may hold a page of
+// more than 8 bits; blocks past its items exit at once).
 template <int D, bool Replay = false>
 __global__ void __launch_bounds__(dec_warps * 32, 2) decode_wide_kernel(const __grid_constant__ attend_params p) {
   pdl_trigger();

@@ -7,6 +7,7 @@
 #include <kvq/cache/cache.hpp>
 #include <kvq/cache/decode_step.hpp>
 #include <kvq/format/numeric.hpp>
+#include <kvq/policy/policy.hpp>
 #include <kvq/policy/static_policy.hpp>
 
 #include <catch2/catch.hpp>
@@ -36,7 +37,14 @@ struct stream_guard {
   ~stream_guard() { cudaStreamDestroy(s); }
 };
 
-KVCache make(cudaStream_t st, uint64_t budget = 64ull << 20) {
+// The step's launches are planned per layer from these maps: the wide kernel for layer 0 of
+// `spec` and of the fp16 map, the block-staged kernel for the others (the whole-unit instance on
+// the 4/2-bit rings of their layer 1; 8-bit page-heads, mixed formats per head, on rings with two
+// full barriers in both layers of the narrow map).
+const std::string narrow_spec = "k=kivi8/g32,v=sym4/g32;0.1=k=kivi4/g32,v=kivi2/g32;1.0=k=sym8/g32,v=fp8;1.1=kivi2/g32";
+const std::string fp16_spec = "fp16;1=kivi4/g32";
+
+KVCache make(cudaStream_t st, uint64_t budget = 64ull << 20, std::shared_ptr<policy> pol = nullptr) {
   cache_config cfg;
   cfg.shape = {L, Hq, H, D, P, W, R};
   cfg.where = backend::cuda;
@@ -46,7 +54,8 @@ KVCache make(cudaStream_t st, uint64_t budget = 64ull << 20) {
   cfg.stream = st;
   cfg.check_values = false;  // with checks, append synchronizes the stream (not capturable)
   cfg.rotation.heads = {0, 0, 1, 1};
-  return KVCache::create(cfg, std::make_shared<static_policy>(static_policy::parse(spec).value_or_throw())).value_or_throw();
+  if (!pol) pol = std::make_shared<static_policy>(static_policy::parse(spec).value_or_throw());
+  return KVCache::create(cfg, std::move(pol)).value_or_throw();
 }
 
 template <class T>
@@ -99,8 +108,11 @@ bool small() { return std::getenv("KVQ_GPU_TEST_SMALL") != nullptr; }
 }  // namespace
 
 TEST_CASE("gpu: a decode step captured once replays 200 steps as its eager calls compute", "[gpu][graph][replay]") {
+  const std::string map = GENERATE(spec, narrow_spec, fp16_spec);
+  CAPTURE(map);
   stream_guard st;
-  KVCache a = make(st.s), b = make(st.s), c = make(st.s);
+  const auto pol = [&] { return std::make_shared<static_policy>(static_policy::parse(map).value_or_throw()); };
+  KVCache a = make(st.s, 64ull << 20, pol()), b = make(st.s, 64ull << 20, pol()), c = make(st.s, 64ull << 20, pol());
   // Lengths around page and slab edges; the longest crosses several pages during the 200 steps.
   const std::vector<int64_t> lens = {1, 63, 94, 200, 700};
   const int n = int(lens.size()), max_batch = 6;
@@ -266,4 +278,51 @@ TEST_CASE("gpu: decode_step refuses bad requests and changes nothing", "[gpu][gr
     REQUIRE(a.length(0, 0) == grown);
     REQUIRE(a.stats().used_bytes == before.used_bytes);
   }
+}
+
+namespace {
+
+// A table-driven policy whose map the test changes: kivi4 everywhere until `widen`, then fp16 on
+// layer 1, head 0.
+struct changing_policy final : policy {
+  bool widen = false;
+  std::string name() const override { return "changing"; }
+  status bind(const cache_shape&) override { return {}; }
+  format_pair current(int layer, int kv_head) const override {
+    const format_id f = widen && layer == 1 && kv_head == 0 ? parse_format("fp16").value_or_throw()
+                                                            : parse_format("kivi4/g32").value_or_throw();
+    return {f, f};
+  }
+};
+
+}  // namespace
+
+TEST_CASE("gpu: decode_step refuses a page wider than its layer's planned formats", "[gpu][graph][replay]") {
+  stream_guard st;
+  std::mt19937 rng(11);
+  const auto pol = std::make_shared<changing_policy>();
+  KVCache a = make(st.s, 64ull << 20, pol);
+  check(a.create_sequence(0));
+  fill(st.s, rng, {&a}, 0, 60);
+  decode_step x = decode_step::create(a, 1, 1024).value_or_throw();  // planned for 4-bit pages
+  pol->widen = true;
+  const std::vector<seq_id> one = {0};
+  // Steps that encode no page pass; the first that would encode one (in fp16, layer 1) is refused.
+  status s;
+  int steps = 0;
+  for (; steps < 2 * W && (s = x.prepare(one)).ok(); ++steps) {}
+  CAPTURE(steps, s.to_string());
+  REQUIRE(s.code() == errc::unsupported);
+  REQUIRE(s.message().find("layer 1") != std::string::npos);
+  REQUIRE(s.message().find("fp16") != std::string::npos);
+  const auto before = a.stats();
+  const int64_t n = a.length(0, 0);
+  REQUIRE(x.prepare(one).code() == errc::unsupported);  // again: nothing changed
+  for (int l = 0; l < L; ++l) REQUIRE(a.length(0, l) == n);
+  REQUIRE(a.stats().pages == before.pages);
+  REQUIRE(a.stats().used_bytes == before.used_bytes);
+  // A step made now plans layer 1 for fp16 pages and takes the same step.
+  decode_step y = decode_step::create(a, 1, 1024).value_or_throw();
+  check(y.prepare(one));
+  REQUIRE(a.length(0, 1) == n + 1);
 }

@@ -21,15 +21,20 @@
 ///
 /// A replay computes bit for bit what the same step's `append` + `attend` calls compute when run
 /// without a graph. Against the cache's own `append_batch` + `attend`: the stored pages and
-/// windows are the same bytes; attention runs the wide decode kernel (it reads every format) with
-/// splits planned for `max_tokens` rather than for the batch's longest sequence, so its outputs
-/// differ from those calls' by summation order only (docs/decisions.md, "Graph replay").
+/// windows are the same bytes; attention runs, per layer, the decode kernel the eager plan picks
+/// for the widest format the policy's map (and the layer's pages) hold at `create`, with splits
+/// planned for `max_tokens` rather than for the batch's longest sequence, so its outputs differ
+/// from those calls' by summation order only (docs/decisions.md, "Graph replay").
 #include <kvq/cache/cache.hpp>
 
 #include <memory>
 #include <span>
+#include <vector>
 
 KVQ_NAMESPACE_BEGIN
+namespace detail {
+struct step_layer;
+}
 
 /// A replayable decode step of a CUDA cache: one new token for each of up to `max_batch`
 /// sequences, every layer, with one graph launch per step.
@@ -60,9 +65,11 @@ class KVQ_EXPORT decode_step {
   ~decode_step();
 
   /// The next step: one new token for each of `seqs` (distinct existing sequences, in batch-row
-  /// order), every layer. Call it outside any stream capture (its copy is not part of the graph). Validates everything first (batch size, unknown or repeated sequences,
-  /// a sequence that would pass `max_tokens`, a budget that cannot hold the step's new pages and
-  /// windows in one free block): a refused step changes nothing.
+  /// order), every layer. Call it outside any stream capture (its copy is not part of the graph).
+  /// Validates everything first (batch size, unknown or repeated sequences, a sequence that would
+  /// pass `max_tokens`, a budget that cannot hold the step's new pages and windows in one free
+  /// block, a new page the policy would encode wider than its layer's formats at `create`): a
+  /// refused step changes nothing.
   status prepare(std::span<const seq_id> seqs);
 
   /// The prepared step's append for `layer`: row i of k and v is the new token of the step's
@@ -83,9 +90,11 @@ class KVQ_EXPORT decode_step {
   int batch() const { return batch_; }
 
  private:
-  decode_step(KVCache& cache, std::unique_ptr<detail::step_backend> impl, int max_batch, int64_t max_tokens);
+  decode_step(KVCache& cache, std::unique_ptr<detail::step_backend> impl, int max_batch, int64_t max_tokens,
+              std::vector<detail::step_layer> layers);
   KVCache* cache_;
   std::unique_ptr<detail::step_backend> impl_;
+  std::vector<detail::step_layer> layers_;  // [layers] the formats the launches were planned for
   int max_batch_ = 0;
   int64_t max_tokens_ = 0;
   int batch_ = 0;

@@ -30,6 +30,13 @@ struct cache_state {
   std::vector<float> clip;  ///< [layers][kv_heads][2]
 };
 
+/// The pages a replayed step's layer can hold, from the policy when the step is made: the widest
+/// code bits of its formats, and whether every kv head keeps one (K, V) format pair.
+struct step_layer {
+  int max_bits;
+  bool one_pair_per_head;
+};
+
 /// The data plane of a replayable decode step (`decode_step`, cache/decode_step.hpp): launches
 /// whose per-step descriptors live in device memory at fixed addresses, so a capture of them is
 /// replayed for every later step. The caller keeps the bookkeeping and validates every request.
@@ -133,8 +140,11 @@ class cache_backend {
   /// Memory held outside the budget now (`cache_stats::overhead`).
   virtual cache_overhead overhead() const { return {}; }
   /// The data plane of a replayable decode step of up to `max_batch` sequences of up to
-  /// `max_tokens` tokens; its buffers are allocated here, once.
-  virtual result<std::unique_ptr<step_backend>> make_step(int /*max_batch*/, int64_t /*max_tokens*/) {
+  /// `max_tokens` tokens whose layers hold pages as `layers` says (raised on return to what the
+  /// launches were planned for, with the pages the layers hold); its buffers are allocated here,
+  /// once.
+  virtual result<std::unique_ptr<step_backend>> make_step(int /*max_batch*/, int64_t /*max_tokens*/,
+                                                          std::span<step_layer> /*layers*/) {
     return status{errc::unsupported, "decode_step: a replayable step needs the CUDA backend"};
   }
 
