@@ -3,6 +3,7 @@
 // descriptors and launches are the backend's (`detail::step_backend`).
 #include <kvq/cache/decode_step.hpp>
 #include <kvq/detail/backend.hpp>
+#include <kvq/format/kinds.hpp>
 
 #include "cache_calls.hpp"
 
@@ -33,7 +34,8 @@ result<decode_step> decode_step::create(KVCache& cache, int max_batch, int64_t m
     sl = {0, true};  // (a map gives each head one pair; the backend adds the pages the layer holds)
     for (int h = 0; h < sh.kv_heads; ++h) {
       const format_pair f = st.pol->current(l, h);
-      sl.max_bits = std::max({sl.max_bits, int(traits_of(f.k).bits), int(traits_of(f.v).bits)});
+      // the bits the kernels plan for: a format read by element counts as 16 (`kernel_bits`)
+      sl.max_bits = std::max({sl.max_bits, kernel_bits(f.k), kernel_bits(f.v)});
     }
   }
   auto impl = cache.impl_->make_step(max_batch, max_tokens, layers);
@@ -84,12 +86,12 @@ status decode_step::prepare(std::span<const seq_id> seqs) {
           for (const role r : {role::k, role::v}) {
             const int64_t first = s->layers[size_t(l)].e + int64_t(i) * sh.page_tokens;
             const format_id f = st.pol->choose({s->id, l, h, r, first});
-            if (int(traits_of(f).bits) > layers_[size_t(l)].max_bits)
+            if (kernel_bits(f) > layers_[size_t(l)].max_bits)
               return {errc::unsupported,
                       fmt::format("decode_step::prepare: layer {} kv head {}: policy {} chose {} ({} bits) for a new "
-                                  "page of sequence {}; the step was planned for at most {} bits in this layer (make "
+                                  "page of sequence {}; the step was planned for at most {} kernel bits in this layer (make "
                                   "a new decode_step); nothing was changed",
-                                  l, h, st.pol->name(), format_name(f), int(traits_of(f).bits), s->id,
+                                  l, h, st.pol->name(), format_name(f), kernel_bits(f), s->id,
                                   layers_[size_t(l)].max_bits)};
           }
     }
