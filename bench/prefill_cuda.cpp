@@ -68,6 +68,8 @@ void bm_prefill(benchmark::State& state, const std::string& spec, int prompt, in
   void* dq = random_device(rng, size_t(prompt) * Hq * D);
   void* dout;
   CUDA_CHECK(cudaMalloc(&dout, size_t(prompt) * Hq * D * 2));
+  float* dlse;  // [prompt][Hq] the prefix part's log-sum-exps, as an engine keeps them to merge
+  CUDA_CHECK(cudaMalloc(&dlse, size_t(prompt) * Hq * sizeof(float)));
   cudaEvent_t e0, e1;
   cudaEventCreate(&e0);
   cudaEventCreate(&e1);
@@ -82,8 +84,8 @@ void bm_prefill(benchmark::State& state, const std::string& spec, int prompt, in
         kvq::check(cache.prefill(0, 0, {k, kvq::dtype::f16, t, H, D}, {v, kvq::dtype::f16, t, H, D},
                                  {q, kvq::dtype::f16, t, Hq, D}, {o, kvq::dtype::f16, t, Hq, D}));
       else if (c0 > 0)
-        kvq::check(
-            cache.attend_prefix(0, 0, c0, {q, kvq::dtype::f16, t, Hq, D}, {o, kvq::dtype::f16, t, Hq, D}, nullptr));
+        kvq::check(cache.attend_prefix(0, 0, c0, {q, kvq::dtype::f16, t, Hq, D}, {o, kvq::dtype::f16, t, Hq, D},
+                                       dlse + size_t(c0) * Hq));
     }
   };
   if (prefix_only) {  // the prompt stored once
@@ -117,6 +119,7 @@ void bm_prefill(benchmark::State& state, const std::string& spec, int prompt, in
   cudaFree(dv);
   cudaFree(dq);
   cudaFree(dout);
+  cudaFree(dlse);
 }
 
 }  // namespace

@@ -22,6 +22,22 @@ constexpr int max_split_tiles = 256;  // tiles of one block's split (its page lo
 
 KVQ_HOST_DEVICE constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
+// Places a tile of `need` bytes (at most `ring`, a multiple of 16) in the copy pipeline's raw ring
+// of `ring` bytes (`tile_pump`, attention/tile_pages.cuh), whose bytes [tail, head) are in flight;
+// `head` and `tail` are monotone byte counters, an offset is counter % ring. A tile is contiguous:
+// one that does not fit before the ring's end starts at offset 0, the bytes before the end
+// skipped. An empty ring restarts at offset 0: so a tile fits once every tile before it is
+// released, also where need > ring / 2 (the prefix kernel's 60 KiB ring and a 32 KiB FP16 tile
+// at an offset of 28-32 KiB fit neither before the end nor after the skip, with nothing left to
+// release). Returns false where the tile waits for a release; else moves `head` to its start.
+KVQ_HOST_DEVICE constexpr bool ring_place(uint32_t& head, uint32_t& tail, uint32_t need, uint32_t ring) {
+  if (head == tail) head = tail = 0;
+  const uint32_t off = head % ring, pad = off + need > ring ? ring - off : 0;
+  if (head + pad + need - tail > ring) return false;
+  head += pad;
+  return true;
+}
+
 // ---- the decode kernels (16-token slabs, 4 warps a block) ------------------------------------
 
 constexpr int slab = 16;

@@ -152,9 +152,13 @@ __device__ __forceinline__ void issue_tile(const tile_src& s, uint32_t dst, int 
 // tile's description and ring offset in shared slots; a tile's bytes are freed (`release`) once
 // it is dequantized. Only the producer warp keeps it and waits on the copy groups. `end` (each
 // in-flight tile's end offset) is the caller's array, so that the counters stay in registers
-// while the dynamically indexed array lives in local memory.
+// while the dynamically indexed array lives in local memory. Tiles are placed by `ring_place`
+// (attention/layout.hpp): tile t is issued by the time tiles before it are released, which the
+// consumer's wait for tile t relies on.
 template <int D, uint32_t RingBytes>
 struct tile_pump {
+  static_assert(RingBytes >= 2 * tile_tokens * D * 2, "the raw ring holds the largest tile (FP16 K and V rows)");
+  static_assert(RingBytes % 16 == 0, "ring offsets stay 16-byte aligned");
   int issued, t1;
   uint32_t head = 0, tail = 0;  // monotone byte counters over the ring
   uint32_t* end;                // [pipeline_tiles]
@@ -167,10 +171,7 @@ struct tile_pump {
     while (issued < t1 && issued - consumed_upto < pipeline_tiles) {
       const tile_src s = describe_tile<D>(p, item, h, issued, t0, tt);
       const uint32_t need = s.bytes();
-      const uint32_t off = head % RingBytes;
-      const uint32_t pad = off + need > RingBytes ? RingBytes - off : 0;
-      if (head + pad + need - tail > RingBytes) break;
-      head += pad;
+      if (!ring_place(head, tail, need, RingBytes)) break;
       if (lane == 0) {
         slot[issued % pipeline_tiles] = s;
         slot_at[issued % pipeline_tiles] = head % RingBytes;
