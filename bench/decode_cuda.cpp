@@ -1,5 +1,8 @@
 // GPU decode-attention benchmark of kvq's CUDA backend: Llama-8B-like layer (32 query heads,
-// 8 kv heads, head_dim 128), batch x context from the peer script's shapes, one format per run.
+// 8 kv heads, head_dim 128), batch x context from the peer script's shapes, one format per run;
+// and the attention shapes of other models (`decode_shape/<model>/...`: head_dim 64, 128 and 256,
+// GQA groups 1 to 8; KVQ_BENCH_MODELS=0 leaves them out, =only runs just them), each beside
+// peer_decode.py run with the same heads (bench/run_gpu.sh shapes; report: bench/report_shapes.py).
 // CUDA-event timing (median over iterations), cold L2 by rotating over sets of sequences larger
 // than the L2, bytes processed = the bytes the kernel must read (pages with scales + the FP16
 // window part), counters: TB/s and the fraction of the copy-bandwidth floor measured in this run.
@@ -26,7 +29,17 @@
 
 namespace {
 
-constexpr int Hq = 32, H = 8, D = 128;
+// A layer's attention shape: query heads, kv heads, head_dim.
+struct model_shape {
+  const char* name;
+  int hq, h, d;
+};
+constexpr model_shape llama8b{"llama3-8b", 32, 8, 128};
+// Models from 135M to 70B parameters (their attention layer; head counts as published).
+constexpr model_shape model_shapes[] = {
+    {"smollm2-135m", 9, 3, 64},  {"llama3.2-1b", 32, 8, 64}, {"llama2-7b", 32, 32, 128}, {"qwen2.5-7b", 28, 4, 128},
+    {"llama3-8b", 32, 8, 128},   {"llama3-70b", 64, 8, 128}, {"gemma2-9b", 16, 8, 256},  {"gemma-7b", 16, 16, 256},
+};
 
 double copy_bandwidth() {  // bytes read + written per second of a large device-to-device copy
   static double bw = 0;
@@ -58,7 +71,8 @@ double copy_bandwidth() {  // bytes read + written per second of a large device-
 
 // `rows` random fp16 tokens of [H][D] (host): normal draws from `nd`, every 16th element (index 3
 // mod 16) scaled by `outlier` (1: none). Random data, never zeros.
-std::vector<uint16_t> random_rows(std::mt19937& rng, std::normal_distribution<float>& nd, int rows, float outlier) {
+std::vector<uint16_t> random_rows(std::mt19937& rng, std::normal_distribution<float>& nd, int rows, int H, int D,
+                                  float outlier) {
   std::vector<uint16_t> host(size_t(rows) * H * D);
   for (size_t i = 0; i < host.size(); ++i) host[i] = kvq::float_to_half(nd(rng) * ((i % 16) == 3 ? outlier : 1.f));
   return host;
@@ -74,7 +88,7 @@ void* upload(const std::vector<uint16_t>& host) {
 
 // Creates sequences 0 .. n-1 of `context` tokens each, one layer: the first rows of the device
 // chunks `dk` / `dv` (`chunk` tokens each) appended repeatedly.
-void fill(kvq::KVCache& cache, int n, int context, const void* dk, const void* dv, int chunk) {
+void fill(kvq::KVCache& cache, int n, int context, const void* dk, const void* dv, int chunk, int H, int D) {
   for (int s = 0; s < n; ++s) {
     kvq::check(cache.create_sequence(s));
     for (int done = 0; done < context; done += chunk) {
@@ -114,20 +128,21 @@ bool strip_rotation(std::string& spec) {
   return true;
 }
 
-double pair_bits(const kvq::format_pair& fp) {
+double pair_bits(const kvq::format_pair& fp, int D) {
   return 0.5 * (kvq::bits_per_element(kvq::traits_of(fp.k), kvq::role::k, 64, D) +
                 kvq::bits_per_element(kvq::traits_of(fp.v), kvq::role::v, 64, D));
 }
 
 // spec: a format pair, or two joined by '|' (pages alternating between them: `striped_policy`),
 // optionally followed by `+rot`.
-void bm_decode(benchmark::State& state, std::string spec, int batch, int context) {
+void bm_decode(benchmark::State& state, std::string spec, model_shape m, int batch, int context) {
+  const int Hq = m.hq, H = m.h, D = m.d;
   const bool rotated = strip_rotation(spec);
   // memory: pages for every set + windows
   const size_t bar = spec.find('|');
   const auto fp = kvq::parse_format_pair(spec.substr(0, bar)).value();
   const auto fp2 = bar == std::string::npos ? fp : kvq::parse_format_pair(spec.substr(bar + 1)).value();
-  const double bpe = 0.5 * (pair_bits(fp) + pair_bits(fp2));
+  const double bpe = 0.5 * (pair_bits(fp, D) + pair_bits(fp2, D));
   const double set_bytes = double(batch) * context * H * D * 2 * bpe / 8;
   const int sets = int(std::clamp(std::ceil(512e6 / set_bytes), 1.0, 64.0));
   kvq::cache_config cfg;
@@ -150,8 +165,8 @@ void bm_decode(benchmark::State& state, std::string spec, int batch, int context
   const int chunk = 4096;
   std::mt19937 rng(7);
   std::normal_distribution<float> nd;
-  void* dk = upload(random_rows(rng, nd, chunk, 5.f));
-  fill(cache, batch * sets, context, dk, dk, chunk);
+  void* dk = upload(random_rows(rng, nd, chunk, H, D, 5.f));
+  fill(cache, batch * sets, context, dk, dk, chunk, H, D);
   void *dq, *dout;
   std::vector<uint16_t> q(size_t(batch) * Hq * D);
   for (auto& x : q) x = kvq::float_to_half(nd(rng));
@@ -194,6 +209,9 @@ void bm_decode(benchmark::State& state, std::string spec, int batch, int context
   state.counters["TBps"] = bytes / med / 1e12;
   state.counters["floor_frac"] = (bytes / copy_bandwidth()) / med;
   state.counters["bits"] = st.page_bits();
+  state.counters["hq"] = Hq;
+  state.counters["hkv"] = H;
+  state.counters["d"] = D;
   state.counters["sets"] = sets;
   cudaFree(dk);
   cudaFree(dq);
@@ -207,9 +225,10 @@ void bm_decode(benchmark::State& state, std::string spec, int batch, int context
 // is timed in the same process; append_frac = batched append time / attention time is the
 // quantity the 5 % goal is about. Each iteration appends 2 tokens per sequence (both paths).
 void bm_append_step(benchmark::State& state, std::string spec, int batch, int context) {
+  constexpr int Hq = llama8b.hq, H = llama8b.h, D = llama8b.d;
   const bool rotated = strip_rotation(spec);
   const auto fp = kvq::parse_format_pair(spec).value();
-  const double bpe = pair_bits(fp);
+  const double bpe = pair_bits(fp, D);
   const int steps = 512;  // tokens appended at most (warm-up: two per step; iterations: three)
   kvq::cache_config cfg;
   cfg.shape = {1, Hq, H, D, 64, 128, 64};
@@ -229,9 +248,9 @@ void bm_append_step(benchmark::State& state, std::string spec, int batch, int co
   const int chunk = 4096;
   std::mt19937 rng(11);
   std::normal_distribution<float> nd;
-  const std::vector<uint16_t> host = random_rows(rng, nd, chunk, 1.f);
+  const std::vector<uint16_t> host = random_rows(rng, nd, chunk, H, D, 1.f);
   void* dk = upload(host);
-  fill(cache, batch, context, dk, dk, chunk);
+  fill(cache, batch, context, dk, dk, chunk, H, D);
   void *dq, *dout;
   CUDA_CHECK(cudaMalloc(&dq, size_t(batch) * Hq * D * 2));
   CUDA_CHECK(cudaMalloc(&dout, size_t(batch) * Hq * D * 2));
@@ -328,13 +347,31 @@ const int registered = [] {
     if (rot != "0" && f.find("+rot") == std::string::npos) runs.push_back(f + "+rot");
   }
   formats = runs;
+  const char* models_env = std::getenv("KVQ_BENCH_MODELS");
+  const std::string models = models_env ? models_env : "";
   const std::pair<int, int> shapes[] = {{1, 4096}, {8, 4096}, {32, 4096}, {1, 32768}, {8, 32768}, {32, 32768}, {1, 131072}, {8, 131072}};
-  for (const auto& f : formats)
-    for (auto [b, l] : shapes)
-      benchmark::RegisterBenchmark(("decode/" + f + "/B" + std::to_string(b) + "/L" + std::to_string(l)).c_str(), bm_decode, f, b, l)
-          ->UseManualTime()
-          ->Iterations(100)
-          ->Unit(benchmark::kMicrosecond);
+  if (models != "only")
+    for (const auto& f : formats)
+      for (auto [b, l] : shapes)
+        benchmark::RegisterBenchmark(("decode/" + f + "/B" + std::to_string(b) + "/L" + std::to_string(l)).c_str(),
+                                     bm_decode, f, llama8b, b, l)
+            ->UseManualTime()
+            ->Iterations(100)
+            ->Unit(benchmark::kMicrosecond);
+  // Other models' shapes: the formats of each bit width the kernels stage, at a short and a long
+  // context (KVQ_BENCH_FORMATS does not apply here).
+  const std::pair<int, int> model_contexts[] = {{8, 4096}, {8, 32768}};
+  if (models != "0")
+    for (const model_shape& m : model_shapes)
+      for (const char* f : {"fp16", "fp8", "int8", "kivi8/g32", "kivi4/g32", "kivi2/g32"})
+        for (auto [b, l] : model_contexts)
+          benchmark::RegisterBenchmark(
+              ("decode_shape/" + std::string(m.name) + "/" + f + "/B" + std::to_string(b) + "/L" + std::to_string(l))
+                  .c_str(),
+              bm_decode, std::string(f), m, b, l)
+              ->UseManualTime()
+              ->Iterations(100)
+              ->Unit(benchmark::kMicrosecond);
   for (const char* f : {"kivi4/g32", "fp16", "kivi4/g32+rot"})
     for (int l : {4096, 32768})
       benchmark::RegisterBenchmark(("append_step/" + std::string(f) + "/B64/L" + std::to_string(l)).c_str(), bm_append_step, f, 64, l)

@@ -26,6 +26,8 @@ import json
 import re
 import sys
 
+from svg_ratio import axis_and_save
+
 bench = json.load(open(sys.argv[1]))
 svg_path = sys.argv[sys.argv.index("--svg") + 1] if "--svg" in sys.argv else None
 csv_path = sys.argv[sys.argv.index("--csv") + 1] if "--csv" in sys.argv else None
@@ -139,13 +141,8 @@ def svg_chart(path):
             y += bar
         out.append(f'<text x="{left - 6}" y="{(y0 + y) / 2 + 4:.0f}" text-anchor="end">{fmt}</text>')
         y += gap
-    for t in [0, 0.25, 0.5, 0.75, 1.0, 1.25]:
-        out.append(f'<line x1="{x(t):.1f}" y1="46" x2="{x(t):.1f}" y2="{y}" stroke="#999" stroke-width="{1 if t == 1.0 else 0.3}"/>'
-                   f'<text x="{x(t):.1f}" y="{y + 14}" text-anchor="middle">{t:g}</text>')
-    out.append(f'<text x="{left + width / 2}" y="{y + 30}" text-anchor="middle">kvq / cuDNN BF16 (lower is faster; '
-               '1 = the peer)</text></svg>')
-    with open(path, "w") as f:
-        f.write("\n".join(out) + "\n")
+    axis_and_save(path, out, x, y, [0, 0.25, 0.5, 0.75, 1.0, 1.25], (1.0,), "kvq / cuDNN BF16 (lower is faster; 1 = the peer)",
+                  left + width / 2)
 
 
 if svg_path:

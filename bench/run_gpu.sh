@@ -3,13 +3,16 @@
 # sanitizer (memcheck + racecheck on reduced sizes), the decode benchmark and the FP16 peer, in
 # one session so that ratios compare like with like. Logs and raw results go to $OUT (default
 # out/gpu, git-ignored).
-#   bash bench/run_gpu.sh [tests] [sanitize] [examples] [bench] [peer] [canary] [prefill] [ab] [serve] [replay]
+#   bash bench/run_gpu.sh [tests] [sanitize] [examples] [bench] [peer] [shapes] [canary] [prefill] [ab] [serve] [replay]
 #   (default: tests sanitize bench peer)
 # examples: the examples that run the CUDA backend or the low-level CUDA API (examples.log).
 # ab: the decode benchmark of another build (KVQ_AB_BASE, default out/gpu-base/, staged the same
 # way from the commit to compare against) and of .gpu/, KVQ_AB_ROUNDS (default 2) rounds each,
 # interleaved (KVQ_AB_FILTER: a --benchmark_filter); ab.md is bench/ab_compare.py's table,
 # ab_json.tar.gz the raw results.
+# shapes: the decode benchmark over other models' attention shapes (head_dim 64/128/256, GQA 1-8;
+# bench/decode_cuda.cpp `model_shapes`) and the peer with each model's heads; report_shapes.py's
+# shapes.md / shapes.svg / shapes.csv (exit 1 when a goal is missed).
 # prefill: a 32K prompt in 8 chunks of 4K through KVCache::prefill (fp16, kivi4/g32) and the BF16
 # SDPA peer (bench/peer_prefill.py) over the same chunks; prints kvq / peer time ratios (prefill.md;
 # the target: at most 1.5); the "prefix" rows time the prefill's prefix part alone (attend_prefix).
@@ -67,12 +70,23 @@ for s in $steps; do
       r=$?; echo "memcheck example 03: $(tail -1 "$OUT/memcheck_one.log")" | tee -a "$OUT/examples.log"
       rm -f "$OUT/memcheck_one.log"; rc=$((rc | r)) ;;
     bench)
-      ./.gpu/kvq_bench_decode_cuda --benchmark_out="$OUT/bench.json" --benchmark_out_format=json \
+      KVQ_BENCH_MODELS=0 ./.gpu/kvq_bench_decode_cuda --benchmark_out="$OUT/bench.json" --benchmark_out_format=json \
         --benchmark_counters_tabular=true 2>&1 | tee "$OUT/bench.log" | grep -E "decode/|append_step/" | awk '{print $1, $2, $NF}' | head -80
       # rotated / unrotated time per shape (exits 1 when a decode ratio is above 1.05)
       python3 bench/report_rotation.py "$OUT/bench.json" 2>&1 | tee "$OUT/rotation.md" | tail -40 ;;
     peer)
       python3 .gpu/peer_decode.py 2>&1 | tee "$OUT/peer.csv" ;;
+    shapes)
+      KVQ_BENCH_MODELS=only ./.gpu/kvq_bench_decode_cuda --benchmark_out="$OUT/shapes.json" --benchmark_out_format=json \
+        --benchmark_counters_tabular=true > "$OUT/shapes.log" 2>&1; rc=$((rc | $?))
+      grep -E "^decode_shape/" "$OUT/shapes.log" | awk '{print $1, $2}' | tail -n 4
+      # the peer with each model's heads (the shapes bench/decode_cuda.cpp registers)
+      for heads in 9:3:64 32:8:64 32:32:128 28:4:128 32:8:128 64:8:128 16:8:256 16:16:256; do
+        IFS=: read -r hq hkv d <<< "$heads"
+        python3 .gpu/peer_decode.py --shapes 8:4096,8:32768 --hq "$hq" --hkv "$hkv" --d "$d" 2>&1
+      done > "$OUT/peer_shapes.csv"
+      python3 bench/report_shapes.py "$OUT/shapes.json" "$OUT/peer_shapes.csv" --svg "$OUT/shapes.svg" \
+        --csv "$OUT/shapes.csv" > "$OUT/shapes.md"; r=$?; tail -n 14 "$OUT/shapes.md"; rc=$((rc | r)) ;;
     prefill)
       ./.gpu/kvq_bench_prefill_cuda --benchmark_out="$OUT/prefill.json" --benchmark_out_format=json 2>&1 \
         | tee "$OUT/prefill.log" | grep -E "(prefill|prefix)/"; rc=$((rc | ${PIPESTATUS[0]}))

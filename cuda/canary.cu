@@ -9,7 +9,10 @@
 // codec::encode_unit into shared-memory pages), decoded once per element, not once per row; then,
 // for up to `rows_per_pass` query rows of the GQA group at a time, logits z = s·q·k and
 // perturbations D = s·q·(f(k) - k) with four lanes per (key, 4 rows), and the KL of each row with
-// a warp per row in fp64. The block's sum over rows goes to out[item][kv head][tier]. The work is
+// a warp per row in fp64. Where the error table of the whole window does not fit in shared memory
+// (head_dim 256 at a 128-token window), it is computed for `error_keys` keys at a time (a multiple
+// of align) within each pass of rows, each block of keys then consumed by the z/D phase; the
+// values are the same. The block's sum over rows goes to out[item][kv head][tier]. The work is
 // tiny (the window is a few hundred keys): the launch is latency-bound, so the tiers share one
 // block (the keys are staged once) and a whole decode step's canaries (every layer, every due
 // sequence) are one launch.
@@ -52,6 +55,7 @@ size_t chunk_bytes(format_id f, int align, int head_dim) {
 
 struct canary_params {
   int q_heads, kv_heads, head_dim, window, align, tiers, n_items;
+  int error_keys;  // keys of the error table (and of the pages behind it): a multiple of align
   int64_t ring_head_stride;
   float scale;
   const void* q;
@@ -78,15 +82,15 @@ __global__ void __launch_bounds__(threads) canary_kernel(const __grid_constant__
   const canary_item& it = p.items[blockIdx.y];
   const int d = p.head_dim, R = p.window, A = p.align, n = it.keys, group = p.q_heads / p.kv_heads;
   const uint16_t* ring = it.ring + size_t(h) * p.ring_head_stride;
-  const int chunks = n / A;
+  const int ek = min(n, p.error_keys), chunks = ek / A;  // keys (and pages) of one error block
   const int kstride = d + key_pad;  // halves per staged key row
   const int estride = d + err_pad;  // floats per error row
   uint32_t page_stride = 0;         // the pages of every tier fit (canary_smem_bytes)
   for (int t = 0; t < p.tiers; ++t) page_stride = max(page_stride, p.chunk_stride[t]);
   uint8_t* page = smem;
   uint16_t* keys = reinterpret_cast<uint16_t*>(smem + size_t(chunks) * page_stride);       // [n][d + 2]
-  float* err = reinterpret_cast<float*>(keys + ((size_t(n) * kstride + 1) & ~size_t(1)));  // [n][d + err_pad]
-  float* qs = err + size_t(n) * estride;                                                   // [rows_per_pass][d]
+  float* err = reinterpret_cast<float*>(keys + ((size_t(n) * kstride + 1) & ~size_t(1)));  // [ek][d + err_pad]
+  float* qs = err + size_t(ek) * estride;                                                  // [rows_per_pass][d]
   float* z = qs + rows_per_pass * d;                                                       // [rows_per_pass][n]
   float* dd = z + rows_per_pass * n;                                                       // [rows_per_pass][n]
   double* kl = reinterpret_cast<double*>(dd + rows_per_pass * n);                          // [rows_per_pass]
@@ -103,53 +107,58 @@ __global__ void __launch_bounds__(threads) canary_kernel(const __grid_constant__
   // The tiers one after the other over the same staged keys (the shared-memory tables are reused).
   for (int t = 0; t < p.tiers; ++t) {
     const uint32_t cs = p.chunk_stride[t];
-    // f_t(K) - K for every key and channel.
     const codec::page_geom g = codec::make_geom(p.tier_fmt[t], role::k, A, d);
-    if (g.k_columns()) {
-      // KIVI keys (the usual tiers): a warp per (token group, 32 channels), a lane per channel. The
-      // range over the group's tokens, the fp16 scale and zero and the codes come from the codec's
-      // own helpers (kivi_range, kivi_code), so they equal codec::encode_unit's; the error is then
-      // x^ - x = (code s + z) - x with the codec's rounding, as the CPU canary computes it. No page
-      // is written: the codes are only needed as values.
-      const int G = g.fmt.group, bits = g.fmt.bits, blocks = d / 32;
-      const bool ra = g.fmt.fam == family::rolealign;
-      for (int task = warp; task < (n / G) * blocks; task += warps) {
-        const int tg = task / blocks, c = (task % blocks) * 32 + lane;
-        const uint16_t* src = keys + size_t(tg) * G * kstride + c;
-        float lo = h2f(src[0]), hi = lo;
+    // f_t(K) - K of keys [kb, kb + kn) (whole token groups) into error rows 0 .. kn - 1.
+    const auto errors = [&](int kb, int kn) {
+      const uint16_t* kbase = keys + size_t(kb) * kstride;
+      if (g.k_columns()) {
+        // KIVI keys (the usual tiers): a warp per (token group, 32 channels), a lane per channel. The
+        // range over the group's tokens, the fp16 scale and zero and the codes come from the codec's
+        // own helpers (kivi_range, kivi_code), so they equal codec::encode_unit's; the error is then
+        // x^ - x = (code s + z) - x with the codec's rounding, as the CPU canary computes it. No page
+        // is written: the codes are only needed as values.
+        const int G = g.fmt.group, bits = g.fmt.bits, blocks = d / 32;
+        const bool ra = g.fmt.fam == family::rolealign;
+        for (int task = warp; task < (kn / G) * blocks; task += warps) {
+          const int tg = task / blocks, c = (task % blocks) * 32 + lane;
+          const uint16_t* src = kbase + size_t(tg) * G * kstride + c;
+          float lo = h2f(src[0]), hi = lo;
 #pragma unroll 8
-        for (int tt = 1; tt < G; ++tt) {
-          const float x = h2f(src[tt * kstride]);
-          lo = codec::fmin_(lo, x);
-          hi = codec::fmax_(hi, x);
-        }
-        uint16_t s16, z16;
-        codec::kivi_range(lo, hi, bits, ra, 1.0f, s16, z16);
-        const float sf = h2f(s16), zf = h2f(z16);
-        float* er = err + size_t(tg) * G * estride + c;
+          for (int tt = 1; tt < G; ++tt) {
+            const float x = h2f(src[tt * kstride]);
+            lo = codec::fmin_(lo, x);
+            hi = codec::fmax_(hi, x);
+          }
+          uint16_t s16, z16;
+          codec::kivi_range(lo, hi, bits, ra, 1.0f, s16, z16);
+          const float sf = h2f(s16), zf = h2f(z16);
+          float* er = err + size_t(tg) * G * estride + c;
 #pragma unroll 8
-        for (int tt = 0; tt < G; ++tt) {
-          const float x = h2f(src[tt * kstride]);
-          const uint32_t q = codec::kivi_code(x, sf, zf, bits);
-          er[tt * estride] = codec::sub_rn(codec::add_rn(codec::mul_rn(float(q), sf), zf), x);
+          for (int tt = 0; tt < G; ++tt) {
+            const float x = h2f(src[tt * kstride]);
+            const uint32_t q = codec::kivi_code(x, sf, zf, bits);
+            er[tt * estride] = codec::sub_rn(codec::add_rn(codec::mul_rn(float(q), sf), zf), x);
+          }
+        }
+      } else {
+        // other tiers: the codec's units into shared-memory pages of align tokens, then every element
+        const int kc = kn / A;
+        for (uint32_t i = threadIdx.x; i < kc * cs / 4; i += threads) reinterpret_cast<uint32_t*>(page)[i] = 0u;
+        __syncthreads();
+        const int units = g.unit_count();
+        for (int ua = threadIdx.x; ua < kc * units; ua += threads) {
+          const int ch = ua / units;
+          codec::encode_unit(g, kbase + size_t(ch) * A * kstride, kstride, ua % units, page + size_t(ch) * cs, 1.0f);
+        }
+        __syncthreads();
+        for (int idx = threadIdx.x; idx < kn * d; idx += threads) {
+          const int j = idx / d, c = idx % d;
+          const float k = h2f(kbase[j * kstride + c]);
+          err[j * estride + c] = codec::sub_rn(codec::decode_element(g, page + size_t(j / A) * cs, j % A, c), k);
         }
       }
-    } else {
-      // other tiers: the codec's units into shared-memory pages of align tokens, then every element
-      for (uint32_t i = threadIdx.x; i < chunks * cs / 4; i += threads) reinterpret_cast<uint32_t*>(page)[i] = 0u;
-      __syncthreads();
-      const int units = g.unit_count();
-      for (int ua = threadIdx.x; ua < chunks * units; ua += threads) {
-        const int ch = ua / units;
-        codec::encode_unit(g, keys + size_t(ch) * A * kstride, kstride, ua % units, page + size_t(ch) * cs, 1.0f);
-      }
-      __syncthreads();
-      for (int idx = threadIdx.x; idx < n * d; idx += threads) {
-        const int j = idx / d, c = idx % d;
-        const float k = h2f(keys[j * kstride + c]);
-        err[j * estride + c] = codec::sub_rn(codec::decode_element(g, page + size_t(j / A) * cs, j % A, c), k);
-      }
-    }
+    };
+    if (ek >= n) errors(0, n);  // one block: once per tier, before the passes
 
     const int total_rows = it.q_len * group;
     const int64_t last_key = int64_t(it.first) + n;
@@ -168,42 +177,49 @@ __global__ void __launch_bounds__(threads) canary_kernel(const __grid_constant__
       // z_j = s q.k_j and D_j = s q.(f(k_j) - k_j): four adjacent lanes per (key, block of 4 rows),
       // lane `quarter` over the channels 4i + quarter, summed by shuffles (the query reads are
       // broadcasts; key_pad / err_pad keep the key and error reads conflict-free). The trip count
-      // is warp-uniform for the shuffles.
+      // is warp-uniform for the shuffles. Keys in blocks of ek (one block: the table of the tier).
       const int row_blocks = (rows + 3) / 4;
-      for (int base = 0; base < n * row_blocks * 4; base += threads) {
-        const int idx = base + int(threadIdx.x), quarter = idx % 4, pair = idx / 4;
-        const int j = pair % n, rb = (pair / n) * 4;
-        const bool live = pair < n * row_blocks;
-        float az[4] = {0.f, 0.f, 0.f, 0.f}, ad[4] = {0.f, 0.f, 0.f, 0.f};
-        if (live) {
-          const uint16_t* kr = keys + j * kstride;
-          const float* er = err + j * estride;
+      for (int kb = 0; kb < n; kb += ek) {
+        const int kn = min(ek, n - kb);
+        if (ek < n) {
+          errors(kb, kn);
+          __syncthreads();
+        }
+        for (int base = 0; base < kn * row_blocks * 4; base += threads) {
+          const int idx = base + int(threadIdx.x), quarter = idx % 4, pair = idx / 4;
+          const int jb = pair % kn, j = kb + jb, rb = (pair / kn) * 4;
+          const bool live = pair < kn * row_blocks;
+          float az[4] = {0.f, 0.f, 0.f, 0.f}, ad[4] = {0.f, 0.f, 0.f, 0.f};
+          if (live) {
+            const uint16_t* kr = keys + j * kstride;
+            const float* er = err + jb * estride;
 #pragma unroll 8
-          for (int i = 0; i < d / 4; ++i) {
-            const int c = 4 * i + quarter;
-            const float k = h2f(kr[c]), e = er[c];
+            for (int i = 0; i < d / 4; ++i) {
+              const int c = 4 * i + quarter;
+              const float k = h2f(kr[c]), e = er[c];
 #pragma unroll
-            for (int r = 0; r < 4; ++r) {
-              az[r] += qs[(rb + r) * d + c] * k;
-              ad[r] += qs[(rb + r) * d + c] * e;
+              for (int r = 0; r < 4; ++r) {
+                az[r] += qs[(rb + r) * d + c] * k;
+                ad[r] += qs[(rb + r) * d + c] * e;
+              }
             }
           }
-        }
-#pragma unroll
-        for (int r = 0; r < 4; ++r)
-          for (int o = 1; o < 4; o <<= 1) {
-            az[r] += __shfl_xor_sync(0xffffffffu, az[r], o);
-            ad[r] += __shfl_xor_sync(0xffffffffu, ad[r], o);
-          }
-        if (live && quarter == 0)
 #pragma unroll
           for (int r = 0; r < 4; ++r)
-            if (rb + r < rows) {
-              z[(rb + r) * n + j] = p.scale * az[r];
-              dd[(rb + r) * n + j] = p.scale * ad[r];
+            for (int o = 1; o < 4; o <<= 1) {
+              az[r] += __shfl_xor_sync(0xffffffffu, az[r], o);
+              ad[r] += __shfl_xor_sync(0xffffffffu, ad[r], o);
             }
+          if (live && quarter == 0)
+#pragma unroll
+            for (int r = 0; r < 4; ++r)
+              if (rb + r < rows) {
+                z[(rb + r) * n + j] = p.scale * az[r];
+                dd[(rb + r) * n + j] = p.scale * ad[r];
+              }
+        }
+        __syncthreads();  // (the next key block rewrites the error table)
       }
-      __syncthreads();
 
       // KL(p || softmax(z + D)) = log1p(Σ p expm1(D)) - Σ p D over the keys the row sees
       for (int r = warp; r < rows; r += warps) {
@@ -241,15 +257,36 @@ __global__ void __launch_bounds__(threads) canary_kernel(const __grid_constant__
 
 }  // namespace
 
-size_t canary_smem_bytes(std::span<const format_id> tiers, int align, int head_dim, int keys) {
+size_t canary_smem_bytes(std::span<const format_id> tiers, int align, int head_dim, int keys, int error_keys) {
   size_t page = 0;
   for (format_id f : tiers) page = std::max(page, chunk_bytes(f, align, head_dim));
-  const size_t chunks = size_t(keys / std::max(align, 1));
+  const int ek = error_keys > 0 ? std::min(error_keys, keys) : keys;
+  const size_t chunks = size_t(ek / std::max(align, 1));
   const size_t staged = ((size_t(keys) * (head_dim + key_pad) + 1) & ~size_t(1)) * 2;  // fp16 keys, padded rows
-  const size_t errors = size_t(keys) * (head_dim + err_pad) * 4;
+  const size_t errors = size_t(ek) * (head_dim + err_pad) * 4;
   return chunks * page + staged + errors + size_t(rows_per_pass) * head_dim * 4 + 2 * size_t(rows_per_pass) * keys * 4 +
          rows_per_pass * sizeof(double);
 }
+
+namespace {
+
+// The keys of the error table a launch holds: the whole window where it fits `optin` bytes of
+// shared memory, else the largest multiple of align that does (0: not even one group fits).
+int error_block_keys(const canary_args& a, int optin) {
+  for (int ek = a.window; ek >= a.align; ek -= a.align)
+    if (canary_smem_bytes(a.tiers, a.align, a.head_dim, a.window, ek) <= size_t(optin)) return ek;
+  return 0;
+}
+
+result<int> device_optin() {
+  int dev = 0, optin = 0;
+  KVQ_TRY(cuda_status(cudaGetDevice(&dev), "cudaGetDevice"));
+  KVQ_TRY(cuda_status(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev),
+                      "cudaDeviceGetAttribute"));
+  return optin;
+}
+
+}  // namespace
 
 status canary_can_implement(const canary_args& a) {
   const auto bad = [](std::string m) { return status{errc::unsupported, "canary: " + std::move(m)}; };
@@ -264,14 +301,12 @@ status canary_can_implement(const canary_args& a) {
   for (format_id f : a.tiers)
     if (status s = check_shape(f, role::k, a.align, a.head_dim); !s.ok())
       return bad(msg("tier ", format_name(f), " cannot encode groups of ", a.align, " tokens: ", s.message()));
-  int dev = 0, optin = 0;
-  KVQ_TRY(cuda_status(cudaGetDevice(&dev), "cudaGetDevice"));
-  KVQ_TRY(cuda_status(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev),
-                      "cudaDeviceGetAttribute"));
-  const size_t need = canary_smem_bytes(a.tiers, a.align, a.head_dim, a.window);
-  if (need > size_t(optin))
-    return bad(msg("a window of ", a.window, " tokens at head_dim ", a.head_dim, " needs ", need,
-                   " bytes of shared memory per block; the device offers ", optin, " (use a smaller window)"));
+  const result<int> optin = device_optin();
+  if (!optin) return optin.error();
+  if (error_block_keys(a, *optin) == 0)
+    return bad(msg("a window of ", a.window, " tokens at head_dim ", a.head_dim, " needs at least ",
+                   canary_smem_bytes(a.tiers, a.align, a.head_dim, a.window, a.align),
+                   " bytes of shared memory per block; the device offers ", *optin, " (use a smaller window)"));
   for (size_t i = 0; i < a.items.size(); ++i) {
     const canary_item& it = a.items[i];
     if (it.keys <= 0 || it.keys > a.window || it.keys % a.align != 0 || it.first < 0 || it.first % a.align != 0 ||
@@ -286,6 +321,8 @@ status canary_can_implement(const canary_args& a) {
 status canary_run(const canary_args& a, void* stream) {
   KVQ_TRY(canary_can_implement(a));
   if (a.items.empty()) return {};
+  const result<int> optin = device_optin();
+  if (!optin) return optin.error();
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   canary_params p{};
   p.q_heads = a.q_heads;
@@ -295,6 +332,7 @@ status canary_run(const canary_args& a, void* stream) {
   p.align = a.align;
   p.tiers = int(a.tiers.size());
   p.ring_head_stride = a.ring_head_stride;
+  p.error_keys = error_block_keys(a, *optin);
   p.scale = a.scale;
   p.q = a.q;
   p.q_type = a.q_type;
@@ -312,7 +350,7 @@ status canary_run(const canary_args& a, void* stream) {
     }
     p.n_items = count;
     p.out = a.out + i0 * size_t(a.kv_heads) * a.tiers.size();
-    const size_t smem = canary_smem_bytes(a.tiers, a.align, a.head_dim, keys);
+    const size_t smem = canary_smem_bytes(a.tiers, a.align, a.head_dim, keys, p.error_keys);
     // The opt-in belongs to the current device: set on every launch (a host call), as attend does.
     KVQ_TRY(detail::set_max_dynamic_smem(canary_kernel, int(smem)));
     KVQ_TRY(launch("canary launch", canary_kernel, dim3(unsigned(a.kv_heads), unsigned(count)), dim3(threads), smem, st, p));

@@ -3,6 +3,7 @@
 // `attend_workspace_bytes`.
 #include "launch_plan.hpp"
 
+#include "attention/attend_launch.hpp"
 #include "attention/layout.hpp"
 #include "status.hpp"
 #include "view_checks.hpp"
@@ -24,7 +25,7 @@ template <int D>
 void plan_stages(const paged_view& kv, int max_bits, bool one_format, launch_plan& lp) {
   constexpr int sm_bytes = 227 * 1024, reserved = 1024;
   lp.stage_cap = max_bits <= 2 ? 2 : max_bits <= 4 ? 4 : 8;
-  const int room = sm_bytes / staged_blocks - reserved - int(staged_head_bytes<D>);
+  const int room = sm_bytes / staged_blocks<D> - reserved - int(staged_head_bytes<D>);
   uint32_t kb = 0, vb = 0;  // the largest K and V page-heads the stages hold
   for (int f = 0; f < int(format_count); ++f)
     if (traits_of(format_id(f)).bits <= lp.stage_cap) kb = std::max(kb, kv.k_page_bytes[f]), vb = std::max(vb, kv.v_page_bytes[f]);
@@ -44,7 +45,7 @@ void plan_stages(const paged_view& kv, int max_bits, bool one_format, launch_pla
     lp.stages = std::clamp(room / (ring * st), 2, max_stages);
   }
   lp.smem = int(staged_head_bytes<D>) + std::max(ring * lp.stages * st, int(sizeof(merge_area<D>)));
-  lp.per_sm = std::min(staged_blocks, sm_bytes / (lp.smem + reserved));
+  lp.per_sm = std::min(staged_blocks<D>, sm_bytes / (lp.smem + reserved));
 }
 
 }  // namespace
@@ -73,8 +74,7 @@ launch_plan plan_for(const attend_args& a) {
     // at most max_cta_slabs per block (the page table cache).
     lp.wide = a.max_page_bits > 8;
     if (!lp.wide) {
-      if (a.kv.head_dim == 128) plan_stages<128>(a.kv, a.max_page_bits, a.one_format_per_head, lp);
-      else plan_stages<64>(a.kv, a.max_page_bits, a.one_format_per_head, lp);
+      with_head_dim(a.kv.head_dim, [&]<int D>() { plan_stages<D>(a.kv, a.max_page_bits, a.one_format_per_head, lp); });
     }
     const int64_t wave = int64_t(a.num_sms) * (lp.wide ? 2 : lp.per_sm);
     const int64_t base = int64_t(std::max<size_t>(1, a.items.size())) * a.kv.kv_heads;
@@ -137,8 +137,8 @@ using detail::tile_tokens;
 
 status attend_can_implement(const attend_args& a) {
   const auto& kv = a.kv;
-  if (kv.head_dim != 64 && kv.head_dim != 128)
-    return {errc::unsupported, msg("CUDA attention supports head_dim 64 and 128, not ", kv.head_dim)};
+  if (!detail::attention_head_dim(kv.head_dim))
+    return {errc::unsupported, msg("CUDA attention supports head_dim 64, 128 and 256, not ", kv.head_dim)};
   if (kv.page_tokens % tile_tokens != 0 || (kv.page_tokens & (kv.page_tokens - 1)) != 0)
     return {errc::unsupported, msg("CUDA attention needs page_tokens a power of two and a multiple of 64, not ", kv.page_tokens)};
   if (kv.kv_heads <= 0 || kv.kv_heads > max_kv_heads || a.q_heads % kv.kv_heads != 0 || a.q_heads / kv.kv_heads > 16)

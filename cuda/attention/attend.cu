@@ -1,11 +1,9 @@
 // Launch glue of the attention kernels: the launch parameters of a planned call
 // (launch_plan.hpp), the query rotation of rotated heads, the attention kernel its plan names,
-// then the split merge as a programmatic dependent launch. The kernels, by concept: cuda/README.md.
-#include "attention/decode_paged.cuh"
-#include "attention/decode_staged.cuh"
-#include "attention/decode_wide.cuh"
-#include "attention/query.cuh"
-#include "attention/tile_launch.cuh"
+// then the split merge as a programmatic dependent launch (those per head_dim:
+// attend_launch.hpp). The kernels, by concept: cuda/README.md.
+#include "attention/attend_launch.hpp"
+#include "attention/params.cuh"
 #include "launch.hpp"
 #include "launch_plan.hpp"
 #include "replay.hpp"
@@ -52,33 +50,6 @@ void set_params(const attend_args& a, const launch_plan& lp, const void* q, dtyp
   p.page_stage = lp.page_stage;
 }
 
-// The decode kernel `lp` names over `grid` (splits, kv heads, items); `Replay`: its instance that
-// reads the items from `p.table`.
-template <int D, bool Replay>
-status launch_decode(const char* what, const attend_params& p, const launch_plan& lp, dim3 grid, cudaStream_t st) {
-  if (lp.wide) return launch(what, decode_wide_kernel<D, Replay>, grid, dim3(dec_warps * 32), 0, st, p);
-  const auto kernel = !lp.page_stage ? decode_kernel<D, Replay>
-                      : lp.two_full  ? decode_paged_kernel<D, true, false, Replay>
-                      : lp.whole     ? decode_paged_kernel<D, false, true, Replay>
-                                     : decode_paged_kernel<D, false, false, Replay>;
-  // The shared-memory opt-in belongs to the current device: set before every launch.
-  KVQ_TRY(set_max_dynamic_smem(kernel, lp.smem));
-  return launch(what, kernel, grid, dim3(dec_warps * 32), size_t(lp.smem), st, p);
-}
-
-template <int D>
-status launch_attend(const attend_params& p, const launch_plan& lp, int kv_heads, int items, cudaStream_t st) {
-  const dim3 mgrid(unsigned(items), unsigned(kv_heads * lp.mtiles), unsigned(lp.rows));
-  if (lp.decode) {
-    const dim3 grid(unsigned(lp.max_splits), unsigned(kv_heads), unsigned(items));
-    KVQ_TRY((launch_decode<D, false>("attention launch", p, lp, grid, st)));
-  } else {
-    KVQ_TRY(launch_tile<D>("attention launch", p,
-                           dim3(unsigned(lp.max_splits), unsigned(kv_heads * lp.mtiles), unsigned(items)), st));
-  }
-  return launch_merge<D>("merge launch", p, mgrid, st);
-}
-
 }  // namespace
 
 status launch_planned(const attend_args& a, const launch_plan& lp, void* workspace, size_t workspace_bytes_given,
@@ -96,10 +67,10 @@ status launch_planned(const attend_args& a, const launch_plan& lp, void* workspa
   if (q_rotated) {
     float* qr = reinterpret_cast<float*>(static_cast<uint8_t*>(workspace) + rotated_q_offset(a, lp));
     const int rows = int(rotated_q_bytes(a) / (sizeof(float) * size_t(a.q_heads) * a.kv.head_dim));
-    const int warps = rotate_query_threads / 32, blocks = (rows * a.q_heads + warps - 1) / warps;
-    const auto kernel = a.kv.head_dim == 128 ? rotate_query_kernel<128> : rotate_query_kernel<64>;
-    KVQ_TRY(launch("query rotation launch", kernel, dim3(unsigned(blocks)), dim3(rotate_query_threads), 0, st, a.q,
-                   a.q_type, q_stride, rows, a.q_heads, a.q_heads / a.kv.kv_heads, a.layer, a.rotation, qr));
+    KVQ_TRY(with_head_dim(a.kv.head_dim, [&]<int D>() {
+      return launch_rotate_query_d<D>(a.q, a.q_type, q_stride, rows, a.q_heads, a.q_heads / a.kv.kv_heads, a.layer,
+                                      a.rotation, qr, st);
+    }));
     q = qr, q_type = dtype::f32, q_stride = int64_t(a.q_heads) * a.kv.head_dim;
   }
   for (size_t first = 0; first < a.items.size(); first += max_items) {
@@ -108,10 +79,8 @@ status launch_planned(const attend_args& a, const launch_plan& lp, void* workspa
     set_params(a, lp, q, q_type, q_stride, q_rotated, workspace, items.size(), p);
     p.n_items = int(items.size());
     std::copy(items.begin(), items.end(), p.items);
-    if (a.kv.head_dim == 128)
-      KVQ_TRY(launch_attend<128>(p, lp, a.kv.kv_heads, int(items.size()), st));
-    else
-      KVQ_TRY(launch_attend<64>(p, lp, a.kv.kv_heads, int(items.size()), st));
+    KVQ_TRY(with_head_dim(a.kv.head_dim,
+                          [&]<int D>() { return launch_attend_d<D>(p, lp, a.kv.kv_heads, int(items.size()), st); }));
   }
   return {};
 }
@@ -156,12 +125,7 @@ status launch_attend_replay(const attend_args& a, const launch_plan& lp, const v
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   const dim3 grid(unsigned(lp.max_splits), unsigned(a.kv.kv_heads), unsigned(max_items_));
   const dim3 mgrid(unsigned(max_items_), unsigned(a.kv.kv_heads * lp.mtiles), unsigned(lp.rows));
-  if (a.kv.head_dim == 128) {
-    KVQ_TRY((launch_decode<128, true>("attention launch (replay)", p, lp, grid, st)));
-    return launch_merge<128, true>("merge launch (replay)", p, mgrid, st);
-  }
-  KVQ_TRY((launch_decode<64, true>("attention launch (replay)", p, lp, grid, st)));
-  return launch_merge<64, true>("merge launch (replay)", p, mgrid, st);
+  return with_head_dim(a.kv.head_dim, [&]<int D>() { return launch_attend_replay_d<D>(p, lp, grid, mgrid, st); });
 }
 
 }  // namespace detail

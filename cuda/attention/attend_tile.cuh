@@ -15,9 +15,10 @@
 KVQ_NAMESPACE_BEGIN
 namespace cuda::detail {
 
-// Raw ring of the copy pipeline: two FP16 tiles (the largest) for head_dim 128; four for 64.
+// Raw ring of the copy pipeline: two FP16 tiles (the largest) for head_dim 128; four for 64; at
+// 256, one FP16 tile and room for the warps' merge area, which overlays the ring after the loop.
 template <int D>
-constexpr uint32_t raw_ring_bytes = 64 * 1024;
+constexpr uint32_t raw_ring_bytes = D >= 256 ? 72 * 1024 : 64 * 1024;
 
 template <int D>
 struct attend_smem {

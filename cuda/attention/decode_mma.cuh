@@ -12,7 +12,8 @@ namespace cuda::detail {
 // Raw K words -> this lane's A fragments (pairs in channel order). KIVI keys: centered codes (their
 // scales are folded into q); sym: values; fp8: values (the token scale multiplies the scores).
 template <int D, int Bits, int Cap>
-__device__ __forceinline__ void k_frags(const uint32_t (&w)[2][D * Cap / 128], family fam, const uint32_t (&ps)[2],
+__device__ __forceinline__ void k_frags(const uint32_t (&w)[2][D * Cap / 128], family fam,
+                                        const uint32_t (&ps)[k_scale_words<D>],
                                         uint32_t (&kg)[D / 8], uint32_t (&kg8)[D / 8]) {
   to_pairs<Bits, D / 8>(w[0], fam, kg);
   to_pairs<Bits, D / 8>(w[1], fam, kg8);
@@ -25,12 +26,14 @@ __device__ __forceinline__ void k_frags(const uint32_t (&w)[2][D * Cap / 128], f
       const __half2 bias = __floats2half2_rn(-(1024.f * __low2float(mul) + mid), -(1024.f * __high2float(mul) + mid));
       return __hfma2(bits_h2(m), mul, bias);
     };
-    if (fam == family::sym) {
-      const __half2 s0 = __half2half2(__ushort_as_half(uint16_t(ps[0]))), s8 = __half2half2(__ushort_as_half(uint16_t(ps[1])));
+    if (fam == family::sym) {  // (pair i: channels 2i, 2i + 1 of the lane's D/4; head_dim 256: two scale groups)
+      const auto h2 = [&](int k) { return __half2half2(__ushort_as_half(uint16_t(ps[k]))); };
+      const __half2 s0 = h2(0), s8 = h2(1), s0b = h2(k_scale_words<D> - 2), s8b = h2(k_scale_words<D> - 1);
 #pragma unroll
       for (int i = 0; i < D / 8; ++i) {
-        kg[i] = h2_bits(__hmul2(center(kg[i], i), s0));
-        kg8[i] = h2_bits(__hmul2(center(kg8[i], i), s8));
+        const bool second = i >= D / 16;
+        kg[i] = h2_bits(__hmul2(center(kg[i], i), second ? s0b : s0));
+        kg8[i] = h2_bits(__hmul2(center(kg8[i], i), second ? s8b : s8));
       }
     } else {
 #pragma unroll

@@ -42,7 +42,8 @@ __device__ __forceinline__ void issue_page(const attend_params& p, const page_ta
 // (EchoKV's tiers over time) 6-7 % slower. Replay: the items from `attend_params::table` (a
 // replayed step; blocks past its items exit at once).
 template <int D, bool TwoFull, bool Whole, bool Replay = false>
-__global__ void __launch_bounds__(dec_warps * 32, staged_blocks) decode_paged_kernel(const __grid_constant__ attend_params p) {
+__global__ void __launch_bounds__(dec_warps * 32, staged_blocks<D>)
+    decode_paged_kernel(const __grid_constant__ attend_params p) {
   pdl_trigger();
   constexpr int Cap = 8;
   extern __shared__ __align__(128) uint8_t dsm[];

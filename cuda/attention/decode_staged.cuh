@@ -21,7 +21,8 @@ namespace cuda::detail {
 // in, this path measured 3-10 % slower (one register allocation for both). `Replay`: the items
 // from `attend_params::table` (a replayed step; blocks past its items exit at once).
 template <int D, bool Replay = false>
-__global__ void __launch_bounds__(dec_warps * 32, staged_blocks) decode_kernel(const __grid_constant__ attend_params p) {
+__global__ void __launch_bounds__(dec_warps * 32, staged_blocks<D>)
+    decode_kernel(const __grid_constant__ attend_params p) {
   pdl_trigger();
   constexpr int Cap = 8;
   extern __shared__ __align__(128) uint8_t dsm[];

@@ -16,16 +16,20 @@ __device__ __forceinline__ void staged_start(const attend_params& p, const decod
                                              int warp, int g, int t, int lane, staged_head<D>& sm, uint32_t (&qb)[D / 8]) {
   fill_page_table<D>(p, item, h, rg.c0, rg.c1, rg.page_slabs, sm.pages);
   load_query<D>(p, item, h, g, t, qb);
-  // Every warp holds the same fragments: warp w stores row w of the D / 32 rows (warps past them
-  // store nothing). No warp-0-only stores: in the build with per-kind chunk loops, ptxas
-  // predicated those in every warp, and racecheck reported them as a hazard (unexplained).
-  static_assert(D / 32 <= dec_warps, "one query row per warp");
-  if (warp < D / 32) {
-    uint4 v = make_uint4(qb[0], qb[1], qb[2], qb[3]);
+  // Every warp holds the same fragments: warp w stores rows w, w + 4, ... of the D / 32 rows
+  // (warps past them store nothing). No warp-0-only stores: in the build with per-kind chunk
+  // loops, ptxas predicated those in every warp, and racecheck reported them as a hazard
+  // (unexplained).
 #pragma unroll
-    for (int i = 1; i < D / 32; ++i)
-      if (warp == i) v = make_uint4(qb[4 * i], qb[4 * i + 1], qb[4 * i + 2], qb[4 * i + 3]);
-    sm.qh[warp][lane] = v;
+  for (int r0 = 0; r0 < D / 32; r0 += dec_warps) {
+    const int r = r0 + warp;
+    if (r < D / 32) {
+      uint4 v = make_uint4(qb[4 * r0], qb[4 * r0 + 1], qb[4 * r0 + 2], qb[4 * r0 + 3]);
+#pragma unroll
+      for (int i = r0 + 1; i < D / 32 && i < r0 + dec_warps; ++i)
+        if (r == i) v = make_uint4(qb[4 * i], qb[4 * i + 1], qb[4 * i + 2], qb[4 * i + 3]);
+      sm.qh[r][lane] = v;
+    }
   }
 }
 

@@ -17,7 +17,8 @@ template <int D, bool Replay = false>
 __global__ void __launch_bounds__(dec_warps * 32, 2) decode_wide_kernel(const __grid_constant__ attend_params p) {
   pdl_trigger();
   constexpr int Cap = 16;
-  __shared__ decode_smem<D> sm;
+  extern __shared__ __align__(16) uint8_t wide_smem[];  // a decode_smem<D> (dynamic: 55 KB at head_dim 256)
+  decode_smem<D>& sm = *reinterpret_cast<decode_smem<D>*>(wide_smem);
   const int h = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   decode_item item;
   if (!load_item<Replay>(p, int(blockIdx.z), item)) return;

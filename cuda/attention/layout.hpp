@@ -45,9 +45,11 @@ constexpr int dec_warps = 4;
 constexpr int max_cta_slabs = 1024;
 
 constexpr int max_stages = 8;
-// Blocks per SM of the staged kernel: 168 registers. (128 registers for 4 blocks spill ~220 bytes and
-// measured 13-30 % slower.)
-constexpr int staged_blocks = 3;
+// Blocks per SM of the staged kernels: 168 registers at head_dim 64 and 128 (128 registers for 4
+// blocks spill ~220 bytes and measured 13-30 % slower); at head_dim 256 a lane's query, key and
+// output fragments are twice as many, and 2 blocks give it 255 registers.
+template <int D>
+constexpr int staged_blocks = D >= 256 ? 2 : 3;
 
 // A per-warp stage holds one slab (16 rows) of each role. Its room for one role: the code rows of
 // `cap` bits plus the largest parameter section (K: KIVI scales and zeros, 4 D bytes; V: scale and

@@ -26,7 +26,8 @@ template <int D, bool Rotated = false, bool Replay = false>
 __global__ void __launch_bounds__(merge_threads) merge_kernel(const __grid_constant__ attend_params p) {
   pdl_wait();  // the attention grid's partials
   constexpr int warps = merge_threads / 32, per_lane = D / 32;
-  using vec = std::conditional_t<per_lane == 4, float4, float2>;
+  using vec = std::conditional_t<per_lane % 4 == 0, float4, float2>;  // a lane's channels in 16- or 8-byte loads
+  constexpr int vec_n = sizeof(vec) / sizeof(float);
   using block_reduce_t = cub::BlockReduce<float, merge_threads>;
   __shared__ typename block_reduce_t::TempStorage red;
   __shared__ float red_out, f_s[merge_threads];
@@ -90,9 +91,12 @@ __global__ void __launch_bounds__(merge_threads) merge_kernel(const __grid_const
 #pragma unroll 8
     for (int s = warp; s < n; s += warps) {
       const float fs = f_s[s];
-      const vec x = *reinterpret_cast<const vec*>(wo + size_t(base + s) * 16 * D);
-      acc[0] += fs * x.x, acc[1] += fs * x.y;
-      if constexpr (per_lane == 4) acc[2] += fs * x.z, acc[3] += fs * x.w;
+#pragma unroll
+      for (int c = 0; c < per_lane; c += vec_n) {
+        const vec x = *reinterpret_cast<const vec*>(wo + size_t(base + s) * 16 * D + c);
+        acc[c] += fs * x.x, acc[c + 1] += fs * x.y;
+        if constexpr (vec_n == 4) acc[c + 2] += fs * x.z, acc[c + 3] += fs * x.w;
+      }
     }
   }
   l = block_reduce(l, false);

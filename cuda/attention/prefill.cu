@@ -8,10 +8,10 @@
 #include <algorithm>
 #include <cmath>
 
+#include "attention/attend_launch.hpp"
 #include "attention/chunk_causal.cuh"
 #include "attention/prefill.hpp"
 #include "attention/prefix_tile.cuh"
-#include "attention/query.cuh"
 #include "attention/tile_launch.cuh"
 #include "launch.hpp"
 #include "status.hpp"
@@ -95,10 +95,8 @@ status launch_prefill(const prefill_args& a, const prefill_plan& lp, const prefi
   int64_t q_stride = a.q_stride ? a.q_stride : int64_t(a.q_heads) * D;
   if (a.rotation.mask) {
     float* qr = reinterpret_cast<float*>(ws + ly.rotated_q);
-    const int rows = int(a.queries), warps = rotate_query_threads / 32, blocks = ceil_div(rows * a.q_heads, warps);
-    KVQ_TRY(launch("prefill: query rotation launch", rotate_query_kernel<D>, dim3(unsigned(blocks)),
-                   dim3(rotate_query_threads), 0, st, a.q, a.q_type, q_stride, rows, a.q_heads, group, a.layer,
-                   a.rotation, qr));
+    KVQ_TRY(launch_rotate_query_d<D>(a.q, a.q_type, q_stride, int(a.queries), a.q_heads, group, a.layer, a.rotation,
+                                     qr, st));
     q = qr, q_type = dtype::f32, q_stride = int64_t(a.q_heads) * D;
   }
   __half* ckv = reinterpret_cast<__half*>(ws + ly.chunk_kv);
@@ -188,8 +186,8 @@ status launch_prefill(const prefill_args& a, const prefill_plan& lp, const prefi
 
 status prefill_can_implement(const prefill_args& a) {
   const paged_view& kv = a.kv;
-  if (kv.head_dim != 64 && kv.head_dim != 128)
-    return {errc::unsupported, msg("CUDA prefill supports head_dim 64 and 128, not ", kv.head_dim)};
+  if (!attention_head_dim(kv.head_dim))
+    return {errc::unsupported, msg("CUDA prefill supports head_dim 64, 128 and 256, not ", kv.head_dim)};
   if (kv.page_tokens % tile_tokens != 0 || (kv.page_tokens & (kv.page_tokens - 1)) != 0)
     return {errc::unsupported,
             msg("CUDA prefill needs page_tokens a power of two and a multiple of 64, not ", kv.page_tokens)};
@@ -225,7 +223,7 @@ status prefill_run(const prefill_args& a, void* workspace, size_t workspace_byte
     return {errc::invalid_argument, msg("prefill: workspace of ", workspace_bytes, " bytes, need ", ly.total)};
   uint8_t* ws = static_cast<uint8_t*>(workspace);
   cudaStream_t st = static_cast<cudaStream_t>(stream);
-  return a.kv.head_dim == 128 ? launch_prefill<128>(a, lp, ly, ws, st) : launch_prefill<64>(a, lp, ly, ws, st);
+  return with_head_dim(a.kv.head_dim, [&]<int D>() { return launch_prefill<D>(a, lp, ly, ws, st); });
 }
 
 }  // namespace cuda::detail

@@ -26,7 +26,8 @@ namespace cuda::detail {
 constexpr int prefix_rows = 64;  // query rows of a prefix-kernel block (4 warps x 16)
 
 // Raw ring of the copy pipeline: 60 KiB at head_dim 128 (one FP16 tile in flight while the warps
-// work on the previous one), so that two blocks fit an SM beside the query rows; 64 KiB at 64.
+// work on the previous one), so that two blocks fit an SM beside the query rows; 64 KiB at 64 and
+// at 256 (one FP16 tile; one block an SM).
 // Less than two FP16 tiles (32 KiB each at 128): a 32 KiB tile at an offset of 28-32 KiB fits
 // neither before the end nor after a wrap, so `tile_pump` restarts an empty ring at offset 0;
 // then each tile is issued by the time the tiles before it are released (`ring_place`,

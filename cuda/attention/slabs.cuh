@@ -108,10 +108,17 @@ __device__ __forceinline__ void ldg_words(const uint8_t* src, uint32_t* w) {
 // Raw K words of one slab for lane (g, t): rows g and g + 8, the lane's D/4 channels, plus the
 // per-row parameter (sym: the half scale of the lane's channel group; fp8: the float token scale).
 // Sized for formats of up to `Cap` bits; wider slabs are read where they are used.
+// Scale words a lane holds for a slab's K: 2 (rows g and g + 8) while the lane's D/4 channels lie
+// in one sym group (every group is at least 32 channels), 4 at head_dim 256.
+template <int D>
+constexpr int k_scale_words = D / 4 > 32 ? 4 : 2;
 template <int D, int Cap>
 struct k_raw {
   uint32_t w[2][D * Cap / 128];
-  uint32_t ps[2];
+  // sym scales (fp16) or fp8 token scales (fp32) of rows g, g + 8; at head_dim 256 also the sym
+  // scales of the second half of the lane's D/4 channels (rows g, g + 8), which a 32-channel
+  // group does not cover with the first
+  uint32_t ps[k_scale_words<D>];
 };
 // Raw V words of one slab for lane (g, t): rows 2t, 2t+1, 2t+8, 2t+9, the lane's D/8 channels,
 // and their scales and zeros (sym, kivi) or the float token scales of rows g, g + 8 (fp8).
@@ -148,6 +155,11 @@ __device__ __forceinline__ void load_k(const slab_ref& s, format_traits f, int P
     const uint16_t* sc = reinterpret_cast<const uint16_t*>(s.k + code_bytes);
     kr.ps[0] = ld<Global>(sc + (s.row0 + g) * ng + grp);
     kr.ps[1] = ld<Global>(sc + (s.row0 + g + 8) * ng + grp);
+    if constexpr (k_scale_words<D> == 4) {
+      const int grp2 = (t * (D / 4) + D / 8) >> lg;
+      kr.ps[2] = ld<Global>(sc + (s.row0 + g) * ng + grp2);
+      kr.ps[3] = ld<Global>(sc + (s.row0 + g + 8) * ng + grp2);
+    }
   } else if (f.fam == family::fp8_e4m3) {
     const uint32_t* sc = reinterpret_cast<const uint32_t*>(s.k + code_bytes);
     kr.ps[0] = ld<Global>(sc + s.row0 + g);
@@ -203,12 +215,14 @@ __device__ __forceinline__ void load_v(const slab_ref& s, format_traits f, int P
 // zeros of the slab's token group (pages read by element copy nothing).
 template <int D>
 __device__ __forceinline__ void stage_slab(const slab_ref& s, int P, int lane, uint32_t slot) {
-  if (s.fk.has_zero() && s.kk >= 0) {
+  if (s.fk.has_zero() && s.kk >= 0) {  // the token group's scale row, then its zero row: D / 8 16-byte pieces each
     const int lg = log2i(s.fk.group);
     const uint8_t* sc = s.k + uint32_t(P) * ((D * s.fk.bits) >> 3) + uint32_t(s.row0 >> lg) * D * 2;
-    if (lane < D / 8) cp_async16(slot + slot_kpar<D> + lane * 16, sc + lane * 16);
-    else if (lane >= 16 && lane - 16 < D / 8)
-      cp_async16(slot + slot_kpar<D> + D * 2 + (lane - 16) * 16, sc + uint32_t(P >> lg) * D * 2 + (lane - 16) * 16);
+#pragma unroll
+    for (int i = lane; i < D / 4; i += 32) {
+      const int row = i / (D / 8), piece = i % (D / 8);
+      cp_async16(slot + slot_kpar<D> + row * D * 2 + piece * 16, sc + row * uint32_t(P >> lg) * D * 2 + piece * 16);
+    }
   }
   const format_traits f = s.fv;
   if (f.bits > 8 || s.kv < 0) return;

@@ -122,7 +122,7 @@ int append_striped(pair_of_caches& c, const char* const* tiers, int steps, const
 
 TEST_CASE("gpu: append stores what the CPU stores, every format", "[gpu][append]") {
   const int fi = GENERATE(range(0, int(format_count)));
-  const int d = GENERATE(64, 128);
+  const int d = GENERATE(64, 128, 256);
   const std::string spec = format_name(format_id(fi));
   if (!supported(spec, d)) return;
   CAPTURE(spec, d);
@@ -147,7 +147,7 @@ TEST_CASE("gpu: append stores what the CPU stores, every format", "[gpu][append]
 TEST_CASE("gpu: appends of zero pages and single outliers store the CPU's bytes, formats read by element",
           "[gpu][append][by_element]") {
   const std::string spec = GENERATE("nvfp4", "cb4", "cb3/g32", "cb2/g64", "sym3/g32", "kivi3/g32");
-  const int d = GENERATE(64, 128);
+  const int d = GENERATE(64, 128, 256);
   CAPTURE(spec, d);
   auto c = make(spec, 1, 4, 2, d);
   std::mt19937 rng(uint32_t(spec.size() * 3 + d));
@@ -169,7 +169,7 @@ TEST_CASE("gpu: formats read by element: decode and tile attention match the CPU
   const std::string spec = GENERATE("sym3/g32", "kivi3/g32", "kivi3/g64", "cb4", "cb4/g32", "cb3/g32", "cb2",
                                     "cb2/g64", "nvfp4", "k=kivi4/g32,v=cb3", "k=cb2/g32,v=kivi2/g32",
                                     "k=nvfp4,v=fp16", "k=fp16,v=sym3/g32", "k=kivi3/g32,v=nvfp4");
-  const int d = GENERATE(64, 128);
+  const int d = GENERATE(64, 128, 256);
   const int gqa = GENERATE(1, 4);
   const int q_len = GENERATE(1, 16);
   CAPTURE(spec, d, gqa, q_len);
@@ -207,7 +207,7 @@ TEST_CASE("gpu: mixed formats with pages read by element", "[gpu][decode][by_ele
 TEST_CASE("gpu: decode attention matches the CPU reference over formats and lengths", "[gpu][decode]") {
   const std::string spec = GENERATE("fp16", "bf16", "fp8", "int8", "sym4/g32", "sym2/g64", "kivi8/g32", "kivi4/g32",
                                     "kivi2/g32", "kivi4/g64", "ra4/g32", "k=kivi4/g32,v=kivi2/g32", "k=int8,v=kivi4/g128");
-  const int d = GENERATE(64, 128);
+  const int d = GENERATE(64, 128, 256);
   const int gqa = GENERATE(1, 4, 8);
   CAPTURE(spec, d, gqa);
   if (!supported(spec, d)) return;
@@ -250,7 +250,7 @@ TEST_CASE("gpu: pages of 128 tokens (two warps per page in whole-page steps)", "
   // A block whose pages share one format steps through 64-token units: at page_tokens 128 two warps
   // share each page (and its stage's barriers); lengths end mid-page and mid-unit.
   const std::string spec = GENERATE("kivi4/g32", "kivi2/g32", "int8", "fp8", "kivi8/g32", "sym4/g32");
-  const int d = GENERATE(64, 128);
+  const int d = GENERATE(64, 128, 256);
   CAPTURE(spec, d);
   auto c = make(spec, 1, 8, 2, d, 128);
   std::mt19937 rng(uint32_t(spec.size() * 31 + d));

@@ -100,7 +100,7 @@ void require_same_state(twin& t) {
 
 TEST_CASE("gpu canary: echokv's device canary measures what its host canary measures", "[canary]") {
   const auto gran = GENERATE(echokv_granularity::per_layer, echokv_granularity::per_head);
-  const int d = GENERATE(64, 128);
+  const int d = GENERATE(64, 128, 256);
   const int q_len = GENERATE(1, 3);
   CAPTURE(int(gran), d, q_len);
   echokv_options o;

@@ -8,6 +8,7 @@
 
 #include "gpu_test.hpp"
 
+#include <kvq/cuda/canary.hpp>
 #include <kvq/cuda/paged_attention.hpp>
 #include <kvq/format/kinds.hpp>
 
@@ -60,7 +61,7 @@ TEST_CASE("attention plan: the kernel follows the layer's widest page", "[cuda][
 }
 
 TEST_CASE("attention plan: block-staged rings have at least 3 page stages that fit", "[cuda][plan]") {
-  for (int d : {64, 128})
+  for (int d : {64, 128, 256})
     for (int P : {64, 128, 256})
       for (int bits : {2, 4, 8, 16})
         for (int n : {1000, 32768, 131072}) {
@@ -72,7 +73,7 @@ TEST_CASE("attention plan: block-staged rings have at least 3 page stages that f
           CHECK(info.stage_bytes % 128 == 0);
           CHECK(int64_t(info.stages) * info.stage_bytes <= info.smem_bytes);
           CHECK(info.smem_bytes <= 227 * 1024);
-          CHECK(info.blocks_per_sm == 3);
+          CHECK(info.blocks_per_sm == (d == 256 ? 2 : 3));  // (head_dim 256: 255 registers a thread)
           CHECK(info.tokens_per_split % 128 == 0);  // whole 32-token chunks of every warp, whole pages
         }
   // the measured shapes (docs/performance.md): 6 stages of a kivi4 page-head at 64 tokens
@@ -98,6 +99,26 @@ TEST_CASE("attention plan: one format pair per head runs 64-token units on 4- an
   CHECK_FALSE(plan(128, 64, 8, 8, 32768, 1, true).whole_units);
   CHECK_FALSE(plan(128, 64, 16, 8, 32768, 1, true).whole_units);     // the wide kernel
   CHECK_FALSE(plan(128, 64, 4, 2, 4096, 4, true).whole_units);       // the tile kernel
+}
+
+TEST_CASE("attention plan: head_dim 64, 128 and 256 plan; others are refused", "[cuda][plan]") {
+  for (int d : {64, 128, 256}) {
+    CAPTURE(d);
+    CHECK(plan(d, 64, 4, 8, 32768).kernel == cuda::attend_kernel::decode_block_staged);
+    CHECK(plan(d, 64, 16, 8, 32768).kernel == cuda::attend_kernel::decode_wide);
+    CHECK(plan(d, 64, 4, 2, 4096, 4).kernel == cuda::attend_kernel::tile);
+  }
+  std::vector<cuda::decode_item> items{{0, 1, 1000, 904, 0, 0}};
+  for (int d : {32, 96, 512}) {
+    cuda::attend_args a;
+    a.kv = view(d, 64);
+    a.q_heads = 32;
+    a.items = items;
+    const auto r = cuda::attend_plan(a);
+    REQUIRE_FALSE(r.ok());
+    CHECK(r.error().code() == errc::unsupported);
+    CHECK_THAT(std::string(r.error().message()), Catch::Contains("head_dim") && Catch::Contains(std::to_string(d)));
+  }
 }
 
 TEST_CASE("attention plan: unsupported page sizes are refused with the reason", "[cuda][plan]") {
@@ -180,4 +201,21 @@ TEST_CASE("append_run refuses inconsistent items and unusable page formats befor
   cuda::append_args wrong_layer = args(one);
   wrong_layer.layer = 1;
   CHECK_THAT(cuda::append_run(wrong_layer, nullptr).message(), Catch::Contains("layer 1 outside [0, 1)"));
+}
+
+// The device canary's shared memory: at head_dim 256 a 128-token window's error table does not fit
+// an H200 block (232448 bytes) whole; in blocks of 96 keys (then 32) it does, and the keys stay
+// staged whole.
+TEST_CASE("canary: the error table in blocks of keys fits head_dim 256", "[cuda][plan][canary]") {
+  const std::vector<format_id> tiers = {parse_format("kivi2/g32").value_or_throw(),
+                                        parse_format("kivi4/g32").value_or_throw(),
+                                        parse_format("kivi8/g32").value_or_throw()};
+  const size_t whole = cuda::canary_smem_bytes(tiers, 32, 256, 128);
+  CHECK(whole == cuda::canary_smem_bytes(tiers, 32, 256, 128, 128));
+  CHECK(whole > 232448);
+  const size_t blocks = cuda::canary_smem_bytes(tiers, 32, 256, 128, 96);
+  CHECK(blocks <= 232448);
+  // blocks of 96 keys save 32 error rows (fp32, 260 floats each) and one 32-token page
+  CHECK(whole - blocks > size_t(32) * 260 * 4);
+  CHECK(cuda::canary_smem_bytes(tiers, 32, 128, 128) <= 232448);  // head_dim 128: the whole table
 }

@@ -182,7 +182,7 @@ TEST_CASE("gpu prefill: chunks of any length after stored tokens match the CPU, 
 }
 
 TEST_CASE("gpu prefill: head_dim 64/128, GQA 1/4, rotation on and off", "[gpu][prefill][rotation]") {
-  const int d = GENERATE(64, 128);
+  const int d = GENERATE(64, 128, 256);
   const int gqa = GENERATE(1, 4);
   const bool rotated = GENERATE(false, true);
   const std::string spec = GENERATE("kivi4/g32", "mixed", "mixed by element");

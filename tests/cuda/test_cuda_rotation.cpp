@@ -85,7 +85,7 @@ std::pair<std::vector<float>, std::vector<float>> attend_both(twin& t, const std
 
 TEST_CASE("gpu rotation: rotated appends store what the CPU stores, every format", "[gpu][rotation]") {
   const int fi = GENERATE(range(0, int(format_count)));
-  const int d = GENERATE(64, 128);
+  const int d = GENERATE(64, 128, 256);
   const std::string spec = format_name(format_id(fi));
   if (!check_shape(format_id(fi), role::k, 64, d).ok() || !check_shape(format_id(fi), role::v, 64, d).ok()) return;
   if (!kernels_read(format_id(fi))) return;  // refused before anything is stored (test_cuda_cache.cpp)
@@ -111,7 +111,7 @@ TEST_CASE("gpu rotation: decode and extend attention of rotated heads match the 
   const std::string spec = GENERATE("fp16", "fp8", "int8", "sym4/g32", "kivi8/g32", "kivi4/g32", "kivi2/g32",
                                     "ra4/g32", "k=kivi4/g32,v=kivi2/g32", "sym3/g32", "kivi3/g32", "cb4", "cb3/g32",
                                     "cb2/g32", "nvfp4", "k=kivi4/g32,v=cb2", "k=cb4,v=fp16");
-  const int d = GENERATE(64, 128);
+  const int d = GENERATE(64, 128, 256);
   const int q_len = GENERATE(1, 2, 3, 16);  // GQA 4: 1 and 2 decode kernels, 3 and 16 the tile kernel (> 8 rows)
   CAPTURE(spec, d, q_len);
   twin t = make_static(spec, d);
@@ -135,7 +135,7 @@ TEST_CASE("gpu rotation: decode and extend attention of rotated heads match the 
 }
 
 TEST_CASE("gpu rotation: an FP16 rotated cache matches the unrotated one to fp16 rounding", "[gpu][rotation]") {
-  const int d = GENERATE(64, 128);
+  const int d = GENERATE(64, 128, 256);
   CAPTURE(d);
   auto pol = std::make_shared<static_policy>();
   twin rot = make_twin(pol, pol, d, true), plain = make_twin(pol, pol, d, false);
@@ -157,7 +157,7 @@ TEST_CASE("gpu rotation: an FP16 rotated cache matches the unrotated one to fp16
 
 TEST_CASE("gpu rotation: EchoKV's device canary measures what its host canary measures on rotated heads",
           "[gpu][rotation][canary]") {
-  const int d = GENERATE(64, 128);
+  const int d = GENERATE(64, 128, 256);
   CAPTURE(d);
   echokv_options o;
   o.rate = 1.0;

@@ -18,7 +18,8 @@
 /// (`canary_keys::rows_seeing` x heads) to get the means.
 ///
 /// Supported: head_dim a multiple of 32 up to 256, up to `max_canary_tiers` tiers, windows whose
-/// shared-memory need (`canary_smem_bytes`) fits the device. Launches take the caller's stream,
+/// shared-memory need (`canary_smem_bytes`, with the error table in blocks of whole groups of
+/// align keys where the whole window's does not fit) fits the device. Launches take the caller's stream,
 /// allocate nothing and never synchronize.
 
 #include <kvq/config.hpp>
@@ -64,8 +65,13 @@ struct canary_args {
   double* out = nullptr;              ///< device-writable [items][kv_heads][tiers] (mapped host memory works)
 };
 
-/// Shared memory one block needs for `keys` keys (at most the window) and the given tiers.
-KVQ_EXPORT size_t canary_smem_bytes(std::span<const format_id> tiers, int align, int head_dim, int keys);
+/// Shared memory one block needs for `keys` keys (at most the window) and the given tiers, with
+/// an error table of `error_keys` keys (0: all of them). A launch takes the whole window's table
+/// where it fits the device, else blocks of the most whole groups of align keys that fit (a
+/// 128-token window at head_dim 256 with 8-bit tiers: 270,464 bytes in one table, 227,968 in blocks of
+/// 96 keys).
+KVQ_EXPORT size_t canary_smem_bytes(std::span<const format_id> tiers, int align, int head_dim, int keys,
+                                    int error_keys = 0);
 /// Checks the arguments' shape (items may be empty); the message names what is not supported.
 KVQ_EXPORT status canary_can_implement(const canary_args& a);
 /// Launches the canary of every item on `stream` (one kernel per up to 64 items).

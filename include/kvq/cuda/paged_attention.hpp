@@ -19,7 +19,7 @@
 ///   token (values they select away): such a window needs `ring_slack_slots` slots of arena
 ///   after its last ring (kvq/store/window_layout.hpp).
 ///
-/// Supported: head_dim 64 or 128, page_tokens a power of two of at least 64 (64 and 128 tested),
+/// Supported: head_dim 64, 128 or 256, page_tokens a power of two of at least 64 (64 and 128 tested),
 /// q_heads / kv_heads <= 16, any mix of formats per page. Launches take the caller's stream,
 /// allocate nothing and never synchronize, so they can be captured in a CUDA graph (batch
 /// descriptors travel as kernel parameters).
