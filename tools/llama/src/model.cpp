@@ -424,6 +424,20 @@ result<llama_model> llama_model::load(const gguf_file& f) {
 
   m.inv_freq_.resize(size_t(hp.n_rot / 2));
   for (int i = 0; i < hp.n_rot / 2; ++i) m.inv_freq_[size_t(i)] = std::pow(double(hp.rope_base), -2.0 * i / hp.n_rot);
+  // Llama 3.1+ files carry their RoPE scaling as per-frequency divisors (`rope_freqs.weight`,
+  // llama.cpp's freq_factors): pair i turns by pos * base^(-2i/n_rot) / factor[i].
+  if (f.find_tensor("rope_freqs.weight")) {
+    std::vector<float> factors;
+    KVQ_TRY(load_tensor("rope_freqs.weight", {hp.n_rot / 2}, factors));
+    for (size_t i = 0; i < factors.size(); ++i) {
+      if (!(std::isfinite(factors[i]) && factors[i] > 0.f))
+        return status{errc::io_error, fmt::format("{}: tensor 'rope_freqs.weight' has factor {} at {}; need finite "
+                                                  "and positive",
+                                                  path, factors[i], i)};
+      m.inv_freq_[i] /= double(factors[i]);
+    }
+    m.hp_.rope_freq_factors = true;
+  }
   return m;
 }
 

@@ -672,6 +672,107 @@ TEST_CASE("bad model files are rejected with the right message", "[model]") {
   }
 }
 
+namespace {
+
+// A one-layer llama file of random F32 weights (width 32, 2 heads of 16 channels, 16 tokens),
+// with `rope_freqs` as its `rope_freqs.weight` when not empty.
+std::vector<uint8_t> tiny_llama(const std::vector<float>& rope_freqs) {
+  constexpr uint64_t E = 32, F = 32, V = 16, Dh = 16, H = 2;
+  std::mt19937 rng(3);
+  std::normal_distribution<float> nd(0.f, 0.3f);
+  const auto rnd = [&](size_t n) {
+    std::vector<float> w(n);
+    for (auto& x : w) x = nd(rng);
+    return test::f32_bytes(w);
+  };
+  test::gguf_builder b;
+  b.str("general.architecture", "llama")
+      .u32("llama.embedding_length", E)
+      .u32("llama.block_count", 1)
+      .u32("llama.feed_forward_length", F)
+      .u32("llama.attention.head_count", H)
+      .u32("llama.attention.head_count_kv", H);
+  b.tensor("token_embd.weight", {E, V}, 0, rnd(E * V)).tensor("output_norm.weight", {E}, 0, rnd(E));
+  b.tensor("blk.0.attn_norm.weight", {E}, 0, rnd(E)).tensor("blk.0.ffn_norm.weight", {E}, 0, rnd(E));
+  for (const char* w : {"attn_q", "attn_k", "attn_v"})
+    b.tensor(std::string("blk.0.") + w + ".weight", {E, H * Dh}, 0, rnd(E * H * Dh));
+  b.tensor("blk.0.attn_output.weight", {H * Dh, E}, 0, rnd(E * H * Dh));
+  b.tensor("blk.0.ffn_gate.weight", {E, F}, 0, rnd(E * F)).tensor("blk.0.ffn_up.weight", {E, F}, 0, rnd(E * F));
+  b.tensor("blk.0.ffn_down.weight", {F, E}, 0, rnd(E * F));
+  if (!rope_freqs.empty()) b.tensor("rope_freqs.weight", {rope_freqs.size()}, 0, test::f32_bytes(rope_freqs));
+  return b.build();
+}
+
+llama_model load_bytes(const std::vector<uint8_t>& bytes) {
+  auto f = gguf_file::from_bytes(bytes, "tiny.gguf");
+  REQUIRE(f.ok());
+  auto m = llama_model::load(*f);
+  if (!m) FAIL(m.error().to_string());
+  return std::move(m).value();
+}
+
+// Layer 0's queries and keys after RoPE of `tokens` from position 0 (reference path).
+std::pair<std::vector<float>, std::vector<float>> layer0_qk(const llama_model& m, const std::vector<token_id>& tokens) {
+  std::vector<float> q, k, logits(size_t(m.hparams().n_vocab));
+  reference_kv ref;
+  const layer_observer obs = [&](int l, int64_t, std::span<const float> qs, std::span<const float> ks,
+                                 std::span<const float>) {
+    if (l == 0) q.assign(qs.begin(), qs.end()), k.assign(ks.begin(), ks.end());
+  };
+  REQUIRE(m.forward_reference(ref, tokens, logits, logits_mode::last, obs).ok());
+  return {q, k};
+}
+
+}  // namespace
+
+// Llama 3.1+ files scale RoPE by per-pair frequency divisors. With every factor 2, a token at
+// position 2m turns as the same token at position m of a file without them (layer 0's q and k
+// depend only on the token and its position).
+TEST_CASE("rope_freqs.weight divides each pair's frequency", "[model]") {
+  const llama_model plain = load_bytes(tiny_llama({}));
+  const llama_model scaled = load_bytes(tiny_llama(std::vector<float>(8, 2.f)));
+  CHECK_FALSE(plain.hparams().rope_freq_factors);
+  CHECK(scaled.hparams().rope_freq_factors);
+  std::vector<token_id> a(40), b(20);
+  for (size_t i = 0; i < a.size(); ++i) a[i] = token_id((i * 5 + 3) % 16);
+  for (size_t m = 0; m < b.size(); ++m) b[m] = a[2 * m];
+  const auto [qa, ka] = layer0_qk(scaled, a);
+  const auto [qb, kb] = layer0_qk(plain, b);
+  const size_t row = 2 * 16;  // heads x head_dim
+  REQUIRE(qa.size() == a.size() * row);
+  REQUIRE(qb.size() == b.size() * row);
+  double worst = 0;
+  for (size_t m = 0; m < b.size(); ++m)
+    for (size_t c = 0; c < row; ++c) {
+      worst = std::max(worst, double(std::fabs(qa[2 * m * row + c] - qb[m * row + c])));
+      worst = std::max(worst, double(std::fabs(ka[2 * m * row + c] - kb[m * row + c])));
+    }
+  CHECK(worst <= 1e-6);
+  // and the odd positions of the scaled file are not those of any plain position pair: the factors
+  // were applied, not ignored
+  const auto [qp, kp] = layer0_qk(plain, a);
+  double moved = 0;
+  for (size_t c = 0; c < row; ++c) moved = std::max(moved, double(std::fabs(qa[5 * row + c] - qp[5 * row + c])));
+  CHECK(moved > 1e-3);
+}
+
+TEST_CASE("bad rope_freqs.weight is rejected naming the tensor", "[model]") {
+  auto expect = [](const std::vector<uint8_t>& bytes, errc code, const std::string& part) {
+    auto f = gguf_file::from_bytes(bytes, "tiny.gguf");
+    REQUIRE(f.ok());
+    auto m = llama_model::load(*f);
+    REQUIRE_FALSE(m.ok());
+    CHECK(m.error().code() == code);
+    CHECK_THAT(m.error().message(), Catch::Contains("rope_freqs.weight") && Catch::Contains(part));
+  };
+  expect(tiny_llama(std::vector<float>(6, 1.f)), errc::io_error, "expected [8]");
+  std::vector<float> zero(8, 1.f), nan(8, 1.f);
+  zero[3] = 0.f;
+  nan[5] = std::nanf("");
+  expect(tiny_llama(zero), errc::io_error, "positive");
+  expect(tiny_llama(nan), errc::io_error, "finite");
+}
+
 TEST_CASE("SmolLM2-135M-Instruct: FP16 cache vs reference, and a chat answer", "[model][smollm2]") {
   if (!test::have_smollm2()) KVQ_SKIP(test::smollm2_path() << " is missing (scripts/setup puts it there)");
   std::cerr << "loading " << test::smollm2_path() << " (dequantizing 135M weights)...\n";

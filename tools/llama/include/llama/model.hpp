@@ -3,7 +3,8 @@
 /// Llama-architecture forward pass on the CPU (Eigen), attention through `kvq::KVCache`.
 ///
 /// Per layer: RMSNorm → Q, K, V projections → RoPE (llama.cpp "normal" layout: adjacent pairs
-/// (2i, 2i+1) rotated by pos * base^(-2i/n_rot), as GGUF llama files expect) → K, V appended to
+/// (2i, 2i+1) rotated by pos * base^(-2i/n_rot), divided by the file's `rope_freqs.weight` factor
+/// of pair i where it has one (Llama 3.1+), as GGUF llama files expect) → K, V appended to
 /// the cache, attention of the chunk's queries → output projection and residual → RMSNorm →
 /// SwiGLU FFN (down(silu(gate(x)) * up(x))) and residual. Then the final RMSNorm and the output
 /// head (tied to `token_embd.weight` when the file has no `output.weight`).
@@ -59,6 +60,7 @@ struct llama_hparams {
   int n_ctx_train = 0;  ///< training context (informational)
   float rms_eps = 1e-5f;
   float rope_base = 10000.f;
+  bool rope_freq_factors = false;  ///< `rope_freqs.weight` divides the pairs' frequencies (Llama 3.1+ scaling)
 };
 
 /// One transformer block's weights, [out][in] row-major.
