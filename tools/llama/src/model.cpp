@@ -297,9 +297,11 @@ result<llama_model> llama_model::load(const gguf_file& f) {
   const std::string& path = f.path();
   auto arch = f.get_string("general.architecture");
   if (!arch) return arch.error();
-  if (*arch != "llama")
+  if (*arch != "llama" && *arch != "qwen2")
     return status{errc::unsupported,
-                  fmt::format("{}: architecture '{}' is not supported (expected 'llama')", path, *arch)};
+                  fmt::format("{}: architecture '{}' is not supported (expected 'llama' or 'qwen2')", path, *arch)};
+  // Hyper-parameters are keyed by the architecture ("llama.block_count", "qwen2.block_count").
+  const std::string a = *arch + ".";
   m.name_ = f.get_string("general.name").ok() ? f.get_string("general.name").value() : path;
 
   auto int_key = [&](const std::string& key, int64_t fallback, bool required, int& out) -> status {
@@ -311,31 +313,32 @@ result<llama_model> llama_model::load(const gguf_file& f) {
     return {};
   };
   llama_hparams& hp = m.hp_;
-  KVQ_TRY(int_key("llama.embedding_length", 0, true, hp.n_embd));
-  KVQ_TRY(int_key("llama.block_count", 0, true, hp.n_layer));
-  KVQ_TRY(int_key("llama.feed_forward_length", 0, true, hp.n_ff));
-  KVQ_TRY(int_key("llama.attention.head_count", 0, true, hp.n_head));
-  KVQ_TRY(int_key("llama.attention.head_count_kv", hp.n_head, false, hp.n_head_kv));
-  KVQ_TRY(int_key("llama.context_length", 2048, false, hp.n_ctx_train));
-  if (hp.n_embd % hp.n_head != 0 && !f.find("llama.attention.key_length"))
+  hp.rope_neox = *arch == "qwen2";  // (llama.cpp's rope type of each architecture)
+  KVQ_TRY(int_key(a + "embedding_length", 0, true, hp.n_embd));
+  KVQ_TRY(int_key(a + "block_count", 0, true, hp.n_layer));
+  KVQ_TRY(int_key(a + "feed_forward_length", 0, true, hp.n_ff));
+  KVQ_TRY(int_key(a + "attention.head_count", 0, true, hp.n_head));
+  KVQ_TRY(int_key(a + "attention.head_count_kv", hp.n_head, false, hp.n_head_kv));
+  KVQ_TRY(int_key(a + "context_length", 2048, false, hp.n_ctx_train));
+  if (hp.n_embd % hp.n_head != 0 && !f.find(a + "attention.key_length"))
     return status{errc::io_error, fmt::format("{}: embedding_length {} is not a multiple of head_count {}", path,
                                               hp.n_embd, hp.n_head)};
-  KVQ_TRY(int_key("llama.attention.key_length", hp.n_embd / std::max(hp.n_head, 1), false, hp.head_dim));
+  KVQ_TRY(int_key(a + "attention.key_length", hp.n_embd / std::max(hp.n_head, 1), false, hp.head_dim));
   int value_length = 0;
-  KVQ_TRY(int_key("llama.attention.value_length", hp.head_dim, false, value_length));
+  KVQ_TRY(int_key(a + "attention.value_length", hp.head_dim, false, value_length));
   if (value_length != hp.head_dim)
     return status{errc::unsupported,
                   fmt::format("{}: key_length {} differs from value_length {}", path, hp.head_dim, value_length)};
-  KVQ_TRY(int_key("llama.rope.dimension_count", hp.head_dim, false, hp.n_rot));
+  KVQ_TRY(int_key(a + "rope.dimension_count", hp.head_dim, false, hp.n_rot));
   if (hp.n_head % hp.n_head_kv != 0)
     return status{errc::io_error, fmt::format("{}: head_count {} is not a multiple of head_count_kv {}", path,
                                               hp.n_head, hp.n_head_kv)};
   if (hp.n_rot > hp.head_dim || hp.n_rot % 2 != 0)
     return status{errc::io_error, fmt::format("{}: rope.dimension_count {} must be even and at most head_dim {}", path,
                                               hp.n_rot, hp.head_dim)};
-  auto eps = f.get_float_or("llama.attention.layer_norm_rms_epsilon", 1e-5);
+  auto eps = f.get_float_or(a + "attention.layer_norm_rms_epsilon", 1e-5);
   if (!eps) return eps.error();
-  auto base = f.get_float_or("llama.rope.freq_base", 10000.0);
+  auto base = f.get_float_or(a + "rope.freq_base", 10000.0);
   if (!base) return base.error();
   if (!(*eps >= 0 && *eps < 1))
     return status{errc::io_error, fmt::format("{}: layer_norm_rms_epsilon {} is out of range", path, *eps)};
@@ -343,16 +346,16 @@ result<llama_model> llama_model::load(const gguf_file& f) {
     return status{errc::io_error, fmt::format("{}: rope.freq_base {} is out of range", path, *base)};
   hp.rms_eps = float(*eps);
   hp.rope_base = float(*base);
-  if (f.find("llama.rope.scaling.type")) {
-    auto v = f.get_string("llama.rope.scaling.type");
+  if (f.find(a + "rope.scaling.type")) {
+    auto v = f.get_string(a + "rope.scaling.type");
     if (!v) return v.error();
     if (*v != "none")
-      return status{errc::unsupported, fmt::format("{}: llama.rope.scaling.type '{}' is not supported", path, *v)};
+      return status{errc::unsupported, fmt::format("{}: {}rope.scaling.type '{}' is not supported", path, a, *v)};
   }
-  if (auto v = f.get_float_or("llama.rope.scaling.factor", 1.0); !v) {
+  if (auto v = f.get_float_or(a + "rope.scaling.factor", 1.0); !v) {
     return v.error();
   } else if (*v != 1.0 && *v != 0.0) {
-    return status{errc::unsupported, fmt::format("{}: llama.rope.scaling.factor {} is not supported", path, *v)};
+    return status{errc::unsupported, fmt::format("{}: {}rope.scaling.factor {} is not supported", path, a, *v)};
   }
 
   // Tensors: check the shape of each before loading it.
@@ -395,9 +398,9 @@ result<llama_model> llama_model::load(const gguf_file& f) {
     return status{errc::io_error, fmt::format("{}: tensor 'token_embd.weight' has shape {}, expected [{}, n_vocab]",
                                               path, emb->shape_string(), hp.n_embd)};
   hp.n_vocab = int(emb->ne[1]);
-  if (auto v = f.get_int_or("llama.vocab_size", hp.n_vocab); !v.ok() || *v != hp.n_vocab)
+  if (auto v = f.get_int_or(a + "vocab_size", hp.n_vocab); !v.ok() || *v != hp.n_vocab)
     return status{errc::io_error,
-                  fmt::format("{}: llama.vocab_size disagrees with token_embd.weight's {} rows", path, hp.n_vocab)};
+                  fmt::format("{}: {}vocab_size disagrees with token_embd.weight's {} rows", path, a, hp.n_vocab)};
   const int64_t E = hp.n_embd, Dq = int64_t(hp.n_head) * hp.head_dim, Dkv = int64_t(hp.n_head_kv) * hp.head_dim;
   KVQ_TRY(load_matrix("token_embd.weight", {E, hp.n_vocab}, m.tok_embd_));
   KVQ_TRY(load_tensor("output_norm.weight", {E}, m.out_norm_));
@@ -415,6 +418,10 @@ result<llama_model> llama_model::load(const gguf_file& f) {
     KVQ_TRY(load_matrix(p + "attn_q.weight", {E, Dq}, L.wq));
     KVQ_TRY(load_matrix(p + "attn_k.weight", {E, Dkv}, L.wk));
     KVQ_TRY(load_matrix(p + "attn_v.weight", {E, Dkv}, L.wv));
+    // projection biases where the file has them (Qwen2 has all three)
+    if (f.find_tensor(p + "attn_q.bias")) KVQ_TRY(load_tensor(p + "attn_q.bias", {Dq}, L.bq));
+    if (f.find_tensor(p + "attn_k.bias")) KVQ_TRY(load_tensor(p + "attn_k.bias", {Dkv}, L.bk));
+    if (f.find_tensor(p + "attn_v.bias")) KVQ_TRY(load_tensor(p + "attn_v.bias", {Dkv}, L.bv));
     KVQ_TRY(load_matrix(p + "attn_output.weight", {Dq, E}, L.wo));
     KVQ_TRY(load_tensor(p + "ffn_norm.weight", {E}, L.ffn_norm));
     KVQ_TRY(load_matrix(p + "ffn_gate.weight", {E, hp.n_ff}, L.w_gate));
@@ -485,16 +492,18 @@ void llama_model::embed(std::span<const token_id> tokens, std::vector<float>& x)
 
 void llama_model::rope(float* rows, int64_t T, int heads, std::span<const int64_t> pos) const {
   const int hd = hp_.head_dim, half = hp_.n_rot / 2;
+  // pair i: channels (2i, 2i + 1) (llama), or (i, i + n_rot / 2) (neox: Qwen2)
+  const int first = hp_.rope_neox ? 1 : 2, second = hp_.rope_neox ? half : 1;
   for (int64_t t = 0; t < T; ++t) {
     const double p = double(pos[size_t(t)]);
     for (int i = 0; i < half; ++i) {
       const double theta = p * inv_freq_[size_t(i)];
       const float c = float(std::cos(theta)), s = float(std::sin(theta));
       for (int h = 0; h < heads; ++h) {
-        float* r = rows + (t * heads + h) * hd + 2 * i;
-        const float x0 = r[0], x1 = r[1];
+        float* r = rows + (t * heads + h) * hd + first * i;
+        const float x0 = r[0], x1 = r[second];
         r[0] = x0 * c - x1 * s;
-        r[1] = x0 * s + x1 * c;
+        r[second] = x0 * s + x1 * c;
       }
     }
   }
@@ -520,6 +529,14 @@ void llama_model::attention_inputs(int layer, const std::vector<float>& x, int64
   v.resize(size_t(T * Dkv));
   const matmul_job qkv[] = {{&L.wq, q.data()}, {&L.wk, k.data()}, {&L.wv, v.data()}};
   matmul(qkv, xn.data(), T, *pool_, isa_);
+  const auto add_bias = [T](std::vector<float>& rows, const std::vector<float>& bias) {
+    const size_t n = bias.size();
+    for (size_t t = 0; n && t < size_t(T); ++t)
+      for (size_t j = 0; j < n; ++j) rows[t * n + j] += bias[j];
+  };
+  add_bias(q, L.bq);
+  add_bias(k, L.bk);
+  add_bias(v, L.bv);
   rope(q.data(), T, hp_.n_head, pos);
   rope(k.data(), T, hp_.n_head_kv, pos);
 }

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <iostream>
 #include <llama/model.hpp>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <random>
 
@@ -674,31 +675,42 @@ TEST_CASE("bad model files are rejected with the right message", "[model]") {
 
 namespace {
 
-// A one-layer llama file of random F32 weights (width 32, 2 heads of 16 channels, 16 tokens),
-// with `rope_freqs` as its `rope_freqs.weight` when not empty.
-std::vector<uint8_t> tiny_llama(const std::vector<float>& rope_freqs) {
+// A one-layer file of random F32 weights (width 32, 2 heads of 16 channels, 16 tokens) of
+// architecture `arch` (qwen2: with Q/K/V biases and RoPE base 1e6), with `rope_freqs` as its
+// `rope_freqs.weight` when not empty. `weights`, when given, receives every tensor's floats.
+std::vector<uint8_t> tiny_llama(const std::vector<float>& rope_freqs, const std::string& arch = "llama",
+                                std::map<std::string, std::vector<float>>* weights = nullptr) {
   constexpr uint64_t E = 32, F = 32, V = 16, Dh = 16, H = 2;
   std::mt19937 rng(3);
   std::normal_distribution<float> nd(0.f, 0.3f);
-  const auto rnd = [&](size_t n) {
+  test::gguf_builder b;
+  const auto put = [&](const std::string& name, std::vector<uint64_t> ne) {  // a random F32 tensor
+    size_t n = 1;
+    for (uint64_t d : ne) n *= d;
     std::vector<float> w(n);
     for (auto& x : w) x = nd(rng);
-    return test::f32_bytes(w);
+    if (weights) (*weights)[name] = w;
+    b.tensor(name, std::move(ne), 0, test::f32_bytes(w));
   };
-  test::gguf_builder b;
-  b.str("general.architecture", "llama")
-      .u32("llama.embedding_length", E)
-      .u32("llama.block_count", 1)
-      .u32("llama.feed_forward_length", F)
-      .u32("llama.attention.head_count", H)
-      .u32("llama.attention.head_count_kv", H);
-  b.tensor("token_embd.weight", {E, V}, 0, rnd(E * V)).tensor("output_norm.weight", {E}, 0, rnd(E));
-  b.tensor("blk.0.attn_norm.weight", {E}, 0, rnd(E)).tensor("blk.0.ffn_norm.weight", {E}, 0, rnd(E));
-  for (const char* w : {"attn_q", "attn_k", "attn_v"})
-    b.tensor(std::string("blk.0.") + w + ".weight", {E, H * Dh}, 0, rnd(E * H * Dh));
-  b.tensor("blk.0.attn_output.weight", {H * Dh, E}, 0, rnd(E * H * Dh));
-  b.tensor("blk.0.ffn_gate.weight", {E, F}, 0, rnd(E * F)).tensor("blk.0.ffn_up.weight", {E, F}, 0, rnd(E * F));
-  b.tensor("blk.0.ffn_down.weight", {F, E}, 0, rnd(E * F));
+  b.str("general.architecture", arch)
+      .u32(arch + ".embedding_length", E)
+      .u32(arch + ".block_count", 1)
+      .u32(arch + ".feed_forward_length", F)
+      .u32(arch + ".attention.head_count", H)
+      .u32(arch + ".attention.head_count_kv", H);
+  if (arch == "qwen2") {
+    b.f32("qwen2.rope.freq_base", 1e6f);
+    for (const char* w : {"attn_q", "attn_k", "attn_v"}) put(std::string("blk.0.") + w + ".bias", {H * Dh});
+  }
+  put("token_embd.weight", {E, V});
+  put("output_norm.weight", {E});
+  put("blk.0.attn_norm.weight", {E});
+  put("blk.0.ffn_norm.weight", {E});
+  for (const char* w : {"attn_q", "attn_k", "attn_v"}) put(std::string("blk.0.") + w + ".weight", {E, H * Dh});
+  put("blk.0.attn_output.weight", {H * Dh, E});
+  put("blk.0.ffn_gate.weight", {E, F});
+  put("blk.0.ffn_up.weight", {E, F});
+  put("blk.0.ffn_down.weight", {F, E});
   if (!rope_freqs.empty()) b.tensor("rope_freqs.weight", {rope_freqs.size()}, 0, test::f32_bytes(rope_freqs));
   return b.build();
 }
@@ -754,6 +766,49 @@ TEST_CASE("rope_freqs.weight divides each pair's frequency", "[model]") {
   double moved = 0;
   for (size_t c = 0; c < row; ++c) moved = std::max(moved, double(std::fabs(qa[5 * row + c] - qp[5 * row + c])));
   CHECK(moved > 1e-3);
+}
+
+// Qwen2: the llama block with Q/K/V biases, RoPE on channel halves (pair i: i, i + n_rot/2) and
+// hyper-parameters under "qwen2.": layer 0's q and k after RoPE against the same computed here in
+// double from the file's weights (RMSNorm, projection + bias, neox rotation at base 1e6).
+TEST_CASE("qwen2 files: biases and RoPE on channel halves", "[model]") {
+  std::map<std::string, std::vector<float>> w;
+  const llama_model m = load_bytes(tiny_llama({}, "qwen2", &w));
+  CHECK(m.hparams().rope_neox);
+  CHECK(m.hparams().rope_base == 1e6f);
+  const std::vector<token_id> tokens = {3, 7, 1, 12, 5, 9, 0, 15, 4, 4, 11};
+  const auto [q, k] = layer0_qk(m, tokens);
+  constexpr int E = 32, H = 2, Dh = 16, half = Dh / 2;
+  double worst = 0, scale = 0;
+  for (size_t p = 0; p < tokens.size(); ++p) {
+    const float* x = w["token_embd.weight"].data() + size_t(tokens[p]) * E;
+    double ss = 0;
+    for (int i = 0; i < E; ++i) ss += double(x[i]) * x[i];
+    const double r = 1.0 / std::sqrt(ss / E + 1e-5);
+    for (const char* role : {"attn_q", "attn_k"}) {
+      const auto& W = w[std::string("blk.0.") + role + ".weight"];
+      const auto& B = w[std::string("blk.0.") + role + ".bias"];
+      std::vector<double> y(H * Dh);
+      for (int o = 0; o < H * Dh; ++o) {
+        double acc = B[size_t(o)];
+        for (int i = 0; i < E; ++i) acc += double(W[size_t(o) * E + i]) * x[i] * r * w["blk.0.attn_norm.weight"][size_t(i)];
+        y[size_t(o)] = acc;
+      }
+      const std::vector<float>& got = std::string(role) == "attn_q" ? q : k;
+      for (int h = 0; h < H; ++h)
+        for (int i = 0; i < half; ++i) {
+          const double th = double(p) * std::pow(1e6, -2.0 * i / Dh), c = std::cos(th), s = std::sin(th);
+          const double a = y[size_t(h * Dh + i)], b2 = y[size_t(h * Dh + i + half)];
+          const size_t at = (p * H + size_t(h)) * Dh + size_t(i);
+          worst = std::max({worst, std::fabs(got[at] - (a * c - b2 * s)), std::fabs(got[at + half] - (a * s + b2 * c))});
+          scale = std::max({scale, std::fabs(a), std::fabs(b2)});
+        }
+    }
+  }
+  CHECK(worst <= 1e-4 * scale);
+  // the same weights read as a llama file (no biases, adjacent pairs) give other q and k
+  const llama_model as_llama = load_bytes(tiny_llama({}, "llama"));
+  CHECK(layer0_qk(as_llama, tokens).first != q);
 }
 
 TEST_CASE("bad rope_freqs.weight is rejected naming the tensor", "[model]") {

@@ -1,6 +1,7 @@
 #pragma once
 /// \file
-/// Llama-architecture forward pass on the CPU (Eigen), attention through `kvq::KVCache`.
+/// Llama-architecture forward pass on the CPU (Eigen), attention through `kvq::KVCache`; files of
+/// architecture `llama` or `qwen2` (the same block with Q/K/V biases and RoPE on channel halves).
 ///
 /// Per layer: RMSNorm → Q, K, V projections → RoPE (llama.cpp "normal" layout: adjacent pairs
 /// (2i, 2i+1) rotated by pos * base^(-2i/n_rot), divided by the file's `rope_freqs.weight` factor
@@ -61,6 +62,7 @@ struct llama_hparams {
   float rms_eps = 1e-5f;
   float rope_base = 10000.f;
   bool rope_freq_factors = false;  ///< `rope_freqs.weight` divides the pairs' frequencies (Llama 3.1+ scaling)
+  bool rope_neox = false;          ///< RoPE pairs (i, i + n_rot/2) (architecture qwen2), else (2i, 2i + 1)
 };
 
 /// One transformer block's weights, [out][in] row-major.
@@ -69,6 +71,7 @@ struct llama_layer {
   weight_matrix wq;              ///< [n_head * head_dim][n_embd]
   weight_matrix wk;              ///< [n_head_kv * head_dim][n_embd]
   weight_matrix wv;              ///< [n_head_kv * head_dim][n_embd]
+  std::vector<float> bq, bk, bv;  ///< projection biases ([n_head * head_dim], [n_head_kv * head_dim] x 2), empty: none
   weight_matrix wo;              ///< [n_embd][n_head * head_dim]
   std::vector<float> ffn_norm;   ///< [n_embd]
   weight_matrix w_gate;          ///< [n_ff][n_embd]
