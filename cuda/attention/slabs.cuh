@@ -105,13 +105,13 @@ __device__ __forceinline__ void ldg_words(const uint8_t* src, uint32_t* w) {
   }
 }
 
-// Raw K words of one slab for lane (g, t): rows g and g + 8, the lane's D/4 channels, plus the
-// per-row parameter (sym: the half scale of the lane's channel group; fp8: the float token scale).
-// Sized for formats of up to `Cap` bits; wider slabs are read where they are used.
 // Scale words a lane holds for a slab's K: 2 (rows g and g + 8) while the lane's D/4 channels lie
 // in one sym group (every group is at least 32 channels), 4 at head_dim 256.
 template <int D>
 constexpr int k_scale_words = D / 4 > 32 ? 4 : 2;
+// Raw K words of one slab for lane (g, t): rows g and g + 8, the lane's D/4 channels, plus the
+// per-row parameters (sym: the half scales of the lane's channel groups; fp8: the float token
+// scale). Sized for formats of up to `Cap` bits; wider slabs are read where they are used.
 template <int D, int Cap>
 struct k_raw {
   uint32_t w[2][D * Cap / 128];
