@@ -214,7 +214,7 @@ int main(int argc, char** argv) {
   bool no_progress = false, output_kl = false, rotated = false;
   int64_t output_kl_tokens = 128;
   std::vector<std::string> output_kl_formats;
-  app.add_option("-m,--model", model_path, "GGUF model (llama or qwen2 architecture)")->required()->check(CLI::ExistingFile);
+  app.add_option("-m,--model", model_path, "GGUF model (llama, qwen2 or gemma architecture)")->required()->check(CLI::ExistingFile);
   app.add_option("-t,--text", text_path, "calibration text (UTF-8)")->required()->check(CLI::ExistingFile);
   app.add_option("-o,--out", out_path, "artifact JSON to write")->required();
   app.add_option("--tokens", max_tokens, "tokens to calibrate on (0: the whole text)")->capture_default_str();

@@ -100,7 +100,7 @@ int main(int argc, char** argv) {
       "kvq-eval"};
   app.get_formatter()->column_width(34);
   app.footer(footer());
-  app.add_option("-m,--model", o.model_path, "GGUF model file (llama or qwen2 architecture)")->required();
+  app.add_option("-m,--model", o.model_path, "GGUF model file (llama, qwen2 or gemma architecture)")->required();
   app.add_option("-t,--text", o.text_path, "evaluation text, UTF-8 (needs prefill + tokens + 1 tokens)")->required();
   app.add_option("--haystack", o.haystack_path, "needle haystack text (default: the evaluation text)");
   app.add_option("-c,--config", o.configs, "cache configuration, repeatable (see CONFIGURATIONS)");

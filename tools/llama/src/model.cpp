@@ -297,9 +297,10 @@ result<llama_model> llama_model::load(const gguf_file& f) {
   const std::string& path = f.path();
   auto arch = f.get_string("general.architecture");
   if (!arch) return arch.error();
-  if (*arch != "llama" && *arch != "qwen2")
-    return status{errc::unsupported,
-                  fmt::format("{}: architecture '{}' is not supported (expected 'llama' or 'qwen2')", path, *arch)};
+  if (*arch != "llama" && *arch != "qwen2" && *arch != "gemma")
+    return status{errc::unsupported, fmt::format("{}: architecture '{}' is not supported (expected 'llama', 'qwen2' or "
+                                                 "'gemma')",
+                                                 path, *arch)};
   // Hyper-parameters are keyed by the architecture ("llama.block_count", "qwen2.block_count").
   const std::string a = *arch + ".";
   m.name_ = f.get_string("general.name").ok() ? f.get_string("general.name").value() : path;
@@ -313,7 +314,10 @@ result<llama_model> llama_model::load(const gguf_file& f) {
     return {};
   };
   llama_hparams& hp = m.hp_;
-  hp.rope_neox = *arch == "qwen2";  // (llama.cpp's rope type of each architecture)
+  hp.rope_neox = *arch == "qwen2" || *arch == "gemma";  // (llama.cpp's rope type of each architecture)
+  // Gemma: embeddings scaled by sqrt(n_embd), GELU (tanh form) gating; its files store the norm
+  // weights with the + 1 already added
+  hp.gemma = *arch == "gemma";
   KVQ_TRY(int_key(a + "embedding_length", 0, true, hp.n_embd));
   KVQ_TRY(int_key(a + "block_count", 0, true, hp.n_layer));
   KVQ_TRY(int_key(a + "feed_forward_length", 0, true, hp.n_ff));
@@ -488,6 +492,10 @@ void llama_model::embed(std::span<const token_id> tokens, std::vector<float>& x)
   const size_t E = size_t(hp_.n_embd);
   x.resize(tokens.size() * E);
   for (size_t t = 0; t < tokens.size(); ++t) tok_embd_.dequantize_row(tokens[t], x.data() + t * E);
+  if (hp_.gemma) {
+    const float s = std::sqrt(float(E));
+    for (float& v : x) v *= s;
+  }
 }
 
 void llama_model::rope(float* rows, int64_t T, int heads, std::span<const int64_t> pos) const {
@@ -552,7 +560,14 @@ void llama_model::attention_output_and_ffn(int layer, std::vector<float>& x, con
   rms_norm(x.data(), T, E, L.ffn_norm, hp_.rms_eps, xn.data());
   const matmul_job gate_up[] = {{&L.w_gate, g.data()}, {&L.w_up, u.data()}};
   matmul(gate_up, xn.data(), T, *pool_, isa_);
-  for (size_t i = 0; i < g.size(); ++i) g[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+  if (hp_.gemma) {  // GELU, tanh form (llama.cpp's ggml_gelu; Gemma's gelu_pytorch_tanh)
+    for (size_t i = 0; i < g.size(); ++i) {
+      const float a = g[i];
+      g[i] = 0.5f * a * (1.f + std::tanh(0.7978845608f * (a + 0.044715f * a * a * a))) * u[i];
+    }
+  } else {  // SiLU
+    for (size_t i = 0; i < g.size(); ++i) g[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+  }
   const matmul_job down[] = {{&L.w_down, x.data(), true}};
   matmul(down, g.data(), T, *pool_, isa_);
 }

@@ -811,6 +811,92 @@ TEST_CASE("qwen2 files: biases and RoPE on channel halves", "[model]") {
   CHECK(layer0_qk(as_llama, tokens).first != q);
 }
 
+// Gemma (1): the whole forward of a one-layer gemma file against the same computed here in double
+// from its weights: embeddings x sqrt(n_embd), RoPE on channel halves, causal attention at
+// 1/sqrt(head_dim), GELU (tanh) gating, the output tied to the embeddings.
+TEST_CASE("gemma files: the forward pass against a float64 one", "[model]") {
+  std::map<std::string, std::vector<float>> w;
+  const llama_model m = load_bytes(tiny_llama({}, "gemma", &w));
+  CHECK(m.hparams().gemma);
+  CHECK(m.hparams().rope_neox);
+  CHECK(m.tied_output());
+  const std::vector<token_id> tokens = {3, 7, 1, 12, 5, 9, 0, 15, 4, 4, 11};
+  constexpr int E = 32, H = 2, Dh = 16, F = 32, V = 16, half = Dh / 2;
+  const size_t T = tokens.size();
+  using vec = std::vector<double>;
+  const auto norm = [&](const vec& x, const std::string& weight) {
+    double ss = 0;
+    for (double v : x) ss += v * v;
+    const double r = 1.0 / std::sqrt(ss / double(x.size()) + 1e-5);
+    vec y(x.size());
+    for (size_t i = 0; i < x.size(); ++i) y[i] = x[i] * r * w[weight][i];
+    return y;
+  };
+  const auto mul = [&](const std::string& weight, const vec& x, size_t out) {  // [out][in] row-major
+    vec y(out, 0.0);
+    for (size_t o = 0; o < out; ++o)
+      for (size_t i = 0; i < x.size(); ++i) y[o] += double(w[weight][o * x.size() + i]) * x[i];
+    return y;
+  };
+  std::vector<vec> xs(T), qs(T), ks(T), vs(T);
+  for (size_t t = 0; t < T; ++t) {
+    xs[t].resize(E);
+    for (int e = 0; e < E; ++e) xs[t][size_t(e)] = w["token_embd.weight"][size_t(tokens[t]) * E + size_t(e)] * std::sqrt(double(E));
+    const vec xn = norm(xs[t], "blk.0.attn_norm.weight");
+    qs[t] = mul("blk.0.attn_q.weight", xn, H * Dh);
+    ks[t] = mul("blk.0.attn_k.weight", xn, H * Dh);
+    vs[t] = mul("blk.0.attn_v.weight", xn, H * Dh);
+    for (vec* r : {&qs[t], &ks[t]})
+      for (int h = 0; h < H; ++h)
+        for (int i = 0; i < half; ++i) {
+          const double th = double(t) * std::pow(10000.0, -2.0 * i / Dh), c = std::cos(th), s = std::sin(th);
+          double& a = (*r)[size_t(h * Dh + i)];
+          double& b2 = (*r)[size_t(h * Dh + i + half)];
+          const double a0 = a, b0 = b2;
+          a = a0 * c - b0 * s, b2 = a0 * s + b0 * c;
+        }
+  }
+  std::vector<float> logits(T * V);
+  reference_kv ref;
+  REQUIRE(m.forward_reference(ref, tokens, logits, logits_mode::all).ok());
+  double worst = 0, scale = 0;
+  for (size_t t = 0; t < T; ++t) {
+    vec attn(H * Dh, 0.0);
+    for (int h = 0; h < H; ++h) {
+      vec s(t + 1);
+      double mx = -1e300, sum = 0;
+      for (size_t j = 0; j <= t; ++j) {
+        for (int c = 0; c < Dh; ++c) s[j] += qs[t][size_t(h * Dh + c)] * ks[j][size_t(h * Dh + c)];
+        s[j] /= std::sqrt(double(Dh));
+        mx = std::max(mx, s[j]);
+      }
+      for (double& v : s) sum += (v = std::exp(v - mx));
+      for (size_t j = 0; j <= t; ++j)
+        for (int c = 0; c < Dh; ++c) attn[size_t(h * Dh + c)] += s[j] / sum * vs[j][size_t(h * Dh + c)];
+    }
+    vec x = xs[t];
+    const vec o = mul("blk.0.attn_output.weight", attn, E);
+    for (int e = 0; e < E; ++e) x[size_t(e)] += o[size_t(e)];
+    const vec xn = norm(x, "blk.0.ffn_norm.weight");
+    vec g = mul("blk.0.ffn_gate.weight", xn, F);
+    const vec u = mul("blk.0.ffn_up.weight", xn, F);
+    for (int i = 0; i < F; ++i) {
+      const double a = g[size_t(i)];
+      g[size_t(i)] = 0.5 * a * (1 + std::tanh(std::sqrt(2 / M_PI) * (a + 0.044715 * a * a * a))) * u[size_t(i)];
+    }
+    const vec d = mul("blk.0.ffn_down.weight", g, E);
+    for (int e = 0; e < E; ++e) x[size_t(e)] += d[size_t(e)];
+    const vec xf = norm(x, "output_norm.weight");
+    const vec want = mul("token_embd.weight", xf, V);
+    for (int v = 0; v < V; ++v) {
+      worst = std::max(worst, std::fabs(logits[t * V + size_t(v)] - want[size_t(v)]));
+      scale = std::max(scale, std::fabs(want[size_t(v)]));
+    }
+  }
+  CAPTURE(worst, scale);
+  CHECK(worst <= 1e-4 * scale);
+}
+
 TEST_CASE("bad rope_freqs.weight is rejected naming the tensor", "[model]") {
   auto expect = [](const std::vector<uint8_t>& bytes, errc code, const std::string& part) {
     auto f = gguf_file::from_bytes(bytes, "tiny.gguf");

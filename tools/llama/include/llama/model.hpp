@@ -1,7 +1,8 @@
 #pragma once
 /// \file
 /// Llama-architecture forward pass on the CPU (Eigen), attention through `kvq::KVCache`; files of
-/// architecture `llama` or `qwen2` (the same block with Q/K/V biases and RoPE on channel halves).
+/// architecture `llama`, `qwen2` (the same block with Q/K/V biases and RoPE on channel halves) or
+/// `gemma` (Gemma 1: RoPE on halves, embeddings scaled by sqrt(n_embd), GELU gating, tied output).
 ///
 /// Per layer: RMSNorm → Q, K, V projections → RoPE (llama.cpp "normal" layout: adjacent pairs
 /// (2i, 2i+1) rotated by pos * base^(-2i/n_rot), divided by the file's `rope_freqs.weight` factor
@@ -62,7 +63,8 @@ struct llama_hparams {
   float rms_eps = 1e-5f;
   float rope_base = 10000.f;
   bool rope_freq_factors = false;  ///< `rope_freqs.weight` divides the pairs' frequencies (Llama 3.1+ scaling)
-  bool rope_neox = false;          ///< RoPE pairs (i, i + n_rot/2) (architecture qwen2), else (2i, 2i + 1)
+  bool rope_neox = false;          ///< RoPE pairs (i, i + n_rot/2) (qwen2, gemma), else (2i, 2i + 1)
+  bool gemma = false;              ///< architecture gemma: embeddings x sqrt(n_embd), GELU (tanh) gating
 };
 
 /// One transformer block's weights, [out][in] row-major.
