@@ -500,7 +500,7 @@ void llama_model::embed(std::span<const token_id> tokens, std::vector<float>& x)
 
 void llama_model::rope(float* rows, int64_t T, int heads, std::span<const int64_t> pos) const {
   const int hd = hp_.head_dim, half = hp_.n_rot / 2;
-  // pair i: channels (2i, 2i + 1) (llama), or (i, i + n_rot / 2) (neox: Qwen2)
+  // pair i: channels (2i, 2i + 1) (llama), or (i, i + n_rot / 2) (neox: qwen2, gemma)
   const int first = hp_.rope_neox ? 1 : 2, second = hp_.rope_neox ? half : 1;
   for (int64_t t = 0; t < T; ++t) {
     const double p = double(pos[size_t(t)]);
