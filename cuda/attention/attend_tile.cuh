@@ -160,15 +160,7 @@ __global__ void __launch_bounds__(threads, 2) attend_kernel(const __grid_constan
       }
     uint32_t pf[2][2];
     row_softmax_step<2, D>(sc4, tile_max, row_max, row_sum, acc, pf);
-    // ---- O += P V ----
-    const uint32_t pa0 = pf[0][0], pa1 = pf[0][1], pa2 = pf[1][0], pa3 = pf[1][1];
-#pragma unroll
-    for (int jp = 0; jp < D / 16; ++jp) {
-      uint32_t b0, b1, b2, b3;
-      ldsm_x4_t(smem_addr(sm.v + swz<D>(wrow + (lane % 8) + ((lane / 8) % 2) * 8, jp * 2 + lane / 16)), b0, b1, b2, b3);
-      mma16816(acc[2 * jp], pa0, pa1, pa2, pa3, b0, b1);
-      mma16816(acc[2 * jp + 1], pa0, pa1, pa2, pa3, b2, b3);
-    }
+    pv_mma<D, 1>(sm.v, wrow, pf, acc);  // O += P V over the warp's 16 tokens
   }
 
   // ---- merge the 4 warps, write this split's partial (max, sum, unnormalized O) ----

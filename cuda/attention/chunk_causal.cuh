@@ -164,17 +164,7 @@ __global__ void __launch_bounds__(threads, 2) chunk_kernel(const __grid_constant
       }
     uint32_t pf[8][2];  // P as fp16 pairs: [n-tile][row half]
     row_softmax_step<8, D>(s, tile_max, row_max, row_sum, acc, pf);
-    // ---- O += P V, 16 tokens per k-step ----
-#pragma unroll
-    for (int kb = 0; kb < 4; ++kb)
-#pragma unroll
-      for (int jp = 0; jp < D / 16; ++jp) {
-        uint32_t b0, b1, b2, b3;
-        ldsm_x4_t(smem_addr(sm.v[st] + swz<D>(kb * 16 + (lane % 8) + ((lane / 8) % 2) * 8, jp * 2 + lane / 16)), b0, b1,
-                  b2, b3);
-        mma16816(acc[2 * jp], pf[2 * kb][0], pf[2 * kb][1], pf[2 * kb + 1][0], pf[2 * kb + 1][1], b0, b1);
-        mma16816(acc[2 * jp + 1], pf[2 * kb][0], pf[2 * kb][1], pf[2 * kb + 1][0], pf[2 * kb + 1][1], b2, b3);
-      }
+    pv_mma<D, 4>(sm.v[st], 0, pf, acc);  // O += P V
     __syncthreads();  // every warp is done with stage st before the next copy into it
   }
 

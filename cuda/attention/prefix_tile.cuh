@@ -178,17 +178,7 @@ __global__ void __launch_bounds__(threads, 2) prefix_kernel(const __grid_constan
       }
     uint32_t pf[8][2];
     row_softmax_step<8, D>(sc4, tile_max, row_max, row_sum, acc, pf);
-    // ---- O += P V, 16 tokens per k-step ----
-#pragma unroll
-    for (int kb = 0; kb < 4; ++kb)
-#pragma unroll
-      for (int jp = 0; jp < D / 16; ++jp) {
-        uint32_t b0, b1, b2, b3;
-        ldsm_x4_t(smem_addr(sm.v + swz<D>(kb * 16 + (lane % 8) + ((lane / 8) % 2) * 8, jp * 2 + lane / 16)), b0, b1, b2,
-                  b3);
-        mma16816(acc[2 * jp], pf[2 * kb][0], pf[2 * kb][1], pf[2 * kb + 1][0], pf[2 * kb + 1][1], b0, b1);
-        mma16816(acc[2 * jp + 1], pf[2 * kb][0], pf[2 * kb][1], pf[2 * kb + 1][0], pf[2 * kb + 1][1], b2, b3);
-      }
+    pv_mma<D, 4>(sm.v, 0, pf, acc);  // O += P V
   }
   if (!active) return;
 
