@@ -20,7 +20,9 @@ template <int D, bool Replay>
 status launch_decode(const char* what, const attend_params& p, const launch_plan& lp, dim3 grid, cudaStream_t st) {
   if (lp.wide) {
     constexpr int smem = int(sizeof(decode_smem<D>));
-    KVQ_TRY(set_max_dynamic_smem(decode_wide_kernel<D, Replay>, smem));
+    // (an opt-in only above the 48 KB every launch may take: head_dim 256; no driver call per
+    // launch at 64 and 128, as when this kernel's shared memory was static)
+    if constexpr (smem > 48 * 1024) KVQ_TRY(set_max_dynamic_smem(decode_wide_kernel<D, Replay>, smem));
     return launch(what, decode_wide_kernel<D, Replay>, grid, dim3(dec_warps * 32), size_t(smem), st, p);
   }
   const auto kernel = !lp.page_stage ? decode_kernel<D, Replay>
