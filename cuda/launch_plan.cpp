@@ -3,6 +3,8 @@
 // `attend_workspace_bytes`.
 #include "launch_plan.hpp"
 
+#include <kvq/format/kinds.hpp>
+
 #include "attention/attend_launch.hpp"
 #include "attention/layout.hpp"
 #include "status.hpp"
@@ -16,36 +18,46 @@ namespace cuda {
 namespace detail {
 namespace {
 
-// Stages of a layer of at most 8 bits. cap: the bits a stage holds (the layer's widest format,
-// rounded up to 2/4/8). The block-staged kernel (page stages shared by the block's warps) when at
-// least 3 page stages fit with `staged_blocks` blocks per SM, a page-head of the largest K and V
-// formats the stages hold each (8-bit page-heads: 18 KB at page_tokens 64, 3 stages); else the
-// per-warp staged kernel, one slab per stage, as many stages as fit, 2 at least.
+// Stages of a decode call. cap: the bits a stage holds (the layer's widest format, rounded up to
+// 2/4/8/16; formats read by element are never staged). The block-staged kernel (page stages shared
+// by the block's warps) when at least 3 page stages fit with `staged_blocks` blocks per SM, a
+// page-head of the largest K and V formats the stages hold each (8-bit page-heads: 18 KB at
+// page_tokens 64, 3 stages); else the per-warp staged kernel, one slab per stage, as many stages as
+// fit, 2 at least. A 16-bit plan starts from `wide_staged_blocks`, and its page-heads (16 KB at
+// head_dim 64, 32 KB at 128, 64 KB at 256, page_tokens 64) take the block-staged kernel at fewer
+// blocks per SM where 3 page stages fit there.
 template <int D>
 void plan_stages(const paged_view& kv, int max_bits, bool one_format, launch_plan& lp) {
   constexpr int sm_bytes = 227 * 1024, reserved = 1024;
-  lp.stage_cap = max_bits <= 2 ? 2 : max_bits <= 4 ? 4 : 8;
-  const int room = sm_bytes / staged_blocks<D> - reserved - int(staged_head_bytes<D>);
+  lp.stage_cap = max_bits <= 2 ? 2 : max_bits <= 4 ? 4 : max_bits <= 8 ? 8 : 16;
+  const auto room = [](int blocks) { return sm_bytes / blocks - reserved - int(staged_head_bytes<D>); };
   uint32_t kb = 0, vb = 0;  // the largest K and V page-heads the stages hold
-  for (int f = 0; f < int(format_count); ++f)
-    if (traits_of(format_id(f)).bits <= lp.stage_cap) kb = std::max(kb, kv.k_page_bytes[f]), vb = std::max(vb, kv.v_page_bytes[f]);
+  for (int f = 0; f < int(format_count); ++f) {
+    const format_traits t = traits_of(format_id(f));
+    if (t.bits <= lp.stage_cap && !read_by_element(t)) kb = std::max(kb, kv.k_page_bytes[f]), vb = std::max(vb, kv.v_page_bytes[f]);
+  }
   const int ps = int((kb + vb + 127) / 128 * 128);
   // Page stages: any count of at least 3. Where stages x chunks per page is not a multiple of the
   // block's 4 warps, warp pairs take a stage's pages in turn, and the kernel instance with one
   // full barrier per fill parity runs (two_full).
-  const int pns = ps > 0 ? std::min(room / ps, max_stages) : 0;
+  const int max_blocks = lp.stage_cap == 16 ? wide_staged_blocks<D> : staged_blocks<D>;
+  int blocks = max_blocks;
+  if (lp.stage_cap == 16)
+    while (blocks > 1 && ps > 0 && room(blocks) / ps < 3) --blocks;
+  const int pns = ps > 0 ? std::min(room(blocks) / ps, max_stages) : 0;
   int st, ring;  // stage bytes; rings of stages (one per warp, or one per block)
   if (pns >= 3) {
     lp.page_stage = uint32_t(ps), st = ps, ring = 1, lp.stages = pns;
     lp.two_full = (pns * (kv.page_tokens / (2 * slab))) % dec_warps != 0;
-    lp.whole = one_format && !lp.two_full && kv.page_tokens >= 4 * slab &&
+    lp.whole = one_format && lp.stage_cap <= 4 && !lp.two_full && kv.page_tokens >= 4 * slab &&
                pns * (kv.page_tokens / (4 * slab)) > dec_warps;
   } else {
+    blocks = max_blocks;
     lp.page_stage = 0, st = int(stage_bytes(D, lp.stage_cap)), ring = dec_warps;
-    lp.stages = std::clamp(room / (ring * st), 2, max_stages);
+    lp.stages = std::clamp(room(blocks) / (ring * st), 2, max_stages);
   }
   lp.smem = int(staged_head_bytes<D>) + std::max(ring * lp.stages * st, int(sizeof(merge_area<D>)));
-  lp.per_sm = std::min(staged_blocks<D>, sm_bytes / (lp.smem + reserved));
+  lp.per_sm = std::min(blocks, sm_bytes / (lp.smem + reserved));
 }
 
 }  // namespace
@@ -72,10 +84,8 @@ launch_plan plan_for(const attend_args& a) {
     // item; a partial last wave is paid in full (ncu showed 2.1 waves costing up to a third of the
     // time), so take the s of least cost, the fewest splits on a tie. At least 4 slabs per warp,
     // at most max_cta_slabs per block (the page table cache).
-    lp.wide = a.max_page_bits > 8;
-    if (!lp.wide) {
-      with_head_dim(a.kv.head_dim, [&]<int D>() { plan_stages<D>(a.kv, a.max_page_bits, a.one_format_per_head, lp); });
-    }
+    lp.wide = false;
+    with_head_dim(a.kv.head_dim, [&]<int D>() { plan_stages<D>(a.kv, a.max_page_bits, a.one_format_per_head, lp); });
     const int64_t wave = int64_t(a.num_sms) * (lp.wide ? 2 : lp.per_sm);
     const int64_t base = int64_t(std::max<size_t>(1, a.items.size())) * a.kv.kv_heads;
     const int s_min = ceil_div(lp.max_tiles, max_cta_slabs);

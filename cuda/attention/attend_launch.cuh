@@ -25,10 +25,13 @@ status launch_decode(const char* what, const attend_params& p, const launch_plan
     if constexpr (smem > 48 * 1024) KVQ_TRY(set_max_dynamic_smem(decode_wide_kernel<D, Replay>, smem));
     return launch(what, decode_wide_kernel<D, Replay>, grid, dim3(dec_warps * 32), size_t(smem), st, p);
   }
-  const auto kernel = !lp.page_stage ? decode_kernel<D, Replay>
-                      : lp.two_full  ? decode_paged_kernel<D, true, false, Replay>
-                      : lp.whole     ? decode_paged_kernel<D, false, true, Replay>
-                                     : decode_paged_kernel<D, false, false, Replay>;
+  // (a 16-bit stage plan: the Wide instances)
+  const bool w = lp.stage_cap == 16;
+  const auto kernel = !lp.page_stage ? (w ? decode_kernel<D, true, Replay> : decode_kernel<D, false, Replay>)
+                      : lp.two_full  ? (w ? decode_paged_kernel<D, true, false, true, Replay> : decode_paged_kernel<D, true, false, false, Replay>)
+                      : lp.whole     ? decode_paged_kernel<D, false, true, false, Replay>
+                      : w            ? decode_paged_kernel<D, false, false, true, Replay>
+                                     : decode_paged_kernel<D, false, false, false, Replay>;
   // The shared-memory opt-in belongs to the current device: set before every launch.
   KVQ_TRY(set_max_dynamic_smem(kernel, lp.smem));
   return launch(what, kernel, grid, dim3(dec_warps * 32), size_t(lp.smem), st, p);

@@ -88,9 +88,10 @@ __device__ __forceinline__ void values_int(const v_raw<D, Cap>& vr, bool sym, in
              deq(pair_codes<Bits>(vr.w[2], vr.w[3], 2 * m + 1, magic), 2 * m + 1, s89, z89), pb0, pb1);
 }
 
-// The narrow decode kernel's path for 16-bit slabs (fp16/bf16 pages, the FP16 ring): read where
-// used, in two halves of the lane's channels so that at most 16 raw words per row are live.
-template <int D>
+// The staged decode kernels' path for 16-bit slabs (fp16/bf16 pages, the FP16 ring): read where
+// used, from global memory or from a stage in shared memory (Global = false), in two halves of the
+// lane's channels so that at most 16 raw words per row are live.
+template <int D, bool Global = true>
 __device__ __forceinline__ void scores_wide(const slab_ref& s, family fam, int g, int t, int window,
                                             const uint32_t (&qb)[D / 8], float (&sc)[4]) {
   constexpr uint32_t row_bytes = D * 2;
@@ -99,8 +100,8 @@ __device__ __forceinline__ void scores_wide(const slab_ref& s, family fam, int g
 #pragma unroll
   for (int hs = 0; hs < 2; ++hs) {
     uint32_t w0[D / 16], w8[D / 16], a0[D / 16], a8[D / 16];
-    ldg_words<D / 4>(r0 + hs * (D / 4), w0);
-    ldg_words<D / 4>(r8 + hs * (D / 4), w8);
+    ldg_words<D / 4, Global>(r0 + hs * (D / 4), w0);
+    ldg_words<D / 4, Global>(r8 + hs * (D / 4), w8);
     to_pairs<16, D / 16>(w0, fam, a0);
     to_pairs<16, D / 16>(w8, fam, a8);
 #pragma unroll
@@ -110,7 +111,7 @@ __device__ __forceinline__ void scores_wide(const slab_ref& s, family fam, int g
   }
 }
 
-template <int D>
+template <int D, bool Global = true>
 __device__ __forceinline__ void values_wide(const slab_ref& s, family fam, int g, int t, int window, uint32_t pb0,
                                             uint32_t pb1, float (&acc)[D / 16][4]) {
   constexpr uint32_t row_bytes = D * 2;
@@ -121,7 +122,7 @@ __device__ __forceinline__ void values_wide(const slab_ref& s, family fam, int g
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
       uint32_t w[D / 32];
-      ldg_words<D / 8>(slab_row<D>(s, s.v, rows[r], row_bytes, window) + g * (D / 4) + hs * (D / 8), w);
+      ldg_words<D / 8, Global>(slab_row<D>(s, s.v, rows[r], row_bytes, window) + g * (D / 4) + hs * (D / 8), w);
       to_pairs<16, D / 32>(w, fam, v[r]);
       if (rows[r] >= s.valid) {
 #pragma unroll

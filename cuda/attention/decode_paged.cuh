@@ -40,9 +40,10 @@ __device__ __forceinline__ void issue_page(const attend_params& p, const page_ta
 // (`pages`, below). An instance of its own: compiled into one kernel with the per-page dispatch,
 // it made that dispatch 2-5 % slower (register allocation), and a decode step over mixed layers
 // (EchoKV's tiers over time) 6-7 % slower. Replay: the items from `attend_params::table` (a
-// replayed step; blocks past its items exit at once).
-template <int D, bool TwoFull, bool Whole, bool Replay = false>
-__global__ void __launch_bounds__(dec_warps * 32, staged_blocks<D>)
+// replayed step; blocks past its items exit at once). Wide: the instance of a 16-bit stage plan
+// (`decode_step`; not with Whole).
+template <int D, bool TwoFull, bool Whole, bool Wide, bool Replay = false>
+__global__ void __launch_bounds__(dec_warps * 32, (decode_blocks<D, Wide>))
     decode_paged_kernel(const __grid_constant__ attend_params p) {
   pdl_trigger();
   constexpr int Cap = 8;
@@ -84,13 +85,17 @@ __global__ void __launch_bounds__(dec_warps * 32, staged_blocks<D>)
   // barriers) kivi8, sym8, fp8; 4/2-bit kivi4, kivi2, sym4, sym2 and KIVI's K4V2): whole 64-token
   // units per step (`pages`, the Whole instance, page_tokens 64 and up), else 32-token chunks
   // (`chunks`). Other blocks run 32-token chunks that dispatch on each page's kinds.
+  // (16-bit pages: `wide_pair` where every page of the block has 16-bit K and V)
   const auto uniform_kinds = [&]() {  // the (K kind, V kind) of every page of the block, both staged; else -1
     bool same = true;
     for (int i = threadIdx.x; i < n_pages; i += dec_warps * 32)
-      same = same && sm.pages.kk[i] == sm.pages.kk[0] && sm.pages.kv[i] == sm.pages.kv[0];
-    const bool uni = __syncthreads_and(same) && n_pages > 0 && sm.pages.fk[0].bits <= p.stage_cap &&
-                     sm.pages.fv[0].bits <= p.stage_cap;
-    return uni ? kind_pair(sm.pages.kk[0], sm.pages.kv[0]) : no_combo;
+      same = same && sm.pages.kk[i] == sm.pages.kk[0] && sm.pages.kv[i] == sm.pages.kv[0] &&
+             (sm.pages.kk[i] >= 0 || sm.pages.fk[i].bits == 16) && (sm.pages.kv[i] >= 0 || sm.pages.fv[i].bits == 16);
+    const bool uni = __syncthreads_and(same) && n_pages > 0 && stages_hold(sm.pages.fk[0], sm.pages.kk[0], p.stage_cap) &&
+                     stages_hold(sm.pages.fv[0], sm.pages.kv[0], p.stage_cap);
+    if (!uni) return no_combo;
+    if (sm.pages.kk[0] < 0 || sm.pages.kv[0] < 0) return sm.pages.kk[0] < 0 && sm.pages.kv[0] < 0 ? wide_pair : no_combo;
+    return kind_pair(sm.pages.kk[0], sm.pages.kv[0]);
   };
   int kinds = no_combo;
   bool whole = false;
@@ -153,18 +158,19 @@ __global__ void __launch_bounds__(dec_warps * 32, staged_blocks<D>)
       cur.ring = false;
       cur.row0 = cur.tok0 & (P - 1);
       mbar_wait(full_bar(st, fill), full_parity(fill));
-      const bool k_st = KK != kind::dispatch || cur.fk.bits <= p.stage_cap, v_st = KV != kind::dispatch || cur.fv.bits <= p.stage_cap;
+      const bool k_st = KK != kind::dispatch || stages_hold(cur.fk, cur.kk, p.stage_cap),
+                 v_st = KV != kind::dispatch || stages_hold(cur.fv, cur.kv, p.stage_cap);
       slab_ref sk = cur;
       sk.k = stages + st * st_bytes, sk.v = sk.k + sm.pages.v_offset[e];
       if (j + 1 < pc_end && k_st && v_st) {  // the chunk's two slabs as one step
         cur.valid = sk.valid = min(2 * slab, item.from_pages - cur.tok0);
-        decode_step<D, Cap, KK, KV>(p, cur, sk, P, true, k_st, v_st, true, g, t, lane, sm.qh, qb, q_key, cs);
+        decode_step<D, Cap, KK, KV, Wide>(p, cur, sk, P, true, k_st, v_st, true, g, t, lane, sm.qh, qb, q_key, cs);
       } else {
         for (int i = 0; i < 2 && j + i < pc_end; ++i) {
           slab_ref c1 = cur, s1 = sk;
           c1.tok0 = cur.tok0 + slab * i, c1.row0 = s1.row0 = cur.row0 + slab * i;
           c1.valid = s1.valid = min(slab, item.from_pages - c1.tok0);
-          decode_step<D, Cap, KK, KV>(p, c1, s1, P, true, k_st, v_st, false, g, t, lane, sm.qh, qb, q_key, cs);
+          decode_step<D, Cap, KK, KV, Wide>(p, c1, s1, P, true, k_st, v_st, false, g, t, lane, sm.qh, qb, q_key, cs);
         }
       }
       worked = true;
@@ -236,7 +242,12 @@ __global__ void __launch_bounds__(dec_warps * 32, staged_blocks<D>)
     }
     q_key = -2;  // qb holds a token group's fold
   };
-  if constexpr (Whole) {
+  static_assert(!(Whole && Wide), "whole units: 4- and 2-bit pages");
+  if constexpr (Wide) {
+    // A 16-bit stage plan: blocks of 16-bit pages only run the chunk loop compiled for them.
+    if (uniform_kinds() == wide_pair) chunks.template operator()<kind::wide, kind::wide>();
+    else chunks.template operator()<kind::dispatch, kind::dispatch>();
+  } else if constexpr (Whole) {
     switch (whole ? kinds : no_combo) {
       case kind_pair(kind::kivi4, kind::kivi4): pages.template operator()<kind::kivi4, kind::kivi4>(); break;
       case kind_pair(kind::kivi2, kind::kivi2): pages.template operator()<kind::kivi2, kind::kivi2>(); break;

@@ -14,14 +14,14 @@ namespace cuda::detail {
 // scales and zeros, D halves each) and, at `stage_k_bytes`, its V as a 16-row page (codes, scales
 // rows, zeros rows). Slabs whose format is wider than the
 // stages (a stray 16-bit page, an 8-bit page under a 4-bit stage plan) and the FP16 ring are read
-// from global memory where they are used.
+// from global memory where they are used. Wide: the instance of a 16-bit stage plan (`decode_step`).
 
 // One slab per stage (layers of 8 bits whose page-heads leave room for fewer than 3 page stages,
 // e.g. page_tokens 128; the block-staged kernel takes the others). With the two-slab step compiled
 // in, this path measured 3-10 % slower (one register allocation for both). `Replay`: the items
 // from `attend_params::table` (a replayed step; blocks past its items exit at once).
-template <int D, bool Replay = false>
-__global__ void __launch_bounds__(dec_warps * 32, staged_blocks<D>)
+template <int D, bool Wide, bool Replay = false>
+__global__ void __launch_bounds__(dec_warps * 32, (decode_blocks<D, Wide>))
     decode_kernel(const __grid_constant__ attend_params p) {
   pdl_trigger();
   constexpr int Cap = 8;
@@ -82,13 +82,13 @@ __global__ void __launch_bounds__(dec_warps * 32, staged_blocks<D>)
     }
     const format_traits fk = cur.fk, fv = cur.fv;
     const uint8_t* st = my_stages + cur_st * st_bytes;
-    const bool k_st = !cur.ring && fk.bits <= p.stage_cap, v_st = !cur.ring && fv.bits <= p.stage_cap;
+    const bool k_st = !cur.ring && stages_hold(fk, cur.kk, p.stage_cap), v_st = !cur.ring && stages_hold(fv, cur.kv, p.stage_cap);
     if (!cur.ring) cur.valid = min(slab, item.from_pages - cur.tok0);
     // the slab in its stage: a 16-row page
     slab_ref sk = cur;
     sk.k = st, sk.v = st + st_v, sk.row0 = 0;
 
-    decode_step<D, Cap>(p, cur, sk, rows, false, k_st, v_st, false, g, t, lane, sm.qh, qb, q_key, cs);
+    decode_step<D, Cap, kind::dispatch, kind::dispatch, Wide>(p, cur, sk, rows, false, k_st, v_st, false, g, t, lane, sm.qh, qb, q_key, cs);
     __syncwarp();  // every lane is done with this step's rows of the stage
     if (!cur.ring && ++cur_st == ns) cur_st = 0;
   }

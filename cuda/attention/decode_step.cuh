@@ -3,6 +3,7 @@
 // scores, online softmax, P V) compiled per kind of K and V format (`scores_kind`, `values_kind`;
 // kinds in kinds.cuh), and the staged kernels' common start and per-warp bulk copies.
 #include "attention/decode_mma.cuh"
+#include "attention/element_read.cuh"
 #include "attention/query.cuh"
 #include "attention/softmax.cuh"
 
@@ -152,12 +153,52 @@ __device__ __forceinline__ void values_staged(format_traits fv, const slab_ref& 
   }
 }
 
+// 16-bit formats (fp16, bf16) in a stage: S slabs' scores or P V, read from shared memory.
+template <int D, int S>
+__device__ __forceinline__ void scores_wide_staged(const slab_ref& sk, family fam, int g, int t, int window,
+                                                   const uint32_t (&qb)[D / 8], float (&sc)[4 * S]) {
+#pragma unroll
+  for (int s = 0; s < S; ++s) {
+    slab_ref ss = sk;
+    ss.row0 = sk.row0 + slab * s;
+    float part[4] = {0.f, 0.f, 0.f, 0.f};
+    scores_wide<D, false>(ss, fam, g, t, window, qb, part);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) sc[4 * s + e] = part[e];
+  }
+}
+template <int D, int S>
+__device__ __forceinline__ void values_wide_staged(const slab_ref& sk, family fam, int g, int t, int window,
+                                                   const float (&pv)[4 * S], int valid, float (&acc)[D / 16][4]) {
+#pragma unroll
+  for (int s = 0; s < S; ++s) {
+    slab_ref ss = sk;
+    ss.row0 = sk.row0 + slab * s;
+    ss.valid = valid - slab * s;
+    const float ps[4] = {pv[4 * s], pv[4 * s + 1], pv[4 * s + 2], pv[4 * s + 3]};
+    uint32_t pb0, pb1;
+    p_frags(ps, pb0, pb1);
+    values_wide<D, false>(ss, fam, g, t, window, pb0, pb1, acc);
+  }
+}
+
+// True where the stages hold a page of format f (kind k) under a stage plan of `cap` bits: a
+// format with a kind, or a 16-bit one, of at most `cap` bits (pages read by element are read from
+// global memory where they are used).
+__device__ __forceinline__ bool stages_hold(format_traits f, int k, int cap) { return f.bits <= cap && (k >= 0 || f.bits == 16); }
+
 // One step of a staged decode kernel: the query for the step's K format (KIVI keys: their token
 // group's scales folded in), then scores, online softmax and P V for one slab, or for the two slabs
 // of a staged chunk (`pair`). cur: the slab(s) in memory; sk: the same rows in their stage, which
 // has the shape of a `rows`-row page (a chunk stage holds one token group's KIVI key parameters, a
-// page stage (`page_stage`) the whole page's).
-template <int D, int Cap, int KK = kind::dispatch, int KV = kind::dispatch>
+// page stage (`page_stage`) the whole page's). KK, KV: the kinds of every page of the block
+// (`kind::wide`: 16-bit pages, staged), or `kind::dispatch` (per page). Pages the stages do not
+// hold (k_st, v_st false) are read from global memory: 16-bit pages and the FP16 ring, pages read
+// by element, and pages wider than the stages (under a smaller `max_page_bits` hint). Wide: the
+// instance of a 16-bit stage plan, the only one with the code for 16-bit stages and for pages read
+// by element (compiled into the instances of narrower plans, it made them spill: 28 -> 628 bytes
+// at head_dim 128).
+template <int D, int Cap, int KK = kind::dispatch, int KV = kind::dispatch, bool Wide = false>
 __device__ __forceinline__ void decode_step(const attend_params& p, const slab_ref& cur, const slab_ref& sk, int rows,
                                             bool page_stage, bool k_st, bool v_st, bool pair, int g, int t, int lane,
                                             const uint4 (&qh)[D / 32][32], uint32_t (&qb)[D / 8], int& q_key,
@@ -165,7 +206,7 @@ __device__ __forceinline__ void decode_step(const attend_params& p, const slab_r
   const int P = p.kv.page_tokens;
   const format_traits fk = cur.fk, fv = cur.fv;
   // ---- the query for this slab's K format ----
-  const bool k_codes = !cur.ring && fk.k_along_tokens();
+  const bool k_codes = KK != kind::wide && !cur.ring && cur.kk >= 0 && fk.k_along_tokens();
   const int lgk = k_codes ? log2i(fk.group) : 0;
   const int key = k_codes ? cur.tok0 & ~(int(fk.group) - 1) : -1;
   if (key != q_key) {
@@ -183,19 +224,34 @@ __device__ __forceinline__ void decode_step(const attend_params& p, const slab_r
     q_key = key;
   }
   const int wnd = p.kv.window;
+  // S staged slabs: scores and P V of the kinds KK, KV, or of the page's (16-bit: `*_wide_staged`)
+  const auto scores_st = [&]<int S>(float (&sc)[4 * S], float (&rs)[2 * S]) __attribute__((always_inline)) {
+    if constexpr (KK == kind::wide) scores_wide_staged<D, S>(sk, fk.fam, g, t, wnd, qb, sc);
+    else if constexpr (KK != kind::dispatch) scores_staged<D, Cap, S, KK>(fk, sk, rows, wnd, g, t, qb, sc, rs, cur.valid);
+    else if (Wide && fk.bits == 16) scores_wide_staged<D, S>(sk, fk.fam, g, t, wnd, qb, sc);
+    else scores_staged<D, Cap, S>(fk, sk, rows, wnd, g, t, qb, sc, rs, cur.valid);
+  };
+  const auto values_st = [&]<int S>(float (&pv)[4 * S]) __attribute__((always_inline)) {
+    if constexpr (KV == kind::wide) values_wide_staged<D, S>(sk, fv.fam, g, t, wnd, pv, cur.valid, cs.acc);
+    else if constexpr (KV != kind::dispatch) values_staged<D, Cap, S, KV>(fv, sk, rows, wnd, g, t, pv, cur.valid, cs.acc);
+    else if (Wide && fv.bits == 16) values_wide_staged<D, S>(sk, fv.fam, g, t, wnd, pv, cur.valid, cs.acc);
+    else values_staged<D, Cap, S>(fv, sk, rows, wnd, g, t, pv, cur.valid, cs.acc);
+  };
   if (pair) {
     float sc[8], rs[4] = {1.f, 1.f, 1.f, 1.f}, pv[8];
-    scores_staged<D, Cap, 2, KK>(fk, sk, rows, wnd, g, t, qb, sc, rs, cur.valid);
+    scores_st.template operator()<2>(sc, rs);
     softmax_tiles<D, 2>(sc, rs, p.scale_log2, cur.tok0, cur.valid, g, cs, pv);
-    values_staged<D, Cap, 2, KV>(fv, sk, rows, wnd, g, t, pv, cur.valid, cs.acc);
+    values_st.template operator()<2>(pv);
   } else {
     // ---- S^T = K Q^T ----
     float sc[4] = {0.f, 0.f, 0.f, 0.f};
     float rs[2] = {1.f, 1.f};  // fp8 keys: per-token scales of rows g, g+8
     if (k_st) {
-      scores_staged<D, Cap, 1, KK>(fk, sk, rows, wnd, g, t, qb, sc, rs, cur.valid);
-    } else if (fk.bits == 16) {  // the FP16 ring, a stray 16-bit page
+      scores_st.template operator()<1>(sc, rs);
+    } else if (fk.bits == 16) {  // the FP16 ring, a 16-bit page under a stage plan of at most 8 bits
       scores_wide<D>(cur, fk.fam, g, t, wnd, qb, sc);
+    } else if (Wide && cur.kk < 0) {  // a page read by element
+      scores_by_element<D>(cur, P, g, t, qh, lane, sc);
     } else {  // a page wider than the stages (under a smaller `max_page_bits` hint)
       k_raw<D, Cap> kr;
       load_k<D, Cap, true>(cur, fk, P, wnd, g, t, kr);
@@ -213,11 +269,15 @@ __device__ __forceinline__ void decode_step(const attend_params& p, const slab_r
 
     // ---- O^T += V^T P^T ----
     if (v_st) {
-      values_staged<D, Cap, 1, KV>(fv, sk, rows, wnd, g, t, pv, cur.valid, cs.acc);
+      values_st.template operator()<1>(pv);
     } else if (fv.bits == 16) {
       uint32_t pb0, pb1;
       p_frags(pv, pb0, pb1);
       values_wide<D>(cur, fv.fam, g, t, wnd, pb0, pb1, cs.acc);
+    } else if (Wide && cur.kv < 0) {  // a page read by element
+      uint32_t pb0, pb1;
+      p_frags(pv, pb0, pb1);
+      values_by_element<D>(cur, P, g, t, pb0, pb1, cs.acc);
     } else {  // a page wider than the stages
       v_raw<D, Cap> vr;
       load_v<D, Cap, true>(cur, fv, P, wnd, g, t, vr);

@@ -10,7 +10,8 @@ namespace cuda::detail {
 // The staged kernel compiles the K part (loads, dequantization, score MMAs) and the V part (loads,
 // dequantization, P, output MMAs) once per kind of page format, each a straight run of code with the
 // format's family and bits constant (branches inside a slab cost issue slots and split the code the
-// scheduler can interleave). 16-bit formats take the unstaged path. The page table cache holds each
+// scheduler can interleave). 16-bit formats in the stages have code of their own (`kind::wide`,
+// `wide_pair`). The page table cache holds each
 // page's kinds (`kvq::kind_of`), so that a step's dispatch is a byte load, not a chain of compares
 // per step.
 namespace kind {
@@ -18,10 +19,12 @@ using namespace kvq::kernel_kind;    // kivi8, kivi4, kivi2 (KIVI and RoleAlign)
 inline constexpr int wide = -1;      // `kind_of` a format of more than 8 bits (and of the FP16 ring)
 inline constexpr int dispatch = -1;  // as a kernel template argument: no fixed kind, read per page
 }  // namespace kind
-static_assert(kvq::kind_of(fp16_format) == kind::wide, "16-bit formats are read unstaged");
+static_assert(kvq::kind_of(fp16_format) == kind::wide, "16-bit formats have no kind");
 
 // A block's pages of differing or unstaged kinds (not a `kind_pair`).
 inline constexpr int no_combo = -1;
+// A block whose pages all have 16-bit K and V in the stages (a stage plan of 16 bits).
+inline constexpr int wide_pair = -2;
 
 }  // namespace cuda::detail
 KVQ_NAMESPACE_END

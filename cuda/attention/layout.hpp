@@ -50,6 +50,12 @@ constexpr int max_stages = 8;
 // output fragments are twice as many, and 2 blocks give it 255 registers.
 template <int D>
 constexpr int staged_blocks = D >= 256 ? 2 : 3;
+// The same for a 16-bit stage plan (the kernels' Wide instances): their 16-bit and by-element
+// paths spilled 230-480 bytes under the bounds above; fewer blocks hold 3 stages of 16-bit pages.
+template <int D>
+constexpr int wide_staged_blocks = D >= 256 ? 1 : D >= 128 ? 2 : 3;
+template <int D, bool Wide>
+constexpr int decode_blocks = Wide ? wide_staged_blocks<D> : staged_blocks<D>;
 
 // A per-warp stage holds one slab (16 rows) of each role. Its room for one role: the code rows of
 // `cap` bits plus the largest parameter section (K: KIVI scales and zeros, 4 D bytes; V: scale and

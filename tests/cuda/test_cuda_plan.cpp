@@ -12,6 +12,7 @@
 #include <kvq/cuda/paged_attention.hpp>
 #include <kvq/format/kinds.hpp>
 
+#include <tuple>
 #include <vector>
 
 using namespace kvq;
@@ -50,7 +51,9 @@ cuda::attend_plan_info plan(int head_dim, int page_tokens, int max_bits, int bat
 }  // namespace
 
 TEST_CASE("attention plan: the kernel follows the layer's widest page", "[cuda][plan]") {
-  CHECK(plan(128, 64, 16, 8, 32768).kernel == cuda::attend_kernel::decode_wide);
+  // 16-bit pages: the staged kernels' 16-bit instances (block-staged where 3 page stages fit)
+  CHECK(plan(128, 64, 16, 8, 32768).kernel == cuda::attend_kernel::decode_block_staged);
+  CHECK(plan(256, 128, 16, 8, 32768).kernel == cuda::attend_kernel::decode_staged);  // 128 KB page-heads
   CHECK(plan(128, 64, 8, 8, 32768).kernel == cuda::attend_kernel::decode_block_staged);
   CHECK(plan(128, 128, 8, 8, 32768).kernel == cuda::attend_kernel::decode_staged);  // 36 KB page-heads
   CHECK(plan(128, 64, 4, 8, 32768).kernel == cuda::attend_kernel::decode_block_staged);
@@ -68,12 +71,12 @@ TEST_CASE("attention plan: block-staged rings have at least 3 page stages that f
           CAPTURE(d, P, bits, n);
           const auto info = plan(d, P, bits, 8, n);
           if (info.kernel != cuda::attend_kernel::decode_block_staged) continue;
-          CHECK(bits <= 8);
           CHECK(info.stages >= 3);
           CHECK(info.stage_bytes % 128 == 0);
           CHECK(int64_t(info.stages) * info.stage_bytes <= info.smem_bytes);
           CHECK(info.smem_bytes <= 227 * 1024);
-          CHECK(info.blocks_per_sm == (d == 256 ? 2 : 3));  // (head_dim 256: 255 registers a thread)
+          if (bits <= 8) CHECK(info.blocks_per_sm == (d == 256 ? 2 : 3));  // (head_dim 256: 255 registers a thread)
+          else CHECK(info.blocks_per_sm <= (d == 256 ? 1 : d == 128 ? 2 : 3));  // (the 16-bit instances' bounds)
           CHECK(info.tokens_per_split % 128 == 0);  // whole 32-token chunks of every warp, whole pages
         }
   // the measured shapes (docs/performance.md): 6 stages of a kivi4 page-head at 64 tokens
@@ -85,6 +88,14 @@ TEST_CASE("attention plan: block-staged rings have at least 3 page stages that f
   const auto p8 = plan(128, 64, 8, 8, 32768);
   CHECK(p8.stages == 3);
   CHECK(p8.stage_bytes == 18432);
+  // 16-bit page-heads at page_tokens 64: 16 KB at head_dim 64 (3 stages, 3 blocks), 32 KB at 128
+  // (3 stages, 2 blocks), 64 KB at 256 (3 stages, 1 block)
+  const auto w64 = plan(64, 64, 16, 8, 32768), w128 = plan(128, 64, 16, 8, 32768), w256 = plan(256, 64, 16, 8, 32768);
+  for (const auto& [w, stages, bytes, blocks] : {std::tuple{w64, 3, 16384u, 3}, {w128, 3, 32768u, 2}, {w256, 3, 65536u, 1}}) {
+    CHECK(w.stages == stages);
+    CHECK(w.stage_bytes == bytes);
+    CHECK(w.blocks_per_sm == blocks);
+  }
 }
 
 TEST_CASE("attention plan: one format pair per head runs 64-token units on 4- and 2-bit rings", "[cuda][plan]") {
@@ -97,7 +108,7 @@ TEST_CASE("attention plan: one format pair per head runs 64-token units on 4- an
   }
   // 8-bit rings: 3 stages of 18 KB, fewer than the block's warps need (they hold 4 pages)
   CHECK_FALSE(plan(128, 64, 8, 8, 32768, 1, true).whole_units);
-  CHECK_FALSE(plan(128, 64, 16, 8, 32768, 1, true).whole_units);     // the wide kernel
+  CHECK_FALSE(plan(128, 64, 16, 8, 32768, 1, true).whole_units);     // 16-bit stages
   CHECK_FALSE(plan(128, 64, 4, 2, 4096, 4, true).whole_units);       // the tile kernel
 }
 
@@ -105,7 +116,7 @@ TEST_CASE("attention plan: head_dim 64, 128 and 256 plan; others are refused", "
   for (int d : {64, 128, 256}) {
     CAPTURE(d);
     CHECK(plan(d, 64, 4, 8, 32768).kernel == cuda::attend_kernel::decode_block_staged);
-    CHECK(plan(d, 64, 16, 8, 32768).kernel == cuda::attend_kernel::decode_wide);
+    CHECK(plan(d, 64, 16, 8, 32768).kernel == cuda::attend_kernel::decode_block_staged);
     CHECK(plan(d, 64, 4, 2, 4096, 4).kernel == cuda::attend_kernel::tile);
   }
   std::vector<cuda::decode_item> items{{0, 1, 1000, 904, 0, 0}};

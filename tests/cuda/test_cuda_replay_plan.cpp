@@ -54,14 +54,12 @@ TEST_CASE("replay plan: the eager plan's decode kernel for the layer's widest fo
   const auto lp = cuda::detail::replay_plan(a, batch, max_tokens, ws).value_or_throw();
   const cuda::attend_plan_info e = eager(a, batch, int(max_tokens));
   REQUIRE(lp.decode);
-  REQUIRE(lp.wide == (bits > 8));
-  REQUIRE(lp.wide == (e.kernel == cuda::attend_kernel::decode_wide));
+  REQUIRE(lp.stage_cap == (bits > 8 ? 16 : bits));
+  REQUIRE(e.kernel != cuda::attend_kernel::tile);
   REQUIRE((lp.page_stage > 0) == (e.kernel == cuda::attend_kernel::decode_block_staged));
-  if (!lp.wide) {
-    REQUIRE(lp.stages == e.stages);
-    REQUIRE(lp.smem == e.smem_bytes);
-    REQUIRE((lp.decode && lp.page_stage && lp.whole) == e.whole_units);
-  }
+  REQUIRE(lp.stages == e.stages);
+  REQUIRE(lp.smem == e.smem_bytes);
+  REQUIRE((lp.decode && lp.page_stage && lp.whole) == e.whole_units);
   REQUIRE(lp.max_splits == e.max_splits);
   REQUIRE(lp.tiles_per_split * lp.unit == e.tokens_per_split);
   // the workspace holds every split's partials of max_batch items
