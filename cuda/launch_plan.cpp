@@ -78,15 +78,14 @@ launch_plan plan_for(const attend_args& a) {
     total += units;
   }
   if (lp.decode) {
-    // Whole waves: the blocks resident at once are num_sms x (2 wide, 3 narrow: the launch
-    // bounds). A split count s costs waves(s) x (slabs per block(s) + a block's fixed cost, about
+    // Whole waves: the blocks resident at once are num_sms x the plan's blocks per SM (the launch
+    // bounds, or fewer where the stages take the shared memory). A split count s costs waves(s) x (slabs per block(s) + a block's fixed cost, about
     // 8 slabs: page lookups, query, warp merge, its share of the split merge) for the longest
     // item; a partial last wave is paid in full (ncu showed 2.1 waves costing up to a third of the
     // time), so take the s of least cost, the fewest splits on a tie. At least 4 slabs per warp,
     // at most max_cta_slabs per block (the page table cache).
-    lp.wide = false;
     with_head_dim(a.kv.head_dim, [&]<int D>() { plan_stages<D>(a.kv, a.max_page_bits, a.one_format_per_head, lp); });
-    const int64_t wave = int64_t(a.num_sms) * (lp.wide ? 2 : lp.per_sm);
+    const int64_t wave = int64_t(a.num_sms) * lp.per_sm;
     const int64_t base = int64_t(std::max<size_t>(1, a.items.size())) * a.kv.kv_heads;
     const int s_min = ceil_div(lp.max_tiles, max_cta_slabs);
     const int s_max = std::max(s_min, ceil_div(lp.max_tiles, 4 * dec_warps));
@@ -182,16 +181,12 @@ result<attend_plan_info> attend_plan(const attend_args& a) {
   info.max_splits = lp.max_splits;
   info.tokens_per_split = lp.tiles_per_split * lp.unit;
   if (!lp.decode) return info;
-  if (lp.wide) {
-    info.kernel = attend_kernel::decode_wide;
-    return info;
-  }
   info.kernel = lp.page_stage ? attend_kernel::decode_block_staged : attend_kernel::decode_staged;
   info.stages = lp.stages;
   info.stage_bytes = lp.page_stage ? lp.page_stage : stage_bytes(a.kv.head_dim, lp.stage_cap);
   info.smem_bytes = lp.smem;
   info.blocks_per_sm = lp.per_sm;
-  info.whole_units = lp.decode && !lp.wide && lp.page_stage && lp.whole;
+  info.whole_units = lp.decode && lp.page_stage && lp.whole;
   return info;
 }
 

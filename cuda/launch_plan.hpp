@@ -12,7 +12,6 @@ namespace cuda::detail {
 /// Splits and tiles for a batch: enough thread blocks to fill the chip about four times over.
 struct launch_plan {
   bool decode;  // group x q_len <= 8: the warp-split decode kernel
-  bool wide;    // decode: some page may hold a 16-bit format (registers for 16-bit prefetch)
   int unit, mtiles, tiles_per_split, max_splits, max_tiles;
   int rows;                             // output rows per m-tile at most (the merge's blocks per m-tile)
   int stages, stage_cap, smem, per_sm;  // the staged decode kernel's stages and occupancy

@@ -29,8 +29,8 @@ size_t decode_table_bytes();
 void fill_decode_table(std::span<const decode_item> items, void* table);
 /// The plan of a replayed attention call of up to `max_items` single-query items of at most
 /// `max_tokens` tokens: the decode kernel the eager plan picks for `a.max_page_bits` and
-/// `a.one_format_per_head` (the formats the layer can hold: the staged or block-staged kernel up
-/// to 8 bits, the wide one above) and the splits of the longest item; `workspace`: the device
+/// `a.one_format_per_head` (the formats the layer can hold: the staged or block-staged kernel,
+/// its 16-bit instance where a format of more than 8 bits or one read by element may be there) and the splits of the longest item; `workspace`: the device
 /// bytes its launches need. Checks that the call is one the
 /// replay runs (a GQA group of at most 8, the batch and context within the launch's and the page
 /// tables' limits).

@@ -1,11 +1,10 @@
 #pragma once
 // The definitions of attend_launch.hpp's launches for one head_dim: the decode kernel a plan
-// names (wide, per-warp staged, or block-staged with its fill variant), or the tile kernel, then
-// the split merge. Included only by the per-head_dim translation units (attend_d*.cu).
+// names (per-warp staged or block-staged, with its fill variant and stage width), or the tile
+// kernel, then the split merge. Included only by the per-head_dim translation units (attend_d*.cu).
 #include "attention/attend_launch.hpp"
 #include "attention/decode_paged.cuh"
 #include "attention/decode_staged.cuh"
-#include "attention/decode_wide.cuh"
 #include "attention/query.cuh"
 #include "attention/tile_launch.cuh"
 #include "launch.hpp"
@@ -18,13 +17,6 @@ namespace {
 // reads the items from `p.table`.
 template <int D, bool Replay>
 status launch_decode(const char* what, const attend_params& p, const launch_plan& lp, dim3 grid, cudaStream_t st) {
-  if (lp.wide) {
-    constexpr int smem = int(sizeof(decode_smem<D>));
-    // (an opt-in only above the 48 KB every launch may take: head_dim 256; no driver call per
-    // launch at 64 and 128, as when this kernel's shared memory was static)
-    if constexpr (smem > 48 * 1024) KVQ_TRY(set_max_dynamic_smem(decode_wide_kernel<D, Replay>, smem));
-    return launch(what, decode_wide_kernel<D, Replay>, grid, dim3(dec_warps * 32), size_t(smem), st, p);
-  }
   // (a 16-bit stage plan: the Wide instances)
   const bool w = lp.stage_cap == 16;
   const auto kernel = !lp.page_stage ? (w ? decode_kernel<D, true, Replay> : decode_kernel<D, false, Replay>)

@@ -245,7 +245,7 @@ __global__ void __launch_bounds__(dec_warps * 32, (decode_blocks<D, Wide>))
   static_assert(!(Whole && Wide), "whole units: 4- and 2-bit pages");
   if constexpr (Wide) {
     // A 16-bit stage plan: blocks of 16-bit pages only run the chunk loop compiled for them.
-    if (uniform_kinds() == wide_pair) chunks.template operator()<kind::wide, kind::wide>();
+    if (uniform_kinds() == wide_pair) chunks.template operator()<kind::staged16, kind::staged16>();
     else chunks.template operator()<kind::dispatch, kind::dispatch>();
   } else if constexpr (Whole) {
     switch (whole ? kinds : no_combo) {

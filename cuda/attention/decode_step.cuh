@@ -192,7 +192,7 @@ __device__ __forceinline__ bool stages_hold(format_traits f, int k, int cap) { r
 // of a staged chunk (`pair`). cur: the slab(s) in memory; sk: the same rows in their stage, which
 // has the shape of a `rows`-row page (a chunk stage holds one token group's KIVI key parameters, a
 // page stage (`page_stage`) the whole page's). KK, KV: the kinds of every page of the block
-// (`kind::wide`: 16-bit pages, staged), or `kind::dispatch` (per page). Pages the stages do not
+// (`kind::staged16`: 16-bit pages, staged), or `kind::dispatch` (per page). Pages the stages do not
 // hold (k_st, v_st false) are read from global memory: 16-bit pages and the FP16 ring, pages read
 // by element, and pages wider than the stages (under a smaller `max_page_bits` hint). Wide: the
 // instance of a 16-bit stage plan, the only one with the code for 16-bit stages and for pages read
@@ -206,7 +206,7 @@ __device__ __forceinline__ void decode_step(const attend_params& p, const slab_r
   const int P = p.kv.page_tokens;
   const format_traits fk = cur.fk, fv = cur.fv;
   // ---- the query for this slab's K format ----
-  const bool k_codes = KK != kind::wide && !cur.ring && cur.kk >= 0 && fk.k_along_tokens();
+  const bool k_codes = KK != kind::staged16 && !cur.ring && cur.kk >= 0 && fk.k_along_tokens();
   const int lgk = k_codes ? log2i(fk.group) : 0;
   const int key = k_codes ? cur.tok0 & ~(int(fk.group) - 1) : -1;
   if (key != q_key) {
@@ -226,13 +226,13 @@ __device__ __forceinline__ void decode_step(const attend_params& p, const slab_r
   const int wnd = p.kv.window;
   // S staged slabs: scores and P V of the kinds KK, KV, or of the page's (16-bit: `*_wide_staged`)
   const auto scores_st = [&]<int S>(float (&sc)[4 * S], float (&rs)[2 * S]) __attribute__((always_inline)) {
-    if constexpr (KK == kind::wide) scores_wide_staged<D, S>(sk, fk.fam, g, t, wnd, qb, sc);
+    if constexpr (KK == kind::staged16) scores_wide_staged<D, S>(sk, fk.fam, g, t, wnd, qb, sc);
     else if constexpr (KK != kind::dispatch) scores_staged<D, Cap, S, KK>(fk, sk, rows, wnd, g, t, qb, sc, rs, cur.valid);
     else if (Wide && fk.bits == 16) scores_wide_staged<D, S>(sk, fk.fam, g, t, wnd, qb, sc);
     else scores_staged<D, Cap, S>(fk, sk, rows, wnd, g, t, qb, sc, rs, cur.valid);
   };
   const auto values_st = [&]<int S>(float (&pv)[4 * S]) __attribute__((always_inline)) {
-    if constexpr (KV == kind::wide) values_wide_staged<D, S>(sk, fv.fam, g, t, wnd, pv, cur.valid, cs.acc);
+    if constexpr (KV == kind::staged16) values_wide_staged<D, S>(sk, fv.fam, g, t, wnd, pv, cur.valid, cs.acc);
     else if constexpr (KV != kind::dispatch) values_staged<D, Cap, S, KV>(fv, sk, rows, wnd, g, t, pv, cur.valid, cs.acc);
     else if (Wide && fv.bits == 16) values_wide_staged<D, S>(sk, fv.fam, g, t, wnd, pv, cur.valid, cs.acc);
     else values_staged<D, Cap, S>(fv, sk, rows, wnd, g, t, pv, cur.valid, cs.acc);

@@ -1,13 +1,13 @@
 #pragma once
 // Pages read element by element: the narrow formats without a kernel kind (3-bit sym, kivi and
 // rolealign, the codebook formats, nvfp4; `kvq::read_by_element`). Their pages are not staged:
-// the wide decode kernel (the kernel of any layer that holds one: `kvq::kernel_bits`) and the tile
-// kernel read them from global memory where they are used, each element through its format's
+// the staged decode kernels' 16-bit instances (the kernels of any layer that holds one:
+// `kvq::kernel_bits`) and the tile kernel read them from global memory where they are used, each element through its format's
 // codec (`decode_element`, the CPU reference's own decode), rounded to fp16 for the tensor cores.
 // A codebook page's levels, an nvfp4 page's tensor scale and the per-token scales are read from
 // the page itself (the loads of one row hit L1 after the first).
-// NOTE: one path for every such format, chosen per page, and not in the staged decode kernels
-// (docs/decisions.md, "The CUDA kernels read the 3-bit, codebook and nvfp4 formats by element").
+// NOTE: one path for every such format, chosen per page, and not in the decode kernels' narrower
+// instances (docs/decisions.md, "The CUDA kernels read the 3-bit, codebook and nvfp4 formats by element").
 #include <kvq/codec/unit.hpp>
 #include <kvq/format/codebook.hpp>
 #include <kvq/format/kivi.hpp>
@@ -55,7 +55,7 @@ __device__ __forceinline__ void element_pairs(const codec::page_geom& geo, const
 // rows g and g + 8 in the fragment order of `scores_wide`, one MMA k-step at a time; the query's B
 // fragments come from the fp16 query pairs in shared memory (`put_query`), not from qb.
 // NOTE: a loop that is not unrolled (a runtime k-step, so a query read from shared memory) keeps
-// this path's registers low: decoded whole, it made the wide decode kernel spill (docs/decisions.md).
+// this path's registers low: decoded whole, it made the decode kernel spill (docs/decisions.md).
 template <int D>
 __device__ __forceinline__ void scores_by_element(const slab_ref& s, int P, int g, int t, const uint4 (&qh)[D / 32][32],
                                                   int lane, float (&sc)[4]) {

@@ -1,8 +1,7 @@
 #pragma once
 // Page access and staging of the decode kernels: 16-token slabs (`slab_ref`), the block's page
 // table cache, per-lane raw loads of a slab's K and V words (from a page, the FP16 ring or a
-// stage in shared memory), the cp.async staging slots of the wide kernel and the bulk-copy
-// sections of the staged kernels' stages.
+// stage in shared memory) and the bulk-copy sections of the per-warp stages.
 #include "attention/dequant.cuh"
 #include "attention/kinds.cuh"
 #include "attention/params.cuh"
@@ -11,24 +10,6 @@
 
 KVQ_NAMESPACE_BEGIN
 namespace cuda::detail {
-
-// One warp's staging slot for a slab: 16 V code rows of up to 8 bits, the rows' V parameters (at
-// most two halves per 32-channel group per row, or one float per row), then the KIVI key scales
-// and zeros of the slab's token group (D halves each).
-template <int D>
-constexpr uint32_t slot_kpar = 16 * D + 2 * 16 * (D / 32) * 2;
-template <int D>
-constexpr uint32_t slot_bytes = slot_kpar<D> + 2 * D * 2;
-
-template <int D>
-struct decode_smem {
-  page_table_cache pages;
-  uint4 qh[dec_warps][D / 32][32];  // each lane's fp16 query pairs (for KIVI re-scaling; `put_query`)
-  union {
-    __align__(16) uint8_t vslot[dec_warps][2][slot_bytes<D>];  // staging, two slabs per warp
-    merge_area<D> m;                                             // after the loop
-  };
-};
 
 // One 16-token slab: the K and V page-head blocks it lies in (or the two FP16 rings).
 struct slab_ref {
@@ -206,38 +187,6 @@ __device__ __forceinline__ void load_v(const slab_ref& s, format_traits f, int P
       vr.s[r] = ld<Global>(sc + gi);
       if (f.has_zero()) vr.z[r] = ld<Global>(zr + gi);
     }
-  }
-}
-
-// Copies what a page slab needs from memory besides its K codes into a staging slot, with
-// cp.async, so that the copy is in flight while the previous slab is computed: V (code rows and
-// their parameter rows, laid out as a 16-row page) when V has a kind, and the KIVI key scales and
-// zeros of the slab's token group (pages read by element copy nothing).
-template <int D>
-__device__ __forceinline__ void stage_slab(const slab_ref& s, int P, int lane, uint32_t slot) {
-  if (s.fk.has_zero() && s.kk >= 0) {  // the token group's scale row, then its zero row: D / 8 16-byte pieces each
-    const int lg = log2i(s.fk.group);
-    const uint8_t* sc = s.k + uint32_t(P) * ((D * s.fk.bits) >> 3) + uint32_t(s.row0 >> lg) * D * 2;
-#pragma unroll
-    for (int i = lane; i < D / 4; i += 32) {
-      const int row = i / (D / 8), piece = i % (D / 8);
-      cp_async16(slot + slot_kpar<D> + row * D * 2 + piece * 16, sc + row * uint32_t(P >> lg) * D * 2 + piece * 16);
-    }
-  }
-  const format_traits f = s.fv;
-  if (f.bits > 8 || s.kv < 0) return;
-  const uint32_t row_bytes = (D * f.bits) >> 3, code_bytes = uint32_t(P) * row_bytes;
-  const uint8_t* src = s.v + uint32_t(s.row0) * row_bytes;
-  for (uint32_t c = lane; c < row_bytes; c += 32) cp_async16(slot + c * 16, src + c * 16);  // 16 rows: row_bytes chunks
-  const uint32_t dst = slot + 16 * row_bytes;
-  if (f.fam == family::fp8_e4m3) {
-    if (lane < 4) cp_async16(dst + lane * 16, s.v + code_bytes + uint32_t(s.row0) * 4 + lane * 16);
-  } else if (f.is_integer()) {
-    const uint32_t ng = uint32_t(D >> log2i(f.group == 0 ? D : f.group)), chunks = 2 * ng;  // 16 rows x ng halves
-    const uint8_t* sc = s.v + code_bytes + uint32_t(s.row0) * ng * 2;
-    if (lane < int(chunks)) cp_async16(dst + lane * 16, sc + lane * 16);
-    if (f.has_zero() && lane >= 16 && lane - 16 < int(chunks))
-      cp_async16(dst + 32 * ng + (lane - 16) * 16, sc + uint32_t(P) * ng * 2 + (lane - 16) * 16);
   }
 }
 

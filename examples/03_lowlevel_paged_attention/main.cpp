@@ -158,8 +158,7 @@ void append_layer(engine& eng, std::vector<sequence>& seqs, int layer, int32_t m
 
 const char* kernel_name(kvq::cuda::attend_kernel k) {
   using kvq::cuda::attend_kernel;
-  return k == attend_kernel::tile ? "tile" : k == attend_kernel::decode_wide ? "decode_wide"
-         : k == attend_kernel::decode_staged ? "decode_staged" : "decode_block_staged";
+  return k == attend_kernel::tile ? "tile" : k == attend_kernel::decode_staged ? "decode_staged" : "decode_block_staged";
 }
 
 }  // namespace

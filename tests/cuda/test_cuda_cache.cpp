@@ -163,7 +163,7 @@ TEST_CASE("gpu: appends of zero pages and single outliers store the CPU's bytes,
 }
 
 // The formats the kernels read by element (3-bit, codebook, nvfp4; cuda/attention/element_read.cuh):
-// decode (GQA x q_len <= 8: the wide decode kernel) and q_len 16 (the tile kernel), alone and as
+// decode (GQA x q_len <= 8: a decode kernel's 16-bit instance) and q_len 16 (the tile kernel), alone and as
 // the K or V of a pair with a staged or 16-bit format.
 TEST_CASE("gpu: formats read by element: decode and tile attention match the CPU", "[gpu][decode][by_element]") {
   const std::string spec = GENERATE("sym3/g32", "kivi3/g32", "kivi3/g64", "cb4", "cb4/g32", "cb3/g32", "cb2",
@@ -185,7 +185,7 @@ TEST_CASE("gpu: formats read by element: decode and tile attention match the CPU
 }
 
 // Pages read by element beside staged and 16-bit pages in one layer (temporal striping and one head
-// on its own format), at page_tokens 64 and 128, through both kernels that read them: the wide
+// on its own format), at page_tokens 64 and 128, through both kernels that read them: a
 // decode kernel (q_len 1: the layer's hint counts them as 16 bits) and the tile kernel (q_len 16).
 TEST_CASE("gpu: mixed formats with pages read by element", "[gpu][decode][by_element]") {
   const int which = GENERATE(0, 1, 2);
@@ -260,7 +260,7 @@ TEST_CASE("gpu: pages of 128 tokens (two warps per page in whole-page steps)", "
 }
 
 TEST_CASE("gpu: mixed formats within one sequence (temporal striping)", "[gpu][decode]") {
-  // with 16-bit pages (the wide decode kernel) and without (the staged one)
+  // with 16-bit pages (the staged kernels' 16-bit instances) and without
   const bool wide = GENERATE(true, false);
   CAPTURE(wide);
   auto c = make("kivi4/g32", 2, 32, 8, 128);

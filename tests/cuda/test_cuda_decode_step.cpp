@@ -27,8 +27,8 @@ using namespace kvq::gpu_test;
 namespace {
 
 constexpr int L = 2, Hq = 8, H = 2, D = 128, P = 64, W = 128, R = 32;
-// Layer 0 holds kivi4 / kivi2 pages on head 0 and fp16 pages on head 1 (the eager calls run the
-// wide kernel there); layer 1 kivi4 and kivi2 only (the staged kernel) with both heads rotated.
+// Layer 0 holds kivi4 / kivi2 pages on head 0 and fp16 pages on head 1 (the eager calls run a
+// staged kernel's 16-bit instance there); layer 1 kivi4 and kivi2 only (the staged kernel) with both heads rotated.
 const std::string spec = "k=kivi4/g32,v=kivi2/g32;0.1=fp16;1.0=k=kivi2/g32,v=kivi4/g32";
 
 struct stream_guard {
@@ -37,7 +37,7 @@ struct stream_guard {
   ~stream_guard() { cudaStreamDestroy(s); }
 };
 
-// The step's launches are planned per layer from these maps: the wide kernel for layer 0 of
+// The step's launches are planned per layer from these maps: a 16-bit instance for layer 0 of
 // `spec` and of the fp16 map, the block-staged kernel for the others (the whole-unit instance on
 // the 4/2-bit rings of their layer 1; 8-bit page-heads, mixed formats per head, on rings with two
 // full barriers in both layers of the narrow map).

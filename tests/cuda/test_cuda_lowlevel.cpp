@@ -2,7 +2,7 @@
 // engine that owns its memory would) against the CPU reference attention. The widest-format hint
 // `max_page_bits` picks the decode kernel and the size of its staging; the header promises that a
 // page wider than the hint is still read correctly (only slower), so every hint is run over the
-// same pages: 16 (the wide kernel), 8 (a stray 16-bit page), 4 and 2 (8- and 4-bit pages wider than
+// same pages: 16 (the 16-bit stages), 8 (a stray 16-bit page), 4 and 2 (8- and 4-bit pages wider than
 // the stages, read from global memory). Each runs with and without `one_format_per_head`, which
 // these mixed pages break: the promise may be wrong, the result may not.
 #include "gpu_test.hpp"
@@ -171,7 +171,7 @@ TEST_CASE("gpu: attend_run over a caller-built arena reads every page under any 
 }
 
 // Pages of the formats read by element (3-bit, codebook, nvfp4) among the others: they count as
-// 16 bits (`kernel_bits`), so the hint is 16 and the wide decode kernel reads them.
+// 16 bits (`kernel_bits`), so the hint is 16 and a decode kernel's 16-bit instance reads them.
 TEST_CASE("gpu: attend_run reads pages of the formats read by element under the hint 16",
           "[gpu][decode][lowlevel][by_element]") {
   const int P = GENERATE(64, 128);

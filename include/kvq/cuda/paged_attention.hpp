@@ -97,11 +97,11 @@ struct attend_args {
   float scale = 0.f;                   ///< 0: 1/sqrt(head_dim)
   int num_sms = 132;                   ///< used to size the split across thread blocks
   /// Widest code width (bits) of any page of the layer, if the caller knows it: 16 (the default)
-  /// is always correct; 8 or less lets decode run a kernel that keeps fewer registers per warp
-  /// and more warps per SM. A 16-bit page under a smaller hint is still read correctly, slower.
-  /// A page of a format read by element (3-bit, codebook, nvfp4: `kvq::read_by_element`) counts
-  /// as 16 bits (`kvq::kernel_bits`): only the wide decode kernel reads it, so a layer that may
-  /// hold one needs a hint of 16.
+  /// is always correct; 8 or less lets decode stage pages in narrower stages (more stages in
+  /// flight) and run the kernel instances that have no code for 16-bit pages. A 16-bit page under
+  /// a smaller hint is still read correctly, slower. A page of a format read by element (3-bit,
+  /// codebook, nvfp4: `kvq::read_by_element`) counts as 16 bits (`kvq::kernel_bits`): only the
+  /// decode kernels' 16-bit instances read it, so a layer that may hold one needs a hint of 16.
   int max_page_bits = 16;
   /// True if the caller knows that every page of each kv head of the layer has one K format and
   /// one V format (the heads may differ: a static policy's layers, or EchoKV's until it moves
@@ -127,10 +127,10 @@ KVQ_EXPORT status attend_can_implement(const attend_args& a);
 /// The attention kernel a call runs (see `attend_plan`).
 enum class attend_kernel {
   tile,                 ///< more than 8 query rows per kv head (extend, large speculative steps)
-  decode_wide,          ///< decode, a layer that may hold 16-bit pages (`max_page_bits` > 8)
-  decode_staged,        ///< decode, pages of at most 8 bits whose page-heads leave room for fewer than 3 page
-                        ///< stages (8-bit at page_tokens 128 and up): per-warp stages of one 16-token slab
-  decode_block_staged,  ///< decode, pages of at most 8 bits: whole pages in 3-8 stages shared by a block
+  decode_staged,        ///< decode, page-heads that leave room for fewer than 3 page stages (8-bit at
+                        ///< page_tokens 128 and up, 16-bit at head_dim 256 and page_tokens 128): per-warp
+                        ///< stages of one 16-token slab
+  decode_block_staged,  ///< decode: whole pages in 3-8 stages shared by a block
 };
 /// How `attend_run` runs a call, seen from the host (no device work): the kernel, its stages and
 /// shared memory, and how each sequence splits across thread blocks. For engines that size or log

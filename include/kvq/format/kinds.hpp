@@ -133,7 +133,7 @@ KVQ_HOST_DEVICE constexpr bool kernels_read(format_id id) {
 }
 /// The code width a page of format `id` counts as in the choice of decode kernel
 /// (`cuda::attend_args::max_page_bits`): its bits, or 16 for a format read by element, which
-/// only the wide decode kernel (and the tile kernel) read.
+/// only the decode kernels' 16-bit instances (and the tile kernel) read.
 KVQ_HOST_DEVICE constexpr int kernel_bits(format_id id) {
   return read_by_element(traits_of(id)) ? 16 : int(traits_of(id).bits);
 }
