@@ -90,7 +90,12 @@ __global__ void __launch_bounds__(dec_warps * 32, (decode_blocks<D, Wide>))
     bool same = true;
     for (int i = threadIdx.x; i < n_pages; i += dec_warps * 32)
       same = same && sm.pages.kk[i] == sm.pages.kk[0] && sm.pages.kv[i] == sm.pages.kv[0] &&
-             (sm.pages.kk[i] >= 0 || sm.pages.fk[i].bits == 16) && (sm.pages.kv[i] >= 0 || sm.pages.fv[i].bits == 16);
+             (!Wide || ((sm.pages.kk[i] >= 0 || sm.pages.fk[i].bits == 16) && (sm.pages.kv[i] >= 0 || sm.pages.fv[i].bits == 16)));
+    if constexpr (!Wide) {  // (stages of at most 8 bits hold pages with a kind only)
+      const bool uni = __syncthreads_and(same) && n_pages > 0 && sm.pages.fk[0].bits <= p.stage_cap &&
+                       sm.pages.fv[0].bits <= p.stage_cap;
+      return uni ? kind_pair(sm.pages.kk[0], sm.pages.kv[0]) : no_combo;
+    }
     const bool uni = __syncthreads_and(same) && n_pages > 0 && stages_hold(sm.pages.fk[0], sm.pages.kk[0], p.stage_cap) &&
                      stages_hold(sm.pages.fv[0], sm.pages.kv[0], p.stage_cap);
     if (!uni) return no_combo;
@@ -158,8 +163,9 @@ __global__ void __launch_bounds__(dec_warps * 32, (decode_blocks<D, Wide>))
       cur.ring = false;
       cur.row0 = cur.tok0 & (P - 1);
       mbar_wait(full_bar(st, fill), full_parity(fill));
-      const bool k_st = KK != kind::dispatch || stages_hold(cur.fk, cur.kk, p.stage_cap),
-                 v_st = KV != kind::dispatch || stages_hold(cur.fv, cur.kv, p.stage_cap);
+      // (narrower instances: no page read by element, so the width alone says what the stages hold)
+      const bool k_st = KK != kind::dispatch || (Wide ? stages_hold(cur.fk, cur.kk, p.stage_cap) : cur.fk.bits <= p.stage_cap),
+                 v_st = KV != kind::dispatch || (Wide ? stages_hold(cur.fv, cur.kv, p.stage_cap) : cur.fv.bits <= p.stage_cap);
       slab_ref sk = cur;
       sk.k = stages + st * st_bytes, sk.v = sk.k + sm.pages.v_offset[e];
       if (j + 1 < pc_end && k_st && v_st) {  // the chunk's two slabs as one step

@@ -1,12 +1,12 @@
 #pragma once
-// The per-warp staged decode kernel `decode_kernel`: layers of at most 8 bits whose page-heads
-// leave room for fewer than 3 page stages.
+// The per-warp staged decode kernel `decode_kernel`: layers whose page-heads leave room for fewer
+// than 3 page stages.
 #include "attention/decode_step.cuh"
 
 KVQ_NAMESPACE_BEGIN
 namespace cuda::detail {
 
-// ---- the staged decode kernel: layers whose pages all hold formats of at most 8 bits ------------
+// ---- the staged decode kernel ------------------------------------------------------------------
 // Each warp streams its slabs through a ring of `stages` per-warp stages in shared memory, filled by
 // the bulk-copy engine (cp.async.bulk, one instruction per section, completion counted in bytes
 // by one mbarrier per stage): no addresses per lane and no register prefetch. A stage holds one
@@ -16,8 +16,8 @@ namespace cuda::detail {
 // stages (a stray 16-bit page, an 8-bit page under a 4-bit stage plan) and the FP16 ring are read
 // from global memory where they are used. Wide: the instance of a 16-bit stage plan (`decode_step`).
 
-// One slab per stage (layers of 8 bits whose page-heads leave room for fewer than 3 page stages,
-// e.g. page_tokens 128; the block-staged kernel takes the others). With the two-slab step compiled
+// One slab per stage (layers whose page-heads leave room for fewer than 3 page stages, e.g. 8 bits
+// at page_tokens 128, 16 bits at head_dim 256 and page_tokens 128; the block-staged kernel takes the others). With the two-slab step compiled
 // in, this path measured 3-10 % slower (one register allocation for both). `Replay`: the items
 // from `attend_params::table` (a replayed step; blocks past its items exit at once).
 template <int D, bool Wide, bool Replay = false>
@@ -82,7 +82,9 @@ __global__ void __launch_bounds__(dec_warps * 32, (decode_blocks<D, Wide>))
     }
     const format_traits fk = cur.fk, fv = cur.fv;
     const uint8_t* st = my_stages + cur_st * st_bytes;
-    const bool k_st = !cur.ring && stages_hold(fk, cur.kk, p.stage_cap), v_st = !cur.ring && stages_hold(fv, cur.kv, p.stage_cap);
+    // (narrower instances: no page read by element, so the width alone says what the stages hold)
+    const bool k_st = !cur.ring && (Wide ? stages_hold(fk, cur.kk, p.stage_cap) : fk.bits <= p.stage_cap),
+               v_st = !cur.ring && (Wide ? stages_hold(fv, cur.kv, p.stage_cap) : fv.bits <= p.stage_cap);
     if (!cur.ring) cur.valid = min(slab, item.from_pages - cur.tok0);
     // the slab in its stage: a 16-row page
     slab_ref sk = cur;

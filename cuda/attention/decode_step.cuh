@@ -206,7 +206,7 @@ __device__ __forceinline__ void decode_step(const attend_params& p, const slab_r
   const int P = p.kv.page_tokens;
   const format_traits fk = cur.fk, fv = cur.fv;
   // ---- the query for this slab's K format ----
-  const bool k_codes = KK != kind::staged16 && !cur.ring && cur.kk >= 0 && fk.k_along_tokens();
+  const bool k_codes = KK != kind::staged16 && !cur.ring && (!Wide || cur.kk >= 0) && fk.k_along_tokens();  // (by element: plain query)
   const int lgk = k_codes ? log2i(fk.group) : 0;
   const int key = k_codes ? cur.tok0 & ~(int(fk.group) - 1) : -1;
   if (key != q_key) {
