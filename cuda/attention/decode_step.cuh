@@ -196,8 +196,7 @@ __device__ __forceinline__ bool stages_hold(format_traits f, int k, int cap) { r
 // hold (k_st, v_st false) are read from global memory: 16-bit pages and the FP16 ring, pages read
 // by element, and pages wider than the stages (under a smaller `max_page_bits` hint). Wide: the
 // instance of a 16-bit stage plan, the only one with the code for 16-bit stages and for pages read
-// by element (compiled into the instances of narrower plans, it made them spill: 28 -> 628 bytes
-// at head_dim 128).
+// by element (the instances of narrower plans keep the code and registers they had without it).
 template <int D, int Cap, int KK = kind::dispatch, int KV = kind::dispatch, bool Wide = false>
 __device__ __forceinline__ void decode_step(const attend_params& p, const slab_ref& cur, const slab_ref& sk, int rows,
                                             bool page_stage, bool k_st, bool v_st, bool pair, int g, int t, int lane,
