@@ -32,10 +32,8 @@ void plan_stages(const paged_view& kv, int max_bits, bool one_format, launch_pla
   lp.stage_cap = max_bits <= 2 ? 2 : max_bits <= 4 ? 4 : max_bits <= 8 ? 8 : 16;
   const auto room = [](int blocks) { return sm_bytes / blocks - reserved - int(staged_head_bytes<D>); };
   uint32_t kb = 0, vb = 0;  // the largest K and V page-heads the stages hold
-  for (int f = 0; f < int(format_count); ++f) {
-    const format_traits t = traits_of(format_id(f));
-    if (t.bits <= lp.stage_cap && !read_by_element(t)) kb = std::max(kb, kv.k_page_bytes[f]), vb = std::max(vb, kv.v_page_bytes[f]);
-  }
+  for (int f = 0; f < int(format_count); ++f)
+    if (stages_hold(format_id(f), lp.stage_cap)) kb = std::max(kb, kv.k_page_bytes[f]), vb = std::max(vb, kv.v_page_bytes[f]);
   const int ps = int((kb + vb + 127) / 128 * 128);
   // Page stages: any count of at least 3. Where stages x chunks per page is not a multiple of the
   // block's 4 warps, warp pairs take a stage's pages in turn, and the kernel instance with one

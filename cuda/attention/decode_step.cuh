@@ -182,11 +182,6 @@ __device__ __forceinline__ void values_wide_staged(const slab_ref& sk, family fa
   }
 }
 
-// True where the stages hold a page of format f (kind k) under a stage plan of `cap` bits: a
-// format with a kind, or a 16-bit one, of at most `cap` bits (pages read by element are read from
-// global memory where they are used).
-__device__ __forceinline__ bool stages_hold(format_traits f, int k, int cap) { return f.bits <= cap && (k >= 0 || f.bits == 16); }
-
 // One step of a staged decode kernel: the query for the step's K format (KIVI keys: their token
 // group's scales folded in), then scores, online softmax and P V for one slab, or for the two slabs
 // of a staged chunk (`pair`). cur: the slab(s) in memory; sk: the same rows in their stage, which

@@ -207,7 +207,7 @@ __device__ __forceinline__ void fill_page_table(const attend_params& p, const de
     pc.page16[e] = uint32_t((size_t(p.kv.blocks[row]) * block_unit + off) / 16);
     const uint32_t kb = p.kv.k_page_bytes[fm[2 * h]], vb = p.kv.v_page_bytes[fm[2 * h + 1]];
     const format_traits fk = traits_of(fm[2 * h]), fv = traits_of(fm[2 * h + 1]);
-    const bool k_st = fk.bits <= p.stage_cap && !read_by_element(fk), v_st = fv.bits <= p.stage_cap && !read_by_element(fv);
+    const bool k_st = stages_hold(fm[2 * h], p.stage_cap), v_st = stages_hold(fm[2 * h + 1], p.stage_cap);
     pc.v_offset[e] = p.page_stage && !k_st && v_st ? 0u : kb;
     pc.copy_from[e] = k_st ? 0u : kb;
     pc.copy_bytes[e] = (k_st ? kb : 0u) + (v_st ? vb : 0u);  // (K and V blocks are contiguous)
@@ -242,7 +242,7 @@ __device__ __forceinline__ slab_range block_slabs(const attend_params& p, const 
 __device__ __forceinline__ uint4 chunk_section(format_id f, int r, int part, uint32_t D, uint32_t P, int cap) {
   constexpr uint32_t rows = slab;
   const format_traits t = traits_of(f);
-  if (t.bits > cap || read_by_element(t)) return make_uint4(0, 0, 0, 0);  // (pages read by element: from memory)
+  if (!stages_hold(f, cap)) return make_uint4(0, 0, 0, 0);  // (pages read by element: from memory)
   const uint32_t rb = D * t.bits / 8, code = P * rb;
   if (part == 0) return make_uint4(0, rb, rows * rb, 0);
   if (t.fam == family::fp8_e4m3) return part == 1 ? make_uint4(code, 4, rows * 4, rows * rb) : make_uint4(0, 0, 0, 0);

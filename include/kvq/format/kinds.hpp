@@ -131,6 +131,14 @@ KVQ_HOST_DEVICE constexpr bool read_by_element(const format_traits& f) {
 KVQ_HOST_DEVICE constexpr bool kernels_read(format_id id) {
   return kind_of(id) >= 0 || traits_of(id).bits == 16 || read_by_element(traits_of(id));
 }
+/// True where the decode kernels' stages of `cap` bits hold a page of format f (kind k, from
+/// `kind_of`): a format with a kind, or a 16-bit one, of at most `cap` bits. Pages read by element
+/// are never staged (their kernels read them from global memory where they are used).
+KVQ_HOST_DEVICE constexpr bool stages_hold(const format_traits& f, int k, int cap) {
+  return f.bits <= cap && (k >= 0 || f.bits == 16);
+}
+KVQ_HOST_DEVICE constexpr bool stages_hold(format_id id, int cap) { return stages_hold(traits_of(id), kind_of(id), cap); }
+
 /// The code width a page of format `id` counts as in the choice of decode kernel
 /// (`cuda::attend_args::max_page_bits`): its bits, or 16 for a format read by element, which
 /// only the decode kernels' 16-bit instances (and the tile kernel) read.
