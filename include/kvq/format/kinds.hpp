@@ -207,5 +207,16 @@ static_assert(kernels_read(fp16_format) && kernels_read(format_id_v<kivi<2, 32>>
                   kernels_read(format_id_v<nvfp4>) && read_by_element(traits_of(format_id_v<sym<3, 32>>)) &&
                   !read_by_element(traits_of(format_id_v<kivi<4, 32>>)) && !read_by_element(traits_of(fp16_format)),
               "the formats the CUDA kernels read");
+/// Every format the kernels read is staged under a stage width of at least its bits unless it is
+/// read by element (`stages_hold` and `read_by_element` agree).
+constexpr bool stages_hold_agrees() {
+  for (size_t i = 0; i < format_count; ++i)
+    for (int cap : {2, 4, 8, 16}) {
+      const format_traits t = traits_of(format_id(i));
+      if (kernels_read(format_id(i)) && stages_hold(format_id(i), cap) != (t.bits <= cap && !read_by_element(t))) return false;
+    }
+  return true;
+}
+static_assert(stages_hold_agrees(), "stages_hold: the staged formats are those not read by element");
 
 KVQ_NAMESPACE_END
