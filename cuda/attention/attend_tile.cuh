@@ -94,7 +94,7 @@ __global__ void __launch_bounds__(threads, 2) attend_kernel(const __grid_constan
     tile_to_fp16<D>(s, raw, sm.k, sm.v, p.kv.page_tokens);
     if (!s.ring) {
       const format_traits fk = traits_of(s.fk);
-      k_codes = fk.k_along_tokens() && !read_by_element(fk);  // (by element: values, the plain query)
+      k_codes = fk.k_along_tokens() && !tile_reads_by_element(fk);  // (by element: values, the plain query)
       if (k_codes) {
         // fold the channel scales into the query and the zero points into one dot product per row
         G = fk.group;

@@ -45,6 +45,31 @@ __device__ __forceinline__ void k_frags(const uint32_t (&w)[2][D * Cap / 128], f
   }
 }
 
+// The levels of a codebook page of `rows` rows (a page, or a stage holding a 16-row page) whose
+// role block starts at `block`: after the codes and the per-row scales (format/codebook.hpp).
+template <int D, int Bits>
+__device__ __forceinline__ const uint8_t* cb_levels(const uint8_t* block, int rows, uint16_t group) {
+  const int ng = D >> log2i(group == 0 ? D : group);
+  return block + uint32_t(rows) * (D * Bits / 8) + uint32_t(rows * ng) * 2;
+}
+
+// Raw codebook K words -> this lane's A fragments: the levels (`cb_pairs`) times the rows' group
+// scales (head_dim 256: two groups per lane, as for sym).
+template <int D, int Bits, int Cap>
+__device__ __forceinline__ void k_frags_cb(const uint32_t (&w)[2][D * Cap / 128], const uint32_t (&ps)[k_scale_words<D>],
+                                           const cb_lut<Bits>& lut, uint32_t (&kg)[D / 8], uint32_t (&kg8)[D / 8]) {
+  cb_pairs<Bits, D / 8>(w[0], lut, kg);
+  cb_pairs<Bits, D / 8>(w[1], lut, kg8);
+  const auto h2 = [&](int k) { return __half2half2(__ushort_as_half(uint16_t(ps[k]))); };
+  const __half2 s0 = h2(0), s8 = h2(1), s0b = h2(k_scale_words<D> - 2), s8b = h2(k_scale_words<D> - 1);
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) {
+    const bool second = i >= D / 16;
+    kg[i] = h2_bits(__hmul2(bits_h2(kg[i]), second ? s0b : s0));
+    kg8[i] = h2_bits(__hmul2(bits_h2(kg8[i]), second ? s8b : s8));
+  }
+}
+
 // Raw V words of the lane's four rows -> half2 channel pairs of each (fp8: unscaled, the token
 // scale multiplies P; 16 bits: the values).
 template <int D, int Bits, int Cap>
@@ -175,6 +200,23 @@ __device__ __forceinline__ void values_mma(uint32_t (&va)[D / 16], uint32_t (&vb
   for (int mtile = 0; mtile < D / 16; ++mtile)
     mma16816(acc[mtile], __byte_perm(va[mtile], vb[mtile], 0x5410), __byte_perm(va[mtile], vb[mtile], 0x7632),
              __byte_perm(vc[mtile], vd[mtile], 0x5410), __byte_perm(vc[mtile], vd[mtile], 0x7632), pb0, pb1);
+}
+
+// O^T += V^T P^T for a slab of codebook V codes: each row's channel pairs looked up
+// (`cb_pairs`) and scaled by the row's group scale, then paired by token (`values_mma`, which
+// zeroes rows at or beyond `valid`).
+template <int D, int Bits, int Cap>
+__device__ __forceinline__ void values_cb(const v_raw<D, Cap>& vr, const cb_lut<Bits>& lut, int valid, int t, uint32_t pb0,
+                                          uint32_t pb1, float (&acc)[D / 16][4]) {
+  uint32_t v[4][D / 16];
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    cb_pairs<Bits, D / 16>(vr.w[r], lut, v[r]);
+    const __half2 s = __half2half2(__ushort_as_half(uint16_t(vr.s[r])));
+#pragma unroll
+    for (int i = 0; i < D / 16; ++i) v[r][i] = h2_bits(__hmul2(bits_h2(v[r][i]), s));
+  }
+  values_mma<D>(v[0], v[1], v[2], v[3], valid, t, pb0, pb1, acc);
 }
 
 // O^T += V^T P^T for one slab from the lane's raw V words (any format the kernel holds in

@@ -260,6 +260,8 @@ __global__ void __launch_bounds__(dec_warps * 32, (decode_blocks<D, Wide>))
       case kind_pair(kind::kivi4, kind::kivi2): pages.template operator()<kind::kivi4, kind::kivi2>(); break;
       case kind_pair(kind::sym4, kind::sym4): pages.template operator()<kind::sym4, kind::sym4>(); break;
       case kind_pair(kind::sym2, kind::sym2): pages.template operator()<kind::sym2, kind::sym2>(); break;
+      case kind_pair(kind::cb4, kind::cb4): pages.template operator()<kind::cb4, kind::cb4>(); break;
+      case kind_pair(kind::cb2, kind::cb2): pages.template operator()<kind::cb2, kind::cb2>(); break;
       default: chunks.template operator()<kind::dispatch, kind::dispatch>(); break;  // (a block of mixed pages: the hint was wrong)
     }
   } else {
@@ -280,6 +282,8 @@ __global__ void __launch_bounds__(dec_warps * 32, (decode_blocks<D, Wide>))
         case kind_pair(kind::kivi4, kind::kivi2): chunks.template operator()<kind::kivi4, kind::kivi2>(); break;
         case kind_pair(kind::sym4, kind::sym4): chunks.template operator()<kind::sym4, kind::sym4>(); break;
         case kind_pair(kind::sym2, kind::sym2): chunks.template operator()<kind::sym2, kind::sym2>(); break;
+        case kind_pair(kind::cb4, kind::cb4): chunks.template operator()<kind::cb4, kind::cb4>(); break;
+        case kind_pair(kind::cb2, kind::cb2): chunks.template operator()<kind::cb2, kind::cb2>(); break;
         default: chunks.template operator()<kind::dispatch, kind::dispatch>(); break;
       }
     }

@@ -66,7 +66,10 @@ __device__ __forceinline__ void scores_kind(const slab_ref& sk, uint16_t group, 
                                             const uint32_t (&qb)[D / 8], float (&sc)[4 * S], float (&rs)[2 * S],
                                             int valid, float2 init = make_float2(0.f, 0.f)) {
   static_assert(!Sub || (Fam == family::kivi && Bits <= 4), "subnormal codes: 4- and 2-bit KIVI keys");
+  constexpr bool Cb = Fam == family::codebook;
   const format_traits f{Fam, uint8_t(Bits), group};
+  cb_lut<Bits == 2 ? 2 : 4> lut;  // (codebook keys: the page's levels, once for the S slabs)
+  if constexpr (Cb) lut = cb_table<Bits, false>(cb_levels<D, Bits>(sk.k, rows, group));
 #pragma unroll
   for (int s = 0; s < S; ++s) {
     slab_ref ss = sk;
@@ -75,6 +78,7 @@ __device__ __forceinline__ void scores_kind(const slab_ref& sk, uint16_t group, 
     load_k<D, Cap, false>(ss, f, rows, window, g, t, kr);
     uint32_t kg[D / 8], kg8[D / 8];
     if constexpr (Sub) k_frags_sub<D, Bits>(kr.w, kg, kg8);
+    else if constexpr (Cb) k_frags_cb<D, Bits, Cap>(kr.w, kr.ps, lut, kg, kg8);
     else k_frags<D, Bits, Cap>(kr.w, Fam, kr.ps, kg, kg8);
     float part[4] = {init.x, init.y, init.x, init.y};
     scores_mma<D, Sub ? Bits : 0>(kg, kg8, qb, part);
@@ -92,7 +96,10 @@ __device__ __forceinline__ void scores_kind(const slab_ref& sk, uint16_t group, 
 template <int D, int Cap, family Fam, int Bits, int S>
 __device__ __forceinline__ void values_kind(const slab_ref& sk, uint16_t group, int rows, int window, int g, int t,
                                             float (&pv)[4 * S], int valid, float (&acc)[D / 16][4]) {
+  constexpr bool Cb = Fam == family::codebook;
   const format_traits f{Fam, uint8_t(Bits), group};
+  cb_lut<Bits == 2 ? 2 : 4> lut;  // (codebook values: the page's levels, once for the S slabs)
+  if constexpr (Cb) lut = cb_table<Bits, false>(cb_levels<D, Bits>(sk.v, rows, group));
 #pragma unroll
   for (int s = 0; s < S; ++s) {
     slab_ref ss = sk;
@@ -109,6 +116,9 @@ __device__ __forceinline__ void values_kind(const slab_ref& sk, uint16_t group, 
       uint32_t va[D / 16], vb[D / 16], vc[D / 16], vd[D / 16];
       v_all<D, 8, Cap>(vr, Fam, va, vb, vc, vd);
       values_mma<D>(va, vb, vc, vd, min(vs, slab), t, pb0, pb1, acc);
+    } else if constexpr (Cb) {
+      p_frags(ps, pb0, pb1);
+      values_cb<D, Bits, Cap>(vr, lut, min(vs, slab), t, pb0, pb1, acc);
     } else {
       p_frags(ps, pb0, pb1);
       values_int<D, Bits, Cap>(vr, Fam == family::sym, min(vs, slab), t, pb0, pb1, acc);
@@ -132,6 +142,8 @@ __device__ __forceinline__ void scores_staged(format_traits fk, const slab_ref& 
     case kind::sym8: scores_staged<D, Cap, S, kind::sym8>(fk, sk, rows, window, g, t, qb, sc, rs, valid); break;
     case kind::sym4: scores_staged<D, Cap, S, kind::sym4>(fk, sk, rows, window, g, t, qb, sc, rs, valid); break;
     case kind::sym2: scores_staged<D, Cap, S, kind::sym2>(fk, sk, rows, window, g, t, qb, sc, rs, valid); break;
+    case kind::cb4: scores_staged<D, Cap, S, kind::cb4>(fk, sk, rows, window, g, t, qb, sc, rs, valid); break;
+    case kind::cb2: scores_staged<D, Cap, S, kind::cb2>(fk, sk, rows, window, g, t, qb, sc, rs, valid); break;
     default: scores_staged<D, Cap, S, kind::fp8>(fk, sk, rows, window, g, t, qb, sc, rs, valid); break;
   }
 }
@@ -149,6 +161,8 @@ __device__ __forceinline__ void values_staged(format_traits fv, const slab_ref& 
     case kind::sym8: values_staged<D, Cap, S, kind::sym8>(fv, sk, rows, window, g, t, pv, valid, acc); break;
     case kind::sym4: values_staged<D, Cap, S, kind::sym4>(fv, sk, rows, window, g, t, pv, valid, acc); break;
     case kind::sym2: values_staged<D, Cap, S, kind::sym2>(fv, sk, rows, window, g, t, pv, valid, acc); break;
+    case kind::cb4: values_staged<D, Cap, S, kind::cb4>(fv, sk, rows, window, g, t, pv, valid, acc); break;
+    case kind::cb2: values_staged<D, Cap, S, kind::cb2>(fv, sk, rows, window, g, t, pv, valid, acc); break;
     default: values_staged<D, Cap, S, kind::fp8>(fv, sk, rows, window, g, t, pv, valid, acc); break;
   }
 }
@@ -251,6 +265,8 @@ __device__ __forceinline__ void decode_step(const attend_params& p, const slab_r
       load_k<D, Cap, true>(cur, fk, P, wnd, g, t, kr);
       uint32_t kg[D / 8], kg8[D / 8];
       if (fk.bits == 8) k_frags<D, 8, Cap>(kr.w, fk.fam, kr.ps, kg, kg8);
+      else if (fk.fam == family::codebook)  // (cb4)
+        k_frags_cb<D, 4, Cap>(kr.w, kr.ps, cb_table<4, true>(cb_levels<D, 4>(cur.k, P, fk.group)), kg, kg8);
       else k_frags<D, 4, Cap>(kr.w, fk.fam, kr.ps, kg, kg8);  // (a 2-bit page is never wider)
       scores_mma<D>(kg, kg8, qb, sc);
       if (fk.fam == family::fp8_e4m3) {
@@ -281,7 +297,9 @@ __device__ __forceinline__ void decode_step(const attend_params& p, const slab_r
       }
       uint32_t pb0, pb1;
       p_frags(pv, pb0, pb1);
-      values_slab<D, Cap>(vr, fv, cur.valid, t, pb0, pb1, cs.acc);
+      if (fv.fam == family::codebook)  // (cb4)
+        values_cb<D, 4, Cap>(vr, cb_table<4, true>(cb_levels<D, 4>(cur.v, P, fv.group)), min(cur.valid, slab), t, pb0, pb1, cs.acc);
+      else values_slab<D, Cap>(vr, fv, cur.valid, t, pb0, pb1, cs.acc);
     }
   }
 }

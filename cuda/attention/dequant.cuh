@@ -158,6 +158,89 @@ __device__ __forceinline__ float2 fp8_scales(uint32_t s0, uint32_t s8, int g, in
   return make_float2(g < valid ? __uint_as_float(s0) : 0.f, g + 8 < valid ? __uint_as_float(s8) : 0.f);
 }
 
+// Codebook levels as byte-permute tables: a code's fp16 level is looked up in registers, by
+// `__byte_perm` (which picks 4 bytes of 8 by 4 selector nibbles), with no shared-memory table.
+// 2 bits: the four levels fill two words (level k in bytes 2k, 2k + 1), and a channel pair's
+// half2 is one permute whose selector is the pair's codes spread to nibbles (2c, 2c + 1). 4 bits:
+// the levels' low bytes (levels 0-3, 4-7, 8-11, 12-15: w[0..3]) and high bytes (w[4..7]); four
+// codes take one permute in each 8-entry half of each byte table (selector: the codes' low 3
+// bits), a select by each code's bit 3 (a byte mask from one permute in sign-replicate mode), and
+// two permutes that interleave low and high bytes into two half2.
+template <int Bits>
+struct cb_lut {
+  static_assert(Bits == 2 || Bits == 4, "codebook kinds: 4 and 2 bits");
+  uint32_t w[Bits == 2 ? 2 : 8];
+};
+
+// The table of a page's (or a stage's) levels: [2^Bits] fp32 at `levels` (16-byte aligned),
+// rounded to fp16 (the tensor cores' operand type; the CPU reference rounds level x scale once).
+template <int Bits, bool Global>
+__device__ __forceinline__ cb_lut<Bits> cb_table(const uint8_t* levels) {
+  const float4* l4 = reinterpret_cast<const float4*>(levels);
+  const auto ld4 = [&](int i) {
+    if constexpr (Global) return __ldg(l4 + i);
+    else return l4[i];
+  };
+  cb_lut<Bits> t;
+  if constexpr (Bits == 2) {
+    const float4 a = ld4(0);
+    t.w[0] = h2_bits(__floats2half2_rn(a.x, a.y));
+    t.w[1] = h2_bits(__floats2half2_rn(a.z, a.w));
+  } else {
+    uint32_t h[8];  // (level 2i, level 2i + 1)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float4 a = ld4(i);
+      h[2 * i] = h2_bits(__floats2half2_rn(a.x, a.y));
+      h[2 * i + 1] = h2_bits(__floats2half2_rn(a.z, a.w));
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      t.w[i] = __byte_perm(h[2 * i], h[2 * i + 1], 0x6420);      // low bytes of levels 4i .. 4i + 3
+      t.w[4 + i] = __byte_perm(h[2 * i], h[2 * i + 1], 0x7531);  // high bytes
+    }
+  }
+  return t;
+}
+
+// Codebook codes of `Pairs` channel pairs (in channel order, packed as `sym`'s) -> half2 levels.
+template <int Bits, int Pairs>
+__device__ __forceinline__ void cb_pairs(const uint32_t* w, const cb_lut<Bits>& lut, uint32_t (&out)[Pairs]) {
+  if constexpr (Bits == 2) {
+    // per word (16 channels): codes to bytes by phase (e_k: channels 4i + k), two phases' bytes
+    // interleaved into pairs, then selector bytes 0x22 c + 0x10 (nibbles 2c, 2c + 1) in one multiply-add
+#pragma unroll
+    for (int i = 0; i < (Pairs + 7) / 8; ++i) {
+      const uint32_t x = w[i];
+      const uint32_t e[4] = {x & 0x03030303u, (x >> 2) & 0x03030303u, (x >> 4) & 0x03030303u, (x >> 6) & 0x03030303u};
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {  // q: (phases 0/1 or 2/3) x (bytes 0-1 or 2-3)
+        const int base = 8 * i + (q & 1) + 4 * (q >> 1);  // pairs base and base + 2
+        if (base >= Pairs) continue;
+        const uint32_t z = __byte_perm(e[2 * (q & 1)], e[2 * (q & 1) + 1], (q >> 1) ? 0x7362 : 0x5140);
+        const uint32_t sel = z * 0x22u + 0x10101010u;
+        out[base] = __byte_perm(lut.w[0], lut.w[1], sel);
+        if (base + 2 < Pairs) out[base + 2] = __byte_perm(lut.w[0], lut.w[1], sel >> 16);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < (Pairs + 3) / 4; ++i) {
+      const uint32_t x = w[i], idx = x & 0x77777777u, sh = x << 4;
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {  // channels 8i + 4hh .. + 3
+        if (4 * i + 2 * hh >= Pairs) continue;
+        const uint32_t id = hh ? idx >> 16 : idx;
+        const uint32_t m = prmt_sign(sh, x, hh ? 0xFBEAu : 0xD9C8u);  // 0xff where the code is 8 or more
+        const uint32_t lo = (__byte_perm(lut.w[0], lut.w[1], id) & ~m) | (__byte_perm(lut.w[2], lut.w[3], id) & m);
+        const uint32_t hi = (__byte_perm(lut.w[4], lut.w[5], id) & ~m) | (__byte_perm(lut.w[6], lut.w[7], id) & m);
+        out[4 * i + 2 * hh] = __byte_perm(lo, hi, 0x5140);
+        out[4 * i + 2 * hh + 1] = __byte_perm(lo, hi, 0x7362);
+      }
+    }
+  }
+}
+
 // 4- and 2-bit KIVI keys as fp16 subnormals: a code c in the low bits of a half with exponent
 // field 0 is c 2^-24, exactly, so one lop3 (a mask) turns two channels of a word into a half2 with
 // no magic to remove and no fma (the tensor cores take subnormal operands exactly, and products

@@ -110,7 +110,7 @@ __global__ void __launch_bounds__(threads, 2) prefix_kernel(const __grid_constan
     const uint8_t* raw = sm.raw + sm.slot_at[t % pipeline_tiles];
     tile_to_fp16<D>(s, raw, sm.k, sm.v, p.kv.page_tokens);
     const format_traits fk = traits_of(s.fk);
-    const bool k_codes = !s.ring && fk.k_along_tokens() && !read_by_element(fk);  // (by element: values)
+    const bool k_codes = !s.ring && fk.k_along_tokens() && !tile_reads_by_element(fk);  // (by element: values)
     if (k_codes) {
       // the channel scales s and the zero points' weights z + s 2^(b-1) of the tile's token groups
       // (one group: both slots alike)

@@ -131,7 +131,7 @@ __device__ __forceinline__ void load_k(const slab_ref& s, format_traits f, int P
   }
   if (s.ring) return;
   const uint32_t code_bytes = uint32_t(P) * ((D * f.bits) >> 3);
-  if (f.fam == family::sym) {
+  if (f.channel_groups()) {  // sym, codebook
     const int lg = log2i(f.group == 0 ? D : f.group), ng = D >> lg, grp = (t * (D / 4)) >> lg;
     const uint16_t* sc = reinterpret_cast<const uint16_t*>(s.k + code_bytes);
     kr.ps[0] = ld<Global>(sc + (s.row0 + g) * ng + grp);
@@ -176,7 +176,7 @@ __device__ __forceinline__ void load_v(const slab_ref& s, format_traits f, int P
     const uint32_t* sc = reinterpret_cast<const uint32_t*>(s.v + code_bytes);
     vr.s[0] = ld<Global>(sc + s.row0 + g);
     vr.s[1] = ld<Global>(sc + s.row0 + g + 8);
-  } else if (f.is_integer()) {
+  } else if (f.is_integer() || f.fam == family::codebook) {
     const int lg = log2i(f.group == 0 ? D : f.group), ng = D >> lg, grp = (g * (D / 8)) >> lg;
     const uint16_t* sc = reinterpret_cast<const uint16_t*>(s.v + code_bytes);
     const uint16_t* zr = sc + P * ng;
@@ -235,7 +235,7 @@ __device__ __forceinline__ slab_range block_slabs(const attend_params& p, const 
   return r;
 }
 
-// The bulk copy of one section (0 codes, 1 scales, 2 zeros) of a format's page in one role, for
+// The bulk copy of one section (0 codes, 1 scales, 2 zeros or a codebook's levels) of a format's page in one role, for
 // one slab (16 rows): x = offset in the page's role block of row 0 (group 0), y = bytes per row
 // (low 16 bits) | row shift (bits 16-23: rows >> shift) | "KIVI key group" flag (bit 24), z = bytes
 // (0: nothing to copy, or a format wider than the stages), w = offset in the stage's role region.
@@ -250,8 +250,11 @@ __device__ __forceinline__ uint4 chunk_section(format_id f, int r, int part, uin
     const uint32_t lg = uint32_t(log2i(t.group)), y = D * 2 | lg << 16 | 1u << 24;
     return part == 1 ? make_uint4(code, y, D * 2, rows * rb) : make_uint4(code + (P >> lg) * D * 2, y, D * 2, rows * rb + D * 2);
   }
-  if (!t.is_integer() || (part == 2 && !t.has_zero())) return make_uint4(0, 0, 0, 0);
   const uint32_t ng = D >> log2i(group_of(t, int(D)));  // per-row scales (and zeros)
+  if (t.fam == family::codebook)  // per-row scales, then the page's levels (after the stage's scales: a 16-row page)
+    return part == 1 ? make_uint4(code, ng * 2, rows * ng * 2, rows * rb)
+                     : make_uint4(code + P * ng * 2, 0, (4u << t.bits), rows * rb + rows * ng * 2);
+  if (!t.is_integer() || (part == 2 && !t.has_zero())) return make_uint4(0, 0, 0, 0);
   return part == 1 ? make_uint4(code, ng * 2, rows * ng * 2, rows * rb)
                    : make_uint4(code + P * ng * 2, ng * 2, rows * ng * 2, rows * rb + rows * ng * 2);
 }

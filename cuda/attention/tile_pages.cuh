@@ -37,7 +37,7 @@ __device__ __forceinline__ void role_ranges(format_id fid, role r, int P, int ro
   from[0] = uint32_t(row0) * row_bytes;
   size[1] = size[2] = 0;
   from[1] = from[2] = code_bytes;
-  if (read_by_element(f)) {
+  if (tile_reads_by_element(f)) {
     size[0] = 0;
   } else if (f.fam == family::fp8_e4m3) {
     size[1] = uint32_t(rows) * 4;
@@ -244,7 +244,7 @@ template <int D>
 __device__ __forceinline__ void dequant_role(const uint8_t* raw, const uint32_t (&size)[3], format_id fid, role r,
                                              int valid, __half* dst, const uint8_t* page, int P, int row0) {
   const format_traits f = traits_of(fid);
-  if (read_by_element(f)) {
+  if (tile_reads_by_element(f)) {
     tile_by_element<D>(fid, r, P, page, row0, valid, dst);
     return;
   }

@@ -134,8 +134,9 @@ struct codebook {
   static constexpr const char* spec_alias = "codebook";
   static constexpr bool named_by_bits = true;
   static constexpr int default_group = 0;  ///< `cb4` scales by the rms of the whole head
-  /// No kernel kind: the CUDA kernels read its pages by element (format/kinds.hpp).
-  static constexpr bool staged = false;
+  /// 4- and 2-bit codebooks have kernel kinds (cb4, cb2; format/kinds.hpp); the CUDA decode
+  /// kernels read 3-bit ones by element, the tile kernels every codebook.
+  static constexpr bool staged = Bits != 3;
   static constexpr family decode_as = family::codebook;
   static constexpr page_layout page(role r, int page_tokens, int head_dim) {
     return codec_type::layout({fam, bits, group}, r, page_tokens, head_dim);
