@@ -326,7 +326,7 @@ void bm_append_step(benchmark::State& state, std::string spec, int batch, int co
 
 const int registered = [] {
   const char* formats_env = std::getenv("KVQ_BENCH_FORMATS");
-  // (cb4, cb2, kivi3, nvfp4: formats read by element, beside kivi4 / kivi2 at the same bits)
+  // (cb4, cb2: codebook kinds; kivi3, nvfp4: read by element; beside kivi4 / kivi2 at the same bits)
   std::vector<std::string> formats = {"fp16",      "sym8", "kivi8/g32", "fp8", "kivi4/g32", "k=kivi4/g32,v=kivi2/g32", "kivi2/g32",
                                       "kivi4/g32|kivi2/g32", "cb4", "cb2", "kivi3/g32", "nvfp4"};
   if (formats_env) {

@@ -60,7 +60,7 @@ if csv_path:
                     "flash_us", "kvq_tbps", "floor_fraction"])
         w.writerows(csv_rows)
 
-# Formats read by element against kivi at the same code bits, same run: the goal for a
+# Codebook and by-element formats against kivi at the same code bits, same run: the goal for a
 # codebook format is a decode time within 10 % of kivi's (ratio <= 1.10).
 decode_us = {}
 for b in bench["benchmarks"]:

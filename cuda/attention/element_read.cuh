@@ -1,6 +1,8 @@
 #pragma once
-// Pages read element by element: the narrow formats without a kernel kind (3-bit sym, kivi and
-// rolealign, the codebook formats, nvfp4; `kvq::read_by_element`). Their pages are not staged:
+// Pages read element by element: the narrow formats without a kernel kind (3-bit sym, kivi,
+// rolealign and codebook, nvfp4; `kvq::read_by_element`), and in the tile kernel also the 4- and
+// 2-bit codebooks (`kvq::tile_reads_by_element`; the decode kernels stage those: kinds cb4, cb2).
+// Their pages are not staged:
 // the staged decode kernels' 16-bit instances (the kernels of any layer that holds one:
 // `kvq::kernel_bits`) and the tile kernel read them from global memory where they are used, each element through its format's
 // codec (`decode_element`, the CPU reference's own decode), rounded to fp16 for the tensor cores.

@@ -162,9 +162,10 @@ TEST_CASE("gpu: appends of zero pages and single outliers store the CPU's bytes,
   require_same_store(c, 0, 0);
 }
 
-// The formats the kernels read by element (3-bit, codebook, nvfp4; cuda/attention/element_read.cuh):
-// decode (GQA x q_len <= 8: a decode kernel's 16-bit instance) and q_len 16 (the tile kernel), alone and as
-// the K or V of a pair with a staged or 16-bit format.
+// The formats read by element (3-bit, nvfp4; cuda/attention/element_read.cuh) and the codebook
+// formats (the decode kernels' kinds cb4, cb2; cb3 by element; the tile kernel reads every codebook
+// by element): decode (GQA x q_len <= 8) and q_len 16 (the tile kernel), alone and as the K or V of
+// a pair with a staged or 16-bit format.
 TEST_CASE("gpu: formats read by element: decode and tile attention match the CPU", "[gpu][decode][by_element]") {
   const std::string spec = GENERATE("sym3/g32", "kivi3/g32", "kivi3/g64", "cb4", "cb4/g32", "cb3/g32", "cb2",
                                     "cb2/g64", "nvfp4", "k=kivi4/g32,v=cb3", "k=cb2/g32,v=kivi2/g32",
