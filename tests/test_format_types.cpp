@@ -83,43 +83,44 @@ TEST_CASE("format ids keep their order: fp16, bf16, fp8, sym, kivi, rolealign, s
 }
 
 TEST_CASE(
-    "kernel kinds: kivi/ra 8, 4, 2 are 0-2, sym 8, 4, 2 are 3-5, fp8 is 6, cb 4, 2 are 7-8, 16-bit and the unstaged "
-    "formats are -1",
+    "kernel kinds: kivi/ra 8, 4, 2 are 0-2, sym 8, 4, 2 are 3-5, fp8 is 6, cb 4, 2 are 7-8, nvfp4 is 9, 16-bit and "
+    "the unstaged formats are -1",
     "[format]") {
-  REQUIRE(kind_count == 9);
+  REQUIRE(kind_count == 10);
   for (format_id id = 0; id < format_count; ++id) {
     const format_traits f = traits_of(id);
     CAPTURE(format_name(id));
     const int b = f.bits == 8 ? 0 : f.bits == 4 ? 1 : 2;
-    // 3-bit and nvfp4 pages have no kernel kind (the CUDA decode kernels read them by element)
-    const bool unstaged = f.bits > 8 || f.bits == 3 || f.fam == family::nvfp4;
+    // 3-bit pages have no kernel kind (the CUDA decode kernels read them by element)
+    const bool unstaged = f.bits > 8 || f.bits == 3;
     const int expect = unstaged                       ? -1
+                       : f.fam == family::nvfp4       ? 9
                        : f.fam == family::fp8_e4m3    ? 6
                        : f.fam == family::sym         ? 3 + b
                        : f.fam == family::codebook    ? 6 + b
                                                       : b;
     CHECK(kind_of(f) == expect);
     CHECK(read_by_element(f) == (f.bits < 16 && unstaged));
-    CHECK(tile_reads_by_element(f) == (f.bits < 16 && (unstaged || f.fam == family::codebook)));
+    CHECK(tile_reads_by_element(f) == (f.bits < 16 && (unstaged || f.fam == family::codebook || f.fam == family::nvfp4)));
     if (expect < 0) continue;
     CHECK(kind_bits(expect) == f.bits);
     CHECK(kind_family(expect) == (f.fam == family::rolealign ? family::kivi : f.fam));
   }
   using namespace kernel_kind;
-  const int named[] = {kivi8, kivi4, kivi2, sym8, sym4, sym2, fp8, cb4, cb2};
+  const int named[] = {kivi8, kivi4, kivi2, sym8, sym4, sym2, fp8, cb4, cb2, fp4};
   for (int k = 0; k < kind_count; ++k) CHECK(named[k] == k);
   // the pairs with whole-unit loops: kivi4/kivi4, kivi2/kivi2, kivi4 K + kivi2 V, sym4/sym4, sym2/sym2,
-  // cb4/cb4, cb2/cb2
+  // cb4/cb4, cb2/cb2, fp4/fp4
   int whole = 0;
   for (int k = 0; k < kind_count; ++k)
     for (int v = 0; v < kind_count; ++v) {
       const int combo = kind_pair(k, v);
       CAPTURE(k, v);
-      CHECK(has_whole_units(combo) == ((k == v && (k == 1 || k == 2 || k == 4 || k == 5 || k == 7 || k == 8)) ||
+      CHECK(has_whole_units(combo) == ((k == v && (k == 1 || k == 2 || k == 4 || k == 5 || k == 7 || k == 8 || k == 9)) ||
                                         (k == 1 && v == 2)));
       whole += has_whole_units(combo);
     }
-  CHECK(whole == 7);
+  CHECK(whole == 8);
   CHECK_FALSE(has_whole_units(-1));
   // the pair dispatch calls the loop compiled for the page's pair, and nothing for other pairs
   int called = -1;

@@ -70,6 +70,33 @@ __device__ __forceinline__ void k_frags_cb(const uint32_t (&w)[2][D * Cap / 128]
   }
 }
 
+// The fp32 tensor scale of an nvfp4 page of `rows` rows (a page or a stage) whose role block
+// starts at `block`: after the codes and the block scales (format/nvfp4.hpp).
+template <int D, bool Global>
+__device__ __forceinline__ float fp4_tensor_scale(const uint8_t* block, int rows) {
+  return ld<Global>(reinterpret_cast<const float*>(block + uint32_t(rows) * (D / 2 + D / 16)));
+}
+
+// Raw nvfp4 K words -> this lane's A fragments: e2m1 values (`fp4_pairs`) times their block's
+// scale (the lane's D/4 channels span D/64 blocks, whose e4m3 bytes are ps[0] (row g) and ps[1]
+// (row g + 8)) times the page's tensor scale `ts`.
+template <int D, int Cap>
+__device__ __forceinline__ void k_frags_fp4(const uint32_t (&w)[2][D * Cap / 128], const uint32_t (&ps)[k_scale_words<D>],
+                                            float ts, uint32_t (&kg)[D / 8], uint32_t (&kg8)[D / 8]) {
+  constexpr int nb = D / 64;  // blocks of 16 channels (8 pairs) each
+  fp4_pairs<D / 8>(w[0], kg);
+  fp4_pairs<D / 8>(w[1], kg8);
+#pragma unroll
+  for (int b = 0; b < nb; ++b) {
+    const __half2 s0 = fp4_scale(ps[0] >> (8 * b), ts), s8 = fp4_scale(ps[1] >> (8 * b), ts);
+#pragma unroll
+    for (int i = 8 * b; i < 8 * b + 8; ++i) {
+      kg[i] = h2_bits(__hmul2(bits_h2(kg[i]), s0));
+      kg8[i] = h2_bits(__hmul2(bits_h2(kg8[i]), s8));
+    }
+  }
+}
+
 // Raw V words of the lane's four rows -> half2 channel pairs of each (fp8: unscaled, the token
 // scale multiplies P; 16 bits: the values).
 template <int D, int Bits, int Cap>
@@ -215,6 +242,27 @@ __device__ __forceinline__ void values_cb(const v_raw<D, Cap>& vr, const cb_lut<
     const __half2 s = __half2half2(__ushort_as_half(uint16_t(vr.s[r])));
 #pragma unroll
     for (int i = 0; i < D / 16; ++i) v[r][i] = h2_bits(__hmul2(bits_h2(v[r][i]), s));
+  }
+  values_mma<D>(v[0], v[1], v[2], v[3], valid, t, pb0, pb1, acc);
+}
+
+// O^T += V^T P^T for a slab of nvfp4 V codes: each row's channel pairs (`fp4_pairs`) times their
+// block's scale (vr.s[r]: the row's e4m3 bytes of the lane's D/8 channels, 2 blocks at head_dim
+// 256) and the tensor scale `ts`, then paired by token (`values_mma`).
+template <int D, int Cap>
+__device__ __forceinline__ void values_fp4(const v_raw<D, Cap>& vr, float ts, int valid, int t, uint32_t pb0, uint32_t pb1,
+                                           float (&acc)[D / 16][4]) {
+  constexpr int pairs_per_block = D / 16 < 8 ? D / 16 : 8;
+  uint32_t v[4][D / 16];
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    fp4_pairs<D / 16>(vr.w[r], v[r]);
+#pragma unroll
+    for (int b = 0; b < (D / 16) / pairs_per_block; ++b) {
+      const __half2 s = fp4_scale(vr.s[r] >> (8 * b), ts);
+#pragma unroll
+      for (int i = pairs_per_block * b; i < pairs_per_block * (b + 1); ++i) v[r][i] = h2_bits(__hmul2(bits_h2(v[r][i]), s));
+    }
   }
   values_mma<D>(v[0], v[1], v[2], v[3], valid, t, pb0, pb1, acc);
 }

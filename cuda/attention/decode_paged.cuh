@@ -82,7 +82,7 @@ __global__ void __launch_bounds__(dec_warps * 32, (decode_blocks<D, Wide>))
   staged_start<D>(p, item, h, rg, warp, g, t, lane, sm, qb);
   // Layers of one format (a static policy's) mostly: a block whose pages all have the same staged
   // K and V kinds runs code compiled for those kinds (the rings' common kinds: 8-bit (two full
-  // barriers) kivi8, sym8, fp8; 4/2-bit kivi4, kivi2, sym4, sym2, cb4, cb2 and KIVI's K4V2): whole 64-token
+  // barriers) kivi8, sym8, fp8; 4/2-bit kivi4, kivi2, sym4, sym2, cb4, cb2, fp4 and KIVI's K4V2): whole 64-token
   // units per step (`pages`, the Whole instance, page_tokens 64 and up), else 32-token chunks
   // (`chunks`). Other blocks run 32-token chunks that dispatch on each page's kinds.
   // (16-bit pages: `wide_pair` where every page of the block has 16-bit K and V)
@@ -262,6 +262,7 @@ __global__ void __launch_bounds__(dec_warps * 32, (decode_blocks<D, Wide>))
       case kind_pair(kind::sym2, kind::sym2): pages.template operator()<kind::sym2, kind::sym2>(); break;
       case kind_pair(kind::cb4, kind::cb4): pages.template operator()<kind::cb4, kind::cb4>(); break;
       case kind_pair(kind::cb2, kind::cb2): pages.template operator()<kind::cb2, kind::cb2>(); break;
+      case kind_pair(kind::fp4, kind::fp4): pages.template operator()<kind::fp4, kind::fp4>(); break;
       default: chunks.template operator()<kind::dispatch, kind::dispatch>(); break;  // (a block of mixed pages: the hint was wrong)
     }
   } else {
@@ -284,6 +285,7 @@ __global__ void __launch_bounds__(dec_warps * 32, (decode_blocks<D, Wide>))
         case kind_pair(kind::sym2, kind::sym2): chunks.template operator()<kind::sym2, kind::sym2>(); break;
         case kind_pair(kind::cb4, kind::cb4): chunks.template operator()<kind::cb4, kind::cb4>(); break;
         case kind_pair(kind::cb2, kind::cb2): chunks.template operator()<kind::cb2, kind::cb2>(); break;
+        case kind_pair(kind::fp4, kind::fp4): chunks.template operator()<kind::fp4, kind::fp4>(); break;
         default: chunks.template operator()<kind::dispatch, kind::dispatch>(); break;
       }
     }

@@ -68,8 +68,11 @@ __device__ __forceinline__ void scores_kind(const slab_ref& sk, uint16_t group, 
   static_assert(!Sub || (Fam == family::kivi && Bits <= 4), "subnormal codes: 4- and 2-bit KIVI keys");
   constexpr bool Cb = Fam == family::codebook;
   const format_traits f{Fam, uint8_t(Bits), group};
+  constexpr bool F4 = Fam == family::nvfp4;
   cb_lut<Bits == 2 ? 2 : 4> lut;  // (codebook keys: the page's levels, once for the S slabs)
   if constexpr (Cb) lut = cb_table<Bits, false>(cb_levels<D, Bits>(sk.k, rows, group));
+  float ts = 1.f;  // (nvfp4 keys: the page's tensor scale)
+  if constexpr (F4) ts = fp4_tensor_scale<D, false>(sk.k, rows);
 #pragma unroll
   for (int s = 0; s < S; ++s) {
     slab_ref ss = sk;
@@ -79,6 +82,7 @@ __device__ __forceinline__ void scores_kind(const slab_ref& sk, uint16_t group, 
     uint32_t kg[D / 8], kg8[D / 8];
     if constexpr (Sub) k_frags_sub<D, Bits>(kr.w, kg, kg8);
     else if constexpr (Cb) k_frags_cb<D, Bits, Cap>(kr.w, kr.ps, lut, kg, kg8);
+    else if constexpr (F4) k_frags_fp4<D, Cap>(kr.w, kr.ps, ts, kg, kg8);
     else k_frags<D, Bits, Cap>(kr.w, Fam, kr.ps, kg, kg8);
     float part[4] = {init.x, init.y, init.x, init.y};
     scores_mma<D, Sub ? Bits : 0>(kg, kg8, qb, part);
@@ -98,8 +102,11 @@ __device__ __forceinline__ void values_kind(const slab_ref& sk, uint16_t group, 
                                             float (&pv)[4 * S], int valid, float (&acc)[D / 16][4]) {
   constexpr bool Cb = Fam == family::codebook;
   const format_traits f{Fam, uint8_t(Bits), group};
+  constexpr bool F4 = Fam == family::nvfp4;
   cb_lut<Bits == 2 ? 2 : 4> lut;  // (codebook values: the page's levels, once for the S slabs)
   if constexpr (Cb) lut = cb_table<Bits, false>(cb_levels<D, Bits>(sk.v, rows, group));
+  float ts = 1.f;  // (nvfp4 values: the page's tensor scale)
+  if constexpr (F4) ts = fp4_tensor_scale<D, false>(sk.v, rows);
 #pragma unroll
   for (int s = 0; s < S; ++s) {
     slab_ref ss = sk;
@@ -119,6 +126,9 @@ __device__ __forceinline__ void values_kind(const slab_ref& sk, uint16_t group, 
     } else if constexpr (Cb) {
       p_frags(ps, pb0, pb1);
       values_cb<D, Bits, Cap>(vr, lut, min(vs, slab), t, pb0, pb1, acc);
+    } else if constexpr (F4) {
+      p_frags(ps, pb0, pb1);
+      values_fp4<D, Cap>(vr, ts, min(vs, slab), t, pb0, pb1, acc);
     } else {
       p_frags(ps, pb0, pb1);
       values_int<D, Bits, Cap>(vr, Fam == family::sym, min(vs, slab), t, pb0, pb1, acc);
@@ -144,6 +154,7 @@ __device__ __forceinline__ void scores_staged(format_traits fk, const slab_ref& 
     case kind::sym2: scores_staged<D, Cap, S, kind::sym2>(fk, sk, rows, window, g, t, qb, sc, rs, valid); break;
     case kind::cb4: scores_staged<D, Cap, S, kind::cb4>(fk, sk, rows, window, g, t, qb, sc, rs, valid); break;
     case kind::cb2: scores_staged<D, Cap, S, kind::cb2>(fk, sk, rows, window, g, t, qb, sc, rs, valid); break;
+    case kind::fp4: scores_staged<D, Cap, S, kind::fp4>(fk, sk, rows, window, g, t, qb, sc, rs, valid); break;
     default: scores_staged<D, Cap, S, kind::fp8>(fk, sk, rows, window, g, t, qb, sc, rs, valid); break;
   }
 }
@@ -163,6 +174,7 @@ __device__ __forceinline__ void values_staged(format_traits fv, const slab_ref& 
     case kind::sym2: values_staged<D, Cap, S, kind::sym2>(fv, sk, rows, window, g, t, pv, valid, acc); break;
     case kind::cb4: values_staged<D, Cap, S, kind::cb4>(fv, sk, rows, window, g, t, pv, valid, acc); break;
     case kind::cb2: values_staged<D, Cap, S, kind::cb2>(fv, sk, rows, window, g, t, pv, valid, acc); break;
+    case kind::fp4: values_staged<D, Cap, S, kind::fp4>(fv, sk, rows, window, g, t, pv, valid, acc); break;
     default: values_staged<D, Cap, S, kind::fp8>(fv, sk, rows, window, g, t, pv, valid, acc); break;
   }
 }
@@ -267,6 +279,7 @@ __device__ __forceinline__ void decode_step(const attend_params& p, const slab_r
       if (fk.bits == 8) k_frags<D, 8, Cap>(kr.w, fk.fam, kr.ps, kg, kg8);
       else if (fk.fam == family::codebook)  // (cb4)
         k_frags_cb<D, 4, Cap>(kr.w, kr.ps, cb_table<4, true>(cb_levels<D, 4>(cur.k, P, fk.group)), kg, kg8);
+      else if (fk.fam == family::nvfp4) k_frags_fp4<D, Cap>(kr.w, kr.ps, fp4_tensor_scale<D, true>(cur.k, P), kg, kg8);
       else k_frags<D, 4, Cap>(kr.w, fk.fam, kr.ps, kg, kg8);  // (a 2-bit page is never wider)
       scores_mma<D>(kg, kg8, qb, sc);
       if (fk.fam == family::fp8_e4m3) {
@@ -299,6 +312,8 @@ __device__ __forceinline__ void decode_step(const attend_params& p, const slab_r
       p_frags(pv, pb0, pb1);
       if (fv.fam == family::codebook)  // (cb4)
         values_cb<D, 4, Cap>(vr, cb_table<4, true>(cb_levels<D, 4>(cur.v, P, fv.group)), min(cur.valid, slab), t, pb0, pb1, cs.acc);
+      else if (fv.fam == family::nvfp4)
+        values_fp4<D, Cap>(vr, fp4_tensor_scale<D, true>(cur.v, P), min(cur.valid, slab), t, pb0, pb1, cs.acc);
       else values_slab<D, Cap>(vr, fv, cur.valid, t, pb0, pb1, cs.acc);
     }
   }

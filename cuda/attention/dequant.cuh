@@ -241,6 +241,35 @@ __device__ __forceinline__ void cb_pairs(const uint32_t* w, const cb_lut<Bits>& 
   }
 }
 
+// nvfp4's e2m1 codes (sign in bit 3) of `Pairs` channel pairs (in channel order, packed as a
+// 4-bit sym page's) -> half2 values. The fp16 forms of the eight magnitudes (0, 0.5, 1, 1.5, 2,
+// 3, 4, 6) have a zero low byte, so four codes take one permute of an 8-byte table of high bytes
+// (selector: the codes' low 3 bits), the sign bits OR-ed in (a byte mask from one permute in
+// sign-replicate mode), and two permutes that place the high bytes over zero low bytes.
+template <int Pairs>
+__device__ __forceinline__ void fp4_pairs(const uint32_t* w, uint32_t (&out)[Pairs]) {
+  constexpr uint32_t mag_lo = 0x3E3C3800u, mag_hi = 0x46444240u;  // high bytes of 0, .5, 1, 1.5 | 2, 3, 4, 6
+#pragma unroll
+  for (int i = 0; i < (Pairs + 3) / 4; ++i) {
+    const uint32_t x = w[i], idx = x & 0x77777777u, sh = x << 4;
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {  // channels 8i + 4hh .. + 3
+      if (4 * i + 2 * hh >= Pairs) continue;
+      const uint32_t m = prmt_sign(sh, x, hh ? 0xFBEAu : 0xD9C8u);  // 0xff where the sign bit is set
+      const uint32_t hi = __byte_perm(mag_lo, mag_hi, hh ? idx >> 16 : idx) | (m & 0x80808080u);
+      out[4 * i + 2 * hh] = __byte_perm(hi, 0u, 0x1404);
+      out[4 * i + 2 * hh + 1] = __byte_perm(hi, 0u, 0x3424);
+    }
+  }
+}
+
+// An nvfp4 block's scale as an fp16 operand: e4m3 (exact in fp16) times the page's fp32 tensor
+// scale, rounded once.
+__device__ __forceinline__ __half2 fp4_scale(uint32_t e4m3, float ts) {
+  const __half_raw h = __nv_cvt_fp8_to_halfraw(__nv_fp8_storage_t(e4m3 & 0xffu), __NV_E4M3);
+  return __half2half2(__float2half_rn(__half2float(__half(h)) * ts));
+}
+
 // 4- and 2-bit KIVI keys as fp16 subnormals: a code c in the low bits of a half with exponent
 // field 0 is c 2^-24, exactly, so one lop3 (a mask) turns two channels of a word into a half2 with
 // no magic to remove and no fma (the tensor cores take subnormal operands exactly, and products

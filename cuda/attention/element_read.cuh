@@ -1,7 +1,8 @@
 #pragma once
 // Pages read element by element: the narrow formats without a kernel kind (3-bit sym, kivi,
-// rolealign and codebook, nvfp4; `kvq::read_by_element`), and in the tile kernel also the 4- and
-// 2-bit codebooks (`kvq::tile_reads_by_element`; the decode kernels stage those: kinds cb4, cb2).
+// rolealign and codebook; `kvq::read_by_element`), and in the tile kernel also the 4- and 2-bit
+// codebooks and nvfp4 (`kvq::tile_reads_by_element`; the decode kernels stage those: kinds cb4,
+// cb2, fp4).
 // Their pages are not staged:
 // the staged decode kernels' 16-bit instances (the kernels of any layer that holds one:
 // `kvq::kernel_bits`) and the tile kernel read them from global memory where they are used, each element through its format's

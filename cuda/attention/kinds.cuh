@@ -15,7 +15,7 @@ namespace cuda::detail {
 // page's kinds (`kvq::kind_of`), so that a step's dispatch is a byte load, not a chain of compares
 // per step.
 namespace kind {
-using namespace kvq::kernel_kind;    // kivi8, kivi4, kivi2 (KIVI and RoleAlign), sym8, sym4, sym2, fp8, cb4, cb2
+using namespace kvq::kernel_kind;    // kivi8, kivi4, kivi2 (KIVI and RoleAlign), sym8, sym4, sym2, fp8, cb4, cb2, fp4 (nvfp4)
 inline constexpr int wide = -1;      // `kind_of` a format without a kind: 16-bit ones (and the FP16 ring), those read by element
 inline constexpr int dispatch = -1;  // as a kernel template argument: no fixed kind, read per page
 inline constexpr int staged16 = -2;  // as a kernel template argument: 16-bit pages in the stages

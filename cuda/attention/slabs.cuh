@@ -86,6 +86,14 @@ __device__ __forceinline__ void ldg_words(const uint8_t* src, uint32_t* w) {
   }
 }
 
+// `N` (1, 2 or 4) consecutive e4m3 block scales of an nvfp4 row, as the low bytes of a word.
+template <int N, bool Global>
+__device__ __forceinline__ uint32_t fp4_block_scales(const uint8_t* p) {
+  if constexpr (N == 4) return ld<Global>(reinterpret_cast<const unsigned int*>(p));
+  else if constexpr (N == 2) return ld<Global>(reinterpret_cast<const unsigned short*>(p));
+  else return ld<Global>(p);
+}
+
 // Scale words a lane holds for a slab's K: 2 (rows g and g + 8) while the lane's D/4 channels lie
 // in one sym group (every group is at least 32 channels), 4 at head_dim 256.
 template <int D>
@@ -145,6 +153,10 @@ __device__ __forceinline__ void load_k(const slab_ref& s, format_traits f, int P
     const uint32_t* sc = reinterpret_cast<const uint32_t*>(s.k + code_bytes);
     kr.ps[0] = ld<Global>(sc + s.row0 + g);
     kr.ps[1] = ld<Global>(sc + s.row0 + g + 8);
+  } else if (f.fam == family::nvfp4) {  // the e4m3 block scales of the lane's D/4 channels (D/64 bytes a row)
+    const uint8_t* sc = s.k + code_bytes + t * (D / 64);
+    kr.ps[0] = fp4_block_scales<D / 64, Global>(sc + (s.row0 + g) * (D / 16));
+    kr.ps[1] = fp4_block_scales<D / 64, Global>(sc + (s.row0 + g + 8) * (D / 16));
   }
 }
 
@@ -176,6 +188,12 @@ __device__ __forceinline__ void load_v(const slab_ref& s, format_traits f, int P
     const uint32_t* sc = reinterpret_cast<const uint32_t*>(s.v + code_bytes);
     vr.s[0] = ld<Global>(sc + s.row0 + g);
     vr.s[1] = ld<Global>(sc + s.row0 + g + 8);
+  } else if (f.fam == family::nvfp4) {  // the e4m3 block scales of the lane's D/8 channels (D/128 bytes, at least 1)
+    constexpr int nb = D / 128 > 0 ? D / 128 : 1;
+    const uint8_t* sc = s.v + code_bytes + (g * (D / 8)) / 16;
+    const int rows[4] = {2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9};
+#pragma unroll
+    for (int r = 0; r < 4; ++r) vr.s[r] = fp4_block_scales<nb, Global>(sc + (s.row0 + rows[r]) * (D / 16));
   } else if (f.is_integer() || f.fam == family::codebook) {
     const int lg = log2i(f.group == 0 ? D : f.group), ng = D >> lg, grp = (g * (D / 8)) >> lg;
     const uint16_t* sc = reinterpret_cast<const uint16_t*>(s.v + code_bytes);
@@ -250,6 +268,9 @@ __device__ __forceinline__ uint4 chunk_section(format_id f, int r, int part, uin
     const uint32_t lg = uint32_t(log2i(t.group)), y = D * 2 | lg << 16 | 1u << 24;
     return part == 1 ? make_uint4(code, y, D * 2, rows * rb) : make_uint4(code + (P >> lg) * D * 2, y, D * 2, rows * rb + D * 2);
   }
+  if (t.fam == family::nvfp4)  // per-row e4m3 block scales, then the page's tensor scale (16 bytes)
+    return part == 1 ? make_uint4(code, D / 16, rows * (D / 16), rows * rb)
+                     : make_uint4(code + P * (D / 16), 0, 16, rows * rb + rows * (D / 16));
   const uint32_t ng = D >> log2i(group_of(t, int(D)));  // per-row scales (and zeros)
   if (t.fam == family::codebook)  // per-row scales, then the page's levels (after the stage's scales: a 16-row page)
     return part == 1 ? make_uint4(code, ng * 2, rows * ng * 2, rows * rb)

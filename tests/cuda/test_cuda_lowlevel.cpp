@@ -170,21 +170,24 @@ TEST_CASE("gpu: attend_run over a caller-built arena reads every page under any 
   check_hints(P, mixed_pages, {16, 8, 4, 2});
 }
 
-// Pages of the formats read by element (3-bit, nvfp4) among the others: they count as 16 bits
+// Pages of the formats read by element (3-bit) among the others: they count as 16 bits
 // (`kernel_bits`), so the hint is 16 and a decode kernel's 16-bit instance reads them.
 TEST_CASE("gpu: attend_run reads pages of the formats read by element under the hint 16",
           "[gpu][decode][lowlevel][by_element]") {
   const int P = GENERATE(64, 128);
   CAPTURE(P);
-  check_hints(P, {"cb3/g32", "k=kivi4/g32,v=nvfp4", "sym3/g32", "k=cb3/g64,v=fp16", "kivi3/g64", "k=fp8,v=cb3/g32"}, {16});
+  check_hints(P, {"cb3/g32", "k=kivi4/g32,v=sym3/g32", "sym3/g32", "k=cb3/g64,v=fp16", "kivi3/g64", "k=fp8,v=cb3/g32"}, {16});
 }
 
-// Codebook pages (kinds cb4, cb2) among the others under every hint: staged in 16-, 8- and 4-bit
-// stages, and cb4 pages under the hint 2 read from global memory (a page wider than the stages).
-TEST_CASE("gpu: attend_run reads codebook pages under any max_page_bits hint", "[gpu][decode][lowlevel][codebook]") {
+// Codebook and nvfp4 pages (kinds cb4, cb2, fp4) among the others under every hint: staged in 16-,
+// 8- and 4-bit stages, and cb4 and nvfp4 pages under the hint 2 read from global memory (pages
+// wider than the stages).
+TEST_CASE("gpu: attend_run reads codebook and nvfp4 pages under any max_page_bits hint",
+          "[gpu][decode][lowlevel][codebook]") {
   const int P = GENERATE(64, 128);
   CAPTURE(P);
-  check_hints(P, {"cb4", "k=cb2/g32,v=cb4/g32", "kivi4/g32", "k=cb4,v=fp8", "cb2/g64", "k=sym2/g32,v=cb2"}, {16, 8, 4, 2});
+  check_hints(P, {"cb4", "k=cb2/g32,v=cb4/g32", "nvfp4", "k=cb4,v=fp8", "k=nvfp4,v=cb2/g64", "k=sym2/g32,v=nvfp4"},
+              {16, 8, 4, 2});
 }
 
 // A page whose V the stages hold but whose K is wider than them: its V goes to the start of its

@@ -99,8 +99,8 @@ struct attend_args {
   /// Widest code width (bits) of any page of the layer, if the caller knows it: 16 (the default)
   /// is always correct; 8 or less lets decode stage pages in narrower stages (more stages in
   /// flight) and run the kernel instances that have no code for 16-bit pages. A 16-bit page under
-  /// a smaller hint is still read correctly, slower. A page of a format read by element (3-bit,
-  /// nvfp4: `kvq::read_by_element`) counts as 16 bits (`kvq::kernel_bits`): only the
+  /// a smaller hint is still read correctly, slower. A page of a format read by element (3-bit:
+  /// `kvq::read_by_element`) counts as 16 bits (`kvq::kernel_bits`): only the
   /// decode kernels' 16-bit instances read it, so a layer that may hold one needs a hint of 16.
   int max_page_bits = 16;
   /// True if the caller knows that every page of each kv head of the layer has one K format and

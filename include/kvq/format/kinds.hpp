@@ -6,14 +6,14 @@
 ///
 /// Generated from `format_list` (each type declares `staged` and `decode_as`): kinds are the
 /// distinct (decode_as, bits) pairs of its staged types, numbered kivi before sym before fp8
-/// before codebook, wider before narrower:
+/// before codebook before nvfp4, wider before narrower:
 ///
-/// | kind | 0     | 1     | 2     | 3    | 4    | 5    | 6   | 7   | 8   |
-/// |------|-------|-------|-------|------|------|------|-----|-----|-----|
-/// |      | kivi8 | kivi4 | kivi2 | sym8 | sym4 | sym2 | fp8 | cb4 | cb2 |
+/// | kind | 0     | 1     | 2     | 3    | 4    | 5    | 6   | 7   | 8   | 9   |
+/// |------|-------|-------|-------|------|------|------|-----|-----|-----|-----|
+/// |      | kivi8 | kivi4 | kivi2 | sym8 | sym4 | sym2 | fp8 | cb4 | cb2 | fp4 |
 ///
-/// 16-bit formats have kind -1 (the unstaged path). 3-bit and nvfp4 formats are not staged and
-/// have kind -1 too: the decode kernels read them by element (`read_by_element`).
+/// 16-bit formats have kind -1 (the unstaged path). 3-bit formats are not staged and have kind
+/// -1 too: the decode kernels read them by element (`read_by_element`).
 
 #include <kvq/config.hpp>
 #include <kvq/format/format.hpp>
@@ -49,9 +49,9 @@ struct kernel_kinds<type_list<Ts...>> {
       for (size_t j = 0; j < n && !seen; ++j) seen = k[j].fam == all[i].fam && k[j].bits == all[i].bits;
       if (!seen) k[n++] = all[i];
     }
-    // order: decode family (kivi, sym, fp8: descending in `family`'s order; codebook last), then
-    // bits descending
-    const auto rank = [](family f) { return f == family::codebook ? -1 : int(f); };
+    // order: decode family (kivi, sym, fp8: descending in `family`'s order; then codebook, then
+    // nvfp4), then bits descending
+    const auto rank = [](family f) { return f == family::codebook ? -1 : f == family::nvfp4 ? -2 : int(f); };
     for (size_t i = 1; i < n; ++i)
       for (size_t j = i; j > 0; --j) {
         const decode_class a = k[j - 1], b = k[j];
@@ -120,7 +120,7 @@ inline constexpr int kind_count = format_kinds::count;
 /// Kind of a format (-1: read unstaged); host and device.
 KVQ_HOST_DEVICE constexpr int kind_of(const format_traits& f) { return format_kinds::kind_of(f); }
 KVQ_HOST_DEVICE constexpr int kind_of(format_id id) { return format_kinds::kind_of(traits_of(id)); }
-/// True for the narrow formats without a kind (3-bit sym, kivi, rolealign and codebook, nvfp4):
+/// True for the narrow formats without a kind (3-bit sym, kivi, rolealign and codebook):
 /// the CUDA decode kernels read their pages unstaged, each element through its codec
 /// (cuda/attention/element_read.cuh; docs/architecture.md).
 KVQ_HOST_DEVICE constexpr bool read_by_element(const format_traits& f) {
@@ -128,10 +128,10 @@ KVQ_HOST_DEVICE constexpr bool read_by_element(const format_traits& f) {
          (f.fam == family::sym || f.has_zero() || f.fam == family::codebook || f.fam == family::nvfp4);
 }
 /// True for the formats the CUDA tile and prefix kernels (prefill) read by element: those the
-/// decode kernels read by element, and every codebook format (the tile kernels dequantize integer
-/// codes only; the decode kernels have codebook kinds).
+/// decode kernels read by element, every codebook format and nvfp4 (the tile kernels dequantize
+/// integer and fp8 codes only; the decode kernels have codebook and nvfp4 kinds).
 KVQ_HOST_DEVICE constexpr bool tile_reads_by_element(const format_traits& f) {
-  return read_by_element(f) || (f.fam == family::codebook && f.bits < 16);
+  return read_by_element(f) || ((f.fam == family::codebook || f.fam == family::nvfp4) && f.bits < 16);
 }
 /// True for the formats the CUDA attention kernels read: those with a kind, the 16-bit ones and
 /// those read by element (a format of none of these is refused at append; the CPU backend reads
@@ -168,6 +168,7 @@ inline constexpr int kivi8 = kind_v<kivi<8, 32>>, kivi4 = kind_v<kivi<4, 32>>, k
 inline constexpr int sym8 = kind_v<sym<8, 32>>, sym4 = kind_v<sym<4, 32>>, sym2 = kind_v<sym<2, 32>>;
 inline constexpr int fp8 = kind_v<fp8_e4m3>;
 inline constexpr int cb4 = kind_v<codebook<4, 0>>, cb2 = kind_v<codebook<2, 0>>;
+inline constexpr int fp4 = kind_v<kvq::nvfp4>;
 }  // namespace kernel_kind
 
 /// One code for a (K kind, V kind) pair, usable as a `case` label.
@@ -180,11 +181,12 @@ struct kv_types {};
 
 /// The (K, V) kind pairs whose decode kernels have whole 64-token-unit loops (pages whose K and V
 /// kinds are one of these pairs): kivi4/kivi4, kivi2/kivi2, kivi4 K + kivi2 V, sym4/sym4,
-/// sym2/sym2, cb4/cb4, cb2/cb2. The 4- and 2-bit rings' chunk loops are compiled for the same pairs.
+/// sym2/sym2, cb4/cb4, cb2/cb2, fp4/fp4. The 4- and 2-bit rings' chunk loops are compiled for the
+/// same pairs.
 using whole_unit_pairs =
     type_list<kv_types<kivi<4, 32>, kivi<4, 32>>, kv_types<kivi<2, 32>, kivi<2, 32>>, kv_types<kivi<4, 32>, kivi<2, 32>>,
               kv_types<sym<4, 32>, sym<4, 32>>, kv_types<sym<2, 32>, sym<2, 32>>, kv_types<codebook<4, 0>, codebook<4, 0>>,
-              kv_types<codebook<2, 0>, codebook<2, 0>>>;
+              kv_types<codebook<2, 0>, codebook<2, 0>>, kv_types<nvfp4, nvfp4>>;
 
 /// The (K, V) kind pairs whose 8-bit-ring chunk loops (two full barriers) are compiled for one
 /// pair: kivi8/kivi8, sym8/sym8, fp8/fp8.
@@ -208,16 +210,17 @@ KVQ_HOST_DEVICE constexpr bool in_kind_pairs(type_list<kv_types<K, V>...>, int c
 /// True when the (K kind, V kind) pair `combo` (`kind_pair`) has whole-unit loops.
 KVQ_HOST_DEVICE constexpr bool has_whole_units(int combo) { return in_kind_pairs(whole_unit_pairs{}, combo); }
 
-static_assert(kind_count == 9 && kernel_kind::kivi8 == 0 && kernel_kind::kivi2 == 2 && kernel_kind::sym8 == 3 &&
+static_assert(kind_count == 10 && kernel_kind::fp4 == 9 && kernel_kind::kivi8 == 0 && kernel_kind::kivi2 == 2 && kernel_kind::sym8 == 3 &&
                   kernel_kind::sym2 == 5 && kernel_kind::fp8 == 6 && kernel_kind::cb4 == 7 && kernel_kind::cb2 == 8 &&
                   kind_v<rolealign<4, 64>> == kernel_kind::kivi4 && kind_v<codebook<4, 32>> == kernel_kind::cb4 &&
-                  kind_v<fp16> == -1 && kind_v<sym<3, 32>> == -1 && kind_v<codebook<3, 32>> == -1 && kind_v<nvfp4> == -1,
+                  kind_v<fp16> == -1 && kind_v<sym<3, 32>> == -1 && kind_v<codebook<3, 32>> == -1,
               "the kernels' kind numbering");
 static_assert(kernels_read(fp16_format) && kernels_read(format_id_v<kivi<2, 32>>) &&
                   kernels_read(format_id_v<kivi<3, 32>>) && kernels_read(format_id_v<codebook<2, 32>>) &&
                   kernels_read(format_id_v<nvfp4>) && read_by_element(traits_of(format_id_v<sym<3, 32>>)) &&
                   !read_by_element(traits_of(format_id_v<codebook<4, 0>>)) &&
                   tile_reads_by_element(traits_of(format_id_v<codebook<2, 32>>)) &&
+                  !read_by_element(traits_of(format_id_v<nvfp4>)) && tile_reads_by_element(traits_of(format_id_v<nvfp4>)) &&
                   !tile_reads_by_element(traits_of(format_id_v<sym<4, 32>>)) &&
                   !read_by_element(traits_of(format_id_v<kivi<4, 32>>)) && !read_by_element(traits_of(fp16_format)),
               "the formats the CUDA kernels read");

@@ -132,8 +132,9 @@ struct nvfp4 {
   static constexpr const char* spec_alias = "fp4";
   static constexpr bool named_by_bits = false;
   static constexpr int default_group = 16;
-  /// No kernel kind: the CUDA kernels read its pages by element (format/kinds.hpp).
-  static constexpr bool staged = false;
+  /// Kernel kind fp4 (format/kinds.hpp): the CUDA decode kernels stage its pages; the tile
+  /// kernels read them by element.
+  static constexpr bool staged = true;
   static constexpr family decode_as = family::nvfp4;
   static constexpr page_layout page(role r, int page_tokens, int head_dim) {
     return codec_type::layout({fam, bits, group}, r, page_tokens, head_dim);
