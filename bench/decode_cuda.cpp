@@ -358,12 +358,13 @@ const int registered = [] {
             ->UseManualTime()
             ->Iterations(100)
             ->Unit(benchmark::kMicrosecond);
-  // Other models' shapes: the formats of each bit width the kernels stage, at a short and a long
+  // Other models' shapes: the formats of each bit width and decode family the kernels stage (the
+  // codebooks and nvfp4 for their level lookups), at a short and a long
   // context (KVQ_BENCH_FORMATS does not apply here).
   const std::pair<int, int> model_contexts[] = {{8, 4096}, {8, 32768}};
   if (models != "0")
     for (const model_shape& m : model_shapes)
-      for (const char* f : {"fp16", "fp8", "int8", "kivi8/g32", "kivi4/g32", "kivi2/g32"})
+      for (const char* f : {"fp16", "fp8", "int8", "kivi8/g32", "kivi4/g32", "kivi2/g32", "cb4", "cb2", "nvfp4"})
         for (auto [b, l] : model_contexts)
           benchmark::RegisterBenchmark(
               ("decode_shape/" + std::string(m.name) + "/" + f + "/B" + std::to_string(b) + "/L" + std::to_string(l))

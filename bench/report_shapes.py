@@ -16,9 +16,9 @@ import sys
 
 from svg_ratio import axis_and_save
 
-FORMATS = ["fp16", "fp8", "int8", "kivi8/g32", "kivi4/g32", "kivi2/g32"]
+FORMATS = ["fp16", "fp8", "int8", "kivi8/g32", "kivi4/g32", "kivi2/g32", "cb4", "cb2", "nvfp4"]
 COLORS = {"fp16": "#7F7F7F", "fp8": "#9467BD", "int8": "#8C564B", "kivi8/g32": "#E377C2", "kivi4/g32": "#4C78A8",
-          "kivi2/g32": "#72B7B2"}
+          "kivi2/g32": "#72B7B2", "cb4": "#F58518", "cb2": "#EECA3B", "nvfp4": "#54A24B"}
 
 
 def meets(fmt, ratio):
@@ -87,14 +87,16 @@ def svg(path, rows):
     """One row per (model, shape); a dot per format at its ratio; lines at 1 and 1.1."""
     left, width, step, xmax = 190, 460, 16, 1.6
     x = lambda v: left + width * min(v, xmax) / xmax
-    height = 70 + len(rows) * step + 40
+    legend_rows = (len(FORMATS) + 4) // 5
+    height = 70 + 14 * (legend_rows - 1) + len(rows) * step + 40
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + width + 30}" height="{height}" '
            'font-family="sans-serif" font-size="11">',
            f'<text x="{left}" y="18" font-size="13">kvq decode time / cuDNN BF16 by model shape (H200)</text>']
-    for i, f in enumerate(FORMATS):
-        out.append(f'<circle cx="{left + 78 * i + 5}" cy="33" r="4" fill="{COLORS[f]}"/>'
-                   f'<text x="{left + 78 * i + 12}" y="37">{f}</text>')
-    y = 56
+    for i, f in enumerate(FORMATS):  # five to a legend row
+        lx, ly = left + 90 * (i % 5), 33 + 14 * (i // 5)
+        out.append(f'<circle cx="{lx + 5}" cy="{ly}" r="4" fill="{COLORS[f]}"/>'
+                   f'<text x="{lx + 12}" y="{ly + 4}">{f}</text>')
+    y = 56 + 14 * (legend_rows - 1)
     for label, ratios in rows:
         out.append(f'<text x="{left - 6}" y="{y + 4}" text-anchor="end">{label}</text>'
                    f'<line x1="{left}" y1="{y}" x2="{left + width}" y2="{y}" stroke="#eee"/>')

@@ -229,42 +229,120 @@ __device__ __forceinline__ void values_mma(uint32_t (&va)[D / 16], uint32_t (&vb
              __byte_perm(vc[mtile], vd[mtile], 0x5410), __byte_perm(vc[mtile], vd[mtile], 0x7632), pb0, pb1);
 }
 
-// O^T += V^T P^T for a slab of codebook V codes: each row's channel pairs looked up
-// (`cb_pairs`) and scaled by the row's group scale, then paired by token (`values_mma`, which
-// zeroes rows at or beyond `valid`).
+// Token-pair A fragments of V codes read through a table (codebook, nvfp4): the selectors are
+// built from two rows' codes at once, so that a lookup yields (token a, token b) of a channel,
+// the A fragment itself (the rows' channel pairs need no interleave afterwards), and each m-tile's
+// MMA follows its lookups (no slab of looked-up values held in registers). Lane (g, t) holds rows
+// 2t, 2t + 1 (fragments a0, a1) and 2t + 8, 2t + 9 (a2, a3) of its D/8 channels; m-tile m is
+// channel pair m of them. `row_scales(m)` gives the two rows pairs' half2 scales of m-tile m
+// (rows at or beyond `valid` with scale 0: their codes are stale, their levels finite).
+
+// 4-bit codes (codebook levels or e2m1 values): byte m of a row is its channel pair m, so one
+// permute of two rows' words gives the selectors of two m-tiles (nibbles a_c, a_c+1, b_c, b_c+1).
+template <int D, int Cap, class Look, class Scales>
+__device__ __forceinline__ void values_nibbles(const v_raw<D, Cap>& vr, Look&& look, Scales&& row_scales, uint32_t pb0,
+                                               uint32_t pb1, float (&acc)[D / 16][4]) {
+#pragma unroll
+  for (int i = 0; i < (D / 16 + 3) / 4; ++i)  // word i: m-tiles 4i .. 4i + 3
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {  // bytes 0-1 (q = 0) or 2-3 of the word
+      if (4 * i + 2 * q >= D / 16) continue;
+      const uint32_t sel = q ? 0x7362u : 0x5140u;
+      const uint32_t p01 = __byte_perm(vr.w[0][i], vr.w[1][i], sel), p89 = __byte_perm(vr.w[2][i], vr.w[3][i], sel);
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int m = 4 * i + 2 * q + hh;
+        uint32_t a0, a1, a2, a3;
+        look(p01, hh, a0, a1);
+        look(p89, hh, a2, a3);
+        const __half2 s01 = row_scales(m, 0), s89 = row_scales(m, 1);
+        mma16816(acc[m], h2_bits(__hmul2(bits_h2(a0), s01)), h2_bits(__hmul2(bits_h2(a1), s01)),
+                 h2_bits(__hmul2(bits_h2(a2), s89)), h2_bits(__hmul2(bits_h2(a3), s89)), pb0, pb1);
+      }
+    }
+}
+
+// The half2 (scale of row a, scale of row b) from two fp16 scale words, 0 for rows at or beyond
+// `valid` (the rows of lane t: 2t, 2t + 1, 2t + 8, 2t + 9).
+__device__ __forceinline__ __half2 pair_scales(uint32_t sa, uint32_t sb, int ra, int valid) {
+  return bits_h2(__byte_perm(ra < valid ? sa : 0u, ra + 1 < valid ? sb : 0u, 0x5410));
+}
+
+// O^T += V^T P^T for a slab of codebook V codes: levels by token-pair lookups, times the rows'
+// group scales (a lane's D/8 channels lie in one group).
 template <int D, int Bits, int Cap>
 __device__ __forceinline__ void values_cb(const v_raw<D, Cap>& vr, const cb_lut<Bits>& lut, int valid, int t, uint32_t pb0,
                                           uint32_t pb1, float (&acc)[D / 16][4]) {
-  uint32_t v[4][D / 16];
+  const __half2 s01 = pair_scales(vr.s[0], vr.s[1], 2 * t, valid), s89 = pair_scales(vr.s[2], vr.s[3], 2 * t + 8, valid);
+  const auto scales = [&](int, int rp) { return rp ? s89 : s01; };
+  if constexpr (Bits == 4) {
+    const auto look = [&](uint32_t x, int hh, uint32_t& ac, uint32_t& ac1) {
+      const uint32_t id = (hh ? x >> 16 : x) & 0x7777u;
+      const uint32_t mk = prmt_sign(x << 4, x, hh ? 0xFBEAu : 0xD9C8u);  // 0xff where the code is 8 or more
+      const uint32_t lo = (__byte_perm(lut.w[0], lut.w[1], id) & ~mk) | (__byte_perm(lut.w[2], lut.w[3], id) & mk);
+      const uint32_t hi = (__byte_perm(lut.w[4], lut.w[5], id) & ~mk) | (__byte_perm(lut.w[6], lut.w[7], id) & mk);
+      ac = __byte_perm(lo, hi, 0x6240);   // (a_c, b_c)
+      ac1 = __byte_perm(lo, hi, 0x7351);  // (a_c+1, b_c+1)
+    };
+    values_nibbles<D, Cap>(vr, look, scales, pb0, pb1, acc);
+  } else {
+    // 2 bits: per word (16 channels), each phase k's codes (channel 4j + k in byte j) of two rows
+    // interleaved by byte into token-pair selectors (0x22 c + 0x10 per code: nibbles 2c, 2c + 1)
 #pragma unroll
-  for (int r = 0; r < 4; ++r) {
-    cb_pairs<Bits, D / 16>(vr.w[r], lut, v[r]);
-    const __half2 s = __half2half2(__ushort_as_half(uint16_t(vr.s[r])));
+    for (int i = 0; i < (D / 16 + 7) / 8; ++i)  // word i: channels 16i .., m-tiles 8i .. 8i + 7
 #pragma unroll
-    for (int i = 0; i < D / 16; ++i) v[r][i] = h2_bits(__hmul2(bits_h2(v[r][i]), s));
+      for (int q = 0; q < 2; ++q) {  // bytes 0-1 (q = 0) or 2-3: m-tiles 8i + 4q .. + 3
+        if (8 * i + 4 * q >= D / 16) continue;
+        uint32_t sel[4][2];  // [phase][row pair]
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+#pragma unroll
+          for (int rp = 0; rp < 2; ++rp) {
+            const uint32_t ea = (vr.w[2 * rp][i] >> (2 * k)) & 0x03030303u, eb = (vr.w[2 * rp + 1][i] >> (2 * k)) & 0x03030303u;
+            sel[k][rp] = __byte_perm(ea, eb, q ? 0x7362u : 0x5140u) * 0x22u + 0x10101010u;
+          }
+#pragma unroll
+        for (int jj = 0; jj < 2; ++jj)    // byte j = 2q + jj: channels 16i + 4j .. + 3
+#pragma unroll
+          for (int mm = 0; mm < 2; ++mm) {  // m-tile 8i + 2j + mm: phases 2mm, 2mm + 1
+            const int m = 8 * i + 4 * q + 2 * jj + mm;
+            const auto look = [&](int k, int rp) { return __byte_perm(lut.w[0], lut.w[1], jj ? sel[k][rp] >> 16 : sel[k][rp]); };
+            mma16816(acc[m], h2_bits(__hmul2(bits_h2(look(2 * mm, 0)), s01)), h2_bits(__hmul2(bits_h2(look(2 * mm + 1, 0)), s01)),
+                     h2_bits(__hmul2(bits_h2(look(2 * mm, 1)), s89)), h2_bits(__hmul2(bits_h2(look(2 * mm + 1, 1)), s89)),
+                     pb0, pb1);
+          }
+      }
   }
-  values_mma<D>(v[0], v[1], v[2], v[3], valid, t, pb0, pb1, acc);
 }
 
-// O^T += V^T P^T for a slab of nvfp4 V codes: each row's channel pairs (`fp4_pairs`) times their
+// An nvfp4 block's scale (`fp4_scale`) as one half.
+__device__ __forceinline__ uint32_t fp4_scale_bits(uint32_t e4m3, float ts) {
+  return h2_bits(fp4_scale(e4m3, ts)) & 0xffffu;
+}
+
+// O^T += V^T P^T for a slab of nvfp4 V codes: e2m1 values by token-pair lookups, times their
 // block's scale (vr.s[r]: the row's e4m3 bytes of the lane's D/8 channels, 2 blocks at head_dim
-// 256) and the tensor scale `ts`, then paired by token (`values_mma`).
+// 256) and the tensor scale `ts`.
 template <int D, int Cap>
 __device__ __forceinline__ void values_fp4(const v_raw<D, Cap>& vr, float ts, int valid, int t, uint32_t pb0, uint32_t pb1,
                                            float (&acc)[D / 16][4]) {
-  constexpr int pairs_per_block = D / 16 < 8 ? D / 16 : 8;
-  uint32_t v[4][D / 16];
+  constexpr int nb = D / 16 > 8 ? 2 : 1;  // blocks in the lane's D/8 channels (8 m-tiles each)
+  __half2 s[nb][2];
 #pragma unroll
-  for (int r = 0; r < 4; ++r) {
-    fp4_pairs<D / 16>(vr.w[r], v[r]);
+  for (int b = 0; b < nb; ++b)
 #pragma unroll
-    for (int b = 0; b < (D / 16) / pairs_per_block; ++b) {
-      const __half2 s = fp4_scale(vr.s[r] >> (8 * b), ts);
-#pragma unroll
-      for (int i = pairs_per_block * b; i < pairs_per_block * (b + 1); ++i) v[r][i] = h2_bits(__hmul2(bits_h2(v[r][i]), s));
-    }
-  }
-  values_mma<D>(v[0], v[1], v[2], v[3], valid, t, pb0, pb1, acc);
+    for (int rp = 0; rp < 2; ++rp)
+      s[b][rp] = pair_scales(fp4_scale_bits(vr.s[2 * rp] >> (8 * b), ts), fp4_scale_bits(vr.s[2 * rp + 1] >> (8 * b), ts),
+                             2 * t + 8 * rp, valid);
+  const auto scales = [&](int m, int rp) { return s[nb == 2 && m >= 8 ? 1 : 0][rp]; };
+  const auto look = [&](uint32_t x, int hh, uint32_t& ac, uint32_t& ac1) {
+    constexpr uint32_t mag_lo = 0x3E3C3800u, mag_hi = 0x46444240u;  // `fp4_pairs`
+    const uint32_t mk = prmt_sign(x << 4, x, hh ? 0xFBEAu : 0xD9C8u);
+    const uint32_t hi = __byte_perm(mag_lo, mag_hi, (hh ? x >> 16 : x) & 0x7777u) | (mk & 0x80808080u);
+    ac = __byte_perm(hi, 0u, 0x2404);   // (a_c, b_c)
+    ac1 = __byte_perm(hi, 0u, 0x3414);  // (a_c+1, b_c+1)
+  };
+  values_nibbles<D, Cap>(vr, look, scales, pb0, pb1, acc);
 }
 
 // O^T += V^T P^T for one slab from the lane's raw V words (any format the kernel holds in
