@@ -79,7 +79,7 @@ __global__ void __launch_bounds__(dec_warps * 32, (decode_blocks<D, Wide>))
   };
   const auto full_parity = [](int fill) { return uint32_t(TwoFull ? fill >> 1 : fill) & 1u; };
   uint32_t qb[D / 8];
-  fill_page_table<D>(p, item, h, rg.c0, rg.c1, rg.page_slabs, sm.pages);
+  staged_start<D>(p, item, h, rg, warp, g, t, lane, sm, qb);
   // Layers of one format (a static policy's) mostly: a block whose pages all have the same staged
   // K and V kinds runs code compiled for those kinds (the rings' common kinds: 8-bit (two full
   // barriers) kivi8, sym8, fp8; 4/2-bit kivi4, kivi2, sym4, sym2, cb4, cb2, fp4 and KIVI's K4V2): whole 64-token
@@ -141,8 +141,6 @@ __global__ void __launch_bounds__(dec_warps * 32, (decode_blocks<D, Wide>))
   if (lane == 0)
     for (int e = 0; e < min(ns, n_pages); ++e)
       if (issuer(e) == warp) issue_page<D>(p, sm.pages, e, stages_s + e * st_bytes, full_bar(e, 0));
-  staged_query<D>(p, item, h, warp, g, t, lane, sm, qb);  // (with the first pages in flight)
-  __syncthreads();  // sm.qh
 
   int q_key = -2;  // the KIVI token group (its first token) whose scales qb holds; -1: the plain query
   column_state<D> cs(p, item, t);

@@ -39,7 +39,7 @@ __global__ void __launch_bounds__(dec_warps * 32, (decode_blocks<D, Wide>))
   uint8_t* my_stages = stages + uint32_t(warp * ns) * st_bytes;
   const uint32_t my_stages_s = smem_addr(my_stages), my_bars = smem_addr(&sm.bar[warp][0]);
   uint32_t qb[D / 8];
-  fill_page_table<D>(p, item, h, rg.c0, rg.c1, rg.page_slabs, sm.pages);
+  staged_start<D>(p, item, h, rg, warp, g, t, lane, sm, qb);
   for (int i = threadIdx.x; i < int(format_count) * 6; i += dec_warps * 32)
     sm.sect[i / 6][i / 3 % 2][i % 3] = chunk_section(format_id(i / 6), i / 3 % 2, i % 3, D, P, p.stage_cap);
   if (lane < ns) mbar_init(my_bars + lane * 8, 1);
@@ -52,8 +52,6 @@ __global__ void __launch_bounds__(dec_warps * 32, (decode_blocks<D, Wide>))
   for (; issue_j < issue_end && issue_st < ns - 1; ++issue_j, ++issue_st)
     issue_chunk<D>(p, sm.pages, sm.sect, issue_j, issue_j == s0, lane, my_stages_s + issue_st * st_bytes, my_bars + issue_st * 8);
   if (issue_st == ns) issue_st = 0;
-  staged_query<D>(p, item, h, warp, g, t, lane, sm, qb);  // (with the first slabs in flight)
-  __syncthreads();  // sm.qh
 
   int q_key = -2;  // the KIVI token group (its first token) whose scales qb holds; -1: the plain query
   column_state<D> cs(p, item, t);

@@ -10,13 +10,12 @@
 KVQ_NAMESPACE_BEGIN
 namespace cuda::detail {
 
-// The staged kernels' query: this lane's query fragments (R q for a rotated head) and the fp16
-// query pairs in shared memory (for KIVI re-scaling). The kernels call it after issuing their
-// first page copies (the query's load and rotation then overlap the copies' latency) and
-// synchronize the block before reading `sm.qh`.
+// The staged kernels' common start: the block's page lookups, this lane's query fragments, and
+// the fp16 query pairs in shared memory (for KIVI re-scaling; warp 0 stores them).
 template <int D>
-__device__ __forceinline__ void staged_query(const attend_params& p, const decode_item& item, int h, int warp, int g, int t,
-                                             int lane, staged_head<D>& sm, uint32_t (&qb)[D / 8]) {
+__device__ __forceinline__ void staged_start(const attend_params& p, const decode_item& item, int h, const slab_range& rg,
+                                             int warp, int g, int t, int lane, staged_head<D>& sm, uint32_t (&qb)[D / 8]) {
+  fill_page_table<D>(p, item, h, rg.c0, rg.c1, rg.page_slabs, sm.pages);
   load_query<D>(p, item, h, g, t, qb);
   // Every warp holds the same fragments: warp w stores rows w, w + 4, ... of the D / 32 rows
   // (warps past them store nothing). No warp-0-only stores: in the build with per-kind chunk
