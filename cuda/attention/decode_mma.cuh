@@ -238,9 +238,10 @@ __device__ __forceinline__ void values_mma(uint32_t (&va)[D / 16], uint32_t (&vb
 // (rows at or beyond `valid` with scale 0: their codes are stale, their levels finite).
 
 // 4-bit codes (codebook levels or e2m1 values): byte m of a row is its channel pair m, so one
-// permute of two rows' words gives the selectors of two m-tiles (nibbles a_c, a_c+1, b_c, b_c+1).
-template <int D, int Cap, class Look, class Scales>
-__device__ __forceinline__ void values_nibbles(const v_raw<D, Cap>& vr, Look&& look, Scales&& row_scales, uint32_t pb0,
+// permute of two rows' words gives the selectors of two m-tiles (nibbles a_c, a_c+1, b_c, b_c+1),
+// looked up four codes at a time by `bytes` (`cb4_bytes`, `fp4_bytes`).
+template <int D, int Cap, class Bytes, class Scales>
+__device__ __forceinline__ void values_nibbles(const v_raw<D, Cap>& vr, Bytes&& bytes, Scales&& row_scales, uint32_t pb0,
                                                uint32_t pb1, float (&acc)[D / 16][4]) {
 #pragma unroll
   for (int i = 0; i < (D / 16 + 3) / 4; ++i)  // word i: m-tiles 4i .. 4i + 3
@@ -252,12 +253,13 @@ __device__ __forceinline__ void values_nibbles(const v_raw<D, Cap>& vr, Look&& l
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         const int m = 4 * i + 2 * q + hh;
-        uint32_t a0, a1, a2, a3;
-        look(p01, hh, a0, a1);
-        look(p89, hh, a2, a3);
+        const nibble_bytes b01 = bytes(p01, hh), b89 = bytes(p89, hh);  // codes a_c, a_c+1, b_c, b_c+1
         const __half2 s01 = row_scales(m, 0), s89 = row_scales(m, 1);
-        mma16816(acc[m], h2_bits(__hmul2(bits_h2(a0), s01)), h2_bits(__hmul2(bits_h2(a1), s01)),
-                 h2_bits(__hmul2(bits_h2(a2), s89)), h2_bits(__hmul2(bits_h2(a3), s89)), pb0, pb1);
+        const auto frag = [](const nibble_bytes& b, uint32_t sel, __half2 sc) {  // (a_c, b_c) or (a_c+1, b_c+1)
+          return h2_bits(__hmul2(bits_h2(__byte_perm(b.lo, b.hi, sel)), sc));
+        };
+        mma16816(acc[m], frag(b01, 0x6240, s01), frag(b01, 0x7351, s01), frag(b89, 0x6240, s89), frag(b89, 0x7351, s89),
+                 pb0, pb1);
       }
     }
 }
@@ -276,15 +278,7 @@ __device__ __forceinline__ void values_cb(const v_raw<D, Cap>& vr, const cb_lut<
   const __half2 s01 = pair_scales(vr.s[0], vr.s[1], 2 * t, valid), s89 = pair_scales(vr.s[2], vr.s[3], 2 * t + 8, valid);
   const auto scales = [&](int, int rp) { return rp ? s89 : s01; };
   if constexpr (Bits == 4) {
-    const auto look = [&](uint32_t x, int hh, uint32_t& ac, uint32_t& ac1) {
-      const uint32_t id = (hh ? x >> 16 : x) & 0x7777u;
-      const uint32_t mk = prmt_sign(x << 4, x, hh ? 0xFBEAu : 0xD9C8u);  // 0xff where the code is 8 or more
-      const uint32_t lo = (__byte_perm(lut.w[0], lut.w[1], id) & ~mk) | (__byte_perm(lut.w[2], lut.w[3], id) & mk);
-      const uint32_t hi = (__byte_perm(lut.w[4], lut.w[5], id) & ~mk) | (__byte_perm(lut.w[6], lut.w[7], id) & mk);
-      ac = __byte_perm(lo, hi, 0x6240);   // (a_c, b_c)
-      ac1 = __byte_perm(lo, hi, 0x7351);  // (a_c+1, b_c+1)
-    };
-    values_nibbles<D, Cap>(vr, look, scales, pb0, pb1, acc);
+    values_nibbles<D, Cap>(vr, [&](uint32_t x, int hh) { return cb4_bytes(x, hh, lut); }, scales, pb0, pb1, acc);
   } else {
     // 2 bits: per word (16 channels), each phase k's codes (channel 4j + k in byte j) of two rows
     // interleaved by byte into token-pair selectors (0x22 c + 0x10 per code: nibbles 2c, 2c + 1)
@@ -335,14 +329,7 @@ __device__ __forceinline__ void values_fp4(const v_raw<D, Cap>& vr, float ts, in
       s[b][rp] = pair_scales(fp4_scale_bits(vr.s[2 * rp] >> (8 * b), ts), fp4_scale_bits(vr.s[2 * rp + 1] >> (8 * b), ts),
                              2 * t + 8 * rp, valid);
   const auto scales = [&](int m, int rp) { return s[nb == 2 && m >= 8 ? 1 : 0][rp]; };
-  const auto look = [&](uint32_t x, int hh, uint32_t& ac, uint32_t& ac1) {
-    constexpr uint32_t mag_lo = 0x3E3C3800u, mag_hi = 0x46444240u;  // `fp4_pairs`
-    const uint32_t mk = prmt_sign(x << 4, x, hh ? 0xFBEAu : 0xD9C8u);
-    const uint32_t hi = __byte_perm(mag_lo, mag_hi, (hh ? x >> 16 : x) & 0x7777u) | (mk & 0x80808080u);
-    ac = __byte_perm(hi, 0u, 0x2404);   // (a_c, b_c)
-    ac1 = __byte_perm(hi, 0u, 0x3414);  // (a_c+1, b_c+1)
-  };
-  values_nibbles<D, Cap>(vr, look, scales, pb0, pb1, acc);
+  values_nibbles<D, Cap>(vr, [](uint32_t x, int hh) { return fp4_bytes(x, hh); }, scales, pb0, pb1, acc);
 }
 
 // O^T += V^T P^T for one slab from the lane's raw V words (any format the kernel holds in

@@ -203,6 +203,49 @@ __device__ __forceinline__ cb_lut<Bits> cb_table(const uint8_t* levels) {
   return t;
 }
 
+// The fp16 values of four 4-bit codes (nibbles 4hh .. 4hh + 3 of x) as byte words: byte k of
+// `lo` / `hi` is the low / high byte of code k's value. The callers interleave them into half2
+// pairs: in channel order (`nibble_pairs`) or in token pairs (`values_nibbles`).
+struct nibble_bytes {
+  uint32_t lo, hi;
+};
+
+// 0xff in byte k where nibble 4hh + k of x has its top bit set (one permute in sign-replicate mode).
+__device__ __forceinline__ uint32_t nibble_top_bits(uint32_t x, int hh) {
+  return prmt_sign(x << 4, x, hh ? 0xFBEAu : 0xD9C8u);
+}
+
+// cb4: permutes in each 8-entry half of the levels' low- and high-byte tables (selector: the
+// codes' low 3 bits), then a select by each code's top bit.
+__device__ __forceinline__ nibble_bytes cb4_bytes(uint32_t x, int hh, const cb_lut<4>& lut) {
+  const uint32_t id = (hh ? x >> 16 : x) & 0x7777u, m = nibble_top_bits(x, hh);
+  return {(__byte_perm(lut.w[0], lut.w[1], id) & ~m) | (__byte_perm(lut.w[2], lut.w[3], id) & m),
+          (__byte_perm(lut.w[4], lut.w[5], id) & ~m) | (__byte_perm(lut.w[6], lut.w[7], id) & m)};
+}
+
+// nvfp4: the fp16 forms of the eight e2m1 magnitudes (0, 0.5, 1, 1.5, 2, 3, 4, 6) have a zero low
+// byte, so one permute of an 8-byte table of high bytes (selector: the codes' low 3 bits) and the
+// sign bits OR-ed in.
+__device__ __forceinline__ nibble_bytes fp4_bytes(uint32_t x, int hh) {
+  constexpr uint32_t mag_lo = 0x3E3C3800u, mag_hi = 0x46444240u;  // high bytes of 0, .5, 1, 1.5 | 2, 3, 4, 6
+  return {0u, __byte_perm(mag_lo, mag_hi, (hh ? x >> 16 : x) & 0x7777u) | (nibble_top_bits(x, hh) & 0x80808080u)};
+}
+
+// 4-bit codes of `Pairs` channel pairs (in channel order, packed as a 4-bit sym page's) -> half2
+// values, four codes at a time through `bytes` (`cb4_bytes`, `fp4_bytes`).
+template <int Pairs, class Bytes>
+__device__ __forceinline__ void nibble_pairs(const uint32_t* w, Bytes&& bytes, uint32_t (&out)[Pairs]) {
+#pragma unroll
+  for (int i = 0; i < (Pairs + 3) / 4; ++i)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {  // channels 8i + 4hh .. + 3
+      if (4 * i + 2 * hh >= Pairs) continue;
+      const nibble_bytes b = bytes(w[i], hh);
+      out[4 * i + 2 * hh] = __byte_perm(b.lo, b.hi, 0x5140);
+      out[4 * i + 2 * hh + 1] = __byte_perm(b.lo, b.hi, 0x7362);
+    }
+}
+
 // Codebook codes of `Pairs` channel pairs (in channel order, packed as `sym`'s) -> half2 levels.
 template <int Bits, int Pairs>
 __device__ __forceinline__ void cb_pairs(const uint32_t* w, const cb_lut<Bits>& lut, uint32_t (&out)[Pairs]) {
@@ -224,43 +267,15 @@ __device__ __forceinline__ void cb_pairs(const uint32_t* w, const cb_lut<Bits>& 
       }
     }
   } else {
-#pragma unroll
-    for (int i = 0; i < (Pairs + 3) / 4; ++i) {
-      const uint32_t x = w[i], idx = x & 0x77777777u, sh = x << 4;
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {  // channels 8i + 4hh .. + 3
-        if (4 * i + 2 * hh >= Pairs) continue;
-        const uint32_t id = hh ? idx >> 16 : idx;
-        const uint32_t m = prmt_sign(sh, x, hh ? 0xFBEAu : 0xD9C8u);  // 0xff where the code is 8 or more
-        const uint32_t lo = (__byte_perm(lut.w[0], lut.w[1], id) & ~m) | (__byte_perm(lut.w[2], lut.w[3], id) & m);
-        const uint32_t hi = (__byte_perm(lut.w[4], lut.w[5], id) & ~m) | (__byte_perm(lut.w[6], lut.w[7], id) & m);
-        out[4 * i + 2 * hh] = __byte_perm(lo, hi, 0x5140);
-        out[4 * i + 2 * hh + 1] = __byte_perm(lo, hi, 0x7362);
-      }
-    }
+    nibble_pairs<Pairs>(w, [&](uint32_t x, int hh) { return cb4_bytes(x, hh, lut); }, out);
   }
 }
 
 // nvfp4's e2m1 codes (sign in bit 3) of `Pairs` channel pairs (in channel order, packed as a
-// 4-bit sym page's) -> half2 values. The fp16 forms of the eight magnitudes (0, 0.5, 1, 1.5, 2,
-// 3, 4, 6) have a zero low byte, so four codes take one permute of an 8-byte table of high bytes
-// (selector: the codes' low 3 bits), the sign bits OR-ed in (a byte mask from one permute in
-// sign-replicate mode), and two permutes that place the high bytes over zero low bytes.
+// 4-bit sym page's) -> half2 values (`fp4_bytes`).
 template <int Pairs>
 __device__ __forceinline__ void fp4_pairs(const uint32_t* w, uint32_t (&out)[Pairs]) {
-  constexpr uint32_t mag_lo = 0x3E3C3800u, mag_hi = 0x46444240u;  // high bytes of 0, .5, 1, 1.5 | 2, 3, 4, 6
-#pragma unroll
-  for (int i = 0; i < (Pairs + 3) / 4; ++i) {
-    const uint32_t x = w[i], idx = x & 0x77777777u, sh = x << 4;
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {  // channels 8i + 4hh .. + 3
-      if (4 * i + 2 * hh >= Pairs) continue;
-      const uint32_t m = prmt_sign(sh, x, hh ? 0xFBEAu : 0xD9C8u);  // 0xff where the sign bit is set
-      const uint32_t hi = __byte_perm(mag_lo, mag_hi, hh ? idx >> 16 : idx) | (m & 0x80808080u);
-      out[4 * i + 2 * hh] = __byte_perm(hi, 0u, 0x1404);
-      out[4 * i + 2 * hh + 1] = __byte_perm(hi, 0u, 0x3424);
-    }
-  }
+  nibble_pairs<Pairs>(w, [](uint32_t x, int hh) { return fp4_bytes(x, hh); }, out);
 }
 
 // An nvfp4 block's scale as an fp16 operand: e4m3 (exact in fp16) times the page's fp32 tensor
