@@ -9,23 +9,23 @@
 // replayed step plans its splits for `max_tokens` (context + steps), the eager one for the batch's
 // longest sequence; both run the block-staged kernel (the policy's widest format, 4 bits).
 //   kvq_bench_replay_cuda [--batch 8] [--context 32768] [--steps 256] [--block 16]
-#include <kvq/cache/cache.hpp>
-#include <kvq/cache/decode_step.hpp>
-#include <kvq/format/numeric.hpp>
-#include <kvq/policy/static_policy.hpp>
-
 #include <cuda_runtime.h>
 
-#include "cuda_check.hpp"
-
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <kvq/cache/cache.hpp>
+#include <kvq/cache/decode_step.hpp>
+#include <kvq/format/numeric.hpp>
+#include <kvq/policy/static_policy.hpp>
 #include <random>
 #include <string>
 #include <vector>
+
+#include "cuda_check.hpp"
 
 namespace {
 
@@ -59,10 +59,14 @@ int main(int argc, char** argv) {
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
     const int v = std::atoi(argv[i + 1]);
-    if (a == "--batch") batch = v;
-    else if (a == "--context") context = v;
-    else if (a == "--steps") steps = v;
-    else if (a == "--block") block = v;
+    if (a == "--batch")
+      batch = v;
+    else if (a == "--context")
+      context = v;
+    else if (a == "--steps")
+      steps = v;
+    else if (a == "--block")
+      block = v;
     else {
       std::fprintf(stderr, "unknown option %s\n", argv[i]);
       return 2;
@@ -99,8 +103,8 @@ int main(int argc, char** argv) {
     }
     CUDA_CHECK(cudaStreamSynchronize(stream));
   }
-  device_halves k(size_t(layers) * batch * H * D), v(size_t(layers) * batch * H * D), q(size_t(layers) * batch * Hq * D),
-      o(size_t(layers) * batch * Hq * D);
+  device_halves k(size_t(layers) * batch * H * D), v(size_t(layers) * batch * H * D),
+      q(size_t(layers) * batch * Hq * D), o(size_t(layers) * batch * Hq * D);
   CUDA_CHECK(cudaMemset(k.p, 0, size_t(layers) * batch * H * D * 2));
   CUDA_CHECK(cudaMemset(v.p, 0, size_t(layers) * batch * H * D * 2));
   CUDA_CHECK(cudaMemset(q.p, 0, size_t(layers) * batch * Hq * D * 2));
@@ -113,7 +117,8 @@ int main(int argc, char** argv) {
   for (int s = 0; s < batch; ++s) seqs.push_back(s), adds.push_back({s, 1}), items.push_back({s, 1});
   auto eager_step = [&] {
     for (int l = 0; l < layers; ++l) {
-      const kvq::tensor_view kr{rows(k, l, H), kvq::dtype::f16, batch, H, D}, vr{rows(v, l, H), kvq::dtype::f16, batch, H, D};
+      const kvq::tensor_view kr{rows(k, l, H), kvq::dtype::f16, batch, H, D},
+          vr{rows(v, l, H), kvq::dtype::f16, batch, H, D};
       kvq::check(cache.append_batch(adds, l, kr, vr));
       kvq::check(cache.attend(items, l, {rows(q, l, Hq), kvq::dtype::f16, batch, Hq, D},
                               kvq::tensor_mut{rows(o, l, Hq), kvq::dtype::f16, batch, Hq, D}));
@@ -125,32 +130,80 @@ int main(int argc, char** argv) {
   cudaGraphExec_t exec;
   CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
   for (int l = 0; l < layers; ++l) {
-    kvq::check(step.append(l, {rows(k, l, H), kvq::dtype::f16, batch, H, D}, {rows(v, l, H), kvq::dtype::f16, batch, H, D}));
+    kvq::check(
+        step.append(l, {rows(k, l, H), kvq::dtype::f16, batch, H, D}, {rows(v, l, H), kvq::dtype::f16, batch, H, D}));
     kvq::check(step.attend(l, {rows(q, l, Hq), kvq::dtype::f16, batch, Hq, D},
                            kvq::tensor_mut{rows(o, l, Hq), kvq::dtype::f16, batch, Hq, D}));
   }
   CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
   CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
   CUDA_CHECK(cudaGraphLaunch(exec, stream));
+  // host time of the replayed step's two calls, summed over the timed steps
+  double prepare_us = 0, launch_us = 0;
+  int replays = 0;
   auto replay_step = [&] {
+    const auto t0 = std::chrono::steady_clock::now();
     kvq::check(step.prepare(seqs));
+    const auto t1 = std::chrono::steady_clock::now();
     CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    const auto t2 = std::chrono::steady_clock::now();
+    prepare_us += std::chrono::duration<double, std::micro>(t1 - t0).count();
+    launch_us += std::chrono::duration<double, std::micro>(t2 - t1).count();
+    ++replays;
   };
   eager_step();  // warm-up: the eager workspace
   CUDA_CHECK(cudaStreamSynchronize(stream));
+  replay_step();
+  CUDA_CHECK(cudaStreamSynchronize(stream));
+  prepare_us = launch_us = 0, replays = 0;
   std::vector<double> eager_us, replay_us;
   for (int done = 0; done + 2 * block <= steps; done += 2 * block)
     for (int kind = 0; kind < 2; ++kind) {
       const auto t0 = std::chrono::steady_clock::now();
       for (int i = 0; i < block; ++i) kind == 0 ? eager_step() : replay_step();
       CUDA_CHECK(cudaStreamSynchronize(stream));
-      const double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / block;
+      const double us =
+          std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / block;
       (kind == 0 ? eager_us : replay_us).push_back(us);
     }
   const double e = mean(eager_us), r = mean(replay_us);
-  std::printf("batch %d context %d: eager step %.1f us (+- %.1f), replayed step %.1f us (+- %.1f), replay / eager %.3f "
-              "(%zu blocks of %d steps each)\n",
-              batch, context, e, stderr_of(eager_us), r, stderr_of(replay_us), r / e, eager_us.size(), block);
+  std::printf(
+      "batch %d context %d: eager step %.1f us (+- %.1f), replayed step %.1f us (+- %.1f), replay / eager %.3f "
+      "(%zu blocks of %d steps each)\n",
+      batch, context, e, stderr_of(eager_us), r, stderr_of(replay_us), r / e, eager_us.size(), block);
+  // The replayed step's parts: host time of prepare and of the graph launch, and the graph alone
+  // on the GPU: events around it, the stream held by a host function until the graph is issued,
+  // so that the GPU never waits for the host between the two events.
+  cudaEvent_t ev0, ev1;
+  CUDA_CHECK(cudaEventCreate(&ev0));
+  CUDA_CHECK(cudaEventCreate(&ev1));
+  std::vector<double> graph_us;
+  std::atomic<bool> go{false};
+  for (int i = 0; i < 8; ++i) {
+    kvq::check(step.prepare(seqs));
+    go = false;
+    CUDA_CHECK(cudaLaunchHostFunc(
+        stream,
+        [](void* f) {
+          while (!static_cast<std::atomic<bool>*>(f)->load()) {
+          }
+        },
+        &go));
+    CUDA_CHECK(cudaEventRecord(ev0, stream));
+    CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    CUDA_CHECK(cudaEventRecord(ev1, stream));
+    go = true;
+    CUDA_CHECK(cudaEventSynchronize(ev1));
+    float ms = 0;
+    CUDA_CHECK(cudaEventElapsedTime(&ms, ev0, ev1));
+    graph_us.push_back(1000.0 * ms);
+  }
+  std::printf(
+      "  replayed step parts: prepare (host) %.1f us, graph launch (host) %.1f us, graph on the GPU %.1f us "
+      "(+- %.1f)\n",
+      prepare_us / replays, launch_us / replays, mean(graph_us), stderr_of(graph_us));
+  CUDA_CHECK(cudaEventDestroy(ev0));
+  CUDA_CHECK(cudaEventDestroy(ev1));
   CUDA_CHECK(cudaGraphExecDestroy(exec));
   CUDA_CHECK(cudaGraphDestroy(graph));
   return 0;

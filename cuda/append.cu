@@ -2,10 +2,13 @@
 // the input) encoded with the shared codec, so the bytes equal the CPU's, and the new tokens that
 // stay in the window written to the FP16 ring. The new rows of a rotated head are rotated by a
 // warp each (rotation.cuh) before they are rounded to fp16, in both kernels.
+#include <cuda_runtime.h>
+
+#include <algorithm>
 #include <kvq/codec/codec.hpp>
+#include <kvq/cuda/paged_attention.hpp>
 #include <kvq/format/kinds.hpp>
 #include <kvq/format/nvfp4.hpp>
-#include <kvq/cuda/paged_attention.hpp>
 #include <kvq/store/window_layout.hpp>
 
 #include "attention/layout.hpp"
@@ -15,10 +18,6 @@
 #include "rotation.cuh"
 #include "status.hpp"
 #include "view_checks.hpp"
-
-#include <cuda_runtime.h>
-
-#include <algorithm>
 
 KVQ_NAMESPACE_BEGIN
 namespace cuda {
@@ -60,6 +59,7 @@ struct append_params {
   dtype src_type[2];
   int64_t src_stride[2];
   float clip[max_kv_heads * 2];
+  const float* levels;  // append_args::levels
   head_rotation rot;
   const append_table* table;  // replay instances: the call's part, in device memory (`step` unused)
   append_table step;
@@ -69,23 +69,29 @@ static_assert(max_append_items <= 256, "page_item is one byte");
 // The call's part: from the parameters (eager) or from the device table (`Replay`).
 template <bool Replay>
 __device__ __forceinline__ const append_table& table_of(const append_params& p) {
-  if constexpr (Replay) return *p.table;
-  else return p.step;
+  if constexpr (Replay)
+    return *p.table;
+  else
+    return p.step;
 }
 
 __device__ __forceinline__ uint16_t src_half(const append_params& p, int r, int64_t row, int h, int c) {
   const int64_t i = row * p.src_stride[r] + int64_t(h) * p.kv.head_dim + c;
   return detail::with_dtype(p.src_type[r], [&](auto z) -> uint16_t {  // the codec's conversions (bytes as the CPU's)
     using T = decltype(z);
-    if constexpr (std::is_same_v<T, float>) return float_to_half(static_cast<const float*>(p.src[r])[i]);
-    else if constexpr (std::is_same_v<T, __half>) return static_cast<const uint16_t*>(p.src[r])[i];
-    else return float_to_half(bf16_to_float(static_cast<const uint16_t*>(p.src[r])[i]));
+    if constexpr (std::is_same_v<T, float>)
+      return float_to_half(static_cast<const float*>(p.src[r])[i]);
+    else if constexpr (std::is_same_v<T, __half>)
+      return static_cast<const uint16_t*>(p.src[r])[i];
+    else
+      return float_to_half(bf16_to_float(static_cast<const uint16_t*>(p.src[r])[i]));
   });
 }
 
 // The warp's input row (row, kv head h) of role r rotated (R x) and rounded to fp16 into
 // out [head_dim]: lane l writes channels [l * head_dim / 32, (l + 1) * head_dim / 32).
-__device__ __forceinline__ void rotated_row(const append_params& p, int r, int64_t row, int h, int lane, uint16_t* out) {
+__device__ __forceinline__ void rotated_row(const append_params& p, int r, int64_t row, int h, int lane,
+                                            uint16_t* out) {
   with_per_lane(p.kv.head_dim, [&](auto pl) {
     constexpr int per_lane = decltype(pl)::value;
     const int64_t base = row * p.src_stride[r] + int64_t(h) * p.kv.head_dim + lane * per_lane;
@@ -121,8 +127,10 @@ __global__ void __launch_bounds__(threads) encode_kernel(const __grid_constant__
   const bool rotated = Rotating && head_rotated(p.rot, h);
   for (int idx = threadIdx.x; idx < P * d; idx += threads) {
     const int row = idx / d, c = idx % d, j = first_tok + row;
-    if (j < it.n) src[idx] = ring[size_t(j % p.kv.window) * d + c];
-    else if (!rotated) src[idx] = src_half(p, r, it.src_row + (j - it.n), h, c);
+    if (j < it.n)
+      src[idx] = ring[size_t(j % p.kv.window) * d + c];
+    else if (!rotated)
+      src[idx] = src_half(p, r, it.src_row + (j - it.n), h, c);
   }
   if (rotated)  // the new rows, a warp each
     for (int row = max(0, it.n - first_tok) + threadIdx.x / 32; row < P; row += threads / 32)
@@ -134,7 +142,8 @@ __global__ void __launch_bounds__(threads) encode_kernel(const __grid_constant__
   const format_id f = fm[2 * h + r];
   const codec::page_geom g = codec::make_geom(f, r == 0 ? role::k : role::v, P, d);
   uint8_t* page = p.arena + size_t(t.page_blocks[pg]) * block_unit + off;
-  for (uint32_t i = threadIdx.x * 16; i < g.lay.total(); i += threads * 16) *reinterpret_cast<uint4*>(page + i) = make_uint4(0, 0, 0, 0);
+  for (uint32_t i = threadIdx.x * 16; i < g.lay.total(); i += threads * 16)
+    *reinterpret_cast<uint4*>(page + i) = make_uint4(0, 0, 0, 0);
   __syncthreads();
   if (g.fmt.fam == family::nvfp4) {
     // the page's one unit in parallel: the block's absmax (a max: any order gives the CPU's), then
@@ -151,8 +160,11 @@ __global__ void __launch_bounds__(threads) encode_kernel(const __grid_constant__
     for (int b = threadIdx.x; b < P * (d / 16); b += threads)
       nvfp4_codec::encode_block(g, src, d, page, ts, b / (d / 16), b % (d / 16));
   } else {
-    const float clip = p.clip[2 * h + r];
-    for (int u = threadIdx.x; u < g.unit_count(); u += threads) codec::encode_unit(g, src, d, u, page, clip);
+    codec::encode_params ep{p.clip[2 * h + r], nullptr};
+    if (p.levels != nullptr && codec::is_codebook_format(f))
+      ep.levels = p.levels + ((2 * h + r) * codec::codebook_format_count + (f - codec::first_codebook_format)) *
+                                 codec::codebook_slot_floats;
+    for (int u = threadIdx.x; u < g.unit_count(); u += threads) codec::encode_unit(g, src, d, u, page, ep);
   }
   if (h == 0 && r == 0) {
     const size_t row = (size_t(it.slot) * p.kv.layers + p.layer) * p.kv.max_pages + it.first_page + (pg - it.page0);
@@ -201,7 +213,8 @@ __global__ void ring_rotated_kernel(const __grid_constant__ append_params p) {
     const int32_t j = first + row / (2 * p.kv.kv_heads);
     const int64_t src_row = it.src_row + (j - it.n);
     uint16_t* dst = ring_of(p, it, h, r) + size_t(j % p.kv.window) * p.kv.head_dim;
-    if (head_rotated(p.rot, h)) rotated_row(p, r, src_row, h, lane, dst);
+    if (head_rotated(p.rot, h))
+      rotated_row(p, r, src_row, h, lane, dst);
     else
       for (int c = lane; c < p.kv.head_dim; c += 32) dst[c] = src_half(p, r, src_row, h, c);
   }
@@ -212,9 +225,11 @@ __global__ void ring_rotated_kernel(const __grid_constant__ append_params p) {
 // longest item. `t` is written only after every check passed.
 status fill_table(const append_args& a, int first_row, bool check_rows, append_table& t, int& max_m) {
   const auto& kv = a.kv;
-  if (kv.kv_heads > max_kv_heads) return {errc::unsupported, msg("append: kv_heads ", kv.kv_heads, " above ", max_kv_heads)};
+  if (kv.kv_heads > max_kv_heads)
+    return {errc::unsupported, msg("append: kv_heads ", kv.kv_heads, " above ", max_kv_heads)};
   if (a.items.size() > size_t(max_append_items))
-    return {errc::invalid_argument, msg("append: ", a.items.size(), " sequences in one call, at most ", max_append_items)};
+    return {errc::invalid_argument,
+            msg("append: ", a.items.size(), " sequences in one call, at most ", max_append_items)};
   if (a.layer < 0 || a.layer >= kv.layers)
     return {errc::invalid_argument, msg("append: layer ", a.layer, " outside [0, ", kv.layers, ")")};
   int pages = 0, rows = 0;
@@ -236,13 +251,13 @@ status fill_table(const append_args& a, int first_row, bool check_rows, append_t
   if (pages > max_append_pages)
     return {errc::invalid_argument, msg("append: ", pages, " new pages in one call, at most ", max_append_pages)};
   if (check_rows && (rows != a.k.tokens || rows != a.v.tokens))
-    return {errc::invalid_argument, msg("append: the items append ", rows, " tokens, K has ", a.k.tokens, " and V ", a.v.tokens)};
-  if (a.rotation.mask != 0 &&
-      (!rotation::is_power_of_two(kv.head_dim) || kv.head_dim < 32 || kv.head_dim > 256 ||
-       (kv.kv_heads < 32 && (a.rotation.mask >> kv.kv_heads) != 0)))
-    return {errc::invalid_argument, msg("append: rotation (mask ", a.rotation.mask, ") needs head_dim a power of two in [32, ",
-                                        "256] (got head_dim ", kv.head_dim, ") and names only the layer's ", kv.kv_heads,
-                                        " kv heads")};
+    return {errc::invalid_argument,
+            msg("append: the items append ", rows, " tokens, K has ", a.k.tokens, " and V ", a.v.tokens)};
+  if (a.rotation.mask != 0 && (!rotation::is_power_of_two(kv.head_dim) || kv.head_dim < 32 || kv.head_dim > 256 ||
+                               (kv.kv_heads < 32 && (a.rotation.mask >> kv.kv_heads) != 0)))
+    return {errc::invalid_argument,
+            msg("append: rotation (mask ", a.rotation.mask, ") needs head_dim a power of two in [32, ",
+                "256] (got head_dim ", kv.head_dim, ") and names only the layer's ", kv.kv_heads, " kv heads")};
   for (int i = 0; i < pages * kv.kv_heads * 2; ++i) {
     if (a.page_fmts[i] >= format_count || (i % 2 == 0 ? kv.k_page_bytes : kv.v_page_bytes)[a.page_fmts[i]] == 0)
       return {errc::invalid_argument, msg("append: new page ", i / (kv.kv_heads * 2), " has format id ",
@@ -288,6 +303,7 @@ void set_layer(const append_args& a, append_params& p) {
   p.src_stride[0] = a.k.stride();
   p.src_stride[1] = a.v.stride();
   for (int j = 0; j < a.kv.kv_heads * 2; ++j) p.clip[j] = a.clip ? a.clip[j] : 1.0f;
+  p.levels = a.levels;
   p.rot = a.rotation;
 }
 
@@ -329,13 +345,15 @@ size_t append_table_bytes() { return sizeof(append_table); }
 status fill_append_table(const append_args& a, int first_row, void* table) {
   int max_m = 0;
   KVQ_TRY(fill_table(a, first_row, false, *static_cast<append_table*>(table), max_m));
-  if (max_m > 1) return {errc::invalid_argument, msg("append: a replayed step appends one token per sequence, not ", max_m)};
+  if (max_m > 1)
+    return {errc::invalid_argument, msg("append: a replayed step appends one token per sequence, not ", max_m)};
   return {};
 }
 
 status launch_append_replay(const append_args& a, const void* table, int max_items, void* stream) {
   if (max_items < 1 || max_items > max_append_pages)
-    return {errc::invalid_argument, msg("append: a replayed call takes 1 to ", max_append_pages, " sequences, not ", max_items)};
+    return {errc::invalid_argument,
+            msg("append: a replayed call takes 1 to ", max_append_pages, " sequences, not ", max_items)};
   append_params p{};
   set_layer(a, p);
   p.table = static_cast<const append_table*>(table);

@@ -1,11 +1,16 @@
 // The CUDA backend of KVCache: the arena, page tables and windows in device memory; the host keeps
 // the bookkeeping (page_store) and launches the kernels of cuda/ (README.md) on the caller's stream.
+#include <cuda_runtime.h>
+#include <fmt/format.h>
+
+#include <algorithm>
 #include <kvq/cuda/canary.hpp>
 #include <kvq/cuda/paged_attention.hpp>
 #include <kvq/detail/backend.hpp>
 #include <kvq/format/kinds.hpp>
 #include <kvq/rotation/rotation.hpp>
 #include <kvq/store/window_layout.hpp>
+#include <vector>
 
 #include "attention/prefill.hpp"
 #include "canary_runner.hpp"
@@ -14,12 +19,6 @@
 #include "replay.hpp"
 #include "ring_undo.hpp"
 #include "status.hpp"
-
-#include <cuda_runtime.h>
-#include <fmt/format.h>
-
-#include <algorithm>
-#include <vector>
 
 KVQ_NAMESPACE_BEGIN
 namespace detail {
@@ -43,7 +42,8 @@ class device_scope {
   status enter(int dev) {
     if (status st = cuda_status(cudaGetDevice(&prev_), "cudaGetDevice"); !st.ok()) return error_ = st;
     if (prev_ != dev) {
-      if (status st = cuda_status(cudaSetDevice(dev), "cudaSetDevice (the cache's device)"); !st.ok()) return error_ = st;
+      if (status st = cuda_status(cudaSetDevice(dev), "cudaSetDevice (the cache's device)"); !st.ok())
+        return error_ = st;
       switched_ = true;
     }
     return {};
@@ -58,7 +58,7 @@ class device_scope {
 
 // The first statement of every backend entry point: the cache's device is current until the call
 // returns, or the call fails naming why it is not.
-#define KVQ_ON_DEVICE()              \
+#define KVQ_ON_DEVICE()                \
   const device_scope on_device_(dev_); \
   KVQ_TRY(on_device_.error())
 
@@ -84,6 +84,8 @@ class cuda_backend final : public cache_backend {
     const size_t rows = size_t(cfg_.max_sequences) * sh.layers * max_pages_;
     KVQ_TRY(blocks_.allocate(rows, "device page table"));
     KVQ_TRY(fmts_.allocate(rows * sh.kv_heads * 2, "device format table"));
+    KVQ_TRY(levels_d_.allocate(levels_.size(), "codebook level table"));
+    KVQ_TRY(levels_changed_here());
     KVQ_TRY(flag_.allocate(1, "value-check flag"));
     KVQ_TRY(cuda_status(cudaMallocHost(reinterpret_cast<void**>(&flag_host_), sizeof(int)), "cudaMallocHost"));
     view_.arena = arena_.ptr;
@@ -112,12 +114,31 @@ class cuda_backend final : public cache_backend {
 
   cudaStream_t stream() const { return static_cast<cudaStream_t>(cfg_.stream); }
 
+  // The codebook levels copied to the device on the cache's stream, behind the work already on
+  // it (a replay in flight reads the old ones); the copy completes before the call returns.
+  status levels_changed_here() {
+    cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+    KVQ_TRY(cuda_status(cudaStreamIsCapturing(stream(), &cs), "cudaStreamIsCapturing"));
+    if (cs != cudaStreamCaptureStatusNone)
+      return {errc::invalid_argument, "the cache's stream is being captured; set codebook levels outside a capture"};
+    KVQ_TRY(cuda_status(cudaMemcpyAsync(levels_d_.ptr, levels_.data(), levels_.size() * sizeof(float),
+                                        cudaMemcpyHostToDevice, stream()),
+                        "cudaMemcpyAsync (codebook levels)"));
+    return cuda_status(cudaStreamSynchronize(stream()), "cudaStreamSynchronize");
+  }
+
+  status levels_changed() override {
+    KVQ_ON_DEVICE();
+    return levels_changed_here();
+  }
+
   // With check_values: rejects NaN/Inf/out-of-range values of the whole call before anything is
   // stored (one synchronization).
   status check(const tensor_view& k, const tensor_view& v, const std::string& what) {
     if (!cfg_.check_values) return {};
     KVQ_TRY(cuda::check_values(k, v, flag_.ptr, cfg_.stream));
-    KVQ_TRY(cuda_status(cudaMemcpyAsync(flag_host_, flag_.ptr, sizeof(int), cudaMemcpyDeviceToHost, stream()), "cudaMemcpyAsync"));
+    KVQ_TRY(cuda_status(cudaMemcpyAsync(flag_host_, flag_.ptr, sizeof(int), cudaMemcpyDeviceToHost, stream()),
+                        "cudaMemcpyAsync"));
     KVQ_TRY(cuda_status(cudaStreamSynchronize(stream()), "cudaStreamSynchronize"));
     if (*flag_host_)
       return {errc::non_finite,
@@ -135,7 +156,8 @@ class cuda_backend final : public cache_backend {
     return {};
   }
 
-  status write(sequence_state& s, int layer, const tensor_view& k, const tensor_view& v, const append_plan& plan) override {
+  status write(sequence_state& s, int layer, const tensor_view& k, const tensor_view& v,
+               const append_plan& plan) override {
     KVQ_ON_DEVICE();
     KVQ_TRY(check(k, v, fmt::format("append: K or V of sequence {} layer {}", s.id, layer)));
     KVQ_TRY(canary_.flush_of(layer));  // before the layer's rings change
@@ -147,7 +169,8 @@ class cuda_backend final : public cache_backend {
     return {};
   }
 
-  status write_batch(std::span<const batch_entry> entries, int layer, const tensor_view& k, const tensor_view& v) override {
+  status write_batch(std::span<const batch_entry> entries, int layer, const tensor_view& k,
+                     const tensor_view& v) override {
     KVQ_ON_DEVICE();
     KVQ_TRY(check(k, v, fmt::format("append_batch: K or V of the batch (layer {})", layer)));
     KVQ_TRY(canary_.flush_of(layer));  // before the layer's rings change
@@ -214,6 +237,7 @@ class cuda_backend final : public cache_backend {
     a.fmts = fmts_.ptr;
     a.layer = layer;
     a.clip = clip_.data() + size_t(layer) * cfg_.shape.kv_heads * 2;
+    a.levels = levels_d_.ptr + size_t(layer) * cfg_.shape.kv_heads * 2 * codebook_table_floats;
     a.rotation = rotation_of(layer);
     return a;
   }
@@ -249,8 +273,10 @@ class cuda_backend final : public cache_backend {
         const int pair =
             256 * int(plan.entries[at + size_t(2 * h)].fmt) + int(plan.entries[at + size_t(2 * h + 1)].fmt);
         int16_t& hp = head_pair_[size_t(layer) * cfg_.shape.kv_heads + size_t(h)];
-        if (hp == -1) hp = int16_t(pair);
-        else if (hp != pair) hp = -2;
+        if (hp == -1)
+          hp = int16_t(pair);
+        else if (hp != pair)
+          hp = -2;
       }
     }
   }
@@ -265,7 +291,8 @@ class cuda_backend final : public cache_backend {
     while (done < m) {
       int64_t piece = m - done;
       const int64_t cap = int64_t(cuda::max_append_pages) * sh.page_tokens;
-      if (store_.pages_after(n, e, piece) > cuda::max_append_pages) piece = std::max<int64_t>(1, e + cap + sh.recent - n);
+      if (store_.pages_after(n, e, piece) > cuda::max_append_pages)
+        piece = std::max<int64_t>(1, e + cap + sh.recent - n);
       const int pages = int(store_.pages_after(n, e, piece));
       append_call& c = next_call(row + done);
       c.items.push_back({s.slot, int32_t(n), int32_t(e), int32_t(piece), uint32_t(s.window_offset / block_unit),
@@ -380,12 +407,11 @@ class cuda_backend final : public cache_backend {
     if (tokens <= cfg_.shape.window) return {};  // (an attend step)
     KVQ_ON_DEVICE();
     const int64_t n0 = s.layers[size_t(layer)].n;
-    cuda::detail::prefill_args a = prefill_args_of(s, layer, n0, {nullptr, dtype::f16, tokens, cfg_.shape.q_heads,
-                                                                   cfg_.shape.head_dim, 0},
-                                                   {});
+    cuda::detail::prefill_args a =
+        prefill_args_of(s, layer, n0, {nullptr, dtype::f16, tokens, cfg_.shape.q_heads, cfg_.shape.head_dim, 0}, {});
     a.from_pages = a.prefix;  // (the append may encode prefix tokens; the workspace does not depend on it)
-    const tensor_view chunk{reinterpret_cast<const void*>(uintptr_t(1)), dtype::f16, tokens, cfg_.shape.kv_heads,
-                            cfg_.shape.head_dim, 0};
+    const tensor_view chunk{
+        reinterpret_cast<const void*>(uintptr_t(1)), dtype::f16, tokens, cfg_.shape.kv_heads, cfg_.shape.head_dim, 0};
     a.k = a.v = chunk;  // (only its shape: sizes the chunk's part)
     KVQ_TRY(cuda::detail::prefill_can_implement(a));
     return reserve_workspace(cuda::detail::prefill_workspace_bytes(a));
@@ -440,8 +466,9 @@ class cuda_backend final : public cache_backend {
 
   cache_overhead overhead() const override {
     cache_overhead o;
-    o.device_tables = blocks_.count * sizeof(uint32_t) + fmts_.count;
-    o.device_workspace = workspace_.count + undo_.count * sizeof(uint16_t) + flag_.count * sizeof(int) + canary_.staging_bytes();
+    o.device_tables = blocks_.count * sizeof(uint32_t) + fmts_.count + levels_d_.count * sizeof(float);
+    o.device_workspace =
+        workspace_.count + undo_.count * sizeof(uint16_t) + flag_.count * sizeof(int) + canary_.staging_bytes();
     o.pinned_host = canary_.pinned_bytes() + (flag_host_ ? sizeof(int) : 0);
     return o;
   }
@@ -490,9 +517,10 @@ class cuda_backend final : public cache_backend {
     KVQ_TRY(canary_.flush());
     const auto& sh = cfg_.shape;
     const size_t pitch = size_t(sh.window) * sh.head_dim * 2;
-    return cuda_status(cudaMemcpy2DAsync(arena_.ptr + to, pitch, arena_.ptr + from, pitch, size_t(slots) * sh.head_dim * 2,
-                                         size_t(sh.layers) * sh.kv_heads * 2, cudaMemcpyDeviceToDevice, stream()),
-                       "cudaMemcpy2DAsync (the FP16 windows)");
+    return cuda_status(
+        cudaMemcpy2DAsync(arena_.ptr + to, pitch, arena_.ptr + from, pitch, size_t(slots) * sh.head_dim * 2,
+                          size_t(sh.layers) * sh.kv_heads * 2, cudaMemcpyDeviceToDevice, stream()),
+        "cudaMemcpy2DAsync (the FP16 windows)");
   }
 
   // A cut in the ring needs nothing on the device (the lengths are launch arguments). A cut page
@@ -503,8 +531,8 @@ class cuda_backend final : public cache_backend {
     KVQ_ON_DEVICE();
     const auto& sh = cfg_.shape;
     struct pending {
-      uint64_t offset;              // first ring byte of the rows
-      std::vector<uint16_t> rows;   // ring slots [first % R, ...) contiguous (no wrap), fp16
+      uint64_t offset;             // first ring byte of the rows
+      std::vector<uint16_t> rows;  // ring slots [first % R, ...) contiguous (no wrap), fp16
     };
     std::vector<pending> writes;
     std::vector<uint8_t> page;
@@ -523,7 +551,8 @@ class cuda_backend final : public cache_backend {
       const int64_t slot0 = first % sh.window, count = last - first;
       for (int h = 0; h < sh.kv_heads; ++h)
         for (role r : {role::k, role::v}) {
-          const page_entry& pe = ls.pages[(size_t(first / sh.page_tokens) * sh.kv_heads + h) * 2 + (r == role::k ? 0 : 1)];
+          const page_entry& pe =
+              ls.pages[(size_t(first / sh.page_tokens) * sh.kv_heads + h) * 2 + (r == role::k ? 0 : 1)];
           page.resize(store_.page_bytes_of(pe.fmt, r));
           KVQ_TRY(cuda_status(cudaMemcpy(page.data(), arena_.ptr + pe.offset, page.size(), cudaMemcpyDeviceToHost),
                               "cudaMemcpy (truncate: page)"));
@@ -538,9 +567,9 @@ class cuda_backend final : public cache_backend {
     // On the stream, after the canaries just launched read the rings; the host rows live until
     // the copies are done.
     for (const pending& w : writes)
-      KVQ_TRY(cuda_status(cudaMemcpyAsync(arena_.ptr + w.offset, w.rows.data(), w.rows.size() * 2, cudaMemcpyHostToDevice,
-                                          stream()),
-                          "cudaMemcpyAsync (truncate: ring)"));
+      KVQ_TRY(cuda_status(
+          cudaMemcpyAsync(arena_.ptr + w.offset, w.rows.data(), w.rows.size() * 2, cudaMemcpyHostToDevice, stream()),
+          "cudaMemcpyAsync (truncate: ring)"));
     return cuda_status(cudaStreamSynchronize(stream()), "cudaStreamSynchronize");
   }
 
@@ -557,7 +586,8 @@ class cuda_backend final : public cache_backend {
     status err;
     auto page_at = [&](const page_entry& pe) -> const uint8_t* {
       buf.resize(store_.page_bytes_of(pe.fmt, r));
-      if (status st = cuda_status(cudaMemcpy(buf.data(), arena_.ptr + pe.offset, buf.size(), cudaMemcpyDeviceToHost), "cudaMemcpy");
+      if (status st = cuda_status(cudaMemcpy(buf.data(), arena_.ptr + pe.offset, buf.size(), cudaMemcpyDeviceToHost),
+                                  "cudaMemcpy");
           !st.ok())
         err = st;
       return buf.data();
@@ -566,8 +596,8 @@ class cuda_backend final : public cache_backend {
       if (ring_head != h) {
         ring_head = h;
         if (status st = cuda_status(cudaMemcpy(ring.data(), arena_.ptr + store_.window_offset(s, layer, h, r),
-                                           ring.size() * 2, cudaMemcpyDeviceToHost),
-                                "cudaMemcpy");
+                                               ring.size() * 2, cudaMemcpyDeviceToHost),
+                                    "cudaMemcpy");
             !st.ok())
           err = st;
       }
@@ -587,6 +617,7 @@ class cuda_backend final : public cache_backend {
   device_buffer<uint8_t> arena_;
   device_buffer<uint32_t> blocks_;
   device_buffer<uint8_t> fmts_;
+  device_buffer<float> levels_d_;  // cache_state::levels
   device_buffer<uint8_t> workspace_;
   device_buffer<int> flag_;
   int* flag_host_ = nullptr;
@@ -594,7 +625,7 @@ class cuda_backend final : public cache_backend {
   std::vector<cuda::decode_item> items_;
   std::vector<uint8_t> layer_bits_;  // [layers] the widest code bits of any page the layer has held
   std::vector<int16_t> head_pair_;   // [layers][kv_heads] 256 K + V of the head's pages; -1 none yet, -2 several
-  std::vector<append_call> calls_;  // the launches of the current write ([0, calls_used_)), reused
+  std::vector<append_call> calls_;   // the launches of the current write ([0, calls_used_)), reused
   size_t calls_used_ = 0;
   std::vector<cuda::detail::ring_rows> undo_rows_;  // per sequence of the current write
   device_buffer<uint16_t> undo_;                    // the rings' rows saved by a multi-call write
@@ -604,9 +635,8 @@ class cuda_backend final : public cache_backend {
   }
 
   canary_runner canary_;  // after the buffers: destroyed first (it waits for its launches)
-  status canary_error_;  // the first canary failure since the last sync_policy
+  status canary_error_;   // the first canary failure since the last sync_policy
 };
-
 
 // The CUDA data plane of a replayable decode step (include/kvq/cache/decode_step.hpp). Its device
 // tables hold, per layer, the append tables of the batch's groups of max_append_pages sequences
@@ -616,7 +646,10 @@ class cuda_backend final : public cache_backend {
 class cuda_step final : public step_backend {
  public:
   cuda_step(cuda_backend& b, int max_batch, int64_t max_tokens)
-      : b_(b), dev_(b.dev_), max_batch_(max_batch), max_tokens_(max_tokens),
+      : b_(b),
+        dev_(b.dev_),
+        max_batch_(max_batch),
+        max_tokens_(max_tokens),
         groups_((max_batch + cuda::max_append_pages - 1) / cuda::max_append_pages) {}
 
   // Each layer's attention plan, as the eager call would plan it for pages of the widest format
@@ -673,8 +706,9 @@ class cuda_step final : public step_backend {
     cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
     KVQ_TRY(cuda_status(cudaStreamIsCapturing(b_.stream(), &capturing), "cudaStreamIsCapturing"));
     if (capturing != cudaStreamCaptureStatusNone)
-      return {errc::invalid_argument, "decode_step::prepare: the cache's stream is being captured; prepare a step "
-                                      "before the capture (its descriptor copy is not part of the graph)"};
+      return {errc::invalid_argument,
+              "decode_step::prepare: the cache's stream is being captured; prepare a step "
+              "before the capture (its descriptor copy is not part of the graph)"};
     return {};
   }
 
@@ -754,11 +788,11 @@ class cuda_step final : public step_backend {
   int dev_;
   int max_batch_;
   int64_t max_tokens_;
-  int groups_;  // append tables per layer
+  int groups_;                                    // append tables per layer
   std::vector<cuda::detail::launch_plan> plans_;  // [layers]
   size_t append_bytes_ = 0, layer_bytes_ = 0;
-  device_buffer<uint8_t> tables_;     // [layers][groups append tables, one attention table]
-  device_buffer<uint8_t> workspace_;  // the attention's partial results under the largest of plans_
+  device_buffer<uint8_t> tables_;          // [layers][groups append tables, one attention table]
+  device_buffer<uint8_t> workspace_;       // the attention's partial results under the largest of plans_
   uint8_t* host_[2] = {nullptr, nullptr};  // pinned, tables_'s layout
   cudaEvent_t done_[2] = {nullptr, nullptr};
   int cur_ = 0;
@@ -766,7 +800,7 @@ class cuda_step final : public step_backend {
 };
 
 result<std::unique_ptr<step_backend>> cuda_backend::make_step(int max_batch, int64_t max_tokens,
-                                                               std::span<step_layer> layers) {
+                                                              std::span<step_layer> layers) {
   KVQ_ON_DEVICE();
   auto step = std::make_unique<cuda_step>(*this, max_batch, max_tokens);
   KVQ_TRY(step->init());

@@ -1,14 +1,12 @@
 // KVCache: validation and bookkeeping shared by every backend; the data plane is the backend's.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
 #include <kvq/cache/cache.hpp>
 #include <kvq/detail/backend.hpp>
 
 #include "cache_calls.hpp"
-
-#include <fmt/format.h>
-
-#include <algorithm>
-
-#include <cmath>
 
 KVQ_NAMESPACE_BEGIN
 
@@ -17,9 +15,11 @@ status validate_config(const cache_config& c) {
   const auto& s = c.shape;
   auto bad = [](std::string m) { return status{errc::invalid_argument, "cache_config: " + m}; };
   if (s.layers <= 0) return bad(fmt::format("layers must be positive, got {}", s.layers));
-  if (s.kv_heads <= 0 || s.q_heads <= 0) return bad(fmt::format("q_heads {} and kv_heads {} must be positive", s.q_heads, s.kv_heads));
+  if (s.kv_heads <= 0 || s.q_heads <= 0)
+    return bad(fmt::format("q_heads {} and kv_heads {} must be positive", s.q_heads, s.kv_heads));
   if (s.q_heads % s.kv_heads != 0)
-    return bad(fmt::format("q_heads {} is not a multiple of kv_heads {} (GQA groups must be whole)", s.q_heads, s.kv_heads));
+    return bad(
+        fmt::format("q_heads {} is not a multiple of kv_heads {} (GQA groups must be whole)", s.q_heads, s.kv_heads));
   if (s.head_dim <= 0 || s.head_dim % 8 != 0 || s.head_dim > 256)
     return bad(fmt::format("head_dim {} must be a multiple of 8 in [8, 256]", s.head_dim));
   if (s.page_tokens <= 0 || s.page_tokens % 32 != 0)
@@ -43,11 +43,11 @@ status check_kv_view(const tensor_view& t, const char* call, const char* which, 
   if (t.tokens <= 0)
     return {errc::invalid_argument, fmt::format("{}: {} has {} tokens; need at least 1", call, which, t.tokens)};
   if (t.heads != s.kv_heads || t.head_dim != s.head_dim)
-    return {errc::invalid_argument, fmt::format("{}: {} is [{}][{}][{}], the cache expects [tokens][{}][{}]", call, which,
-                                                t.tokens, t.heads, t.head_dim, s.kv_heads, s.head_dim)};
+    return {errc::invalid_argument, fmt::format("{}: {} is [{}][{}][{}], the cache expects [tokens][{}][{}]", call,
+                                                which, t.tokens, t.heads, t.head_dim, s.kv_heads, s.head_dim)};
   if (t.stride() < int64_t(s.kv_heads) * s.head_dim)
-    return {errc::invalid_argument, fmt::format("{}: {} token_stride {} is smaller than kv_heads*head_dim {}", call, which,
-                                                t.stride(), s.kv_heads * s.head_dim)};
+    return {errc::invalid_argument, fmt::format("{}: {} token_stride {} is smaller than kv_heads*head_dim {}", call,
+                                                which, t.stride(), s.kv_heads * s.head_dim)};
   return {};
 }
 
@@ -67,10 +67,12 @@ status check_queries(const char* call, const char* which, const void* data, int6
                      int64_t stride, int64_t expected, const cache_shape& sh) {
   if (!data) return {errc::invalid_argument, fmt::format("{}: {} data is null", call, which)};
   if (tokens != expected || heads != sh.q_heads || d != sh.head_dim)
-    return {errc::invalid_argument, fmt::format("{}: {} is [{}][{}][{}], expected [{}][{}][{}] (tokens, q_heads, head_dim)",
-                                                call, which, tokens, heads, d, expected, sh.q_heads, sh.head_dim)};
+    return {errc::invalid_argument,
+            fmt::format("{}: {} is [{}][{}][{}], expected [{}][{}][{}] (tokens, q_heads, head_dim)", call, which,
+                        tokens, heads, d, expected, sh.q_heads, sh.head_dim)};
   if (stride < int64_t(heads) * d)
-    return {errc::invalid_argument, fmt::format("{}: {} token_stride {} is below q_heads*head_dim", call, which, stride)};
+    return {errc::invalid_argument,
+            fmt::format("{}: {} token_stride {} is below q_heads*head_dim", call, which, stride)};
   return {};
 }
 status check_q_o(const char* call, const tensor_view& q, const tensor_mut& o, int64_t expected, const cache_shape& sh) {
@@ -81,8 +83,8 @@ status check_q_o(const char* call, const tensor_view& q, const tensor_mut& o, in
 // CUDA page tables hold max_tokens per sequence.
 status check_capacity(const cache_config& cfg, const char* call, seq_id id, int layer, int64_t n, int64_t tokens) {
   if (cfg.where == backend::cuda && n + tokens > cfg.max_tokens)
-    return {errc::out_of_budget, fmt::format("{}: sequence {} layer {} would hold {} tokens, above max_tokens {}", call, id,
-                                             layer, n + tokens, cfg.max_tokens)};
+    return {errc::out_of_budget, fmt::format("{}: sequence {} layer {} would hold {} tokens, above max_tokens {}", call,
+                                             id, layer, n + tokens, cfg.max_tokens)};
   return {};
 }
 // Asks the policy for the formats of the pages an append of m tokens to (s, layer) creates and
@@ -175,8 +177,8 @@ status KVCache::truncate(seq_id id, int64_t length) {
     return {errc::invalid_argument, fmt::format("truncate: sequence {} cannot keep {} tokens (negative)", id, length)};
   for (size_t l = 0; l < s->layers.size(); ++l)
     if (length > s->layers[l].n)
-      return {errc::invalid_argument, fmt::format("truncate: sequence {} layer {} holds {} tokens; cannot keep {}", id, l,
-                                                  s->layers[l].n, length)};
+      return {errc::invalid_argument, fmt::format("truncate: sequence {} layer {} holds {} tokens; cannot keep {}", id,
+                                                  l, s->layers[l].n, length)};
   KVQ_TRY(impl_->restore_ring(*s, length));
   state_->store.truncate(*s, length);
   return {};
@@ -306,10 +308,11 @@ status KVCache::attend(std::span<const attend_item> items, int layer, const tens
     if (!s) return {errc::not_found, fmt::format("attend: unknown sequence {}", it.seq)};
     const int64_t n = s->layers[size_t(layer)].n;
     if (it.q_len < 1 || it.q_len > n || it.q_len > sh.window)
-      return {errc::invalid_argument,
-              fmt::format("attend: sequence {} layer {} has q_len {}; need 1 <= q_len <= min(appended tokens {}, window {})"
-                          " (append the step's tokens first; a longer chunk goes through prefill)",
-                          it.seq, layer, it.q_len, n, sh.window)};
+      return {
+          errc::invalid_argument,
+          fmt::format("attend: sequence {} layer {} has q_len {}; need 1 <= q_len <= min(appended tokens {}, window {})"
+                      " (append the step's tokens first; a longer chunk goes through prefill)",
+                      it.seq, layer, it.q_len, n, sh.window)};
     if (const int64_t from = s->layers[size_t(layer)].ring_from; n - it.q_len < from)
       return {errc::invalid_argument,
               fmt::format("attend: sequence {} layer {} has q_len {}; the ring holds only its last {} tokens since a "
@@ -331,17 +334,18 @@ status KVCache::prefill(seq_id id, int layer, const tensor_view& k, const tensor
   KVQ_TRY(check_q_o("prefill", q, o, k.tokens, sh));
   if (!impl_->prefill_any_length()) {
     if (k.tokens > sh.window)
-      return {errc::unsupported,
-              fmt::format("prefill: a chunk of {} tokens is longer than the window {}, and this backend serves a prefill "
-                          "as append + attend (feed chunks of at most the window)",
-                          k.tokens, sh.window)};
+      return {
+          errc::unsupported,
+          fmt::format("prefill: a chunk of {} tokens is longer than the window {}, and this backend serves a prefill "
+                      "as append + attend (feed chunks of at most the window)",
+                      k.tokens, sh.window)};
     KVQ_TRY(append(id, layer, k, v));
     const attend_item item{id, int(k.tokens)};
     return attend({&item, 1}, layer, q, o);
   }
   const int64_t prefix = s->layers[size_t(layer)].n;
   KVQ_TRY(impl_->prepare_prefill(*s, layer, k.tokens));  // e.g. the device workspace, before anything is stored
-  KVQ_TRY(append(id, layer, k, v));  // validates values and budget; stores nothing on failure
+  KVQ_TRY(append(id, layer, k, v));                      // validates values and budget; stores nothing on failure
   return impl_->prefill(*s, layer, prefix, k, v, q, o);
 }
 
@@ -357,7 +361,8 @@ status KVCache::attend_prefix(seq_id id, int layer, int64_t prefix, const tensor
     return {errc::invalid_argument, fmt::format("attend_prefix: prefix {} of sequence {} layer {} is outside [0, {}] "
                                                 "(the stored tokens)",
                                                 prefix, id, layer, n)};
-  if (q.tokens < 1) return {errc::invalid_argument, fmt::format("attend_prefix: Q has {} tokens; need at least 1", q.tokens)};
+  if (q.tokens < 1)
+    return {errc::invalid_argument, fmt::format("attend_prefix: Q has {} tokens; need at least 1", q.tokens)};
   KVQ_TRY(check_q_o("attend_prefix", q, o, q.tokens, sh));
   if (!lse) return {errc::invalid_argument, "attend_prefix: lse is null"};
   impl_->poll_policy();
@@ -368,7 +373,8 @@ status KVCache::read(seq_id id, int layer, role r, std::span<float> out) const {
   const auto& sh = state_->cfg.shape;
   const sequence_state* s = state_->store.find(id);
   if (!s) return {errc::not_found, fmt::format("read: unknown sequence {}", id)};
-  if (layer < 0 || layer >= sh.layers) return {errc::invalid_argument, fmt::format("read: layer {} out of range", layer)};
+  if (layer < 0 || layer >= sh.layers)
+    return {errc::invalid_argument, fmt::format("read: layer {} out of range", layer)};
   const size_t need = size_t(s->layers[size_t(layer)].n) * sh.kv_heads * sh.head_dim;
   if (out.size() < need)
     return {errc::invalid_argument, fmt::format("read: output holds {} floats, need {}", out.size(), need)};
@@ -379,13 +385,69 @@ status KVCache::set_clip_ratios(std::span<const float> ratios) {
   const auto& sh = state_->cfg.shape;
   const size_t need = size_t(sh.layers) * sh.kv_heads * 2;
   if (ratios.size() != need)
-    return {errc::invalid_argument, fmt::format("set_clip_ratios: got {} ratios, need layers*kv_heads*2 = {}", ratios.size(), need)};
+    return {errc::invalid_argument,
+            fmt::format("set_clip_ratios: got {} ratios, need layers*kv_heads*2 = {}", ratios.size(), need)};
   for (size_t i = 0; i < need; ++i)
     if (!(ratios[i] > 0.f && ratios[i] <= 1.f))
-      return {errc::invalid_argument, fmt::format("set_clip_ratios: ratio {} at index {} (layer {}, head {}, {}) is not in (0, 1]",
-                                                  ratios[i], i, i / (2 * sh.kv_heads), (i / 2) % sh.kv_heads, i % 2 ? "V" : "K")};
+      return {errc::invalid_argument,
+              fmt::format("set_clip_ratios: ratio {} at index {} (layer {}, head {}, {}) is not in (0, 1]", ratios[i],
+                          i, i / (2 * sh.kv_heads), (i / 2) % sh.kv_heads, i % 2 ? "V" : "K")};
   state_->clip.assign(ratios.begin(), ratios.end());
   return {};
+}
+
+namespace {
+
+// Index of the levels of (unit = (layer * kv_heads + head) * 2 + role, codebook format slot) in
+// cache_state::levels.
+size_t level_slot(size_t unit, format_id f) {
+  return unit * detail::codebook_table_floats + size_t(f - codec::first_codebook_format) * codec::codebook_slot_floats;
+}
+
+}  // namespace
+
+status KVCache::set_codebook_levels(format_id f, std::span<const float> levels) {
+  const auto& sh = state_->cfg.shape;
+  if (!codec::is_codebook_format(f))
+    return {errc::invalid_argument,
+            fmt::format("set_codebook_levels: format {} is not a codebook format (cb2, cb3 or cb4, any group)",
+                        f < format_count ? format_name(f) : std::to_string(int(f)))};
+  const int n = 1 << traits_of(f).bits;
+  const size_t units = size_t(sh.layers) * sh.kv_heads * 2;
+  if (levels.size() != units * size_t(n))
+    return {errc::invalid_argument,
+            fmt::format("set_codebook_levels: got {} levels for {}, need layers*kv_heads*2*{} = {}", levels.size(),
+                        format_name(f), n, units * size_t(n))};
+  for (size_t u = 0; u < units; ++u) {
+    const std::string field = fmt::format("{} layer {} head {} {}", format_name(f), u / (2 * sh.kv_heads),
+                                          (u / 2) % sh.kv_heads, u % 2 ? "V" : "K");
+    if (status s = check_codebook_levels(levels.subspan(u * size_t(n), size_t(n)), traits_of(f).bits, field); !s.ok())
+      return {s.code(), "set_codebook_levels: " + s.message()};
+  }
+  std::vector<float> before = state_->levels;
+  for (size_t u = 0; u < units; ++u)
+    std::copy_n(levels.begin() + std::ptrdiff_t(u * size_t(n)), n,
+                state_->levels.begin() + std::ptrdiff_t(level_slot(u, f)));
+  if (status s = impl_->levels_changed(); !s.ok()) {
+    state_->levels = std::move(before);
+    (void)impl_->levels_changed();
+    return {s.code(), "set_codebook_levels: " + s.message() + "; the previous levels stay"};
+  }
+  return {};
+}
+
+result<std::vector<float>> KVCache::codebook_levels(format_id f) const {
+  const auto& sh = state_->cfg.shape;
+  if (!codec::is_codebook_format(f))
+    return status{errc::invalid_argument, fmt::format("codebook_levels: format {} is not a codebook format",
+                                                      f < format_count ? format_name(f) : std::to_string(int(f)))};
+  const int n = 1 << traits_of(f).bits;
+  const size_t units = size_t(sh.layers) * sh.kv_heads * 2;
+  std::vector<float> out(units * size_t(n));
+  for (size_t u = 0; u < units; ++u)
+    std::copy_n(state_->levels.begin() + std::ptrdiff_t(level_slot(u, f)), n,
+                out.begin() + std::ptrdiff_t(u * size_t(n)));
+  return out;
 }
 
 status KVCache::sync_policy() { return impl_->sync_policy(); }

@@ -1,15 +1,15 @@
 // The calibration artifact: JSON writing, and reading with a validation that names the file and
 // the field of every problem. nlohmann-json stays inside this file (kvq's headers do not need it).
-#include <kvq/calib/artifact.hpp>
-
 #include <fmt/format.h>
-#include <nlohmann/json.hpp>
 
 #include <charconv>
 #include <cmath>
 #include <fstream>
+#include <kvq/calib/artifact.hpp>
+#include <kvq/codec/codec.hpp>
 #include <limits>
 #include <new>
+#include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
 
@@ -69,11 +69,11 @@ struct reader {
     return {};
   }
 
-  // A [layers][kv_heads][n] array `j` (field `base`) of finite numbers >= 0, each handed to
-  // `put(l, h, f, x)`; `what` names the innermost length.
+  // A [layers][kv_heads][n] array `j` (field `base`) of finite numbers >= 0 (any sign where
+  // `signed_values`), each handed to `put(l, h, f, x)`; `what` names the innermost length.
   template <class Put>
   status grid(const json& j, const std::string& base, int layers, int kv_heads, size_t n, std::string_view what,
-              Put&& put) const {
+              Put&& put, bool signed_values = false) const {
     KVQ_TRY(array_of(j, base, size_t(layers), "model.layers"));
     for (int l = 0; l < layers; ++l) {
       const json& heads = j[size_t(l)];
@@ -85,7 +85,7 @@ struct reader {
           const std::string field = fmt::format("{}[{}][{}][{}]", base, l, h, f);
           auto x = number(vals[f], field);
           if (!x) return x.error();
-          if (*x < 0.0) return fail(field, fmt::format("is {}, must be >= 0", *x));
+          if (*x < 0.0 && !signed_values) return fail(field, fmt::format("is {}, must be >= 0", *x));
           put(l, h, f, *x);
         }
       }
@@ -139,7 +139,8 @@ std::string artifact::hash_text(std::string_view text) {
 status artifact::validate() const {
   const auto bad = [](std::string m) { return status{errc::invalid_argument, "artifact: " + std::move(m)}; };
   if (version < oldest_version || version > current_version)
-    return bad(fmt::format("version {}, this build writes versions {} to {}", version, oldest_version, current_version));
+    return bad(
+        fmt::format("version {}, this build writes versions {} to {}", version, oldest_version, current_version));
   if (shape.layers <= 0 || shape.q_heads <= 0 || shape.kv_heads <= 0 || shape.head_dim <= 0)
     return bad(fmt::format("model shape {} layers, {} q heads, {} kv heads, head_dim {} must be positive", shape.layers,
                            shape.q_heads, shape.kv_heads, shape.head_dim));
@@ -189,7 +190,57 @@ status artifact::validate() const {
       return bad("rotated sensitivity must cover the same layers, kv heads and formats as sensitivity");
     if (status s = rotated_sensitivity.validate(); !s.ok()) return bad("rotated: " + s.message());
   }
+  if (!codebooks.empty() && version < 3)
+    return bad(fmt::format("codebook levels need version 3, the artifact is version {}", version));
+  for (size_t i = 0; i < codebooks.size(); ++i) {
+    const codebook_fit& c = codebooks[i];
+    if (!codec::is_codebook_format(c.format))
+      return bad(fmt::format("codebooks[{}]: format {} is not a codebook format", i,
+                             c.format < format_count ? format_name(c.format) : std::to_string(int(c.format))));
+    for (size_t k = 0; k < i; ++k)
+      if (codebooks[k].format == c.format && codebooks[k].rotated == c.rotated)
+        return bad(fmt::format("codebooks[{}] repeats codebooks[{}] ({}{})", i, k, format_name(c.format),
+                               c.rotated ? ", rotated" : ""));
+    const int bits = traits_of(c.format).bits, n = 1 << bits;
+    const size_t units = size_t(shape.layers) * size_t(shape.kv_heads) * 2;
+    if (c.levels.size() != units * size_t(n))
+      return bad(fmt::format("codebooks[{}] ({}) has {} levels, the model needs {} (layers x kv heads x 2 x {})", i,
+                             format_name(c.format), c.levels.size(), units * size_t(n), n));
+    for (size_t u = 0; u < units; ++u) {
+      const std::string field = fmt::format("codebooks[{}].{}[{}][{}]", i, u % 2 ? "v" : "k",
+                                            u / 2 / size_t(shape.kv_heads), (u / 2) % size_t(shape.kv_heads));
+      if (status s = check_codebook_levels(std::span(c.levels).subspan(u * size_t(n), size_t(n)), bits, field); !s.ok())
+        return bad(s.message());
+    }
+  }
   return {};
+}
+
+const codebook_fit* artifact::find_codebook(format_id f, bool rotated) const {
+  for (const codebook_fit& c : codebooks)
+    if (c.format == f && c.rotated == rotated) return &c;
+  return nullptr;
+}
+
+result<std::vector<float>> artifact::codebook_levels_for(format_id f, const std::vector<uint8_t>& rotated_heads) const {
+  const std::string name = f < format_count ? format_name(f) : std::to_string(int(f));
+  if (!codec::is_codebook_format(f))
+    return status{errc::invalid_argument, fmt::format("artifact: {} is not a codebook format", name)};
+  const codebook_fit* fits[2] = {find_codebook(f, false), find_codebook(f, true)};
+  if (!fits[0] && !fits[1]) return status{errc::not_found, fmt::format("artifact: no codebook levels of {}", name)};
+  const size_t units = size_t(shape.layers) * size_t(shape.kv_heads);
+  if (!rotated_heads.empty() && rotated_heads.size() != units)
+    return status{errc::invalid_argument,
+                  fmt::format("artifact: {} rotated-head flags, the model has {} (layers x kv heads)",
+                              rotated_heads.size(), units)};
+  const int bits = traits_of(f).bits, n = 1 << bits;
+  std::vector<float> out(units * 2 * size_t(n));
+  for (size_t u = 0; u < units * 2; ++u) {
+    const codebook_fit* fit = fits[!rotated_heads.empty() && rotated_heads[u / 2] ? 1 : 0];
+    for (int k = 0; k < n; ++k)
+      out[u * size_t(n) + size_t(k)] = fit ? fit->levels[u * size_t(n) + size_t(k)] : lloyd_max_level(bits, k);
+  }
+  return out;
 }
 
 result<std::string> artifact::to_json() const {
@@ -234,6 +285,19 @@ result<std::string> artifact::to_json() const {
       j["rotated"][r == role::k ? "k_attention_kl" : "v_output_perturbation"] =
           grid_json(shape.layers, shape.kv_heads, sensitivity.formats.size(),
                     [&](int l, int h, size_t f) { return rotated_sensitivity.at(l, h, r, int(f)); });
+  }
+  if (!codebooks.empty()) {
+    ojson list = ojson::array();
+    for (const codebook_fit& c : codebooks) {
+      const size_t n = size_t(1) << traits_of(c.format).bits;
+      ojson e = {{"format", format_name(c.format)}, {"rotated", c.rotated}};
+      for (role r : {role::k, role::v})
+        e[r == role::k ? "k" : "v"] = grid_json(shape.layers, shape.kv_heads, n, [&](int l, int h, size_t k) {
+          return float_as_decimal(c.levels[((size_t(l) * shape.kv_heads + h) * 2 + (r == role::k ? 0 : 1)) * n + k]);
+        });
+      list.push_back(e);
+    }
+    j["codebooks"] = list;
   }
   return j.dump(1);
 }
@@ -407,6 +471,39 @@ result<artifact> read_artifact(const json& j, std::string_view source, const mod
       KVQ_ASSIGN(arr, rd.member(o, "rotated", key));
       KVQ_TRY(rd.grid(*arr, fmt::format("rotated.{}", key), L, H, formats.size(), "one per format",
                       [&](int l, int h, size_t f, double x) { a.rotated_sensitivity.at(l, h, r, int(f)) = x; }));
+    }
+  }
+  if (j.contains("codebooks")) {  // optional, version 3
+    const json& o = j["codebooks"];
+    if (a.version < 3) return rd.fail("codebooks", fmt::format("needs version 3, the file is version {}", a.version));
+    if (!o.is_array()) return rd.fail("codebooks", fmt::format("must be an array, is {}", o.type_name()));
+    for (size_t i = 0; i < o.size(); ++i) {
+      const std::string base = fmt::format("codebooks[{}]", i);
+      const json& e = o[i];
+      if (!e.is_object()) return rd.fail(base, fmt::format("must be an object, is {}", e.type_name()));
+      KVQ_ASSIGN(fm, rd.member(e, base, "format"));
+      KVQ_ASSIGN(spec, rd.string(*fm, base + ".format"));
+      auto f = parse_format(spec);
+      if (!f) return rd.fail(base + ".format", f.error().message());
+      if (!codec::is_codebook_format(*f))
+        return rd.fail(base + ".format", fmt::format("'{}' is not a codebook format", spec));
+      KVQ_ASSIGN(rot, rd.member(e, base, "rotated"));
+      if (!rot->is_boolean())
+        return rd.fail(base + ".rotated", fmt::format("must be true or false, is {}", rot->dump()));
+      codebook_fit c{*f, rot->get<bool>(), {}};
+      const size_t n = size_t(1) << traits_of(*f).bits;
+      c.levels.assign(size_t(L) * H * 2 * n, 0.f);
+      for (role r : {role::k, role::v}) {
+        const char* key = r == role::k ? "k" : "v";
+        KVQ_ASSIGN(arr, rd.member(e, base, key));
+        KVQ_TRY(rd.grid(
+            *arr, fmt::format("{}.{}", base, key), L, H, n, "2^bits levels",
+            [&](int l, int h, size_t k, double x) {
+              c.levels[((size_t(l) * H + h) * 2 + (r == role::k ? 0 : 1)) * n + k] = float(x);
+            },
+            true));
+      }
+      a.codebooks.push_back(std::move(c));
     }
   }
   if (status s = a.validate(); !s.ok()) return status{s.code(), fmt::format("artifact '{}': {}", source, s.message())};

@@ -21,6 +21,8 @@ namespace {
 // padded to multiples of these with zeros, so the kernels never branch on a remainder.
 constexpr int key_block = 16;
 constexpr int chan_block = 32;
+// Bins of a codebook-fit histogram over [-range, range] (`fit_range`).
+constexpr int fit_bins = 4096;
 
 int round_up(int x, int m) { return (x + m - 1) / m * m; }
 
@@ -91,21 +93,72 @@ double exp_excess(double u) {
 
 // Codec round trip of one head's [T][d] fp16 rows (whole pages only; the tail stays as it is):
 // writes x̂ − x into err ([T][ld], zero for the tail).
-void round_trip_error(format_id f, float clip, role r, int page_tokens, int d, int T, const uint16_t* x16,
-                      const float* x, int ld, std::vector<uint8_t>& page, float* err) {
+void round_trip_error(format_id f, const codec::encode_params& ep, role r, int page_tokens, int d, int T,
+                      const uint16_t* x16, const float* x, int ld, std::vector<uint8_t>& page, float* err) {
   for (int t = 0; t < T; ++t) std::fill_n(err + size_t(t) * size_t(ld), ld, 0.f);
   if (f == fp16_format) return;
   const codec::page_geom g = codec::make_geom(f, r, page_tokens, d);
   page.assign(g.lay.total(), 0);
   for (int p0 = 0; p0 + page_tokens <= T; p0 += page_tokens) {
     const uint16_t* src = x16 + size_t(p0) * size_t(d);
-    for (int u = 0, n = g.unit_count(); u < n; ++u) codec::encode_unit(g, src, d, u, page.data(), clip);
+    for (int u = 0, n = g.unit_count(); u < n; ++u) codec::encode_unit(g, src, d, u, page.data(), ep);
     for (int t = 0; t < page_tokens; ++t)
       for (int c = 0; c < d; ++c) {
         const size_t i = size_t(p0 + t) * size_t(d) + size_t(c);
         err[size_t(p0 + t) * size_t(ld) + size_t(c)] = codec::decode_element(g, page.data(), t, c) - x[i];
       }
   }
+}
+
+// The codebook codec's scale of a group of `gs` fp16 values: fp16(rms), the same float steps.
+float group_rms_scale(const uint16_t* x, int gs) {
+  float ss = 0.f;
+  for (int c = 0; c < gs; ++c) {
+    const float v = half_to_float(x[c]);
+    ss = codec::add_rn(ss, codec::mul_rn(v, v));
+  }
+  return half_to_float(float_to_half(codec::sqrt_rn(codec::div_rn(ss, float(gs)))));
+}
+
+// |v| <= sqrt(group) when the scale is the group's rms (fp16 rounding of the scale aside).
+double fit_range(int group) { return std::sqrt(double(group)) * 1.01 + 0.01; }
+
+// Lloyd's iteration over one histogram (bins of width 2 range / fit_bins; w: Σ s², wv: Σ s² v)
+// from the Lloyd-Max levels: cells split at the midpoints as the codec splits them, each level
+// the weighted mean of its cell (a bin goes whole to the cell of its mean). The Lloyd-Max levels
+// when there is nothing to fit or the result is not strictly ascending.
+std::vector<float> lloyd_fit(const double* w, const double* wv, double range, int bits) {
+  const int n = 1 << bits;
+  std::vector<float> start(static_cast<size_t>(n));
+  for (int k = 0; k < n; ++k) start[size_t(k)] = lloyd_max_level(bits, k);
+  double total = 0.0;
+  for (int b = 0; b < fit_bins; ++b) total += w[b];
+  if (!(total > 0.0)) return start;
+  std::vector<double> lv(start.begin(), start.end()), cw(static_cast<size_t>(n)), cwv(static_cast<size_t>(n));
+  for (int it = 0; it < 500; ++it) {
+    std::fill(cw.begin(), cw.end(), 0.0);
+    std::fill(cwv.begin(), cwv.end(), 0.0);
+    int cell = 0;
+    for (int b = 0; b < fit_bins; ++b) {
+      if (!(w[b] > 0.0)) continue;
+      const double m = wv[b] / w[b];
+      while (cell + 1 < n && m > 0.5 * (lv[size_t(cell)] + lv[size_t(cell) + 1])) ++cell;
+      cw[size_t(cell)] += w[b];
+      cwv[size_t(cell)] += wv[b];
+    }
+    double moved = 0.0;
+    for (int k = 0; k < n; ++k)
+      if (cw[size_t(k)] > 0.0) {
+        const double nl = cwv[size_t(k)] / cw[size_t(k)];
+        moved = std::max(moved, std::abs(nl - lv[size_t(k)]));
+        lv[size_t(k)] = nl;
+      }
+    if (moved < 1e-7 * range) break;
+  }
+  std::vector<float> out(static_cast<size_t>(n));
+  for (int k = 0; k < n; ++k) out[size_t(k)] = float(lv[size_t(k)]);
+  if (!check_codebook_levels(out, bits, "fit").ok()) return start;
+  return out;
 }
 
 }  // namespace
@@ -124,7 +177,8 @@ kvq::result<calibrator> calibrator::create(const cache_shape& shape, calibrator_
   if (shape.q_heads % shape.kv_heads != 0)
     return bad(fmt::format("q_heads {} is not a multiple of kv_heads {}", shape.q_heads, shape.kv_heads));
   if (opt.rotated && !(rotation::is_power_of_two(shape.head_dim) && shape.head_dim <= 256))
-    return bad(fmt::format("rotated candidates need head_dim a power of two up to 256; got head_dim {}", shape.head_dim));
+    return bad(
+        fmt::format("rotated candidates need head_dim a power of two up to 256; got head_dim {}", shape.head_dim));
   if (opt.formats.empty()) return bad("no candidate formats");
   for (size_t i = 0; i < opt.formats.size(); ++i) {
     if (opt.formats[i] >= format_count) return bad(fmt::format("candidate {} is outside the format table", i));
@@ -140,9 +194,44 @@ kvq::result<calibrator> calibrator::create(const cache_shape& shape, calibrator_
       return bad(fmt::format("clip format {} is not a rolealign format",
                              f < format_count ? format_name(f) : std::to_string(int(f))));
 
+  const bool any_codebook = std::any_of(opt.formats.begin(), opt.formats.end(), codec::is_codebook_format);
+  if (opt.fit_codebooks && !any_codebook) return bad("fit_codebooks: no codebook format among the candidates");
+  const size_t levels_per_unit = size_t(shape.layers) * size_t(shape.kv_heads) * 2;
+  for (size_t i = 0; i < opt.codebook_levels.size(); ++i) {
+    const codebook_fit& cf = opt.codebook_levels[i];
+    const std::string name = cf.format < format_count ? format_name(cf.format) : std::to_string(int(cf.format));
+    if (std::find(opt.formats.begin(), opt.formats.end(), cf.format) == opt.formats.end() ||
+        !codec::is_codebook_format(cf.format))
+      return bad(fmt::format("codebook_levels[{}]: {} is not a codebook candidate", i, name));
+    if (cf.rotated && !opt.rotated)
+      return bad(
+          fmt::format("codebook_levels[{}]: rotated levels of {}, but rotated candidates are not measured", i, name));
+    for (size_t k = 0; k < i; ++k)
+      if (opt.codebook_levels[k].format == cf.format && opt.codebook_levels[k].rotated == cf.rotated)
+        return bad(fmt::format("codebook_levels[{}] repeats codebook_levels[{}] ({})", i, k, name));
+    const int bits = traits_of(cf.format).bits, n = 1 << bits;
+    if (cf.levels.size() != levels_per_unit * size_t(n))
+      return bad(fmt::format("codebook_levels[{}] ({}) has {} levels, the shape needs {} (layers x kv heads x 2 x {})",
+                             i, name, cf.levels.size(), levels_per_unit * size_t(n), n));
+    for (size_t u = 0; u < levels_per_unit; ++u) {
+      const std::string field =
+          fmt::format("codebook_levels[{}] layer {} head {} {}", i, u / 2 / size_t(shape.kv_heads),
+                      (u / 2) % size_t(shape.kv_heads), u % 2 ? "V" : "K");
+      if (status st = check_codebook_levels(std::span(cf.levels).subspan(u * size_t(n), size_t(n)), bits, field);
+          !st.ok())
+        return bad(st.message());
+    }
+  }
+
   calibrator c;
   c.shape_ = shape;
   c.opt_ = std::move(opt);
+  if (c.opt_.fit_codebooks)
+    for (format_id f : c.opt_.formats)
+      if (codec::is_codebook_format(f)) {
+        const int g = group_of(traits_of(f), shape.head_dim);
+        if (std::find(c.fit_groups_.begin(), c.fit_groups_.end(), g) == c.fit_groups_.end()) c.fit_groups_.push_back(g);
+      }
   c.scale_ = c.opt_.softmax_scale > 0.f ? c.opt_.softmax_scale : 1.f / std::sqrt(float(shape.head_dim));
 
   std::vector<format_id> grid_formats;  // rolealign formats measured at every ratio
@@ -185,7 +274,78 @@ kvq::result<calibrator> calibrator::create(const cache_shape& shape, calibrator_
   c.k_kl_.assign(units * c.variants_.size(), 0.0);
   c.v_err_.assign(units * c.variants_.size(), 0.0);
   c.v_ref_.assign(units, 0.0);
+  const size_t fit_cells = units * 2 * c.fit_groups_.size() * (c.opt_.rotated ? 2 : 1) * size_t(fit_bins);
+  c.fit_w_.assign(fit_cells, 0.0);
+  c.fit_wv_.assign(fit_cells, 0.0);
   return c;
+}
+
+size_t calibrator::fit_index(int layer, int kv_head, role r, size_t group, bool rotated) const {
+  const size_t unit = (size_t(layer) * size_t(shape_.kv_heads) + size_t(kv_head)) * 2 + (r == role::k ? 0 : 1);
+  const size_t spaces = opt_.rotated ? 2 : 1;
+  return ((unit * fit_groups_.size() + group) * spaces + (rotated ? 1 : 0)) * size_t(fit_bins);
+}
+
+// Counts one head's [T][d] fp16 rows: v = x / s per channel group, s the codebook codec's scale.
+void calibrator::count_for_fit(int layer, int kv_head, role r, const uint16_t* x16, int T, bool rotated) {
+  const int d = shape_.head_dim;
+  for (size_t gi = 0; gi < fit_groups_.size(); ++gi) {
+    const int gs = fit_groups_[gi];
+    const double range = fit_range(gs);
+    double* w = &fit_w_[fit_index(layer, kv_head, r, gi, rotated)];
+    double* wv = &fit_wv_[fit_index(layer, kv_head, r, gi, rotated)];
+    for (int t = 0; t < T; ++t)
+      for (int c0 = 0; c0 < d; c0 += gs) {
+        const uint16_t* x = x16 + size_t(t) * size_t(d) + size_t(c0);
+        const float s = group_rms_scale(x, gs);
+        if (!(s > 0.f)) continue;
+        const double s2 = double(s) * s;
+        for (int c = 0; c < gs; ++c) {
+          const float v = codec::div_rn(half_to_float(x[c]), s);
+          const int b = std::clamp(int((double(v) + range) / (2 * range) * fit_bins), 0, fit_bins - 1);
+          w[b] += s2;
+          wv[b] += s2 * v;
+        }
+      }
+  }
+}
+
+const float* calibrator::levels_of(format_id f, bool rotated, int layer, int kv_head, role r) const {
+  for (const codebook_fit& cf : opt_.codebook_levels)
+    if (cf.format == f && cf.rotated == rotated) {
+      const size_t unit = (size_t(layer) * size_t(shape_.kv_heads) + size_t(kv_head)) * 2 + (r == role::k ? 0 : 1);
+      return cf.levels.data() + unit * (size_t(1) << traits_of(f).bits);
+    }
+  return nullptr;
+}
+
+kvq::result<std::vector<codebook_fit>> calibrator::fitted_codebooks() const {
+  if (!opt_.fit_codebooks)
+    return status{errc::not_found, "calibrator: codebook levels were not fitted (options.fit_codebooks)"};
+  for (int l = 0; l < shape_.layers; ++l)
+    if (tokens_[size_t(l)] == 0)
+      return status{errc::not_found, fmt::format("calibrator: layer {} was never observed", l)};
+  std::vector<codebook_fit> out;
+  for (bool rotated : {false, true}) {
+    if (rotated && !opt_.rotated) break;
+    for (format_id f : opt_.formats) {
+      if (!codec::is_codebook_format(f)) continue;
+      const format_traits t = traits_of(f);
+      const size_t gi =
+          size_t(std::find(fit_groups_.begin(), fit_groups_.end(), group_of(t, shape_.head_dim)) - fit_groups_.begin());
+      const double range = fit_range(fit_groups_[gi]);
+      codebook_fit cf{f, rotated, {}};
+      for (int l = 0; l < shape_.layers; ++l)
+        for (int h = 0; h < shape_.kv_heads; ++h)
+          for (role r : {role::k, role::v}) {
+            const size_t at = fit_index(l, h, r, gi, rotated);
+            const std::vector<float> lv = lloyd_fit(&fit_w_[at], &fit_wv_[at], range, t.bits);
+            cf.levels.insert(cf.levels.end(), lv.begin(), lv.end());
+          }
+      out.push_back(std::move(cf));
+    }
+  }
+  return out;
 }
 
 int calibrator::variant_of(format_id f, float clip, bool rotated) const {
@@ -307,11 +467,17 @@ status calibrator::observe(int layer, const tensor_view& q, const tensor_view& k
       pz[size_t(r)] = 1.0 / z;
     }
 
+    if (opt_.fit_codebooks) {
+      count_for_fit(layer, h, role::k, x16.data(), T, false);
+      if (any_rotated) count_for_fit(layer, h, role::k, x16r.data(), T, true);
+    }
+
     // K: per variant, δ = scaled q·(K̂ − K) and the KL of each row.
     for (size_t vi = 0; vi < nv; ++vi) {
       const bool rot = variants_[vi].rotated;  // δ = (R q)·(R̂k − R k): the error in the rotated space
-      round_trip_error(variants_[vi].f, variants_[vi].clip, role::k, shape_.page_tokens, d, T,
-                       rot ? x16r.data() : x16.data(), rot ? xfr.data() : xf.data(), dp, page, err.data());
+      const codec::encode_params ep{variants_[vi].clip, levels_of(variants_[vi].f, rot, layer, h, role::k)};
+      round_trip_error(variants_[vi].f, ep, role::k, shape_.page_tokens, d, T, rot ? x16r.data() : x16.data(),
+                       rot ? xfr.data() : xf.data(), dp, page, err.data());
       transpose(err.data(), errt.data());
       causal_scores(rot ? qhr.data() : qh.data(), errt.data(), T, group, dp, tp, ds.data());
       double kl = 0.0;
@@ -342,10 +508,15 @@ status calibrator::observe(int layer, const tensor_view& q, const tensor_view& k
       ref += n2 * pz[size_t(r)] * pz[size_t(r)];
     }
     v_ref_[unit] += ref;
+    if (opt_.fit_codebooks) {
+      count_for_fit(layer, h, role::v, x16.data(), T, false);
+      if (any_rotated) count_for_fit(layer, h, role::v, x16r.data(), T, true);
+    }
     for (size_t vi = 0; vi < nv; ++vi) {
       const bool rot = variants_[vi].rotated;  // ‖P(R̂v − Rv)‖ = ‖R^T P(R̂v − Rv)‖: R is orthogonal
-      round_trip_error(variants_[vi].f, variants_[vi].clip, role::v, shape_.page_tokens, d, T,
-                       rot ? x16r.data() : x16.data(), rot ? xfr.data() : xf.data(), dp, page, err.data());
+      const codec::encode_params ep{variants_[vi].clip, levels_of(variants_[vi].f, rot, layer, h, role::v)};
+      round_trip_error(variants_[vi].f, ep, role::v, shape_.page_tokens, d, T, rot ? x16r.data() : x16.data(),
+                       rot ? xfr.data() : xf.data(), dp, page, err.data());
       causal_mix(s.data(), err.data(), T, group, dp, tp, o.data());
       double e2 = 0.0;
       for (int r = 0; r < rows; ++r) {
@@ -437,7 +608,8 @@ kvq::result<sensitivity_profile> calibrator::profile(bool rotated, const std::ve
 }
 
 kvq::result<sensitivity_profile> calibrator::rotated_result() const {
-  if (!opt_.rotated) return status{errc::not_found, "calibrator: rotated candidates were not measured (options.rotated)"};
+  if (!opt_.rotated)
+    return status{errc::not_found, "calibrator: rotated candidates were not measured (options.rotated)"};
   return profile(true, clip_ratios());
 }
 
@@ -460,6 +632,7 @@ kvq::result<sensitivity_profile> calibrator::result(artifact* out, std::string_v
       a.rotated_sensitivity = std::move(rp).value();
       a.rotation_seed = opt_.rotation_seed;
     }
+    a.codebooks = opt_.codebook_levels;
     if (status s = a.validate(); !s.ok()) return status{s.code(), "calibrator: " + s.message()};
     *out = std::move(a);
   }

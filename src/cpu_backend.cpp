@@ -103,8 +103,8 @@ class cpu_backend final : public cache_backend {
             uint8_t* dst = bytes_.get() + pe.offset;
             std::memset(dst, 0, g.lay.total());
             const uint16_t* src = ring(s, layer, h, r) + (e % R) * d;
-            const float clip = clip_of(layer, h, r);
-            for (int u = 0; u < g.unit_count(); ++u) codec::encode_unit(g, src, d, u, dst, clip);
+            const codec::encode_params ep = encode_of(layer, h, r, pe.fmt);
+            for (int u = 0; u < g.unit_count(); ++u) codec::encode_unit(g, src, d, u, dst, ep);
           }
         e += P;
         ++page;

@@ -2,20 +2,18 @@
 // output_kl), the text hash, and rejection of bad files (malformed JSON, missing fields, wrong
 // version, another model's shape, NaN, bad ranges, a malformed output_kl) with messages that name
 // the file and the field.
-#include <kvq/calib/artifact.hpp>
-#include <kvq/policy/autok.hpp>
+#include <unistd.h>
 
 #include <catch2/catch.hpp>
-
 #include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <kvq/calib/artifact.hpp>
+#include <kvq/policy/autok.hpp>
 #include <random>
 #include <sstream>
 #include <string>
-
-#include <unistd.h>
 
 using namespace kvq;
 using calib::artifact;
@@ -107,11 +105,11 @@ TEST_CASE("artifact round trip through a file is exact", "[artifact]") {
   const std::string path = dir.file("sens.json");
   REQUIRE(a.save(path).ok());
   const std::string text = read_text(path);
-  CHECK_THAT(text, Catch::Contains("\"version\": 2"));
+  CHECK_THAT(text, Catch::Contains("\"version\": 3"));
   CHECK_THAT(text, Catch::Contains("\"kind\": \"kvq.calibration\""));
   CHECK_THAT(text, Catch::Contains("0.9,"));  // floats written as their shortest decimal
   auto b = artifact::load(path, tiny).value_or_throw();
-  CHECK(b.version == 2);
+  CHECK(b.version == 3);
   CHECK(b.model_name == a.model_name);
   CHECK(b.shape == a.shape);
   CHECK(b.text_hash == a.text_hash);
@@ -147,6 +145,114 @@ TEST_CASE("artifact round trip with the optional output_kl", "[artifact]") {
   CHECK(b.sensitivity.values == a.sensitivity.values);
   REQUIRE(b.save(dir.file("again.json")).ok());
   CHECK(read_text(dir.file("again.json")) == text);
+}
+
+// make_artifact() with fitted levels of cb2 (unrotated) and cb3/g32 (rotated).
+artifact make_artifact_with_codebooks() {
+  artifact a = make_artifact();
+  std::mt19937_64 rng(11);
+  std::uniform_real_distribution<float> u(0.05f, 0.5f);
+  for (auto [spec, rotated] : {std::pair{"cb2", false}, std::pair{"cb3/g32", true}}) {
+    calib::codebook_fit c{parse_format(spec).value_or_throw(), rotated, {}};
+    const int n = 1 << traits_of(c.format).bits;
+    for (int unit = 0; unit < 2 * 2 * 2; ++unit) {
+      float x = -2.5f;
+      for (int k = 0; k < n; ++k) c.levels.push_back(x += u(rng));  // ascending
+    }
+    a.codebooks.push_back(std::move(c));
+  }
+  return a;
+}
+
+TEST_CASE("artifact round trip with fitted codebook levels; a cache's levels per head space", "[artifact][codebook]") {
+  temp_dir dir;
+  const artifact a = make_artifact_with_codebooks();
+  const std::string path = dir.file("cb.json");
+  REQUIRE(a.save(path).ok());
+  const std::string text = read_text(path);
+  CHECK_THAT(text, Catch::Contains("\"codebooks\": [") && Catch::Contains("\"format\": \"cb3/g32\""));
+  const artifact b = artifact::load(path, tiny).value_or_throw();
+  REQUIRE(b.codebooks.size() == 2);
+  for (size_t i = 0; i < 2; ++i) {
+    CHECK(b.codebooks[i].format == a.codebooks[i].format);
+    CHECK(b.codebooks[i].rotated == a.codebooks[i].rotated);
+    CHECK(b.codebooks[i].levels == a.codebooks[i].levels);  // bit-exact floats
+  }
+  REQUIRE(b.save(dir.file("again.json")).ok());
+  CHECK(read_text(dir.file("again.json")) == text);
+  // levels for a cache: cb2 has an unrotated fit only, so a rotated head keeps Lloyd-Max
+  const format_id cb2 = parse_format("cb2").value_or_throw(), cb3 = parse_format("cb3/g32").value_or_throw();
+  const std::vector<uint8_t> rotated_heads = {0, 1, 0, 0};  // layer 0 head 1 rotated
+  const auto lv = b.codebook_levels_for(cb2, rotated_heads).value_or_throw();
+  REQUIRE(lv.size() == 2 * 2 * 2 * 4);
+  for (int unit = 0; unit < 8; ++unit)
+    for (int k = 0; k < 4; ++k) {
+      const bool rotated = unit / 2 == 1;
+      CHECK(lv[size_t(unit * 4 + k)] ==
+            (rotated ? lloyd_max_level(2, k) : a.codebooks[0].levels[size_t(unit * 4 + k)]));
+    }
+  const auto lv3 = b.codebook_levels_for(cb3, rotated_heads).value_or_throw();
+  CHECK(lv3[2 * 8 + 3] == a.codebooks[1].levels[2 * 8 + 3]);  // layer 0 head 1 K: the rotated fit
+  CHECK(lv3[3] == lloyd_max_level(3, 3));                     // layer 0 head 0: unrotated, no fit
+  CHECK(b.codebook_levels_for(parse_format("cb4").value_or_throw(), {}).error().code() == errc::not_found);
+  CHECK_THAT(b.codebook_levels_for(parse_format("kivi4/g32").value_or_throw(), {}).error().message(),
+             Catch::Contains("not a codebook format"));
+  // an older version without codebooks still loads; a version 2 file with them does not
+  artifact old = make_artifact();
+  old.version = 2;
+  REQUIRE(artifact::parse(old.to_json().value_or_throw(), "v2", tiny).value_or_throw().codebooks.empty());
+  CHECK_THAT(artifact::parse(edit(text, "\"version\": 3", "\"version\": 2"), "v2cb", tiny).error().message(),
+             Catch::Contains("'codebooks' needs version 3, the file is version 2"));
+}
+
+TEST_CASE("artifact load rejects bad codebook levels, naming the field", "[artifact][codebook]") {
+  temp_dir dir;
+  const artifact a = make_artifact_with_codebooks();
+  const std::string good = a.to_json().value_or_throw();
+  // cb2's (unrotated) K levels of layer 1 head 0: the fifth list of 4 ([layer][head][K, V])
+  artifact bad = a;
+  std::swap(bad.codebooks[0].levels[4 * 4 + 1], bad.codebooks[0].levels[4 * 4 + 2]);
+  CHECK_THAT(bad.save(dir.file("x.json")).message(),
+             Catch::Contains("codebooks[0].k[1][0]") && Catch::Contains("strictly ascending"));
+  CHECK_FALSE(std::filesystem::exists(dir.file("x.json")));
+  bad = a;
+  bad.codebooks[1].levels[7] = INFINITY;
+  CHECK_THAT(bad.save(dir.file("x.json")).message(),
+             Catch::Contains("codebooks[1].k[0][0]") && Catch::Contains("not finite"));
+  bad = a;
+  bad.codebooks[1].levels.pop_back();
+  CHECK_THAT(bad.save(dir.file("x.json")).message(), Catch::Contains("the model needs 64"));
+  bad = a;
+  bad.codebooks[1] = bad.codebooks[0];
+  CHECK_THAT(bad.save(dir.file("x.json")).message(), Catch::Contains("codebooks[1] repeats codebooks[0]"));
+  // in a file: each rejection names the file and the field
+  const size_t at = good.find("\"k\": [", good.find("\"codebooks\""));
+  REQUIRE(at != std::string::npos);
+  CHECK_THAT(load_error(dir, edit(good, "\"format\": \"cb2\"", "\"format\": \"kivi2/g32\"")),
+             Catch::Contains("codebooks[0].format") && Catch::Contains("not a codebook format"));
+  CHECK_THAT(load_error(dir, edit(good, "\"rotated\": false", "\"rotated\": 0")),
+             Catch::Contains("codebooks[0].rotated") && Catch::Contains("true or false"));
+  CHECK_THAT(load_error(dir, edit(good, "\"format\": \"cb2\"", "\"format\": \"cb9\"")),
+             Catch::Contains("codebooks[0].format"));
+  std::string reversed = good;  // the first list of cb2 written in descending order
+  {
+    const size_t open = good.find('[', good.find('[', good.find('[', at) + 1) + 1);
+    const size_t close = good.find(']', open);
+    std::string inner = good.substr(open + 1, close - open - 1);
+    std::vector<std::string> parts;
+    for (size_t p = 0, q; p <= inner.size(); p = q + 1) {
+      q = inner.find(',', p);
+      if (q == std::string::npos) q = inner.size();
+      parts.push_back(inner.substr(p, q - p));
+    }
+    std::string rev;
+    for (size_t i = parts.size(); i-- > 0;) rev += parts[i] + (i ? "," : "");
+    reversed = good.substr(0, open + 1) + rev + good.substr(close);
+  }
+  CHECK_THAT(load_error(dir, reversed),
+             Catch::Contains("codebook levels 'codebooks[0].k[0][0]'") && Catch::Contains("strictly ascending"));
+  CHECK_THAT(load_error(dir, edit(good, "\"codebooks\": [", "\"codebooks\": {\"a\": 1}, \"x\": [")),
+             Catch::Contains("'codebooks' must be an array"));
 }
 
 TEST_CASE("artifact load rejects a malformed output_kl, naming the field", "[artifact]") {
@@ -236,11 +342,11 @@ TEST_CASE("artifact load rejects bad files, naming the file and the field", "[ar
                Catch::Contains("field 'clip_ratios' is missing"));
   }
   SECTION("wrong kind or version") {
-    CHECK_THAT(load_text(edit(good, "\"version\": 2", "\"version\": 3")),
-               Catch::Contains("field 'version' is 3, this build reads versions 1 to 2"));
-    CHECK_THAT(load_text(edit(good, "\"version\": 2", "\"version\": 0")),
-               Catch::Contains("field 'version' is 0, this build reads versions 1 to 2"));
-    CHECK_THAT(load_text(edit(good, "\"version\": 2", "\"version\": \"1\"")),
+    CHECK_THAT(load_text(edit(good, "\"version\": 3", "\"version\": 4")),
+               Catch::Contains("field 'version' is 4, this build reads versions 1 to 3"));
+    CHECK_THAT(load_text(edit(good, "\"version\": 3", "\"version\": 0")),
+               Catch::Contains("field 'version' is 0, this build reads versions 1 to 3"));
+    CHECK_THAT(load_text(edit(good, "\"version\": 3", "\"version\": \"1\"")),
                Catch::Contains("field 'version' must be an integer"));
     CHECK_THAT(load_text(edit(good, "kvq.calibration", "kvq.something")), Catch::Contains("is 'kvq.something'"));
   }
@@ -292,8 +398,8 @@ TEST_CASE("artifact save validates first and never writes NaN", "[artifact]") {
   a.clip_ratios.pop_back();
   CHECK_THAT(a.save(p).message(), Catch::Contains("7 clip ratios, the model needs 8"));
   a = make_artifact();
-  a.version = 3;
-  CHECK_THAT(a.save(p).message(), Catch::Contains("version 3"));
+  a.version = 4;
+  CHECK_THAT(a.save(p).message(), Catch::Contains("version 4"));
   a = make_artifact_with_output_kl();
   a.output_kl.kl[5] = NAN;
   CHECK_THAT(a.save(p).message(), Catch::Contains("output_kl of layer 1 head 0 format kivi2/g32 is nan"));
@@ -321,12 +427,12 @@ TEST_CASE("artifact parse turns every JSON library exception into a status namin
   };
   // numbers the library cannot hold (out_of_range.406 from the parser)
   CHECK_THAT(parse_error(edit(good, "\"tokens\": 96", "\"tokens\": 1e400")), Catch::Contains("1e400"));
-  CHECK_THAT(parse_error(edit(good, "\"version\": 2", "\"version\": -1e400")), Catch::Contains("-1e400"));
+  CHECK_THAT(parse_error(edit(good, "\"version\": 3", "\"version\": -1e400")), Catch::Contains("-1e400"));
   CHECK_THAT(parse_error("{\"kind\": 1e999999999999}"), Catch::Contains("malformed JSON"));
   // integers past 64 bits parse as doubles: a type error naming the field
   CHECK_THAT(parse_error(edit(good, "\"tokens\": 4096", "\"tokens\": 18446744073709551616")),
              Catch::Contains("'calibration.tokens' must be an integer"));
-  CHECK_THAT(parse_error(edit(good, "\"version\": 2", "\"version\": 1.5")),
+  CHECK_THAT(parse_error(edit(good, "\"version\": 3", "\"version\": 1.5")),
              Catch::Contains("'version' must be an integer"));
   // wrong types where objects and arrays are expected
   CHECK_THAT(parse_error(edit(good, "\"model\": {", "\"model\": 3, \"x\": {")),
@@ -349,9 +455,30 @@ TEST_CASE("2000 seeded corruptions of an artifact: an error naming the source or
   std::mt19937_64 rng(seed);
   const auto below = [&](size_t n) { return n ? size_t(rng() % n) : size_t(0); };
   // Tokens that reach the parser's and the reader's edge cases.
-  const std::vector<std::string> tokens = {"1e400", "-1e400", "18446744073709551616", "-0", "1.5", "null", "true",
-                                           "\"\"", "[]", "{}", "[", "{", "}", "]", ",", ":", "\"", "\\u0000",
-                                           "\\ud800", "\xff", "NaN", "0e-999", "-9223372036854775809", "1e-400"};
+  const std::vector<std::string> tokens = {"1e400",
+                                           "-1e400",
+                                           "18446744073709551616",
+                                           "-0",
+                                           "1.5",
+                                           "null",
+                                           "true",
+                                           "\"\"",
+                                           "[]",
+                                           "{}",
+                                           "[",
+                                           "{",
+                                           "}",
+                                           "]",
+                                           ",",
+                                           ":",
+                                           "\"",
+                                           "\\u0000",
+                                           "\\ud800",
+                                           "\xff",
+                                           "NaN",
+                                           "0e-999",
+                                           "-9223372036854775809",
+                                           "1e-400"};
   int rejected = 0, accepted = 0;
   for (int i = 0; i < 2000; ++i) {
     std::string text = good;

@@ -1,12 +1,11 @@
 // KVCache on the CPU backend: window and page edges, mixed formats over time, extend, GQA,
 // batches, bad input leaving the cache unchanged, and a soak of random appends and releases.
+#include <catch2/catch.hpp>
+#include <cmath>
 #include <kvq/cache/cache.hpp>
+#include <kvq/codec/codec.hpp>
 #include <kvq/format/numeric.hpp>
 #include <kvq/policy/static_policy.hpp>
-
-#include <catch2/catch.hpp>
-
-#include <cmath>
 #include <limits>
 #include <random>
 #include <vector>
@@ -55,7 +54,8 @@ std::vector<double> attention64(const std::vector<float>& k, const std::vector<f
       double sum = 0;
       for (auto& x : s) sum += (x = std::exp(x - mx));
       for (int64_t j = 0; j <= last; ++j)
-        for (int c = 0; c < d; ++c) o[(size_t(i) * hq + qh) * d + c] += s[size_t(j)] / sum * v[(size_t(j) * h + kh) * d + c];
+        for (int c = 0; c < d; ++c)
+          o[(size_t(i) * hq + qh) * d + c] += s[size_t(j)] / sum * v[(size_t(j) * h + kh) * d + c];
     }
   return o;
 }
@@ -117,7 +117,8 @@ TEST_CASE("token-by-token and one-shot appends store the same cache", "[cache]")
   check(b.create_sequence(5));
   check(a.append(5, 1, view(k, n, H, d), view(v, n, H, d)));
   for (int t = 0; t < n; ++t)
-    check(b.append(5, 1, {k.data() + size_t(t) * H * d, dtype::f32, 1, H, d}, {v.data() + size_t(t) * H * d, dtype::f32, 1, H, d}));
+    check(b.append(5, 1, {k.data() + size_t(t) * H * d, dtype::f32, 1, H, d},
+                   {v.data() + size_t(t) * H * d, dtype::f32, 1, H, d}));
   REQUIRE(b.flush_policy().ok());  // nothing deferred on the CPU backend: both are no-ops
   REQUIRE(b.sync_policy().ok());
   for (role r : {role::k, role::v}) {
@@ -142,7 +143,8 @@ TEST_CASE("a tier change mid-sequence leaves earlier pages identical (temporal s
 
   pol->set_all(*parse_format_pair("k=kivi2/g32,v=fp8"));  // demote: affects new pages only
   pol->set_head(0, 1, *parse_format_pair("fp16"));
-  check(c.append(3, 0, {k.data() + size_t(n1) * H * d, dtype::f32, n2, H, d}, {v.data() + size_t(n1) * H * d, dtype::f32, n2, H, d}));
+  check(c.append(3, 0, {k.data() + size_t(n1) * H * d, dtype::f32, n2, H, d},
+                 {v.data() + size_t(n1) * H * d, dtype::f32, n2, H, d}));
   std::vector<float> after(size_t(n1 + n2) * H * d);
   check(c.read(3, 0, role::k, after));
   for (size_t i = 0; i < size_t(e1) * H * d; ++i) REQUIRE(after[i] == before[i]);
@@ -160,7 +162,8 @@ TEST_CASE("a tier change mid-sequence leaves earlier pages identical (temporal s
   std::vector<float> o(size_t(Hq) * d);
   const attend_item it{3, 1};
   check(c.attend({&it, 1}, 0, {q.data(), dtype::f32, 1, Hq, d}, {o.data(), dtype::f32, 1, Hq, d}));
-  REQUIRE(rel_err(o, attention64(step_view(c, 3, 0, role::k, k, 1), step_view(c, 3, 0, role::v, v, 1), n, q, 1, Hq, H, d)) < 1e-5);
+  REQUIRE(rel_err(o, attention64(step_view(c, 3, 0, role::k, k, 1), step_view(c, 3, 0, role::v, v, 1), n, q, 1, Hq, H,
+                                 d)) < 1e-5);
 }
 
 TEST_CASE("extend attention (q_len > 1) is causal and sees its own tokens in fp16", "[cache]") {
@@ -176,7 +179,8 @@ TEST_CASE("extend attention (q_len > 1) is causal and sees its own tokens in fp1
   auto k = randn(rng, size_t(n) * H * d), v = randn(rng, size_t(n) * H * d), q = randn(rng, size_t(q_len) * Hq * d);
   check(c.create_sequence(0));
   check(c.append(0, 1, view(k, n0, H, d), view(v, n0, H, d)));
-  check(c.append(0, 1, {k.data() + size_t(n0) * H * d, dtype::f32, q_len, H, d}, {v.data() + size_t(n0) * H * d, dtype::f32, q_len, H, d}));
+  check(c.append(0, 1, {k.data() + size_t(n0) * H * d, dtype::f32, q_len, H, d},
+                 {v.data() + size_t(n0) * H * d, dtype::f32, q_len, H, d}));
   std::vector<float> o(size_t(q_len) * Hq * d);
   const attend_item it{0, q_len};
   check(c.attend({&it, 1}, 1, {q.data(), dtype::f32, q_len, Hq, d}, {o.data(), dtype::f32, q_len, Hq, d}));
@@ -445,7 +449,8 @@ TEST_CASE("a batched append that fails stores nothing for any sequence", "[cache
   const append_item zero[] = {{1, 0}, {2, 1}};
   expect(c.append_batch(zero, 0, view(k, 1, H, d), view(v, 1, H, d)), errc::invalid_argument, "appends 0 tokens");
   expect(c.append_batch({}, 0, view(k, 1, H, d), view(v, 1, H, d)), errc::invalid_argument, "empty batch");
-  expect(c.append_batch(both, 2, view(k, 200, H, d), view(v, 200, H, d)), errc::invalid_argument, "layer 2 out of range");
+  expect(c.append_batch(both, 2, view(k, 200, H, d), view(v, 200, H, d)), errc::invalid_argument,
+         "layer 2 out of range");
   // the budget holds the first sequence's new pages but not the second's: neither is planned
   const append_item big[] = {{1, 600}, {2, 1500}};
   expect(c.append_batch(big, 0, view(k, 2100, H, d), view(v, 2100, H, d)), errc::out_of_budget, "");
@@ -552,4 +557,66 @@ TEST_CASE("soak: 100,000 random appends and releases leak no bytes", "[cache][so
   REQUIRE(st.tokens == 0);
   INFO("appends refused for budget: " << fails);
   REQUIRE(fails > 0);  // the budget was really exercised
+}
+
+TEST_CASE("codebook levels set on a cache encode the pages after, nothing before", "[cache][codebook]") {
+  shape_args a;
+  auto expect = [&](status s, errc code, const char* text) {
+    CAPTURE(s.message());
+    CHECK(s.code() == code);
+    CHECK(s.message().find(text) != std::string::npos);
+  };
+  const int H = a.h, d = a.d, P = a.page;
+  auto [c, pol] = make("k=cb2,v=cb2/g32", a);
+  const format_id cb2 = parse_format("cb2").value_or_throw(), cb2g = parse_format("cb2/g32").value_or_throw();
+  // Lloyd-Max until set
+  const std::vector<float> lm = c.codebook_levels(cb2).value_or_throw();
+  REQUIRE(lm.size() == size_t(a.layers) * H * 2 * 4);
+  for (size_t i = 0; i < lm.size(); ++i) CHECK(lm[i] == lloyd_max_level(2, int(i % 4)));
+  std::mt19937 rng(3);
+  const int n1 = 200, n2 = 100;
+  const std::vector<float> k = randn(rng, size_t(n1 + n2) * H * d), v = randn(rng, size_t(n1 + n2) * H * d);
+  check(c.create_sequence(1));
+  for (int l = 0; l < a.layers; ++l) check(c.append(1, l, view(k, n1, H, d), view(v, n1, H, d)));
+  std::vector<float> before(size_t(n1) * H * d);
+  check(c.read(1, 0, role::k, before));
+  // bad levels change nothing
+  std::vector<float> fitted(lm.size());
+  for (size_t u = 0; u < fitted.size() / 4; ++u)
+    for (int kk = 0; kk < 4; ++kk) fitted[u * 4 + size_t(kk)] = (kk - 1.5f) * (0.8f + 0.01f * float(u));
+  std::vector<float> bad = fitted;
+  std::swap(bad[(1 * H + 0) * 2 * 4 + 4 + 1], bad[(1 * H + 0) * 2 * 4 + 4 + 2]);  // layer 1 head 0 V
+  expect(c.set_codebook_levels(cb2, bad), errc::invalid_argument, "cb2 layer 1 head 0 V");
+  bad = fitted;
+  bad[5] = std::numeric_limits<float>::quiet_NaN();
+  expect(c.set_codebook_levels(cb2, bad), errc::invalid_argument, "level 1 is not finite");
+  bad.pop_back();
+  expect(c.set_codebook_levels(cb2, bad), errc::invalid_argument, "need layers*kv_heads*2*4");
+  expect(c.set_codebook_levels(parse_format("kivi2/g32").value_or_throw(), fitted), errc::invalid_argument,
+         "not a codebook format");
+  REQUIRE(c.codebook_levels(cb2).value_or_throw() == lm);
+  check(c.set_codebook_levels(cb2, fitted));
+  REQUIRE(c.codebook_levels(cb2).value_or_throw() == fitted);
+  REQUIRE(c.codebook_levels(cb2g).value_or_throw() == c.codebook_levels(cb2g).value_or_throw());  // other slot
+  for (int l = 0; l < a.layers; ++l)
+    check(c.append(1, l, view(std::vector<float>(k.begin() + std::ptrdiff_t(size_t(n1) * H * d), k.end()), n2, H, d),
+                   view(std::vector<float>(v.begin() + std::ptrdiff_t(size_t(n1) * H * d), v.end()), n2, H, d)));
+  std::vector<float> after(size_t(n1 + n2) * H * d);
+  check(c.read(1, 0, role::k, after));
+  // the pages stored before keep their bytes: tokens 0..127 (two pages) read the same
+  const size_t old_pages = size_t(2 * P) * H * d;
+  REQUIRE(std::equal(before.begin(), before.begin() + std::ptrdiff_t(old_pages), after.begin()));
+  // the page of tokens 128..191 was encoded with the new levels: the codec's bytes for them
+  const codec::page_geom g = codec::make_geom(cb2, role::k, P, d);
+  for (int h = 0; h < H; ++h) {
+    std::vector<uint16_t> src(size_t(P) * d);
+    for (int t = 0; t < P; ++t)
+      for (int ch = 0; ch < d; ++ch) src[size_t(t) * d + ch] = float_to_half(k[(size_t(2 * P + t) * H + h) * d + ch]);
+    std::vector<uint8_t> page(g.lay.total(), 0);
+    const float* lv = fitted.data() + size_t((0 * H + h) * 2 + 0) * 4;
+    for (int u = 0; u < g.unit_count(); ++u) codebook_codec::encode_unit_with(g, src.data(), d, u, page.data(), lv);
+    for (int t = 0; t < P; ++t)
+      for (int ch = 0; ch < d; ++ch)
+        REQUIRE(after[(size_t(2 * P + t) * H + h) * d + ch] == codec::decode_element(g, page.data(), t, ch));
+  }
 }

@@ -435,3 +435,131 @@ TEST_CASE("calibrator: errors name the problem", "[calibrate]") {
     CHECK(c.damage(0, 0, role::k, fmt_of("kivi4/g64")).error().code() == errc::not_found);
   }
 }
+
+namespace {
+
+// Squared error of the codebook codec's round trip of head h of x ([T][heads][d], whole pages)
+// with the given levels of (layer 0, head h, role) in `fit` (Lloyd-Max when null).
+double codebook_sq_error(const tensor3& x, int h, format_id f, role r, const calib::codebook_fit* fit) {
+  const int P = 64, d = x.d, n = 1 << traits_of(f).bits;
+  const codec::page_geom g = codec::make_geom(f, r, P, d);
+  std::vector<uint16_t> src(size_t(P) * d);
+  std::vector<uint8_t> page(g.lay.total());
+  const float* lv = fit ? fit->levels.data() + size_t(h * 2 + (r == role::k ? 0 : 1)) * size_t(n) : nullptr;
+  double e = 0.0;
+  for (int p0 = 0; p0 + P <= x.T; p0 += P) {
+    for (int t = 0; t < P; ++t)
+      for (int c = 0; c < d; ++c) src[size_t(t) * d + c] = float_to_half(x.at(p0 + t, h, c));
+    std::fill(page.begin(), page.end(), 0);
+    for (int u = 0; u < g.unit_count(); ++u)
+      codec::encode_unit(g, src.data(), d, u, page.data(), codec::encode_params{1.f, lv});
+    for (int t = 0; t < P; ++t)
+      for (int c = 0; c < d; ++c) {
+        const double diff = double(codec::decode_element(g, page.data(), t, c)) - half_to_float(src[size_t(t) * d + c]);
+        e += diff * diff;
+      }
+  }
+  return e;
+}
+
+}  // namespace
+
+TEST_CASE("calibrator: fitted codebook levels", "[calibrate][codebook]") {
+  const int d = 64, T = 512;
+  const format_id cb2 = fmt_of("cb2"), cb3 = fmt_of("cb3/g32"), cb4 = fmt_of("cb4");
+  calibrator_options opt;
+  opt.formats = {fmt_of("kivi4/g32"), cb2, cb3, cb4};
+  opt.fit_codebooks = true;
+  opt.rotated = true;
+  const tensor3 q = gaussian(T, 2, d, 41);
+  // K: Gaussian rows; V: Laplace rows (heavier tails than the normal the default levels assume)
+  const tensor3 k = gaussian(T, 1, d, 42, 2.f);
+  tensor3 v(T, 1, d);
+  {
+    std::mt19937_64 rng(43);
+    std::exponential_distribution<float> ex(1.f);
+    std::bernoulli_distribution sign(0.5);
+    for (float& e : v.x) e = (sign(rng) ? 1.f : -1.f) * ex(rng);
+  }
+  auto c = calibrator::create(make_shape(1, 2, 1, d), opt).value_or_throw();
+  CHECK(c.fitted_codebooks().error().message().find("layer 0 was never observed") != std::string::npos);
+  REQUIRE(c.observe(0, q.view(), k.view(), v.view()).ok());
+  const auto fits = c.fitted_codebooks().value_or_throw();
+  REQUIRE(fits.size() == 6);  // three candidates, unrotated then rotated
+  for (size_t i = 0; i < fits.size(); ++i) {
+    CHECK(fits[i].format == opt.formats[1 + i % 3]);
+    CHECK(fits[i].rotated == (i >= 3));
+    CHECK(fits[i].levels.size() == size_t(2) << traits_of(fits[i].format).bits);
+    CHECK(check_codebook_levels(std::span(fits[i].levels).first(size_t(1) << traits_of(fits[i].format).bits),
+                                traits_of(fits[i].format).bits, "k")
+              .ok());
+  }
+  // Gaussian K in units of its rms: the fit lands near the Lloyd-Max levels of N(0, 1)
+  for (int kk = 0; kk < 4; ++kk) CHECK(std::abs(fits[0].levels[size_t(kk)] - lloyd_max_level(2, kk)) < 0.06);
+  // Laplace V: the fit spreads the outer levels and lowers the squared error of the round trip
+  CHECK(fits[0].levels[4 + 3] > lloyd_max_level(2, 3) + 0.1f);
+  for (size_t i = 0; i < 3; ++i) {
+    const double def = codebook_sq_error(v, 0, fits[i].format, role::v, nullptr);
+    const double fit = codebook_sq_error(v, 0, fits[i].format, role::v, &fits[i]);
+    INFO(format_name(fits[i].format) << ": default " << def << ", fitted " << fit);
+    CHECK(fit < 0.97 * def);
+    CHECK(codebook_sq_error(k, 0, fits[i].format, role::k, &fits[i]) <=
+          1.001 * codebook_sq_error(k, 0, fits[i].format, role::k, nullptr));
+  }
+  // measured with the fit, the V damage falls (rotated, the Laplace rows are close to normal and
+  // the fit close to Lloyd-Max: about equal); the artifact keeps the levels it was measured with
+  calibrator_options opt2 = opt;
+  opt2.fit_codebooks = false;
+  opt2.codebook_levels = fits;
+  auto c2 = calibrator::create(make_shape(1, 2, 1, d), opt2).value_or_throw();
+  REQUIRE(c2.observe(0, q.view(), k.view(), v.view()).ok());
+  for (format_id f : {cb2, cb3, cb4})
+    for (bool rotated : {false, true}) {
+      INFO(format_name(f) << (rotated ? " rotated" : ""));
+      const double fitted = *c2.damage(0, 0, role::v, f, 1.f, rotated),
+                   lloyd = *c.damage(0, 0, role::v, f, 1.f, rotated);
+      CHECK(fitted < (rotated ? 1.01 : 0.97) * lloyd);
+    }
+  CHECK(*c2.damage(0, 0, role::k, opt.formats[0]) == *c.damage(0, 0, role::k, opt.formats[0]));  // kivi4 untouched
+  calib::artifact a;
+  REQUIRE(c2.result(&a, "text").ok());
+  REQUIRE(a.codebooks.size() == 6);
+  CHECK(a.codebooks[4].levels == fits[4].levels);
+  const auto back = calib::artifact::parse(a.to_json().value_or_throw(), "mem", a.shape).value_or_throw();
+  CHECK(back.codebooks[2].levels == fits[2].levels);
+}
+
+TEST_CASE("calibrator: codebook options are checked, naming the problem", "[calibrate][codebook]") {
+  const int d = 64;
+  calibrator_options o;
+  o.fit_codebooks = true;  // the default candidates hold no codebook
+  CHECK(
+      calibrator::create(make_shape(1, 4, 2, d), o).error().message().find("no codebook format among the candidates") !=
+      std::string::npos);
+  o = {};
+  o.formats = {fmt_of("cb2")};
+  calib::codebook_fit f{fmt_of("cb2"), false, std::vector<float>(2 * 2 * 4, 0.f)};
+  for (size_t i = 0; i < f.levels.size(); ++i) f.levels[i] = float(i % 4) - 1.5f;
+  f.levels[2 * 4 + 1] = 5.f;  // layer 0 head 1 K: not ascending
+  o.codebook_levels = {f};
+  CHECK_THAT(calibrator::create(make_shape(1, 4, 2, d), o).error().message(),
+             Catch::Contains("codebook_levels[0] layer 0 head 1 K") && Catch::Contains("strictly ascending"));
+  f.levels[2 * 4 + 1] = -0.5f;
+  f.levels.pop_back();
+  o.codebook_levels = {f};
+  CHECK_THAT(calibrator::create(make_shape(1, 4, 2, d), o).error().message(), Catch::Contains("the shape needs 16"));
+  f.levels.push_back(1.5f);
+  f.format = fmt_of("cb4");
+  o.codebook_levels = {f};
+  CHECK_THAT(calibrator::create(make_shape(1, 4, 2, d), o).error().message(),
+             Catch::Contains("cb4 is not a codebook candidate"));
+  f.format = fmt_of("cb2");
+  f.rotated = true;
+  o.codebook_levels = {f};
+  CHECK_THAT(calibrator::create(make_shape(1, 4, 2, d), o).error().message(),
+             Catch::Contains("rotated candidates are not measured"));
+  o.rotated = true;
+  REQUIRE(calibrator::create(make_shape(1, 4, 2, d), o).ok());
+  auto c = calibrator::create(make_shape(1, 4, 2, d)).value_or_throw();
+  CHECK(c.fitted_codebooks().error().message().find("were not fitted") != std::string::npos);
+}

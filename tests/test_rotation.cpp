@@ -302,7 +302,7 @@ TEST_CASE("the calibrator measures rotated candidates; the artifact keeps them (
   calib::artifact a;
   const auto prof = cal.result(&a, "text").value_or_throw();
   const auto rprof = cal.rotated_result().value_or_throw();
-  REQUIRE(a.version == 2);
+  REQUIRE(a.version == 3);
   REQUIRE(a.has_rotated());
   REQUIRE(a.rotation_seed == 1234);
   REQUIRE(a.rotated_sensitivity.values == rprof.values);
@@ -323,7 +323,7 @@ TEST_CASE("the calibrator measures rotated candidates; the artifact keeps them (
   const std::string v1 = old.to_json().value_or_throw();
   REQUIRE(calib::artifact::parse(v1, "v1", ms).value_or_throw().version == 1);
   std::string v1_rot = text;
-  v1_rot.replace(v1_rot.find("\"version\": 2"), 12, "\"version\": 1");
+  v1_rot.replace(v1_rot.find("\"version\": 3"), 12, "\"version\": 1");
   REQUIRE_THAT(calib::artifact::parse(v1_rot, "v1rot", ms).error().message(),
                Catch::Contains("'rotated' needs version 2, the file is version 1"));
   std::string bad_seed = text;

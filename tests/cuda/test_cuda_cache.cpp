@@ -1,20 +1,20 @@
 // The CUDA backend against the CPU reference backend: append bytes identical (through what both
 // decode), decode and extend attention within the NMSE bound of the tolerance table, over every
 // format, mixed formats within one sequence, page-edge lengths, unequal batches and GQA 1/4/8.
+#include <cuda_runtime.h>
+
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <cstdlib>
 #include <kvq/cache/cache.hpp>
+#include <kvq/codec/codec.hpp>
 #include <kvq/format/kinds.hpp>
 #include <kvq/format/numeric.hpp>
 #include <kvq/policy/static_policy.hpp>
-
-#include <catch2/catch.hpp>
-#include <cuda_runtime.h>
-
-#include "gpu_test.hpp"
-
-#include <cmath>
-#include <cstdlib>
 #include <random>
 #include <vector>
+
+#include "gpu_test.hpp"
 
 using namespace kvq;
 using namespace kvq::gpu_test;
@@ -65,7 +65,9 @@ void append_both(pair_of_caches& c, seq_id s, int layer, const std::vector<uint1
   REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
 }
 
-void require_same_store(pair_of_caches& c, seq_id s, int layer) { gpu_test::require_same_store(c.cpu, c.gpu, s, layer); }
+void require_same_store(pair_of_caches& c, seq_id s, int layer) {
+  gpu_test::require_same_store(c.cpu, c.gpu, s, layer);
+}
 
 // Sequences 0, 1, ... of the given lengths on both caches (layer 0, 2 kv heads of head_dim d, the
 // same random tokens): one decode query each.
@@ -135,6 +137,15 @@ TEST_CASE("gpu: append stores what the CPU stores, every format", "[gpu][append]
   check(c.cpu.create_sequence(3));
   check(c.gpu.create_sequence(3));
   for (int64_t len : {1, 95, 64, 3, 300}) {  // crosses page edges, one long append
+    if (len == 3 && codec::is_codebook_format(format_id(fi))) {
+      // fitted levels from here on, different per (layer, kv head, role): the device encodes with
+      // the cache's table as the CPU does (pages before keep the Lloyd-Max levels)
+      const int bits = traits_of(format_id(fi)).bits, n = 1 << bits;
+      std::vector<float> lv(size_t(2 * 2 * 2 * n));
+      for (size_t i = 0; i < lv.size(); ++i) lv[i] = lloyd_max_level(bits, int(i) % n) * (0.85f + 0.04f * float(i / n));
+      check(c.cpu.set_codebook_levels(format_id(fi), lv));
+      check(c.gpu.set_codebook_levels(format_id(fi), lv));
+    }
     auto k = randn_h(rng, size_t(len) * 2 * d), v = randn_h(rng, size_t(len) * 2 * d);
     append_both(c, 3, 1, k, v, len, 2, d);
   }
@@ -167,9 +178,9 @@ TEST_CASE("gpu: appends of zero pages and single outliers store the CPU's bytes,
 // by element): decode (GQA x q_len <= 8) and q_len 16 (the tile kernel), alone and as the K or V of
 // a pair with a staged or 16-bit format.
 TEST_CASE("gpu: formats read by element: decode and tile attention match the CPU", "[gpu][decode][by_element]") {
-  const std::string spec = GENERATE("sym3/g32", "kivi3/g32", "kivi3/g64", "cb4", "cb4/g32", "cb3/g32", "cb2",
-                                    "cb2/g64", "nvfp4", "k=kivi4/g32,v=cb3", "k=cb2/g32,v=kivi2/g32",
-                                    "k=nvfp4,v=fp16", "k=fp16,v=sym3/g32", "k=kivi3/g32,v=nvfp4");
+  const std::string spec = GENERATE("sym3/g32", "kivi3/g32", "kivi3/g64", "cb4", "cb4/g32", "cb3/g32", "cb2", "cb2/g64",
+                                    "nvfp4", "k=kivi4/g32,v=cb3", "k=cb2/g32,v=kivi2/g32", "k=nvfp4,v=fp16",
+                                    "k=fp16,v=sym3/g32", "k=kivi3/g32,v=nvfp4");
   const int d = GENERATE(64, 128, 256);
   const int gqa = GENERATE(1, 4);
   const int q_len = GENERATE(1, 16);
@@ -177,8 +188,8 @@ TEST_CASE("gpu: formats read by element: decode and tile attention match the CPU
   REQUIRE(supported(spec, d));
   auto c = make(spec, 1, 2 * gqa, 2, d);
   std::mt19937 rng(uint32_t(spec.size() * 13 + d + gqa + q_len));
-  const std::vector<int64_t> lens = small() ? std::vector<int64_t>{17, 65, 130}
-                                            : std::vector<int64_t>{17, 63, 64, 65, 127, 129, 200, 700};
+  const std::vector<int64_t> lens =
+      small() ? std::vector<int64_t>{17, 65, 130} : std::vector<int64_t>{17, 63, 64, 65, 127, 129, 200, 700};
   std::vector<attend_item> items = fill_sequences(c, lens, d, rng);
   for (auto& it : items) it.q_len = q_len;  // the last q_len tokens are the queries' own
   REQUIRE(c.gpu.stats().pages > 0);
@@ -197,7 +208,8 @@ TEST_CASE("gpu: mixed formats with pages read by element", "[gpu][decode][by_ele
   std::mt19937 rng(uint32_t(40 + which * 2 + q_len));
   check(c.cpu.create_sequence(0));
   check(c.gpu.create_sequence(0));
-  const char* narrow_tiers[] = {"kivi4/g32", "cb4", "k=kivi2/g32,v=cb2/g32", "kivi3/g32", "k=nvfp4,v=kivi4/g32", "sym3/g32"};
+  const char* narrow_tiers[] = {"kivi4/g32",           "cb4",     "k=kivi2/g32,v=cb2/g32", "kivi3/g32",
+                                "k=nvfp4,v=kivi4/g32", "sym3/g32"};
   const char* eight_tiers[] = {"kivi8/g32", "cb3/g32", "k=int8,v=nvfp4", "kivi4/g32", "k=kivi3/g32,v=fp8", "cb2"};
   const char* wide_tiers[] = {"fp16", "cb4/g32", "k=kivi4/g32,v=kivi3/g32", "k=nvfp4,v=fp16", "kivi2/g32", "cb2/g64"};
   const char* const* tiers = which == 0 ? narrow_tiers : which == 1 ? eight_tiers : wide_tiers;
@@ -206,8 +218,9 @@ TEST_CASE("gpu: mixed formats with pages read by element", "[gpu][decode][by_ele
 }
 
 TEST_CASE("gpu: decode attention matches the CPU reference over formats and lengths", "[gpu][decode]") {
-  const std::string spec = GENERATE("fp16", "bf16", "fp8", "int8", "sym4/g32", "sym2/g64", "kivi8/g32", "kivi4/g32",
-                                    "kivi2/g32", "kivi4/g64", "ra4/g32", "k=kivi4/g32,v=kivi2/g32", "k=int8,v=kivi4/g128");
+  const std::string spec =
+      GENERATE("fp16", "bf16", "fp8", "int8", "sym4/g32", "sym2/g64", "kivi8/g32", "kivi4/g32", "kivi2/g32",
+               "kivi4/g64", "ra4/g32", "k=kivi4/g32,v=kivi2/g32", "k=int8,v=kivi4/g128");
   const int d = GENERATE(64, 128, 256);
   const int gqa = GENERATE(1, 4, 8);
   CAPTURE(spec, d, gqa);
@@ -255,7 +268,8 @@ TEST_CASE("gpu: pages of 128 tokens (two warps per page in whole-page steps)", "
   CAPTURE(spec, d);
   auto c = make(spec, 1, 8, 2, d, 128);
   std::mt19937 rng(uint32_t(spec.size() * 31 + d));
-  const std::vector<int64_t> lens = small() ? std::vector<int64_t>{100, 1000} : std::vector<int64_t>{1, 100, 129, 1000, 3000};
+  const std::vector<int64_t> lens =
+      small() ? std::vector<int64_t>{100, 1000} : std::vector<int64_t>{1, 100, 129, 1000, 3000};
   const std::vector<attend_item> items = fill_sequences(c, lens, d, rng);
   REQUIRE(attend_both(c, items, 0, rng) < nmse_bound);
 }
@@ -269,7 +283,8 @@ TEST_CASE("gpu: mixed formats within one sequence (temporal striping)", "[gpu][d
   check(c.cpu.create_sequence(0));
   check(c.gpu.create_sequence(0));
   const char* wide_tiers[] = {"kivi4/g32", "k=kivi2/g32,v=fp8", "fp16", "k=int8,v=kivi2/g64", "ra2/g32", "bf16"};
-  const char* narrow_tiers[] = {"kivi4/g32", "k=kivi2/g32,v=fp8", "kivi8/g64", "k=int8,v=kivi2/g64", "ra2/g32", "k=fp8,v=sym2/g32"};
+  const char* narrow_tiers[] = {"kivi4/g32",          "k=kivi2/g32,v=fp8", "kivi8/g64",
+                                "k=int8,v=kivi2/g64", "ra2/g32",           "k=fp8,v=sym2/g32"};
   const char* const* tiers = wide ? wide_tiers : narrow_tiers;
   REQUIRE(append_striped(c, tiers, small() ? 3 : 6, "sym4/g32", "sym4/g32", rng) >= (small() ? 5 : 6));
   REQUIRE(attend_both(c, {{0, 1}}, 1, rng) < nmse_bound);

@@ -104,7 +104,8 @@ TEST_CASE("gpu: interleaved windows grow and move as on the CPU", "[gpu][windows
 TEST_CASE("gpu: the memory outside the budget is what overhead(cfg) announced", "[gpu][windows][stats]") {
   const cache_config cfg = config(backend::cuda);
   const cache_overhead before = KVCache::overhead(cfg).value_or_throw();
-  CHECK(before.device_tables == uint64_t(cfg.max_sequences) * layers * (2048 / 64) * (4 + kvh * 2));
+  CHECK(before.device_tables == uint64_t(cfg.max_sequences) * layers * (2048 / 64) * (4 + kvh * 2) +  // page tables
+                                     uint64_t(layers) * kvh * 2 * 12 * 16 * sizeof(float));  // codebook levels
   KVCache gpu = KVCache::create(cfg, std::make_shared<static_policy>()).value_or_throw();
   CHECK(gpu.stats().overhead.device_tables == before.device_tables);
   std::mt19937 rng(22);

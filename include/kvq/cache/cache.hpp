@@ -25,15 +25,14 @@
 /// Thread-safety: a cache is not thread-safe; calls on one cache must not overlap. `stats()` and
 /// other const calls may run concurrently with each other. Distinct caches are independent.
 
+#include <array>
+#include <cstdint>
 #include <kvq/config.hpp>
 #include <kvq/format/format.hpp>
 #include <kvq/policy/policy.hpp>
 #include <kvq/rotation/rotation.hpp>
 #include <kvq/status.hpp>
 #include <kvq/tensor.hpp>
-
-#include <array>
-#include <cstdint>
 #include <memory>
 #include <optional>
 #include <span>
@@ -46,13 +45,13 @@ enum class backend : uint8_t { cpu, cuda };
 
 /// Everything fixed at cache creation.
 struct cache_config {
-  cache_shape shape;            ///< layers, heads, head_dim, page_tokens, window R, recent r
-  uint64_t budget_bytes = 0;    ///< one budget for pages of every format and the windows
+  cache_shape shape;          ///< layers, heads, head_dim, page_tokens, window R, recent r
+  uint64_t budget_bytes = 0;  ///< one budget for pages of every format and the windows
   backend where = backend::cpu;
-  float softmax_scale = 0.f;    ///< 0: 1/sqrt(head_dim)
-  int max_sequences = 256;      ///< live sequences at most (and rows of the CUDA page tables)
-  int64_t max_tokens = 1 << 17; ///< CUDA: tokens per sequence the device page tables can index
-  void* stream = nullptr;       ///< CUDA: the caller's cudaStream_t (nullptr = legacy default)
+  float softmax_scale = 0.f;     ///< 0: 1/sqrt(head_dim)
+  int max_sequences = 256;       ///< live sequences at most (and rows of the CUDA page tables)
+  int64_t max_tokens = 1 << 17;  ///< CUDA: tokens per sequence the device page tables can index
+  void* stream = nullptr;        ///< CUDA: the caller's cudaStream_t (nullptr = legacy default)
   /// CUDA: check appended K/V for NaN/Inf/out-of-range on the device before storing, which costs
   /// one stream synchronization per append. An engine that guarantees finite inputs turns it off
   /// for a synchronization-free hot path (then bad values are stored as they come).
@@ -89,21 +88,21 @@ struct cache_overhead {
 /// Statistics at any moment.
 struct cache_stats {
   uint64_t budget_bytes = 0;
-  uint64_t used_bytes = 0;    ///< pages + windows, as allocated (256-byte aligned blocks)
-  uint64_t free_bytes = 0;    ///< budget bytes not allocated (budget_bytes - used_bytes)
+  uint64_t used_bytes = 0;          ///< pages + windows, as allocated (256-byte aligned blocks)
+  uint64_t free_bytes = 0;          ///< budget bytes not allocated (budget_bytes - used_bytes)
   uint64_t largest_free_block = 0;  ///< the largest block one allocation can take now (a window needs one)
-  uint64_t page_bytes = 0;    ///< bytes of live pages (their layout sizes), a shared page once
-  uint64_t window_bytes = 0;  ///< bytes of the FP16 recent windows
-  uint64_t pages = 0;         ///< live pages (per kv head and role), a shared page once
-  uint64_t shared_pages = 0;  ///< pages listed by more than one sequence (`fork`)
+  uint64_t page_bytes = 0;          ///< bytes of live pages (their layout sizes), a shared page once
+  uint64_t window_bytes = 0;        ///< bytes of the FP16 recent windows
+  uint64_t pages = 0;               ///< live pages (per kv head and role), a shared page once
+  uint64_t shared_pages = 0;        ///< pages listed by more than one sequence (`fork`)
   uint64_t shared_saved_bytes = 0;  ///< page bytes the extra listings of shared pages would take unshared
   int64_t sequences = 0;
-  int64_t tokens = 0;                            ///< tokens held, summed over sequences and layers
-  uint64_t encoded_elements = 0;                 ///< K and V elements held in pages
+  int64_t tokens = 0;             ///< tokens held, summed over sequences and layers
+  uint64_t encoded_elements = 0;  ///< K and V elements held in pages
   std::array<uint64_t, format_count> bytes_by_format{};
   std::array<uint64_t, format_count> pages_by_format{};
-  std::vector<format_pair> format_map;           ///< [layers][kv_heads] current policy decision
-  cache_overhead overhead;                       ///< memory held outside the budget now
+  std::vector<format_pair> format_map;  ///< [layers][kv_heads] current policy decision
+  cache_overhead overhead;              ///< memory held outside the budget now
 
   /// Average bits per element of the pages, scales and zeros included.
   double page_bits() const { return encoded_elements ? 8.0 * page_bytes / double(encoded_elements) : 0.0; }
@@ -174,7 +173,8 @@ class KVQ_EXPORT KVCache {
   /// lists every encoded page of src, shared and reference-counted (stored and counted once; a
   /// page's bytes return to the budget when its last sharer releases or truncates it), and gets
   /// its own copy of src's FP16 windows, so both then append and attend independently. Costs as
-  /// many lanes as src's window (a new ring block when no block has them free). Errors: unknown src (`not_found`), existing dst
+  /// many lanes as src's window (a new ring block when no block has them free). Errors: unknown src (`not_found`),
+  /// existing dst
   /// (`invalid_argument`), no slot or no budget for the window (`out_of_budget`); then nothing
   /// changed.
   status fork(seq_id src, seq_id dst);
@@ -267,6 +267,18 @@ class KVQ_EXPORT KVCache {
   /// encoded afterwards.
   status set_clip_ratios(std::span<const float> ratios);
 
+  /// The levels codebook format `f` (`cb<b>[/g<G>]`) encodes with, [layers][kv_heads][2][2^b]
+  /// (K then V), each (layer, kv head, role) 2^b finite, strictly ascending values in units of
+  /// the group's rms (format/codebook.hpp), e.g. fitted by the calibrator
+  /// (`calib::artifact::codebook_levels_for`). Applies to pages encoded afterwards: each page
+  /// carries its levels, so the pages already stored and the attention kernels are unaffected.
+  /// Rotated heads take levels fitted in the rotated space. Until set: the Lloyd-Max levels of a
+  /// standard normal. Errors (nothing changes): `f` not a codebook format, a wrong count, levels
+  /// not finite or not ascending (naming the layer, head and role).
+  status set_codebook_levels(format_id f, std::span<const float> levels);
+  /// The levels of codebook format `f` now, in `set_codebook_levels`'s layout.
+  result<std::vector<float>> codebook_levels(format_id f) const;
+
   /// Waits for the policy's canaries still in flight and feeds their measurements to the policy.
   /// CPU backend: nothing to do (the canary runs inside `attend`). CUDA backend: a policy with a
   /// device canary (`policy::device_canary`, e.g. EchoKV) is measured on the GPU: each attend
@@ -295,8 +307,8 @@ class KVQ_EXPORT KVCache {
  private:
   friend class decode_step;  // a replayable step keeps the bookkeeping of the cache it was made from
   KVCache(std::unique_ptr<detail::cache_state> st, std::unique_ptr<detail::cache_backend> b);
-  std::unique_ptr<detail::cache_state> state_;    ///< bookkeeping: config, policy, store, clip ratios
-  std::unique_ptr<detail::cache_backend> impl_;   ///< the data plane; reads `state_`
+  std::unique_ptr<detail::cache_state> state_;   ///< bookkeeping: config, policy, store, encoder parameters
+  std::unique_ptr<detail::cache_backend> impl_;  ///< the data plane; reads `state_`
 };
 
 /// The snake_case spelling of the same type.

@@ -5,7 +5,7 @@
 /// section 6). Loading validates everything and fails with a message naming the file and the
 /// field; nothing half-read is returned.
 ///
-/// File format, version 2 (every field required unless marked optional):
+/// File format, version 3 (every field required unless marked optional):
 ///
 /// ```json
 /// {
@@ -31,9 +31,19 @@
 ///     "seed": "0x6b76712d726f7461",                 // rotation_config::seed, 16 hex digits
 ///     "k_attention_kl":        [[[...per format...] ...per kv head...] ...per layer...],
 ///     "v_output_perturbation": [[[...per format...] ...per kv head...] ...per layer...]
-///   }
+///   },
+///   "codebooks": [                                  // optional, version 3 (calibrator_options::fit_codebooks)
+///     { "format": "cb4", "rotated": true,           // a codebook format; fitted on rotated heads or not
+///       "k": [[[...2^bits levels...] ...per kv head...] ...per layer...],
+///       "v": [[[...2^bits levels...] ...per kv head...] ...per layer...] }
+///   ]
 /// }
 /// ```
+///
+/// `codebooks` holds codebook levels fitted per (layer, kv head, role): each list strictly
+/// ascending and finite, in units of the group's rms (format/codebook.hpp), at most one entry per
+/// (format, rotated). When an artifact has them, its sensitivities of those formats were measured
+/// with them. `codebook_levels_for` gives a cache's levels (`KVCache::set_codebook_levels`).
 ///
 /// `rotated` holds the damage of each of "formats" on rotated (layer, kv head)s
 /// (docs/architecture.md, "Rotation"; calib/calibrate.hpp): what a spec `<format>+rot` costs.
@@ -45,16 +55,16 @@
 ///
 /// Numbers must be finite (JSON has no NaN; a NaN written by another tool appears as `null` or a
 /// string and is rejected), sensitivities >= 0, clip ratios in (0, 1]. This build reads versions
-/// 1 and 2 (`artifact::current_version`); version 1 is version 2 without `rotated` (a version 1
-/// file that has it is rejected), any other version is rejected naming it. It writes the
-/// artifact's `version`: 2 for what the calibrator makes.
+/// 1 to 3 (`artifact::current_version`); version 2 is version 3 without `codebooks`, version 1
+/// version 2 without `rotated` (a file with a field newer than its version is rejected), any
+/// other version is rejected naming it. It writes the artifact's `version`: 3 for what the
+/// calibrator makes.
 
+#include <cstdint>
 #include <kvq/config.hpp>
 #include <kvq/policy/sensitivity.hpp>
 #include <kvq/rotation/hadamard.hpp>
 #include <kvq/status.hpp>
-
-#include <cstdint>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -97,11 +107,18 @@ struct output_kl_table {
   }
 };
 
+/// Codebook levels fitted for one codebook format on rotated heads or unrotated ones.
+struct codebook_fit {
+  format_id format = 0;       ///< a codebook format (`cb<b>[/g<G>]`)
+  bool rotated = false;       ///< fitted in the rotated space (for the heads a cache rotates)
+  std::vector<float> levels;  ///< [layers][kv_heads][2][2^bits], K then V: `set_codebook_levels`'s layout
+};
+
 /// Contents of a calibration artifact.
 struct KVQ_EXPORT artifact {
   /// The version this build writes and reads.
-  static constexpr int current_version = 2;
-  /// The oldest version this build reads (the same fields without `rotated`).
+  static constexpr int current_version = 3;
+  /// The oldest version this build reads (the same fields without `rotated` and `codebooks`).
   static constexpr int oldest_version = 1;
 
   int version = current_version;   ///< format version of the file
@@ -123,8 +140,19 @@ struct KVQ_EXPORT artifact {
   /// The rotation seed `rotated_sensitivity` was measured with (`rotation_config::seed`).
   uint64_t rotation_seed = rotation::default_seed;
 
+  /// Optional (version 3): fitted codebook levels, at most one per (format, rotated).
+  std::vector<codebook_fit> codebooks;
+
   /// True when the artifact holds rotated damages.
   bool has_rotated() const { return !rotated_sensitivity.formats.empty(); }
+
+  /// The fit of (format, rotated), or null.
+  const codebook_fit* find_codebook(format_id f, bool rotated) const;
+  /// The levels a cache gives codebook format `f` (`KVCache::set_codebook_levels`): for each
+  /// (layer, kv head) the fit of its space, rotated where `rotated_head(layer, kv_head)` says
+  /// so; a (layer, kv head) whose space has no fit keeps the Lloyd-Max levels. Errors: `f` not a
+  /// codebook format, or no fit of `f` at all.
+  result<std::vector<float>> codebook_levels_for(format_id f, const std::vector<uint8_t>& rotated_heads) const;
 
   /// Checks internal consistency (dimensions, numbers, ranges); the message names the field.
   status validate() const;

@@ -33,6 +33,18 @@
 /// in exact arithmetic). A rolealign candidate is measured rotated at ratio 1 (clip ratios are
 /// chosen on the unrotated data). `result` puts them in `artifact::rotated_sensitivity`.
 ///
+/// **Codebook levels.** With `calibrator_options::fit_codebooks`, every value of K and V (rotated
+/// too, with `rotated`) is also counted, in units of its group's rms exactly as the codebook codec
+/// computes it (v = x / fp16(rms)), into a histogram per (layer, kv head, role, channel group of
+/// the codebook candidates), weighted by the squared scale: the squared error of a value is
+/// s^2 (v - level)^2. `fitted_codebooks` runs Lloyd's iteration on each histogram from the
+/// Lloyd-Max levels of a standard normal: for each codebook candidate, per (layer, kv head,
+/// role), the levels of least weighted squared error (a unit with no nonzero group, or whose fit
+/// would not be strictly ascending, keeps the Lloyd-Max levels). The candidates' damages are
+/// measured with `calibrator_options::codebook_levels` (Lloyd-Max where none are given): a fit,
+/// then a second run over the same text with the fit, gives the damage of the fitted levels
+/// (kvq-calibrate --fit-codebooks does both).
+///
 /// **Clip ratios.** For each (layer, kv head, role) the ratio is the one of `clip_grid` that
 /// minimizes the mean over `clip_formats` of damage(f, ratio) / damage(f, 1), K damage for K and
 /// V damage for V (a format whose damage at ratio 1 is 0 is left out; if all are, the ratio is
@@ -82,6 +94,11 @@ struct calibrator_options {
   bool rotated = false;
   /// Seed of the rotation's signs: the `rotation_config::seed` of the caches it is for.
   uint64_t rotation_seed = rotation::default_seed;
+  /// Count K and V for `fitted_codebooks` (see the file comment); needs a codebook candidate.
+  bool fit_codebooks = false;
+  /// The levels codebook candidates are measured with, at most one per (candidate, rotated);
+  /// others: Lloyd-Max. `result` copies them into the artifact's `codebooks`.
+  std::vector<codebook_fit> codebook_levels;
 };
 
 /// Accumulates sensitivities over calibration chunks; see the file comment.
@@ -110,6 +127,11 @@ class KVQ_EXPORT calibrator {
   /// The profile of the rotated candidates (`calibrator_options::rotated`), with the formats of
   /// `result`'s. Errors: rotation not measured, a layer never observed.
   kvq::result<sensitivity_profile> rotated_result() const;
+
+  /// The codebook levels fitted to what was observed (`calibrator_options::fit_codebooks`): one
+  /// entry per codebook candidate, unrotated, then the rotated ones with `rotated`. Errors:
+  /// fitting was not asked for, a layer never observed.
+  kvq::result<std::vector<codebook_fit>> fitted_codebooks() const;
 
   /// Chosen clip ratios, [layers][kv_heads][2] (K then V): the layout of
   /// `KVCache::set_clip_ratios`. 1 where a layer has not been observed.
@@ -153,6 +175,13 @@ class KVQ_EXPORT calibrator {
   std::vector<double> k_kl_;                  // [layers][kv_heads][variants] summed KL
   std::vector<double> v_err_;                 // [layers][kv_heads][variants] Σ‖P(V̂−V)‖²
   std::vector<double> v_ref_;                 // [layers][kv_heads] Σ‖PV‖²
+  // Codebook fit: the channel groups of the codebook candidates, and per (layer, kv head, role,
+  // group, rotated) a histogram of v = x / s: [.. ][fit_bins] Σ s² and Σ s² v.
+  std::vector<int> fit_groups_;
+  std::vector<double> fit_w_, fit_wv_;
+  size_t fit_index(int layer, int kv_head, role r, size_t group, bool rotated) const;
+  void count_for_fit(int layer, int kv_head, role r, const uint16_t* x16, int T, bool rotated);
+  const float* levels_of(format_id f, bool rotated, int layer, int kv_head, role r) const;
 };
 
 }  // namespace calib

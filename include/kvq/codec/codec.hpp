@@ -10,11 +10,10 @@
 /// `__f*_rn` intrinsics so that no fused multiply-add changes a bit (codec/unit.hpp). Inputs are
 /// fp16 (the recent window's precision) and finite: callers validate before encoding.
 
+#include <cstdint>
 #include <kvq/codec/unit.hpp>
 #include <kvq/config.hpp>
 #include <kvq/format/format.hpp>
-
-#include <cstdint>
 
 KVQ_NAMESPACE_BEGIN
 namespace codec {
@@ -31,6 +30,36 @@ KVQ_HOST_DEVICE page_geom make_geom(format_id id, role r, int page_tokens, int h
 KVQ_HOST_DEVICE void encode_unit(const page_geom& g, const uint16_t* src, int src_stride, int u, uint8_t* page,
                                  float clip) {
   formats::encode_unit(g, src, src_stride, u, page, clip);
+}
+
+/// The codebook formats are the contiguous ids [first_codebook_format, + codebook_format_count):
+/// a cache keeps, per (layer, kv head, role), one slot of `codebook_slot_floats` levels for each
+/// (`KVCache::set_codebook_levels`; 2^bits of a slot are used).
+inline constexpr format_id first_codebook_format = format_id_v<codebook<4, 32>>;
+inline constexpr int codebook_format_count = 12;
+inline constexpr int codebook_slot_floats = 16;
+static_assert(format_id_v<codebook<2, 0>> == first_codebook_format + codebook_format_count - 1,
+              "the codebook formats are contiguous in format_list");
+/// True for a codebook format id; its slot is `f - first_codebook_format`.
+KVQ_HOST_DEVICE constexpr bool is_codebook_format(format_id f) {
+  return f >= first_codebook_format && f < first_codebook_format + codebook_format_count;
+}
+
+/// What a cache holds per (layer, kv head, role) for the encoder besides the format: the rolealign
+/// clip ratio and a codebook page's levels.
+struct encode_params {
+  float clip = 1.0f;              ///< rolealign clip ratio in (0, 1]; ignored by other families
+  const float* levels = nullptr;  ///< codebook: the page format's 2^bits levels; null: Lloyd-Max
+};
+
+/// `encode_unit` with the cache's parameters: a codebook page with levels given is encoded with
+/// them (`codebook_codec::encode_unit_with`; they are written into the page), else as above.
+KVQ_HOST_DEVICE void encode_unit(const page_geom& g, const uint16_t* src, int src_stride, int u, uint8_t* page,
+                                 const encode_params& e) {
+  if (e.levels != nullptr && g.fmt.fam == family::codebook)
+    codebook_codec::encode_unit_with(g, src, src_stride, u, page, e.levels);
+  else
+    formats::encode_unit(g, src, src_stride, u, page, e.clip);
 }
 
 /// Decodes element (t, c) of a page to float. The reference path: plain and obviously right.

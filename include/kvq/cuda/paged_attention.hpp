@@ -24,14 +24,13 @@
 /// allocate nothing and never synchronize, so they can be captured in a CUDA graph (batch
 /// descriptors travel as kernel parameters).
 
+#include <array>
+#include <cstddef>
+#include <cstdint>
 #include <kvq/config.hpp>
 #include <kvq/format/format.hpp>
 #include <kvq/status.hpp>
 #include <kvq/tensor.hpp>
-
-#include <array>
-#include <cstddef>
-#include <cstdint>
 #include <span>
 
 KVQ_NAMESPACE_BEGIN
@@ -64,12 +63,12 @@ struct paged_view {
 
 /// One sequence of an attention batch.
 struct decode_item {
-  int32_t slot;         ///< row of the page tables
-  int32_t q_len;        ///< new queries (their tokens are the last q_len of the n)
-  int32_t n;            ///< tokens held for the layer, the step's own included
-  int32_t from_pages;   ///< tokens read from pages: min(encoded, n - q_len); the rest from the ring
-  uint32_t window_unit; ///< the sequence's window block, in 256-byte units
-  int32_t q_row;        ///< first row of this item's queries in q and o
+  int32_t slot;            ///< row of the page tables
+  int32_t q_len;           ///< new queries (their tokens are the last q_len of the n)
+  int32_t n;               ///< tokens held for the layer, the step's own included
+  int32_t from_pages;      ///< tokens read from pages: min(encoded, n - q_len); the rest from the ring
+  uint32_t window_unit;    ///< the sequence's window block, in 256-byte units
+  int32_t q_row;           ///< first row of this item's queries in q and o
   int32_t stage_row = -1;  ///< >= 0: copy the item's query rows to this row of `attend_args::q_stage`
 };
 
@@ -90,12 +89,12 @@ struct attend_args {
   std::span<const decode_item> items;  ///< host memory; copied into the launch parameters
   const void* q = nullptr;             ///< device [rows][q_heads][head_dim]
   dtype q_type = dtype::f16;
-  int64_t q_stride = 0;                ///< elements between rows (0: packed)
-  void* o = nullptr;                   ///< device [rows][q_heads][head_dim]
+  int64_t q_stride = 0;  ///< elements between rows (0: packed)
+  void* o = nullptr;     ///< device [rows][q_heads][head_dim]
   dtype o_type = dtype::f16;
   int64_t o_stride = 0;
-  float scale = 0.f;                   ///< 0: 1/sqrt(head_dim)
-  int num_sms = 132;                   ///< used to size the split across thread blocks
+  float scale = 0.f;  ///< 0: 1/sqrt(head_dim)
+  int num_sms = 132;  ///< used to size the split across thread blocks
   /// Widest code width (bits) of any page of the layer, if the caller knows it: 16 (the default)
   /// is always correct; 8 or less lets decode stage pages in narrower stages (more stages in
   /// flight) and run the kernel instances that have no code for 16-bit pages. A 16-bit page under
@@ -185,6 +184,10 @@ struct append_args {
   const uint32_t* page_blocks = nullptr;  ///< host [sum of pages] block offsets, 256-byte units, items in order
   const uint8_t* page_fmts = nullptr;     ///< host [sum of pages][kv_heads][2]
   const float* clip = nullptr;            ///< host [kv_heads][2] rolealign clip ratios of the layer
+  /// Device [kv_heads][2][codec::codebook_format_count][codec::codebook_slot_floats]: the levels
+  /// each codebook format of (kv head, role) encodes with (the first 2^bits of its slot); null:
+  /// the Lloyd-Max levels. Read by the kernel, so it must outlive the launch (and a replay).
+  const float* levels = nullptr;
   /// The layer's rotated heads: their K and V rows are rotated inside the append kernels before
   /// they are rounded to fp16, in the ring and in the pages alike (the bytes equal the CPU's).
   head_rotation rotation;

@@ -4,12 +4,12 @@
 /// the bookkeeping (`page_store`); a backend owns the bytes and runs the data plane. Not part of
 /// the public API.
 
-#include <kvq/cache/cache.hpp>
-#include <kvq/store/store.hpp>
-
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <kvq/cache/cache.hpp>
+#include <kvq/codec/codec.hpp>
+#include <kvq/store/store.hpp>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -17,17 +17,34 @@
 KVQ_NAMESPACE_BEGIN
 namespace detail {
 
+/// Floats of the codebook level table of one (layer, kv head, role): a slot per codebook format.
+inline constexpr size_t codebook_table_floats = size_t(codec::codebook_format_count) * codec::codebook_slot_floats;
+
 /// What `KVCache` keeps for every backend: the configuration, the policy, the bookkeeping of the
-/// store and the rolealign clip ratios. The cache validates requests and updates it; a backend
-/// reads it and owns nothing of it.
+/// store, the rolealign clip ratios and the codebook levels. The cache validates requests and
+/// updates it; a backend reads it and owns nothing of it.
 struct cache_state {
   cache_state(const cache_config& c, std::shared_ptr<policy> p)
-      : cfg(c), pol(std::move(p)), store(c.shape, c.budget_bytes, c.max_sequences),
-        clip(size_t(c.shape.layers) * c.shape.kv_heads * 2, 1.0f) {}
+      : cfg(c),
+        pol(std::move(p)),
+        store(c.shape, c.budget_bytes, c.max_sequences),
+        clip(size_t(c.shape.layers) * c.shape.kv_heads * 2, 1.0f),
+        levels(size_t(c.shape.layers) * c.shape.kv_heads * 2 * codebook_table_floats, 0.0f) {
+    for (size_t unit = 0; unit < levels.size() / codebook_table_floats; ++unit)
+      for (int slot = 0; slot < codec::codebook_format_count; ++slot) {
+        const int bits = traits_of(format_id(codec::first_codebook_format + slot)).bits;
+        for (int k = 0; k < (1 << bits); ++k)
+          levels[unit * codebook_table_floats + size_t(slot) * codec::codebook_slot_floats + size_t(k)] =
+              lloyd_max_level(bits, k);
+      }
+  }
   cache_config cfg;
   std::shared_ptr<policy> pol;
   page_store store;
   std::vector<float> clip;  ///< [layers][kv_heads][2]
+  /// [layers][kv_heads][2][codebook formats][codebook_slot_floats]: the levels each codebook
+  /// format encodes with (`KVCache::set_codebook_levels`; Lloyd-Max until set).
+  std::vector<float> levels;
 };
 
 /// The pages a replayed step's layer can hold, from the policy when the step is made: the widest
@@ -71,10 +88,16 @@ class step_backend {
 /// over the bookkeeping of `cache_state`, which it only reads. Its own state is private to it.
 class cache_backend {
  public:
-  explicit cache_backend(const cache_state& st) : cfg_(st.cfg), pol_(st.pol), store_(st.store), clip_(st.clip) {}
+  explicit cache_backend(const cache_state& st)
+      : cfg_(st.cfg), pol_(st.pol), store_(st.store), clip_(st.clip), levels_(st.levels) {}
   cache_backend(const cache_backend&) = delete;
   cache_backend& operator=(const cache_backend&) = delete;
   virtual ~cache_backend() = default;
+
+  /// Called after `cache_state::levels` changed (`KVCache::set_codebook_levels`): a backend that
+  /// keeps a copy (the CUDA one, on the device) refreshes it. On failure the cache restores the
+  /// previous levels and calls it again.
+  virtual status levels_changed() { return {}; }
 
   /// Converts, validates (finite, within fp16 range) and stores m tokens; encodes the planned
   /// pages. Must leave the ring untouched when the values are rejected.
@@ -109,8 +132,8 @@ class cache_backend {
   }
   /// `KVCache::attend_prefix` for a validated request: every query sees the first `prefix`
   /// stored tokens; `lse` [q.tokens][q_heads] receives the log-sum-exps.
-  virtual status attend_prefix(const sequence_state& /*s*/, int /*layer*/, int64_t /*prefix*/,
-                               const tensor_view& /*q*/, const tensor_mut& /*o*/, float* /*lse*/) {
+  virtual status attend_prefix(const sequence_state& /*s*/, int /*layer*/, int64_t /*prefix*/, const tensor_view& /*q*/,
+                               const tensor_mut& /*o*/, float* /*lse*/) {
     return {errc::unsupported, "attend_prefix on this backend is not implemented yet"};
   }
   /// Dequantized view of one (sequence, layer, role) into host memory.
@@ -152,13 +175,23 @@ class cache_backend {
   const cache_config& cfg_;
   const std::shared_ptr<policy>& pol_;
   const page_store& store_;
-  const std::vector<float>& clip_;  ///< [layers][kv_heads][2]
+  const std::vector<float>& clip_;    ///< [layers][kv_heads][2]
+  const std::vector<float>& levels_;  ///< cache_state::levels
 
   float softmax_scale() const {
     return cfg_.softmax_scale > 0.f ? cfg_.softmax_scale : 1.0f / std::sqrt(float(cfg_.shape.head_dim));
   }
   float clip_of(int layer, int kv_head, role r) const {
     return clip_[(size_t(layer) * cfg_.shape.kv_heads + kv_head) * 2 + (r == role::k ? 0 : 1)];
+  }
+  /// The encoder's parameters of a page of format f of (layer, kv head, role).
+  codec::encode_params encode_of(int layer, int kv_head, role r, format_id f) const {
+    const size_t unit = (size_t(layer) * cfg_.shape.kv_heads + kv_head) * 2 + (r == role::k ? 0 : 1);
+    codec::encode_params e{clip_[unit], nullptr};
+    if (codec::is_codebook_format(f))
+      e.levels = levels_.data() + unit * codebook_table_floats +
+                 size_t(f - codec::first_codebook_format) * codec::codebook_slot_floats;
+    return e;
   }
 };
 
@@ -196,11 +229,15 @@ void restore_rows(const cache_shape& sh, const page_entry& pe, role r, const uin
 inline int64_t cuda_max_pages(const cache_config& cfg) {
   return (cfg.max_tokens + cfg.shape.page_tokens - 1) / cfg.shape.page_tokens;
 }
-/// Bytes of the CUDA page tables of a configuration: [max_sequences][layers][max_pages] uint32
-/// block offsets and [...][kv_heads][2] format ids.
+/// Bytes of the CUDA codebook level table: `cache_state::levels` on the device.
+inline uint64_t cuda_levels_bytes(const cache_config& cfg) {
+  return uint64_t(cfg.shape.layers) * uint64_t(cfg.shape.kv_heads) * 2 * codebook_table_floats * sizeof(float);
+}
+/// Bytes of the CUDA tables of a configuration: the page tables ([max_sequences][layers][max_pages]
+/// uint32 block offsets and [...][kv_heads][2] format ids) and the codebook level table.
 inline uint64_t cuda_table_bytes(const cache_config& cfg) {
   const uint64_t rows = uint64_t(cfg.max_sequences) * uint64_t(cfg.shape.layers) * uint64_t(cuda_max_pages(cfg));
-  return rows * (sizeof(uint32_t) + uint64_t(cfg.shape.kv_heads) * 2);
+  return rows * (sizeof(uint32_t) + uint64_t(cfg.shape.kv_heads) * 2) + cuda_levels_bytes(cfg);
 }
 
 /// The CPU reference backend, or an `out_of_budget` status when its arena cannot be allocated.

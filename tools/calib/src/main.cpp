@@ -1,6 +1,6 @@
 // kvq-calibrate: runs a model over calibration text and writes the calibration artifact
-// (docs/architecture.md, "Calibration artifacts"): per (layer, kv head, format) K attention KL and V output perturbation, and rolealign
-// clip ratios, measured by kvq::calib::calibrator on the model's own q, k, v.
+// (docs/architecture.md, "Calibration artifacts"): per (layer, kv head, format) K attention KL and V output
+// perturbation, and rolealign clip ratios, measured by kvq::calib::calibrator on the model's own q, k, v.
 #include <fmt/format.h>
 
 #include <CLI/CLI.hpp>
@@ -15,12 +15,14 @@
 #include <iostream>
 #include <kvq/calib/artifact.hpp>
 #include <kvq/calib/calibrate.hpp>
+#include <kvq/codec/codec.hpp>
 #include <kvq/format/format.hpp>
 #include <llama/gguf.hpp>
 #include <llama/model.hpp>
 #include <llama/tokenizer.hpp>
 #include <mutex>
 #include <numeric>
+#include <optional>
 #include <span>
 #include <sstream>
 #include <thread>
@@ -44,6 +46,10 @@ WHAT IT DOES
   With --rotated, every candidate is measured a second time on rotated heads (q, K and V rotated
   by the caches' randomized Hadamard transform, damage measured where a rotated cache quantizes)
   into the artifact's "rotated" table (schema version 2).
+  With --fit-codebooks, a first pass over the text fits the levels of every codebook candidate
+  per (layer, kv head, role) (Lloyd's iteration on the values in units of their group's rms,
+  rotated too with --rotated); the second pass measures the candidates with the fitted levels,
+  and the artifact's "codebooks" holds them (schema version 3; kvq-eval --codebook-levels).
   See include/kvq/calib/calibrate.hpp for the exact definitions.
 
 OUTPUT KL (--output-kl, slower)
@@ -211,10 +217,12 @@ int main(int argc, char** argv) {
   int segment = 512, page_tokens = 64, window = 128, threads = 1;
   std::vector<std::string> formats, clip_formats = {"ra4/g32", "ra2/g32"};
   std::vector<float> clip_grid = {1.0f, 0.95f, 0.9f, 0.85f, 0.8f, 0.7f};
-  bool no_progress = false, output_kl = false, rotated = false;
+  bool no_progress = false, output_kl = false, rotated = false, fit_codebooks = false;
   int64_t output_kl_tokens = 128;
   std::vector<std::string> output_kl_formats;
-  app.add_option("-m,--model", model_path, "GGUF model (llama, qwen2 or gemma architecture)")->required()->check(CLI::ExistingFile);
+  app.add_option("-m,--model", model_path, "GGUF model (llama, qwen2 or gemma architecture)")
+      ->required()
+      ->check(CLI::ExistingFile);
   app.add_option("-t,--text", text_path, "calibration text (UTF-8)")->required()->check(CLI::ExistingFile);
   app.add_option("-o,--out", out_path, "artifact JSON to write")->required();
   app.add_option("--tokens", max_tokens, "tokens to calibrate on (0: the whole text)")->capture_default_str();
@@ -233,9 +241,15 @@ int main(int argc, char** argv) {
   app.add_option("--threads", threads, "threads for the calibrator (layers in parallel)")
       ->capture_default_str()
       ->check(CLI::Range(1, 256));
-  app.add_flag("--rotated", rotated,
-               "also measure every candidate on rotated heads (randomized Hadamard, the caches' default seed) into the "
-               "artifact's rotated damages, which kl_budget and autok read for a rotated cache (kvq-eval <config>+rot)");
+  app.add_flag(
+      "--rotated", rotated,
+      "also measure every candidate on rotated heads (randomized Hadamard, the caches' default seed) into the "
+      "artifact's rotated damages, which kl_budget and autok read for a rotated cache (kvq-eval <config>+rot)");
+  app.add_flag(
+      "--fit-codebooks", fit_codebooks,
+      "fit the levels of every codebook candidate (cb<b>[/g<G>] in --formats; rotated too with --rotated) per "
+      "(layer, kv head, role) in a first pass over the text, then measure the candidates with them; the artifact's "
+      "codebooks hold them (kvq-eval --codebook-levels)");
   app.add_flag("--output-kl", output_kl,
                "also measure the output KL with one (layer, kv head) quantized at a time (slow; see OUTPUT KL)");
   app.add_option("--output-kl-tokens", output_kl_tokens, "teacher-forced tokens of each output-KL run")
@@ -328,6 +342,23 @@ int main(int argc, char** argv) {
     first.insert(first.end(), all.begin(), all.begin() + int64_t(n_text));
   }
   auto& cal = cal_r.value();
+  // With --fit-codebooks, a first pass fits the codebook candidates' levels (only they are measured
+  // there); the calibrator of the second pass, which writes the artifact, measures with them.
+  std::optional<kvq::calib::calibrator> fit_cal;
+  if (fit_codebooks) {
+    kvq::calib::calibrator_options fo = opt;
+    fo.formats.clear();
+    for (kvq::format_id f : opt.formats)
+      if (kvq::codec::is_codebook_format(f)) fo.formats.push_back(f);
+    if (fo.formats.empty())
+      return fail({kvq::errc::invalid_argument, "--fit-codebooks: no codebook format (cb<b>[/g<G>]) in --formats"});
+    fo.clip_formats.clear();
+    fo.clip_grid = {1.f};
+    fo.fit_codebooks = true;
+    auto fc = kvq::calib::calibrator::create(shape, fo);
+    if (!fc) return fail(fc.error());
+    fit_cal.emplace(std::move(fc).value());
+  }
 
   // ---- the runner's cache (FP16, one segment at a time)
   auto cache_r = kvq::llama::make_cache(model, "fp16", fp16_budget(hp, segment, page_tokens, window), page_tokens,
@@ -346,45 +377,59 @@ int main(int argc, char** argv) {
   std::vector<std::vector<float>> qs(static_cast<size_t>(L)), ks(static_cast<size_t>(L)), vs(static_cast<size_t>(L));
   std::vector<float> logits(size_t(hp.n_vocab));
   double t_model = 0, t_calib = 0;
-  kvq::eval::progress_bar bar("calibration", total, !no_progress);
-  for (size_t si = 0; si < segments.size(); ++si) {
-    const auto& seg = segments[si];
-    const int64_t T = int64_t(seg.size());
-    for (int l = 0; l < L; ++l) {
-      qs[size_t(l)].assign(size_t(T * dq), 0.f);
-      ks[size_t(l)].assign(size_t(T * dkv), 0.f);
-      vs[size_t(l)].assign(size_t(T * dkv), 0.f);
-    }
-    const kvq::llama::layer_observer collect = [&](int l, int64_t pos0, std::span<const float> q,
-                                                   std::span<const float> k, std::span<const float> v) {
-      std::copy(q.begin(), q.end(), qs[size_t(l)].begin() + pos0 * dq);
-      std::copy(k.begin(), k.end(), ks[size_t(l)].begin() + pos0 * dkv);
-      std::copy(v.begin(), v.end(), vs[size_t(l)].begin() + pos0 * dkv);
-    };
-    const auto t0 = std::chrono::steady_clock::now();
-    if (auto s = cache.create_sequence(kvq::seq_id(si)); !s.ok()) return fail(s);
-    if (auto s = model.forward(cache, kvq::seq_id(si), seg, logits, kvq::llama::logits_mode::last, collect); !s.ok())
-      return fail(s);
-    if (auto s = cache.release_sequence(kvq::seq_id(si)); !s.ok()) return fail(s);
-    const auto t1 = std::chrono::steady_clock::now();
-    // Layers are independent for the calibrator: spread them over the threads.
-    std::vector<kvq::status> st(static_cast<size_t>(L));
-    std::atomic<int> next{0};
-    const auto work = [&] {
-      for (int l; (l = next.fetch_add(1)) < L;)
-        st[size_t(l)] = cal.observe(l, {qs[size_t(l)].data(), kvq::dtype::f32, T, hp.n_head, hp.head_dim, 0},
+  // One pass of the model over every segment, each layer's q, k, v given to `c`.
+  const auto run_pass = [&](kvq::calib::calibrator& c, const char* label) -> kvq::status {
+    kvq::eval::progress_bar bar(label, total, !no_progress);
+    for (size_t si = 0; si < segments.size(); ++si) {
+      const auto& seg = segments[si];
+      const int64_t T = int64_t(seg.size());
+      for (int l = 0; l < L; ++l) {
+        qs[size_t(l)].assign(size_t(T * dq), 0.f);
+        ks[size_t(l)].assign(size_t(T * dkv), 0.f);
+        vs[size_t(l)].assign(size_t(T * dkv), 0.f);
+      }
+      const kvq::llama::layer_observer collect = [&](int l, int64_t pos0, std::span<const float> q,
+                                                     std::span<const float> k, std::span<const float> v) {
+        std::copy(q.begin(), q.end(), qs[size_t(l)].begin() + pos0 * dq);
+        std::copy(k.begin(), k.end(), ks[size_t(l)].begin() + pos0 * dkv);
+        std::copy(v.begin(), v.end(), vs[size_t(l)].begin() + pos0 * dkv);
+      };
+      const auto t0 = std::chrono::steady_clock::now();
+      if (auto s = cache.create_sequence(kvq::seq_id(si)); !s.ok()) return s;
+      if (auto s = model.forward(cache, kvq::seq_id(si), seg, logits, kvq::llama::logits_mode::last, collect); !s.ok())
+        return s;
+      if (auto s = cache.release_sequence(kvq::seq_id(si)); !s.ok()) return s;
+      const auto t1 = std::chrono::steady_clock::now();
+      // Layers are independent for the calibrator: spread them over the threads.
+      std::vector<kvq::status> st(static_cast<size_t>(L));
+      std::atomic<int> next{0};
+      const auto work = [&] {
+        for (int l; (l = next.fetch_add(1)) < L;)
+          st[size_t(l)] = c.observe(l, {qs[size_t(l)].data(), kvq::dtype::f32, T, hp.n_head, hp.head_dim, 0},
                                     {ks[size_t(l)].data(), kvq::dtype::f32, T, hp.n_head_kv, hp.head_dim, 0},
                                     {vs[size_t(l)].data(), kvq::dtype::f32, T, hp.n_head_kv, hp.head_dim, 0});
-    };
-    run_threads(threads, work);
-    for (const auto& s : st)
-      if (!s.ok()) return fail(s);
-    const auto t2 = std::chrono::steady_clock::now();
-    t_model += std::chrono::duration<double>(t1 - t0).count();
-    t_calib += std::chrono::duration<double>(t2 - t1).count();
-    bar.advance(T);
+      };
+      run_threads(threads, work);
+      for (const auto& s : st)
+        if (!s.ok()) return s;
+      const auto t2 = std::chrono::steady_clock::now();
+      t_model += std::chrono::duration<double>(t1 - t0).count();
+      t_calib += std::chrono::duration<double>(t2 - t1).count();
+      bar.advance(T);
+    }
+    bar.finish();
+    return {};
+  };
+  if (fit_cal) {
+    if (auto s = run_pass(*fit_cal, "codebook fit"); !s.ok()) return fail(s);
+    auto fitted = fit_cal->fitted_codebooks();
+    if (!fitted) return fail(fitted.error());
+    opt.codebook_levels = std::move(fitted).value();
+    auto c2 = kvq::calib::calibrator::create(shape, opt);
+    if (!c2) return fail(c2.error());
+    cal = std::move(c2).value();
   }
-  bar.finish();
+  if (auto s = run_pass(cal, "calibration"); !s.ok()) return fail(s);
 
   // ---- artifact
   kvq::calib::artifact art;

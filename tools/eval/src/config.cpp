@@ -334,6 +334,16 @@ kvq::result<std::vector<float>> load_clip_ratios(const std::string& path, const 
   return std::move(a).value().clip_ratios;
 }
 
+kvq::result<std::vector<kvq::calib::codebook_fit>> load_codebook_levels(const std::string& path,
+                                                                        const kvq::cache_shape& shape) {
+  auto a = load_artifact_file(path, shape);
+  if (!a) return a.error();
+  if (a->codebooks.empty())
+    return kvq::status{kvq::errc::not_found,
+                       fmt::format("artifact '{}' holds no codebook levels (kvq-calibrate --fit-codebooks)", path)};
+  return std::move(a).value().codebooks;
+}
+
 namespace {
 kvq::cache_shape with_paging(kvq::cache_shape shape, const cache_settings& s) {
   shape.page_tokens = s.page_tokens;
@@ -401,6 +411,16 @@ kvq::result<kvq::KVCache> make_eval_cache(const kvq::cache_shape& model_shape, s
   if (!s.clip_ratios.empty())
     if (kvq::status st = cache.value().set_clip_ratios(s.clip_ratios); !st.ok())
       return kvq::status{st.code(), fmt::format("configuration '{}': {}", config, st.message())};
+  if (!s.codebooks.empty()) {
+    kvq::calib::artifact fits;  // only its shape and codebooks are read
+    fits.shape = {shape.layers, shape.q_heads, shape.kv_heads, shape.head_dim};
+    fits.codebooks = s.codebooks;
+    for (const kvq::calib::codebook_fit& c : s.codebooks) {
+      auto lv = fits.codebook_levels_for(c.format, cfg.rotation.heads);
+      kvq::status st = lv ? cache.value().set_codebook_levels(c.format, *lv) : lv.error();
+      if (!st.ok()) return kvq::status{st.code(), fmt::format("configuration '{}': {}", config, st.message())};
+    }
+  }
   return cache;
 }
 

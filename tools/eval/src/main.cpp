@@ -138,6 +138,9 @@ int main(int argc, char** argv) {
   app.add_option("--clip-ratios", o.clip_ratios_path,
                  "calibration artifact (kvq-calibrate, same model) whose rolealign clip ratios every cache gets; "
                  "without it ra<b> clips nothing (= kivi<b>)");
+  app.add_option("--codebook-levels", o.codebook_levels_path,
+                 "calibration artifact (kvq-calibrate --fit-codebooks, same model) whose fitted codebook levels every "
+                 "cache's cb<b> pages encode with (rotated heads: the rotated fit); without it the Lloyd-Max levels");
   app.add_option("--kl-bucket", o.kl_bucket, "positions per point of the KL-over-position series")
       ->capture_default_str();
   app.add_option("--map-every", o.map_every, "decode steps between format-map samples (format_map_history)")

@@ -437,6 +437,8 @@ th{background:#f6f6f6} td:first-child,th:first-child,td:nth-child(2),th:nth-chil
       r.shape.recent);
   if (!o.clip_ratios_path.empty())
     h += fmt::format("<p>rolealign clip ratios from <code>{}</code>.</p>", esc(o.clip_ratios_path));
+  if (!o.codebook_levels_path.empty())
+    h += fmt::format("<p>codebook levels fitted in <code>{}</code>.</p>", esc(o.codebook_levels_path));
   if (!o.command_line.empty()) h += fmt::format("<p>Command: <code>{}</code></p>", esc(o.command_line));
   if (r.resumed)
     h += fmt::format("<p>Teacher-forced results read back from <code>{}</code> (--resume).</p>", esc(o.resume_path));

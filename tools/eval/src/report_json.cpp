@@ -64,6 +64,16 @@ std::string position_range_label(int64_t first, int64_t end) {
   return k(first) + "-" + k(end);
 }
 
+// A hash of fitted codebook levels ("" when none): a run with other levels is another run.
+std::string codebook_levels_hash(const std::vector<kvq::calib::codebook_fit>& fits) {
+  std::string bytes;
+  for (const auto& c : fits) {
+    bytes += fmt::format("{}:{}:", int(c.format), c.rotated ? 1 : 0);
+    bytes.append(reinterpret_cast<const char*>(c.levels.data()), c.levels.size() * sizeof(float));
+  }
+  return fits.empty() ? std::string() : hash_text(bytes);
+}
+
 json run_identity(const eval_report& r) {
   const auto& o = r.options;
   json configs = json::array();
@@ -81,6 +91,7 @@ json run_identity(const eval_report& r) {
           {"recent", o.cache.recent},
           {"budget_bytes", o.cache.budget_bytes},
           {"clip_ratios", clips.empty() ? std::string() : hash_text(clip_bytes)},
+          {"codebook_levels", codebook_levels_hash(o.cache.codebooks)},
           {"map_every", o.map_every},
           {"needle_contexts", r.trials.empty() ? std::vector<int64_t>() : o.needle_contexts},
           {"needle_depths", r.trials.empty() ? std::vector<double>() : o.needle_depths},
@@ -120,6 +131,7 @@ json to_json(const eval_report& r) {
                 {"recent", r.shape.recent},
                 {"budget_bytes", o.cache.budget_bytes},
                 {"clip_ratios_artifact", o.clip_ratios_path},
+                {"codebook_levels_artifact", o.codebook_levels_path},
                 {"clip_ratios_below_1", std::count_if(o.cache.clip_ratios.begin(), o.cache.clip_ratios.end(),
                                                       [](float c) { return c < 1.f; })}};
   j["text"] = {{"path", r.text.path},

@@ -115,6 +115,8 @@ std::string render_table(const eval_report& r) {
       r.options.tokens, r.options.prefill, r.options.prefill + r.options.tokens - 1, r.text.path);
   if (!r.options.clip_ratios_path.empty())
     out += fmt::format("rolealign clip ratios from {}\n", r.options.clip_ratios_path);
+  if (!r.options.codebook_levels_path.empty())
+    out += fmt::format("codebook levels fitted in {}\n", r.options.codebook_levels_path);
   const int64_t ctx = r.model.hparams.n_ctx_train;
   if (ctx > 0 && r.options.prefill + r.options.tokens > ctx)
     out += fmt::format("positions {}..{} are beyond the model's training context of {} tokens\n", ctx,

@@ -412,6 +412,12 @@ kvq::result<eval_report> run_eval(const eval_options& given) {
     o.cache.clip_ratios = std::move(clips).value();
     rep.options.cache.clip_ratios = o.cache.clip_ratios;
   }
+  if (!o.codebook_levels_path.empty()) {
+    auto fits = load_codebook_levels(o.codebook_levels_path, rep.shape);
+    if (!fits) return kvq::status{fits.error().code(), fmt::format("--codebook-levels: {}", fits.error().message())};
+    o.cache.codebooks = std::move(fits).value();
+    rep.options.cache.codebooks = o.cache.codebooks;
+  }
 
   // ---- every configuration must make a cache before any work starts
   size_t ref = 0;

@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <functional>
 #include <kvq/cache/cache.hpp>
+#include <kvq/calib/artifact.hpp>
 #include <kvq/policy/policy.hpp>
 #include <kvq/status.hpp>
 #include <llama/model.hpp>
@@ -69,6 +70,10 @@ struct cache_settings {
   /// K then V); other families ignore them. Empty: ratio 1, no clipping (`ra<b>` stores what
   /// `kivi<b>` stores).
   std::vector<float> clip_ratios;
+  /// Fitted codebook levels set on every cache (`kvq::calib::artifact::codebooks`): each cache
+  /// gives every fitted format the levels of its heads' space (`codebook_levels_for`). Empty:
+  /// the Lloyd-Max levels.
+  std::vector<kvq::calib::codebook_fit> codebooks;
 };
 
 /// The cache shape `model` needs with the paging of `s`.
@@ -84,9 +89,15 @@ uint64_t fp16_bytes(const kvq::cache_shape& shape, int64_t tokens);
 /// field.
 kvq::result<std::vector<float>> load_clip_ratios(const std::string& path, const kvq::cache_shape& shape);
 
+/// The fitted codebook levels of the calibration artifact at `path` (kvq-calibrate
+/// --fit-codebooks), loaded and validated as for `load_clip_ratios`; an artifact without any is
+/// an error.
+kvq::result<std::vector<kvq::calib::codebook_fit>> load_codebook_levels(const std::string& path,
+                                                                        const kvq::cache_shape& shape);
+
 /// A CPU cache for `model` under the policy of configuration `config`. Errors name the
 /// configuration (e.g. "configuration 'kivi4/g32': ... head_dim 8 ..."). The cache gets
-/// `s.clip_ratios` when there are any.
+/// `s.clip_ratios` and `s.codebooks` when there are any.
 kvq::result<kvq::KVCache> make_eval_cache(const kvq::llama::llama_model& model, std::string_view config,
                                           const cache_settings& s);
 /// The same for a model of `model_shape` (its paging fields are ignored: `s` gives them).

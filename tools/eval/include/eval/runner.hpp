@@ -72,6 +72,9 @@ struct eval_options {
   /// Calibration artifact (kvq-calibrate) whose rolealign clip ratios every cache gets
   /// (--clip-ratios); loaded by `run_eval` into `cache.clip_ratios`. Empty: no clipping.
   std::string clip_ratios_path;
+  /// Calibration artifact whose fitted codebook levels every cache gets (--codebook-levels);
+  /// loaded by `run_eval` into `cache.codebooks`. Empty: the Lloyd-Max levels.
+  std::string codebook_levels_path;
   int64_t kl_bucket = 64;    ///< positions per bucket of the KL-over-position series
   int64_t map_every = 64;    ///< steps between format-map samples (a snapshot is kept when it changed)
   bool progress = true;      ///< progress bars on stderr
