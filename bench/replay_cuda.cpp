@@ -171,37 +171,50 @@ int main(int argc, char** argv) {
       "batch %d context %d: eager step %.1f us (+- %.1f), replayed step %.1f us (+- %.1f), replay / eager %.3f "
       "(%zu blocks of %d steps each)\n",
       batch, context, e, stderr_of(eager_us), r, stderr_of(replay_us), r / e, eager_us.size(), block);
-  // The replayed step's parts: host time of prepare and of the graph launch, and the graph alone
-  // on the GPU: events around it, the stream held by a host function until the graph is issued,
-  // so that the GPU never waits for the host between the two events.
+  // The steps' parts: host time of the replayed step's prepare and graph launch, and the GPU time
+  // of each kind of step alone: events around its work, the stream held by a host function until
+  // all of it is issued, so that the GPU never waits for the host between the two events (the
+  // hold gives up after 2 s, should a call wait for the stream; the step is then reported as such).
   cudaEvent_t ev0, ev1;
   CUDA_CHECK(cudaEventCreate(&ev0));
   CUDA_CHECK(cudaEventCreate(&ev1));
-  std::vector<double> graph_us;
-  std::atomic<bool> go{false};
-  for (int i = 0; i < 8; ++i) {
-    kvq::check(step.prepare(seqs));
-    go = false;
+  struct gate_state {
+    std::atomic<bool> go{false}, gave_up{false};
+  } gate;
+  const auto gpu_time = [&](auto&& issue) {
+    gate.go = false;
     CUDA_CHECK(cudaLaunchHostFunc(
         stream,
-        [](void* f) {
-          while (!static_cast<std::atomic<bool>*>(f)->load()) {
-          }
+        [](void* g) {
+          auto& st = *static_cast<gate_state*>(g);
+          const auto t0 = std::chrono::steady_clock::now();
+          while (!st.go.load())
+            if (std::chrono::steady_clock::now() - t0 > std::chrono::seconds(2)) {
+              st.gave_up = true;
+              break;
+            }
         },
-        &go));
+        &gate));
     CUDA_CHECK(cudaEventRecord(ev0, stream));
-    CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    issue();
     CUDA_CHECK(cudaEventRecord(ev1, stream));
-    go = true;
+    gate.go = true;
     CUDA_CHECK(cudaEventSynchronize(ev1));
     float ms = 0;
     CUDA_CHECK(cudaEventElapsedTime(&ms, ev0, ev1));
-    graph_us.push_back(1000.0 * ms);
+    return 1000.0 * ms;
+  };
+  std::vector<double> graph_us, eager_gpu_us;
+  for (int i = 0; i < 8; ++i) {
+    kvq::check(step.prepare(seqs));  // its descriptor copy lands before the gate
+    graph_us.push_back(gpu_time([&] { CUDA_CHECK(cudaGraphLaunch(exec, stream)); }));
+    eager_gpu_us.push_back(gpu_time(eager_step));
   }
   std::printf(
-      "  replayed step parts: prepare (host) %.1f us, graph launch (host) %.1f us, graph on the GPU %.1f us "
-      "(+- %.1f)\n",
-      prepare_us / replays, launch_us / replays, mean(graph_us), stderr_of(graph_us));
+      "  step parts: replayed: prepare (host) %.1f us, graph launch (host) %.1f us, graph on the GPU %.1f us (+- %.1f); "
+      "eager on the GPU %.1f us (+- %.1f)%s\n",
+      prepare_us / replays, launch_us / replays, mean(graph_us), stderr_of(graph_us), mean(eager_gpu_us),
+      stderr_of(eager_gpu_us), gate.gave_up ? " (a hold gave up: a call waited for the stream)" : "");
   CUDA_CHECK(cudaEventDestroy(ev0));
   CUDA_CHECK(cudaEventDestroy(ev1));
   CUDA_CHECK(cudaGraphExecDestroy(exec));

@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstddef>
 #include <kvq/codec/codec.hpp>
 #include <kvq/cuda/paged_attention.hpp>
 #include <kvq/format/kinds.hpp>
@@ -33,9 +34,13 @@ using detail::warp_rotate;
 using detail::with_per_lane;
 
 // The per-call part of an append: its sequences and new pages. Eager calls carry it in the
-// launch parameters; a replayed step's kernels read it from device memory (`append_params::table`).
+// launch parameters; a replayed step's kernels read it from device memory (`append_params::table`),
+// where a table holds only the items of its group (`append_table_bytes`: the items come last).
 struct append_table {
   int n_items, pages;
+  uint32_t page_blocks[max_append_pages];
+  uint8_t page_item[max_append_pages];
+  uint8_t page_fmts[max_append_pages][max_kv_heads * 2];
   struct item {
     int slot;
     int32_t n, e, m;
@@ -44,9 +49,6 @@ struct append_table {
     int first_page;   // page index of its first new page
     int page0;        // its first new page in page_blocks / page_fmts
   } items[max_append_items];
-  uint32_t page_blocks[max_append_pages];
-  uint8_t page_item[max_append_pages];
-  uint8_t page_fmts[max_append_pages][max_kv_heads * 2];
 };
 
 struct append_params {
@@ -66,14 +68,6 @@ struct append_params {
 };
 static_assert(max_append_items <= 256, "page_item is one byte");
 
-// The call's part: from the parameters (eager) or from the device table (`Replay`).
-template <bool Replay>
-__device__ __forceinline__ const append_table& table_of(const append_params& p) {
-  if constexpr (Replay)
-    return *p.table;
-  else
-    return p.step;
-}
 
 __device__ __forceinline__ uint16_t src_half(const append_params& p, int r, int64_t row, int h, int c) {
   const int64_t i = row * p.src_stride[r] + int64_t(h) * p.kv.head_dim + c;
@@ -109,18 +103,14 @@ __device__ __forceinline__ uint16_t* ring_of(const append_params& p, const appen
          ring_halves(p.layer, p.kv.kv_heads, h, r, p.kv.window, p.kv.head_dim);
 }
 
-// One block per (new page of any item, kv head, role): stage the page's fp16 rows (old tokens
-// from the item's ring, new ones from the input) in shared memory, then encode every unit with
-// the shared codec. `Rotating`: an instance for layers with rotated heads (the plain one keeps its
-// registers). `Replay`: the call's part from the device table, whose grid covers the most pages a
-// step can encode (blocks past the step's pages exit).
-template <bool Rotating, bool Replay>
-__global__ void __launch_bounds__(threads) encode_kernel(const __grid_constant__ append_params p) {
-  extern __shared__ __align__(16) uint8_t smem_raw[];
-  uint16_t* src = reinterpret_cast<uint16_t*>(smem_raw);
-  const int pg = blockIdx.x, h = blockIdx.y, r = blockIdx.z, d = p.kv.head_dim, P = p.kv.page_tokens;
-  const append_table& t = table_of<Replay>(p);
-  if (Replay && pg >= t.pages) return;
+// New page `pg` of table `t`, (kv head h, role r), by the whole block: stage the page's fp16 rows
+// (old tokens from the item's ring, new ones from the input) in shared memory `src` ([P][d]),
+// then encode every unit with the shared codec. `Rotating`: for layers with rotated heads (the
+// plain instances keep their registers).
+template <bool Rotating>
+__device__ __forceinline__ void encode_page(const append_params& p, const append_table& t, int pg, int h, int r,
+                                            uint16_t* src) {
+  const int d = p.kv.head_dim, P = p.kv.page_tokens;
   const append_table::item& it = t.items[t.page_item[pg]];
   const uint16_t* ring = ring_of(p, it, h, r);
   const int first_tok = it.e + (pg - it.page0) * P;
@@ -173,15 +163,46 @@ __global__ void __launch_bounds__(threads) encode_kernel(const __grid_constant__
   }
 }
 
+// One block per (new page of any item, kv head, role) of an eager call: `encode_page`.
+template <bool Rotating>
+__global__ void __launch_bounds__(threads) encode_kernel(const __grid_constant__ append_params p) {
+  extern __shared__ __align__(16) uint8_t smem_raw[];
+  encode_page<Rotating>(p, p.step, blockIdx.x, blockIdx.y, blockIdx.z, reinterpret_cast<uint16_t*>(smem_raw));
+}
+
+// A replayed step's whole append of one layer in one launch (one token per sequence): a block per
+// (sequence of the grid's max_items, kv head, role) encodes the sequence's new page of the head
+// and role when it has one, then writes its token's row into the ring. The new token's ring slot
+// held a token older than the sequence's first unencoded one (the ring keeps every unencoded
+// token), so the page never reads it; the barrier after the page's staging orders the two anyway.
+// Blocks past the step's sequences exit. (Eager calls keep two kernels: their many-token rings
+// and pages share slots, and a decode step encodes a page once in page_tokens steps, where a
+// replay cannot skip the launch.)
+template <bool Rotating>
+__global__ void __launch_bounds__(threads) step_append_kernel(const __grid_constant__ append_params p) {
+  extern __shared__ __align__(16) uint8_t smem_raw[];
+  const int i = blockIdx.x, h = blockIdx.y, r = blockIdx.z, d = p.kv.head_dim;
+  const append_table& t = *p.table;
+  if (i >= t.n_items) return;
+  const append_table::item& it = t.items[i];
+  const int page_end = i + 1 < t.n_items ? t.items[i + 1].page0 : t.pages;
+  for (int pg = it.page0; pg < page_end; ++pg) {
+    encode_page<Rotating>(p, t, pg, h, r, reinterpret_cast<uint16_t*>(smem_raw));
+    __syncthreads();  // the staged rows are read before the next page's staging
+  }
+  uint16_t* dst = ring_of(p, it, h, r) + size_t(it.n % p.kv.window) * d;
+  if (Rotating && head_rotated(p.rot, h)) {
+    if (threadIdx.x < 32) rotated_row(p, r, it.src_row, h, threadIdx.x, dst);
+  } else {
+    for (int c = threadIdx.x; c < d; c += threads) dst[c] = src_half(p, r, it.src_row, h, c);
+  }
+}
+
 // The ring keeps the last `window` tokens: write each item's new tokens that remain among them
 // (grid y: the item). A thread writes 8 channels of one (token, head, role) row with one 16-byte
-// store; 32-bit index math (a row count times d fits easily). `Replay`: the items from the device
-// table (grid rows past the step's items exit).
-template <bool Replay>
+// store; 32-bit index math (a row count times d fits easily).
 __global__ void ring_kernel(const __grid_constant__ append_params p) {
-  const append_table& t = table_of<Replay>(p);
-  if (Replay && int(blockIdx.y) >= t.n_items) return;
-  const append_table::item& it = t.items[blockIdx.y];
+  const append_table::item& it = p.step.items[blockIdx.y];
   const int32_t first = max(it.n, it.n + it.m - p.kv.window);
   const int d8 = p.kv.head_dim / 8, rows = (it.n + it.m - first) * p.kv.kv_heads * 2;
   for (int idx = blockIdx.x * blockDim.x + threadIdx.x; idx < rows * d8; idx += gridDim.x * blockDim.x) {
@@ -200,11 +221,8 @@ __global__ void ring_kernel(const __grid_constant__ append_params p) {
 
 // `ring_kernel` for a layer with rotated heads (a kernel of its own: the plain one keeps its
 // registers): a warp per (token, head, role) row, rotated where the head is.
-template <bool Replay>
 __global__ void ring_rotated_kernel(const __grid_constant__ append_params p) {
-  const append_table& t = table_of<Replay>(p);
-  if (Replay && int(blockIdx.y) >= t.n_items) return;
-  const append_table::item& it = t.items[blockIdx.y];
+  const append_table::item& it = p.step.items[blockIdx.y];
   const int32_t first = max(it.n, it.n + it.m - p.kv.window);
   const int rows = (it.n + it.m - first) * p.kv.kv_heads * 2;
   const int lane = threadIdx.x % 32, warps = gridDim.x * blockDim.x / 32;
@@ -307,15 +325,15 @@ void set_layer(const append_args& a, append_params& p) {
   p.rot = a.rotation;
 }
 
-// The encoder over `pages` pages (when any), then the ring write of `items` items of at most
+// The encoder over the call's pages (when any), then the ring write of its items of at most
 // `max_m` tokens each.
-template <bool Replay>
-status launch_append(const append_params& p, int pages, int items, int max_m, cudaStream_t st) {
+status launch_append(const append_params& p, int max_m, cudaStream_t st) {
   const auto& kv = p.kv;
   const bool rotating = p.rot.mask != 0;
+  const int pages = p.step.pages, items = p.step.n_items;
   if (pages > 0) {  // before the ring kernel: pages read ring slots that the new tokens overwrite
     const int smem = kv.page_tokens * kv.head_dim * 2;
-    const auto kernel = rotating ? encode_kernel<true, Replay> : encode_kernel<false, Replay>;
+    const auto kernel = rotating ? encode_kernel<true> : encode_kernel<false>;
     KVQ_TRY(detail::set_max_dynamic_smem(kernel, smem));
     KVQ_TRY(detail::launch("append launch (encode)", kernel, dim3(unsigned(pages), unsigned(kv.kv_heads), 2),
                            dim3(threads), size_t(smem), st, p));
@@ -323,7 +341,7 @@ status launch_append(const append_params& p, int pages, int items, int max_m, cu
   const int64_t ring_chunks = int64_t(std::min(max_m, kv.window)) * kv.kv_heads * 2 * (kv.head_dim / 8);
   const int blocks = int(std::min<int64_t>(1024, (ring_chunks + 255) / 256));
   const dim3 ring_grid(unsigned(std::max(1, blocks)), unsigned(items));
-  return detail::launch("append launch (ring)", rotating ? ring_rotated_kernel<Replay> : ring_kernel<Replay>, ring_grid,
+  return detail::launch("append launch (ring)", rotating ? ring_rotated_kernel : ring_kernel, ring_grid,
                         dim3(256), 0, st, p);
 }
 
@@ -335,12 +353,14 @@ status append_run(const append_args& a, void* stream) {
   KVQ_TRY(fill_table(a, 0, true, p.step, max_m));
   if (a.items.empty()) return {};
   set_layer(a, p);
-  return launch_append<false>(p, p.step.pages, p.step.n_items, max_m, static_cast<cudaStream_t>(stream));
+  return launch_append(p, max_m, static_cast<cudaStream_t>(stream));
 }
 
 namespace detail {
 
-size_t append_table_bytes() { return sizeof(append_table); }
+size_t append_table_bytes(int max_items) {
+  return offsetof(append_table, items) + size_t(max_items) * sizeof(append_table::item);
+}
 
 status fill_append_table(const append_args& a, int first_row, void* table) {
   int max_m = 0;
@@ -357,8 +377,13 @@ status launch_append_replay(const append_args& a, const void* table, int max_ite
   append_params p{};
   set_layer(a, p);
   p.table = static_cast<const append_table*>(table);
-  // One token per sequence encodes at most one page per sequence.
-  return launch_append<true>(p, max_items, max_items, 1, static_cast<cudaStream_t>(stream));
+  // One launch: a block per (sequence, kv head, role) encodes the sequence's page, if any (one
+  // token per sequence encodes at most one), and writes its token into the ring.
+  const int smem = a.kv.page_tokens * a.kv.head_dim * 2;
+  const auto kernel = p.rot.mask != 0 ? step_append_kernel<true> : step_append_kernel<false>;
+  KVQ_TRY(detail::set_max_dynamic_smem(kernel, smem));
+  return detail::launch("append launch (replay)", kernel, dim3(unsigned(max_items), unsigned(a.kv.kv_heads), 2),
+                        dim3(threads), size_t(smem), static_cast<cudaStream_t>(stream), p);
 }
 
 }  // namespace detail

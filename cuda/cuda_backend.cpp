@@ -690,8 +690,9 @@ class cuda_step final : public step_backend {
 
   status init() {
     KVQ_TRY(teardown_.enter(dev_));
-    append_bytes_ = round16(cuda::detail::append_table_bytes());
-    layer_bytes_ = size_t(groups_) * append_bytes_ + round16(cuda::detail::decode_table_bytes());
+    // (tables sized for the step's batch: the step copies them all before each replay)
+    append_bytes_ = round16(cuda::detail::append_table_bytes(std::min(max_batch_, cuda::max_append_pages)));
+    layer_bytes_ = size_t(groups_) * append_bytes_ + round16(cuda::detail::decode_table_bytes(max_batch_));
     const size_t bytes = layer_bytes_ * size_t(b_.cfg_.shape.layers);
     KVQ_TRY(tables_.allocate(bytes, "decode step tables"));
     for (int i = 0; i < 2; ++i) {

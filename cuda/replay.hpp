@@ -12,20 +12,22 @@
 KVQ_NAMESPACE_BEGIN
 namespace cuda::detail {
 
-/// Bytes of one append table: the sequences and new pages of one append call.
-size_t append_table_bytes();
+/// Bytes of one append table of at most `max_items` sequences (and max_append_pages new pages):
+/// the tables a step copies each time hold no room for more sequences than the step has.
+size_t append_table_bytes(int max_items);
 /// Checks an append call of one token per sequence as `append_run` does and writes its
-/// sequences and pages into `table` (host, `append_table_bytes()`), their source rows counted
+/// sequences and pages into `table` (host, `append_table_bytes(a.items.size())` at least), their source rows counted
 /// from `first_row`; `a.k` / `a.v` are not read. Nothing is written when a check fails.
 status fill_append_table(const append_args& a, int first_row, void* table);
-/// The append kernels of one layer over the device `table`, for up to `max_items` sequences of
-/// one token each (at most max_append_pages): `a` gives the layer, the K / V rows of the whole
-/// batch and the clip ratios; its items and pages are not read.
+/// The append of one layer over the device `table`, for up to `max_items` sequences of one token
+/// each (at most max_append_pages), in one launch (each sequence's new page, if any, and its ring
+/// row): `a` gives the layer, the K / V rows of the whole batch, the clip ratios and codebook
+/// levels; its items and pages are not read.
 status launch_append_replay(const append_args& a, const void* table, int max_items, void* stream);
 
-/// Bytes of one attention table (`decode_table`: a count and max_items items).
-size_t decode_table_bytes();
-/// Writes `items` into `table` (host, `decode_table_bytes()`).
+/// Bytes of one attention table (`decode_table`: a count and `max_items` items).
+size_t decode_table_bytes(int max_items);
+/// Writes `items` into `table` (host, `decode_table_bytes(items.size())` at least).
 void fill_decode_table(std::span<const decode_item> items, void* table);
 /// The plan of a replayed attention call of up to `max_items` single-query items of at most
 /// `max_tokens` tokens: the decode kernel the eager plan picks for `a.max_page_bits` and

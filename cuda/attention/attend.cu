@@ -85,7 +85,7 @@ status launch_planned(const attend_args& a, const launch_plan& lp, void* workspa
   return {};
 }
 
-size_t decode_table_bytes() { return sizeof(decode_table); }
+size_t decode_table_bytes(int max_items) { return offsetof(decode_table, items) + size_t(max_items) * sizeof(decode_item); }
 
 void fill_decode_table(std::span<const decode_item> items, void* table) {
   decode_table& t = *static_cast<decode_table*>(table);

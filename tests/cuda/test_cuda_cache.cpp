@@ -384,3 +384,33 @@ TEST_CASE("gpu: a batched append stores what per-sequence CPU appends store", "[
   REQUIRE(c.gpu.stats().used_bytes == before.used_bytes);
   for (int s = 0; s < nseq; ++s) require_same_store(c, s, 0);
 }
+
+// Codebook pages whose tokens' scales (their rms) span 0.01 to 2000 in one sequence, keys 0.1 to
+// 30: the levels times the scales stay within fp16 and the GPU reads what the CPU reads.
+TEST_CASE("gpu: codebook pages of any value scale decode as the CPU's", "[gpu][codebook]") {
+  const std::string spec = GENERATE("cb4", "cb2", "cb4/g32");
+  const int d = GENERATE(64, 128);
+  CAPTURE(spec, d);
+  auto c = make(spec, 1, 8, 2, d);
+  std::mt19937 rng(static_cast<uint32_t>(d));
+  std::vector<attend_item> items;
+  for (int s = 0; s < 3; ++s) {
+    check(c.cpu.create_sequence(s));
+    check(c.gpu.create_sequence(s));
+    const int64_t len = 300 + 97 * s;
+    auto k = randn_h(rng, size_t(len) * 2 * d), v = randn_h(rng, size_t(len) * 2 * d);
+    for (int64_t t = 0; t < len; ++t) {  // each token's V scaled by 0.01 .. 2000 (its rms), K by 0.1 .. 30
+      const float sv = std::pow(10.f, -2.f + 5.3f * float((t * 37) % 97) / 96.f), sk = std::pow(10.f, -1.f + 2.5f * float((t * 11) % 13) / 12.f);
+      for (int i = 0; i < 2 * d; ++i) {
+        uint16_t& x = v[size_t(t) * 2 * d + i];
+        x = float_to_half(half_to_float(x) * sv);
+        uint16_t& y = k[size_t(t) * 2 * d + i];
+        y = float_to_half(half_to_float(y) * sk);
+      }
+    }
+    append_both(c, s, 0, k, v, len, 2, d);
+    items.push_back({s, 1});
+  }
+  require_same_store(c, 1, 0);
+  CHECK(attend_both(c, items, 0, rng) < nmse_bound);
+}
