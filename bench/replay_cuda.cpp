@@ -1,7 +1,9 @@
 // A decode step replayed from one CUDA graph (`decode_step`) against the same step's eager calls,
 // on a Llama-8B-like stack (32 layers, 32 query heads, 8 kv heads, head_dim 128, CUDA backend,
-// kivi4/g32 pages): one cache, both kinds of step in interleaved blocks (so that clock drift and
-// the growing context cancel). A step is, for every layer, the new token of every sequence
+// kivi4/g32 pages): two caches of the same contents, eager steps on one and replayed steps on the
+// other, in interleaved blocks (so that clock drift cancels and block k of each kind covers the
+// same context lengths: a step's time depends on them), after 0.5 s of graph replays that bring
+// the GPU's clocks up from idle. A step is, for every layer, the new token of every sequence
 // appended and the batch attended: eager, `append_batch` + `attend` per layer (2 + 4 launches
 // per layer from the host); replayed, `prepare` on the host (bookkeeping and one descriptor copy)
 // and one graph launch. Time per step: wall time over a block of steps from the host's first
@@ -12,7 +14,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -82,13 +83,16 @@ int main(int argc, char** argv) {
   cfg.shape = {layers, Hq, H, D, 64, 128, 32};
   cfg.where = kvq::backend::cuda;
   cfg.max_sequences = batch;
-  cfg.max_tokens = context + steps + 64;
+  cfg.max_tokens = context + steps + 128;  // (the timed steps, then the step parts' 60 and a trace's 16)
   cfg.stream = stream;
   cfg.check_values = false;
   // kivi4/g32: 5 bits per element with its scales and zeros; a ring block (16.8 MB) and slack per sequence
   cfg.budget_bytes = uint64_t(batch) * (uint64_t(cfg.max_tokens) * layers * H * D * 2 * 5 / 8 + (24ull << 20));
   auto pol = kvq::static_policy::parse("kivi4/g32").value_or_throw();
-  kvq::KVCache cache = kvq::KVCache::create(cfg, std::make_shared<kvq::static_policy>(pol)).value_or_throw();
+  // two caches of the same contents: eager steps on one, replayed steps on the other, so that both
+  // kinds of step run at the same context lengths (a step's time depends on them)
+  kvq::KVCache eager_cache = kvq::KVCache::create(cfg, std::make_shared<kvq::static_policy>(pol)).value_or_throw();
+  kvq::KVCache replay_cache = kvq::KVCache::create(cfg, std::make_shared<kvq::static_policy>(pol)).value_or_throw();
   {  // the context: the same random tokens in every sequence and layer (speed does not depend on them)
     std::mt19937 rng(1);
     std::normal_distribution<float> nd;
@@ -97,10 +101,11 @@ int main(int argc, char** argv) {
     device_halves kv(h.size());
     CUDA_CHECK(cudaMemcpy(kv.p, h.data(), h.size() * 2, cudaMemcpyHostToDevice));
     const kvq::tensor_view t{kv.p, kvq::dtype::f16, context, H, D};
-    for (int s = 0; s < batch; ++s) {
-      kvq::check(cache.create_sequence(s));
-      for (int l = 0; l < layers; ++l) kvq::check(cache.append(s, l, t, t));
-    }
+    for (kvq::KVCache* cache : {&eager_cache, &replay_cache})
+      for (int s = 0; s < batch; ++s) {
+        kvq::check(cache->create_sequence(s));
+        for (int l = 0; l < layers; ++l) kvq::check(cache->append(s, l, t, t));
+      }
     CUDA_CHECK(cudaStreamSynchronize(stream));
   }
   device_halves k(size_t(layers) * batch * H * D), v(size_t(layers) * batch * H * D),
@@ -119,12 +124,12 @@ int main(int argc, char** argv) {
     for (int l = 0; l < layers; ++l) {
       const kvq::tensor_view kr{rows(k, l, H), kvq::dtype::f16, batch, H, D},
           vr{rows(v, l, H), kvq::dtype::f16, batch, H, D};
-      kvq::check(cache.append_batch(adds, l, kr, vr));
-      kvq::check(cache.attend(items, l, {rows(q, l, Hq), kvq::dtype::f16, batch, Hq, D},
+      kvq::check(eager_cache.append_batch(adds, l, kr, vr));
+      kvq::check(eager_cache.attend(items, l, {rows(q, l, Hq), kvq::dtype::f16, batch, Hq, D},
                               kvq::tensor_mut{rows(o, l, Hq), kvq::dtype::f16, batch, Hq, D}));
     }
   };
-  kvq::decode_step step = kvq::decode_step::create(cache, batch, cfg.max_tokens).value_or_throw();
+  kvq::decode_step step = kvq::decode_step::create(replay_cache, batch, cfg.max_tokens).value_or_throw();
   kvq::check(step.prepare(seqs));
   cudaGraph_t graph;
   cudaGraphExec_t exec;
@@ -155,10 +160,18 @@ int main(int argc, char** argv) {
   CUDA_CHECK(cudaStreamSynchronize(stream));
   replay_step();
   CUDA_CHECK(cudaStreamSynchronize(stream));
+  {  // the GPU's clocks up from idle first: the prepared graph replayed for 0.5 s (the context stays)
+    const auto t0 = std::chrono::steady_clock::now();
+    while (std::chrono::steady_clock::now() - t0 < std::chrono::milliseconds(500)) {
+      for (int i = 0; i < 4; ++i) CUDA_CHECK(cudaGraphLaunch(exec, stream));
+      CUDA_CHECK(cudaStreamSynchronize(stream));
+    }
+  }
   prepare_us = launch_us = 0, replays = 0;
   std::vector<double> eager_us, replay_us;
   for (int done = 0; done + 2 * block <= steps; done += 2 * block)
-    for (int kind = 0; kind < 2; ++kind) {
+    for (int i = 0; i < 2; ++i) {
+      const int kind = i;  // (E R E R ...: block k of each kind covers the same context lengths)
       const auto t0 = std::chrono::steady_clock::now();
       for (int i = 0; i < block; ++i) kind == 0 ? eager_step() : replay_step();
       CUDA_CHECK(cudaStreamSynchronize(stream));
@@ -171,50 +184,109 @@ int main(int argc, char** argv) {
       "batch %d context %d: eager step %.1f us (+- %.1f), replayed step %.1f us (+- %.1f), replay / eager %.3f "
       "(%zu blocks of %d steps each)\n",
       batch, context, e, stderr_of(eager_us), r, stderr_of(replay_us), r / e, eager_us.size(), block);
-  // The steps' parts: host time of the replayed step's prepare and graph launch, and the GPU time
-  // of each kind of step alone: events around its work, the stream held by a host function until
-  // all of it is issued, so that the GPU never waits for the host between the two events (the
-  // hold gives up after 2 s, should a call wait for the stream; the step is then reported as such).
+  // The steps' parts. Host: `prepare` alone and an eager step's calls alone, each issued with the
+  // stream idle (nothing to wait for; the eager calls only queue their kernels). GPU: the graph
+  // replayed back to back, events around 8 replays issued at once (each rewrites the step it was
+  // prepared for: the same kernels over the same tables), so the GPU never waits for the host.
   cudaEvent_t ev0, ev1;
   CUDA_CHECK(cudaEventCreate(&ev0));
   CUDA_CHECK(cudaEventCreate(&ev1));
-  struct gate_state {
-    std::atomic<bool> go{false}, gave_up{false};
-  } gate;
-  const auto gpu_time = [&](auto&& issue) {
-    gate.go = false;
-    CUDA_CHECK(cudaLaunchHostFunc(
-        stream,
-        [](void* g) {
-          auto& st = *static_cast<gate_state*>(g);
-          const auto t0 = std::chrono::steady_clock::now();
-          while (!st.go.load())
-            if (std::chrono::steady_clock::now() - t0 > std::chrono::seconds(2)) {
-              st.gave_up = true;
-              break;
-            }
-        },
-        &gate));
-    CUDA_CHECK(cudaEventRecord(ev0, stream));
-    issue();
-    CUDA_CHECK(cudaEventRecord(ev1, stream));
-    gate.go = true;
-    CUDA_CHECK(cudaEventSynchronize(ev1));
-    float ms = 0;
-    CUDA_CHECK(cudaEventElapsedTime(&ms, ev0, ev1));
-    return 1000.0 * ms;
+  std::vector<double> prepare_alone, eager_issue;
+  const auto since = [](auto t0) {
+    return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
   };
-  std::vector<double> graph_us, eager_gpu_us;
   for (int i = 0; i < 8; ++i) {
-    kvq::check(step.prepare(seqs));  // its descriptor copy lands before the gate
-    graph_us.push_back(gpu_time([&] { CUDA_CHECK(cudaGraphLaunch(exec, stream)); }));
-    eager_gpu_us.push_back(gpu_time(eager_step));
+    CUDA_CHECK(cudaStreamSynchronize(stream));
+    auto t0 = std::chrono::steady_clock::now();
+    kvq::check(step.prepare(seqs));
+    prepare_alone.push_back(since(t0));
+    CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    CUDA_CHECK(cudaStreamSynchronize(stream));
+    t0 = std::chrono::steady_clock::now();
+    eager_step();
+    eager_issue.push_back(since(t0));
   }
+  // GPU time per step of 8 steps issued at once (events around them), each step: `what`.
+  const auto gpu_per_step = [&](auto&& what) {
+    std::vector<double> us;
+    for (int i = 0; i < 4; ++i) {
+      constexpr int back_to_back = 8;
+      CUDA_CHECK(cudaStreamSynchronize(stream));
+      CUDA_CHECK(cudaEventRecord(ev0, stream));
+      for (int j = 0; j < back_to_back; ++j) what();
+      CUDA_CHECK(cudaEventRecord(ev1, stream));
+      CUDA_CHECK(cudaEventSynchronize(ev1));
+      float ms = 0;
+      CUDA_CHECK(cudaEventElapsedTime(&ms, ev0, ev1));
+      us.push_back(1000.0 * ms / back_to_back);
+    }
+    return us;
+  };
+  // the graph alone (each replay rewrites the step it was prepared for: the same kernels over the
+  // same tables); after a host-to-device copy of the step's descriptor bytes (pinned, the same
+  // size, not the step's own buffers); after a 4-byte memset; and the whole replayed step
+  const size_t desc = step.descriptor_bytes();
+  void *pinned = nullptr, *landing = nullptr, *word = nullptr;
+  CUDA_CHECK(cudaMallocHost(&pinned, desc));
+  CUDA_CHECK(cudaMalloc(&landing, desc));
+  CUDA_CHECK(cudaMalloc(&word, 4));
+  kvq::check(step.prepare(seqs));
+  const std::vector<double> graph_us = gpu_per_step([&] { CUDA_CHECK(cudaGraphLaunch(exec, stream)); });
+  const std::vector<double> copy_graph_us = gpu_per_step([&] {
+    CUDA_CHECK(cudaMemcpyAsync(landing, pinned, desc, cudaMemcpyHostToDevice, stream));
+    CUDA_CHECK(cudaGraphLaunch(exec, stream));
+  });
+  const std::vector<double> memset_graph_us = gpu_per_step([&] {
+    CUDA_CHECK(cudaMemsetAsync(word, 0, 4, stream));
+    CUDA_CHECK(cudaGraphLaunch(exec, stream));
+  });
+  const double loop_prepare_us = prepare_us / replays, loop_launch_us = launch_us / replays;
+  const std::vector<double> step_us = gpu_per_step(replay_step);
+  if (std::getenv("KVQ_REPLAY_TRACE")) {  // a block of 16 eager steps, then 16 replayed: each step's GPU span and host time
+    constexpr int n = 16;
+    std::vector<cudaEvent_t> evs(n + 1);
+    for (auto& e : evs) CUDA_CHECK(cudaEventCreate(&e));
+    for (int kind = 0; kind < 2; ++kind) {
+      std::vector<double> host(n), at(n);
+      CUDA_CHECK(cudaStreamSynchronize(stream));
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int i = 0; i < n; ++i) {
+        const auto a = std::chrono::steady_clock::now();
+        at[size_t(i)] = std::chrono::duration<double, std::micro>(a - t0).count();
+        CUDA_CHECK(cudaEventRecord(evs[size_t(i)], stream));
+        if (kind == 0) {
+          eager_step();
+        } else {
+          kvq::check(step.prepare(seqs));
+        }
+        host[size_t(i)] = since(a);
+        if (kind == 1) CUDA_CHECK(cudaGraphLaunch(exec, stream));
+      }
+      CUDA_CHECK(cudaEventRecord(evs[n], stream));
+      CUDA_CHECK(cudaStreamSynchronize(stream));
+      const double wall = since(t0);
+      for (int i = 0; i < n; ++i) {
+        float ms = 0, from0 = 0;
+        CUDA_CHECK(cudaEventElapsedTime(&ms, evs[size_t(i)], evs[size_t(i) + 1]));
+        CUDA_CHECK(cudaEventElapsedTime(&from0, evs[0], evs[size_t(i)]));
+        std::printf("  trace %s step %2d: host starts %8.1f us, takes %7.1f us; GPU from %8.1f us, span %7.1f us\n",
+                    kind == 0 ? "eager" : "replay", i, at[size_t(i)], host[size_t(i)], 1000.0 * from0, 1000.0 * ms);
+      }
+      std::printf("  trace %s: wall %.1f us for %d steps\n", kind == 0 ? "eager" : "replay", wall, n);
+    }
+    for (auto& e : evs) CUDA_CHECK(cudaEventDestroy(e));
+  }
+  CUDA_CHECK(cudaFreeHost(pinned));
+  CUDA_CHECK(cudaFree(landing));
+  CUDA_CHECK(cudaFree(word));
   std::printf(
-      "  step parts: replayed: prepare (host) %.1f us, graph launch (host) %.1f us, graph on the GPU %.1f us (+- %.1f); "
-      "eager on the GPU %.1f us (+- %.1f)%s\n",
-      prepare_us / replays, launch_us / replays, mean(graph_us), stderr_of(graph_us), mean(eager_gpu_us),
-      stderr_of(eager_gpu_us), gate.gave_up ? " (a hold gave up: a call waited for the stream)" : "");
+      "  step parts: replayed: prepare (host, in the loop) %.1f us, graph launch (host) %.1f us; prepare alone (host, "
+      "stream idle) %.1f us (+- %.1f); eager step's calls alone (host, stream idle) %.1f us (+- %.1f)\n"
+      "  GPU per step, 8 issued at once: graph %.1f us (+- %.1f); %zu-byte copy + graph %.1f (+- %.1f); memset + graph "
+      "%.1f (+- %.1f); replayed step (prepare + graph) %.1f (+- %.1f)\n",
+      loop_prepare_us, loop_launch_us, mean(prepare_alone), stderr_of(prepare_alone), mean(eager_issue),
+      stderr_of(eager_issue), mean(graph_us), stderr_of(graph_us), desc, mean(copy_graph_us),
+      stderr_of(copy_graph_us), mean(memset_graph_us), stderr_of(memset_graph_us), mean(step_us), stderr_of(step_us));
   CUDA_CHECK(cudaEventDestroy(ev0));
   CUDA_CHECK(cudaEventDestroy(ev1));
   CUDA_CHECK(cudaGraphExecDestroy(exec));

@@ -152,8 +152,7 @@ __device__ __forceinline__ void encode_page(const append_params& p, const append
   } else {
     codec::encode_params ep{p.clip[2 * h + r], nullptr};
     if (p.levels != nullptr && codec::is_codebook_format(f))
-      ep.levels = p.levels + ((2 * h + r) * codec::codebook_format_count + (f - codec::first_codebook_format)) *
-                                 codec::codebook_slot_floats;
+      ep.levels = p.levels + codec::codebook_level_offset(size_t(2 * h + r), f);
     for (int u = threadIdx.x; u < g.unit_count(); u += threads) codec::encode_unit(g, src, d, u, page, ep);
   }
   if (h == 0 && r == 0) {

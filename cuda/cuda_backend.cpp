@@ -366,8 +366,7 @@ class cuda_backend final : public cache_backend {
     const result<cuda::detail::launch_plan> plan = cuda::detail::checked_plan(a);  // once per call
     if (!plan) return plan.error();
     const size_t need = cuda::detail::workspace_bytes(a, *plan);
-    if (need > workspace_.count)  // grows to the largest batch shape seen, then never again
-      KVQ_TRY(workspace_.allocate(need, "attention workspace"));
+    KVQ_TRY(reserve_workspace(need));
     KVQ_TRY(canary_.pick(items, layer, arena_.ptr, items_));
     a.q_stage = canary_.q_stage();
     KVQ_TRY(cuda::detail::launch_planned(a, *plan, workspace_.ptr, workspace_.count, cfg_.stream));
@@ -395,10 +394,20 @@ class cuda_backend final : public cache_backend {
     return a;
   }
 
-  // Grows the workspace to what a call needs (it never shrinks).
+  // Grows the workspace to what a call needs (to the largest call seen; it never shrinks), in the
+  // order of the cache's stream: the host does not wait for the device. Not while the stream is
+  // being captured (a graph cannot own a buffer the cache keeps).
   status reserve_workspace(size_t need) {
-    if (need > workspace_.count) KVQ_TRY(workspace_.allocate(need, "attention workspace"));
-    return {};
+    if (need <= workspace_.count) return {};
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    KVQ_TRY(cuda_status(cudaStreamIsCapturing(stream(), &capturing), "cudaStreamIsCapturing"));
+    if (capturing != cudaStreamCaptureStatusNone)
+      return {errc::invalid_argument,
+              fmt::format("the attention workspace must grow from {} to {} bytes while the cache's stream is being "
+                          "captured; run a call of this shape once before the capture (or capture a decode_step, "
+                          "whose workspace is sized when it is made)",
+                          workspace_.count, need)};
+    return workspace_.allocate_on(need, "attention workspace", stream());
   }
 
   // Before the chunk's append: the call's checks and its workspace, sized for the prefix the
@@ -758,6 +767,8 @@ class cuda_step final : public step_backend {
     cur_ ^= 1;
     return {};
   }
+
+  size_t descriptor_bytes() const override { return tables_.count; }
 
   status append(int layer, const tensor_view& k, const tensor_view& v) override {
     KVQ_ON_DEVICE();

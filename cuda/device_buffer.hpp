@@ -18,7 +18,7 @@ struct device_buffer {
   device_buffer(const device_buffer&) = delete;
   device_buffer& operator=(const device_buffer&) = delete;
   ~device_buffer() {
-    if (ptr) cudaFree(ptr);
+    if (ptr) cudaFree(ptr);  // (also frees a stream-ordered allocation, after the device is done with it)
   }
   /// Replaces the buffer (its contents are not kept). On failure it is empty (count 0), so a later
   /// size check asks for it again instead of writing through a null pointer.
@@ -36,6 +36,33 @@ struct device_buffer {
     count = n;
     return {};
   }
+  /// Replaces the buffer in the order of `stream` (its contents are not kept): the old one is
+  /// freed once the work queued on `stream` before this call is done, and the new one comes from
+  /// the device's memory pool, so the host never waits for the device (`cudaFree` would). For a
+  /// buffer only work on `stream` uses. Where the device has no memory pools, as `allocate`.
+  status allocate_on(size_t n, const char* what, cudaStream_t stream) {
+    if (ptr) (void)(pooled_ ? cudaFreeAsync(ptr, stream) : cudaFree(ptr));
+    ptr = nullptr;
+    count = 0;
+    pooled_ = false;
+    if (n == 0) return {};
+    int device = 0, pools = 0;
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, device) != cudaSuccess || pools == 0)
+      return allocate(n, what);
+    const cudaError_t e = cudaMallocAsync(reinterpret_cast<void**>(&ptr), n * sizeof(T), stream);
+    if (e != cudaSuccess) {
+      ptr = nullptr;
+      return {errc::out_of_budget, fmt::format("cudaMallocAsync of {} bytes for the {} failed: {}", n * sizeof(T), what,
+                                               cudaGetErrorString(e))};
+    }
+    pooled_ = true;
+    count = n;
+    return {};
+  }
+
+ private:
+  bool pooled_ = false;  // from cudaMallocAsync
 };
 
 }  // namespace detail

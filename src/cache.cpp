@@ -396,16 +396,6 @@ status KVCache::set_clip_ratios(std::span<const float> ratios) {
   return {};
 }
 
-namespace {
-
-// Index of the levels of (unit = (layer * kv_heads + head) * 2 + role, codebook format slot) in
-// cache_state::levels.
-size_t level_slot(size_t unit, format_id f) {
-  return unit * detail::codebook_table_floats + size_t(f - codec::first_codebook_format) * codec::codebook_slot_floats;
-}
-
-}  // namespace
-
 status KVCache::set_codebook_levels(format_id f, std::span<const float> levels) {
   const auto& sh = state_->cfg.shape;
   if (!codec::is_codebook_format(f))
@@ -414,20 +404,17 @@ status KVCache::set_codebook_levels(format_id f, std::span<const float> levels) 
                         f < format_count ? format_name(f) : std::to_string(int(f)))};
   const int n = 1 << traits_of(f).bits;
   const size_t units = size_t(sh.layers) * sh.kv_heads * 2;
-  if (levels.size() != units * size_t(n))
-    return {errc::invalid_argument,
-            fmt::format("set_codebook_levels: got {} levels for {}, need layers*kv_heads*2*{} = {}", levels.size(),
-                        format_name(f), n, units * size_t(n))};
-  for (size_t u = 0; u < units; ++u) {
-    const std::string field = fmt::format("{} layer {} head {} {}", format_name(f), u / (2 * sh.kv_heads),
-                                          (u / 2) % sh.kv_heads, u % 2 ? "V" : "K");
-    if (status s = check_codebook_levels(levels.subspan(u * size_t(n), size_t(n)), traits_of(f).bits, field); !s.ok())
-      return {s.code(), "set_codebook_levels: " + s.message()};
-  }
+  if (status s = check_codebook_table(levels, traits_of(f).bits, units, sh.kv_heads, format_name(f),
+                                      [&](int l, int h, bool v) {
+                                        return fmt::format("{} layer {} head {} {}", format_name(f), l, h,
+                                                           v ? "V" : "K");
+                                      });
+      !s.ok())
+    return {s.code(), "set_codebook_levels: " + s.message()};
   std::vector<float> before = state_->levels;
   for (size_t u = 0; u < units; ++u)
     std::copy_n(levels.begin() + std::ptrdiff_t(u * size_t(n)), n,
-                state_->levels.begin() + std::ptrdiff_t(level_slot(u, f)));
+                state_->levels.begin() + std::ptrdiff_t(codec::codebook_level_offset(u, f)));
   if (status s = impl_->levels_changed(); !s.ok()) {
     state_->levels = std::move(before);
     (void)impl_->levels_changed();
@@ -445,7 +432,7 @@ result<std::vector<float>> KVCache::codebook_levels(format_id f) const {
   const size_t units = size_t(sh.layers) * sh.kv_heads * 2;
   std::vector<float> out(units * size_t(n));
   for (size_t u = 0; u < units; ++u)
-    std::copy_n(state_->levels.begin() + std::ptrdiff_t(level_slot(u, f)), n,
+    std::copy_n(state_->levels.begin() + std::ptrdiff_t(codec::codebook_level_offset(u, f)), n,
                 out.begin() + std::ptrdiff_t(u * size_t(n)));
   return out;
 }

@@ -201,17 +201,14 @@ status artifact::validate() const {
       if (codebooks[k].format == c.format && codebooks[k].rotated == c.rotated)
         return bad(fmt::format("codebooks[{}] repeats codebooks[{}] ({}{})", i, k, format_name(c.format),
                                c.rotated ? ", rotated" : ""));
-    const int bits = traits_of(c.format).bits, n = 1 << bits;
     const size_t units = size_t(shape.layers) * size_t(shape.kv_heads) * 2;
-    if (c.levels.size() != units * size_t(n))
-      return bad(fmt::format("codebooks[{}] ({}) has {} levels, the model needs {} (layers x kv heads x 2 x {})", i,
-                             format_name(c.format), c.levels.size(), units * size_t(n), n));
-    for (size_t u = 0; u < units; ++u) {
-      const std::string field = fmt::format("codebooks[{}].{}[{}][{}]", i, u % 2 ? "v" : "k",
-                                            u / 2 / size_t(shape.kv_heads), (u / 2) % size_t(shape.kv_heads));
-      if (status s = check_codebook_levels(std::span(c.levels).subspan(u * size_t(n), size_t(n)), bits, field); !s.ok())
-        return bad(s.message());
-    }
+    if (status s = check_codebook_table(c.levels, traits_of(c.format).bits, units, shape.kv_heads,
+                                        fmt::format("codebooks[{}] ({})", i, format_name(c.format)),
+                                        [&](int l, int h, bool v) {
+                                          return fmt::format("codebooks[{}].{}[{}][{}]", i, v ? "v" : "k", l, h);
+                                        });
+        !s.ok())
+      return bad(s.message());
   }
   return {};
 }

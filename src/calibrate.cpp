@@ -209,18 +209,14 @@ kvq::result<calibrator> calibrator::create(const cache_shape& shape, calibrator_
     for (size_t k = 0; k < i; ++k)
       if (opt.codebook_levels[k].format == cf.format && opt.codebook_levels[k].rotated == cf.rotated)
         return bad(fmt::format("codebook_levels[{}] repeats codebook_levels[{}] ({})", i, k, name));
-    const int bits = traits_of(cf.format).bits, n = 1 << bits;
-    if (cf.levels.size() != levels_per_unit * size_t(n))
-      return bad(fmt::format("codebook_levels[{}] ({}) has {} levels, the shape needs {} (layers x kv heads x 2 x {})",
-                             i, name, cf.levels.size(), levels_per_unit * size_t(n), n));
-    for (size_t u = 0; u < levels_per_unit; ++u) {
-      const std::string field =
-          fmt::format("codebook_levels[{}] layer {} head {} {}", i, u / 2 / size_t(shape.kv_heads),
-                      (u / 2) % size_t(shape.kv_heads), u % 2 ? "V" : "K");
-      if (status st = check_codebook_levels(std::span(cf.levels).subspan(u * size_t(n), size_t(n)), bits, field);
-          !st.ok())
-        return bad(st.message());
-    }
+    if (status st = check_codebook_table(cf.levels, traits_of(cf.format).bits, levels_per_unit, shape.kv_heads,
+                                         fmt::format("codebook_levels[{}] ({})", i, name),
+                                         [&](int l, int h, bool v) {
+                                           return fmt::format("codebook_levels[{}] layer {} head {} {}", i, l, h,
+                                                              v ? "V" : "K");
+                                         });
+        !st.ok())
+      return bad(st.message());
   }
 
   calibrator c;

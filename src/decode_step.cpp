@@ -144,6 +144,8 @@ status decode_step::prepare(std::span<const seq_id> seqs) {
   return {};
 }
 
+size_t decode_step::descriptor_bytes() const { return impl_->descriptor_bytes(); }
+
 status decode_step::append(int layer, const tensor_view& k, const tensor_view& v) {
   const cache_shape& sh = cache_->state_->cfg.shape;
   if (batch_ == 0) return {errc::invalid_argument, "decode_step::append: no step prepared (call prepare first)"};

@@ -221,7 +221,7 @@ TEST_CASE("artifact load rejects bad codebook levels, naming the field", "[artif
              Catch::Contains("codebooks[1].k[0][0]") && Catch::Contains("not finite"));
   bad = a;
   bad.codebooks[1].levels.pop_back();
-  CHECK_THAT(bad.save(dir.file("x.json")).message(), Catch::Contains("the model needs 64"));
+  CHECK_THAT(bad.save(dir.file("x.json")).message(), Catch::Contains("has 63 levels; needs 64 (layers x kv heads x 2 x 8)"));
   bad = a;
   bad.codebooks[1] = bad.codebooks[0];
   CHECK_THAT(bad.save(dir.file("x.json")).message(), Catch::Contains("codebooks[1] repeats codebooks[0]"));

@@ -591,7 +591,7 @@ TEST_CASE("codebook levels set on a cache encode the pages after, nothing before
   bad[5] = std::numeric_limits<float>::quiet_NaN();
   expect(c.set_codebook_levels(cb2, bad), errc::invalid_argument, "level 1 is not finite");
   bad.pop_back();
-  expect(c.set_codebook_levels(cb2, bad), errc::invalid_argument, "need layers*kv_heads*2*4");
+  expect(c.set_codebook_levels(cb2, bad), errc::invalid_argument, "has 31 levels; needs 32 (layers x kv heads x 2 x 4)");
   expect(c.set_codebook_levels(parse_format("kivi2/g32").value_or_throw(), fitted), errc::invalid_argument,
          "not a codebook format");
   REQUIRE(c.codebook_levels(cb2).value_or_throw() == lm);

@@ -547,7 +547,7 @@ TEST_CASE("calibrator: codebook options are checked, naming the problem", "[cali
   f.levels[2 * 4 + 1] = -0.5f;
   f.levels.pop_back();
   o.codebook_levels = {f};
-  CHECK_THAT(calibrator::create(make_shape(1, 4, 2, d), o).error().message(), Catch::Contains("the shape needs 16"));
+  CHECK_THAT(calibrator::create(make_shape(1, 4, 2, d), o).error().message(), Catch::Contains("needs 16 (layers x kv heads x 2 x"));
   f.levels.push_back(1.5f);
   f.format = fmt_of("cb4");
   o.codebook_levels = {f};

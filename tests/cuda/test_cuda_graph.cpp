@@ -175,7 +175,7 @@ TEST_CASE("gpu: a decode step is captured into a CUDA graph and replays the eage
     // A warm-up step of the same shape, eager, on both caches (one new token per sequence).
     // The lengths keep attention's launch plan, hence its workspace need, unchanged between the
     // warm-up and the captured step (the longest sequence stays at 63 slabs of 16 tokens): a
-    // larger need would grow the workspace with cudaMalloc inside the capture.
+    // larger need would have to grow the workspace inside the capture (refused: next section).
     dev_mem dk(size_t(n) * H * D * 2), dv(size_t(n) * H * D * 2);
     upload(st.s, dk, randn_h(rng, size_t(n) * H * D));
     upload(st.s, dv, randn_h(rng, size_t(n) * H * D));
@@ -221,5 +221,28 @@ TEST_CASE("gpu: a decode step is captured into a CUDA graph and replays the eage
         CAPTURE(s, int(r));
         REQUIRE(std::memcmp(x.data(), y.data(), m * sizeof(float)) == 0);
       }
+  }
+
+  SECTION("a call that must grow the workspace is refused inside a capture, which stays valid") {
+    upload(st.s, dq, randn_h(rng, out_elems));
+    upload(st.s, o_eager, poison);
+    upload(st.s, o_graph, poison);
+    // no call has sized `a`'s workspace yet: attending must grow it
+    REQUIRE(cudaStreamBeginCapture(st.s, cudaStreamCaptureModeThreadLocal) == cudaSuccess);
+    const status refused = a.attend(items, 0, q, og);
+    cudaGraph_t dropped = nullptr;
+    const cudaError_t end = cudaStreamEndCapture(st.s, &dropped);
+    if (dropped) cudaGraphDestroy(dropped);
+    CAPTURE(refused.to_string());
+    REQUIRE(refused.code() == errc::invalid_argument);
+    REQUIRE(refused.message().find("being captured") != std::string::npos);
+    REQUIRE(end == cudaSuccess);  // kvq did nothing that invalidates the engine's capture
+    // eager, the same call grows the workspace in stream order and computes what `b` computes
+    check(a.attend(items, 0, q, og));
+    check(b.attend(items, 0, q, oe));
+    REQUIRE(cudaStreamSynchronize(st.s) == cudaSuccess);
+    const auto eager = download(st.s, o_eager, out_elems), grown = download(st.s, o_graph, out_elems);
+    for (uint16_t x : eager) REQUIRE(std::isfinite(half_to_float(x)));
+    require_same_bits(grown, eager);
   }
 }

@@ -88,6 +88,9 @@ class KVQ_EXPORT decode_step {
   int64_t max_tokens() const { return max_tokens_; }
   /// Sequences of the prepared step (0 before the first `prepare`).
   int batch() const { return batch_; }
+  /// Bytes of the descriptors each `prepare` copies to the device (every layer's append and
+  /// attention tables, sized for max_batch).
+  size_t descriptor_bytes() const;
 
  private:
   decode_step(KVCache& cache, std::unique_ptr<detail::step_backend> impl, int max_batch, int64_t max_tokens,

@@ -44,6 +44,12 @@ static_assert(format_id_v<codebook<2, 0>> == first_codebook_format + codebook_fo
 KVQ_HOST_DEVICE constexpr bool is_codebook_format(format_id f) {
   return f >= first_codebook_format && f < first_codebook_format + codebook_format_count;
 }
+/// Offset of codebook format f's levels in a table of `codebook_slot_floats`-float slots,
+/// [units][codebook formats][codebook_slot_floats], at unit `unit` (a (layer, kv head, role) of
+/// a cache, or a (kv head, role) of one layer's table).
+KVQ_HOST_DEVICE constexpr size_t codebook_level_offset(size_t unit, format_id f) {
+  return (unit * size_t(codebook_format_count) + size_t(f - first_codebook_format)) * size_t(codebook_slot_floats);
+}
 
 /// What a cache holds per (layer, kv head, role) for the encoder besides the format: the rolealign
 /// clip ratio and a codebook page's levels.

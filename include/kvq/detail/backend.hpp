@@ -34,7 +34,7 @@ struct cache_state {
       for (int slot = 0; slot < codec::codebook_format_count; ++slot) {
         const int bits = traits_of(format_id(codec::first_codebook_format + slot)).bits;
         for (int k = 0; k < (1 << bits); ++k)
-          levels[unit * codebook_table_floats + size_t(slot) * codec::codebook_slot_floats + size_t(k)] =
+          levels[codec::codebook_level_offset(unit, format_id(codec::first_codebook_format + slot)) + size_t(k)] =
               lloyd_max_level(bits, k);
       }
   }
@@ -78,6 +78,8 @@ class step_backend {
   /// Makes the staged step the one the next launches read: one copy of every layer's descriptors
   /// to the device, on the cache's stream.
   virtual status upload() = 0;
+  /// Bytes `upload` copies.
+  virtual size_t descriptor_bytes() const = 0;
   /// The layer's append kernels over the device descriptors (capturable).
   virtual status append(int layer, const tensor_view& k, const tensor_view& v) = 0;
   /// The layer's attention kernels over the device descriptors (capturable).
@@ -188,9 +190,7 @@ class cache_backend {
   codec::encode_params encode_of(int layer, int kv_head, role r, format_id f) const {
     const size_t unit = (size_t(layer) * cfg_.shape.kv_heads + kv_head) * 2 + (r == role::k ? 0 : 1);
     codec::encode_params e{clip_[unit], nullptr};
-    if (codec::is_codebook_format(f))
-      e.levels = levels_.data() + unit * codebook_table_floats +
-                 size_t(f - codec::first_codebook_format) * codec::codebook_slot_floats;
+    if (codec::is_codebook_format(f)) e.levels = levels_.data() + codec::codebook_level_offset(unit, f);
     return e;
   }
 };

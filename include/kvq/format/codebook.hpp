@@ -72,6 +72,28 @@ inline status check_codebook_levels(std::span<const float> levels, int bits, std
   return {};
 }
 
+/// Checks a table of `bits`-bit codebook levels for `units` (layer, kv head, role) units:
+/// [units][2^bits], unit u = (layer * kv_heads + head) * 2 + (V ? 1 : 0), each unit's levels as
+/// `check_codebook_levels` wants them. `table` names the whole table in a count mismatch;
+/// `field_of(layer, head, is_v)` names one unit's levels (a std::string).
+template <class FieldOf>
+status check_codebook_table(std::span<const float> levels, int bits, size_t units, int kv_heads,
+                            std::string_view table, FieldOf&& field_of) {
+  if (bits < 2 || bits > 4)
+    return {errc::invalid_argument, std::string(table) + ": bits must be 2, 3 or 4, not " + std::to_string(bits)};
+  const size_t n = size_t(1) << bits;
+  if (levels.size() != units * n)
+    return {errc::invalid_argument, std::string(table) + " has " + std::to_string(levels.size()) + " levels; needs " +
+                                        std::to_string(units * n) + " (layers x kv heads x 2 x " + std::to_string(n) +
+                                        ")"};
+  for (size_t u = 0; u < units; ++u) {
+    const size_t lh = u / 2;
+    const std::string field = field_of(int(lh / size_t(kv_heads)), int(lh % size_t(kv_heads)), u % 2 == 1);
+    if (status s = check_codebook_levels(levels.subspan(u * n, n), bits, field); !s.ok()) return s;
+  }
+  return {};
+}
+
 /// The codec of every codebook format; bits and group are read from the page geometry.
 struct codebook_codec {
   KVQ_HOST_DEVICE static constexpr page_layout layout(const format_traits& t, role, int page_tokens, int head_dim) {
