@@ -10,6 +10,9 @@
 // call to the stream's end, so host launch costs count where the GPU waits for them. The
 // replayed step plans its splits for `max_tokens` (context + steps), the eager one for the batch's
 // longest sequence; both run the block-staged kernel (the policy's widest format, 4 bits).
+// Diagnostics: KVQ_REPLAY_PARTS=1 times the graph's attention and append launches apart (and in
+// other orders) at the same lengths as the eager attention; KVQ_REPLAY_TRACE=1 prints each step's
+// host time and GPU span over a block of each kind.
 //   kvq_bench_replay_cuda [--batch 8] [--context 32768] [--steps 256] [--block 16]
 #include <cuda_runtime.h>
 
@@ -222,6 +225,72 @@ int main(int argc, char** argv) {
     }
     return us;
   };
+  // KVQ_REPLAY_PARTS: right after the timed blocks, both caches at the same lengths, the GPU time
+  // per step (8 issued at once) of the replayed graph, of graphs of its attention launches alone
+  // and of its append launches alone (each replay rewrites the last prepared step), and of the
+  // eager `attend` calls alone (no append: the context stays).
+  if (std::getenv("KVQ_REPLAY_PARTS")) {
+    const auto capture = [&](bool appends, bool attends) {
+      cudaGraph_t g;
+      cudaGraphExec_t e;
+      CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+      for (int l = 0; l < layers; ++l) {
+        if (appends)
+          kvq::check(step.append(l, {rows(k, l, H), kvq::dtype::f16, batch, H, D},
+                                 {rows(v, l, H), kvq::dtype::f16, batch, H, D}));
+        if (attends)
+          kvq::check(step.attend(l, {rows(q, l, Hq), kvq::dtype::f16, batch, Hq, D},
+                                 kvq::tensor_mut{rows(o, l, Hq), kvq::dtype::f16, batch, Hq, D}));
+      }
+      CUDA_CHECK(cudaStreamEndCapture(stream, &g));
+      CUDA_CHECK(cudaGraphInstantiate(&e, g, 0));
+      CUDA_CHECK(cudaGraphDestroy(g));
+      return e;
+    };
+    cudaGraphExec_t attend_only = capture(false, true), append_only = capture(true, false);
+    cudaGraphExec_t appends_first = nullptr, memsets = nullptr;
+    {  // every layer's append, then every layer's attention; and attention with a 4-byte memset before each layer's
+      void* word = nullptr;
+      CUDA_CHECK(cudaMalloc(&word, 4));
+      for (int variant = 0; variant < 2; ++variant) {
+        cudaGraph_t g;
+        CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+        if (variant == 0)
+          for (int l = 0; l < layers; ++l)
+            kvq::check(step.append(l, {rows(k, l, H), kvq::dtype::f16, batch, H, D},
+                                   {rows(v, l, H), kvq::dtype::f16, batch, H, D}));
+        for (int l = 0; l < layers; ++l) {
+          if (variant == 1) CUDA_CHECK(cudaMemsetAsync(word, 0, 4, stream));
+          kvq::check(step.attend(l, {rows(q, l, Hq), kvq::dtype::f16, batch, Hq, D},
+                                 kvq::tensor_mut{rows(o, l, Hq), kvq::dtype::f16, batch, Hq, D}));
+        }
+        CUDA_CHECK(cudaStreamEndCapture(stream, &g));
+        CUDA_CHECK(cudaGraphInstantiate(variant == 0 ? &appends_first : &memsets, g, 0));
+        CUDA_CHECK(cudaGraphDestroy(g));
+      }
+      const auto first = gpu_per_step([&] { CUDA_CHECK(cudaGraphLaunch(appends_first, stream)); });
+      const auto ms = gpu_per_step([&] { CUDA_CHECK(cudaGraphLaunch(memsets, stream)); });
+      std::printf("  appends first, then attentions %.1f us; attentions after a memset each %.1f us\n", mean(first),
+                  mean(ms));
+      CUDA_CHECK(cudaGraphExecDestroy(appends_first));
+      CUDA_CHECK(cudaGraphExecDestroy(memsets));
+      CUDA_CHECK(cudaFree(word));
+    }
+    const auto full = gpu_per_step([&] { CUDA_CHECK(cudaGraphLaunch(exec, stream)); });
+    const auto att = gpu_per_step([&] { CUDA_CHECK(cudaGraphLaunch(attend_only, stream)); });
+    const auto app = gpu_per_step([&] { CUDA_CHECK(cudaGraphLaunch(append_only, stream)); });
+    const auto eager_att = gpu_per_step([&] {
+      for (int l = 0; l < layers; ++l)
+        kvq::check(eager_cache.attend(items, l, {rows(q, l, Hq), kvq::dtype::f16, batch, Hq, D},
+                                      kvq::tensor_mut{rows(o, l, Hq), kvq::dtype::f16, batch, Hq, D}));
+    });
+    std::printf("  parts at %lld / %lld tokens (eager / replayed cache), GPU per step: replayed graph %.1f us, its attention "
+                "alone %.1f, its append alone %.1f; eager attention alone %.1f\n",
+                (long long)eager_cache.length(0, 0), (long long)replay_cache.length(0, 0), mean(full), mean(att),
+                mean(app), mean(eager_att));
+    CUDA_CHECK(cudaGraphExecDestroy(attend_only));
+    CUDA_CHECK(cudaGraphExecDestroy(append_only));
+  }
   // the graph alone (each replay rewrites the step it was prepared for: the same kernels over the
   // same tables); after a host-to-device copy of the step's descriptor bytes (pinned, the same
   // size, not the step's own buffers); after a 4-byte memset; and the whole replayed step
