@@ -77,15 +77,21 @@ status decode_step::prepare(std::span<const seq_id> seqs) {
   }
   KVQ_TRY(impl_->can_prepare());
   // The pages the step creates, in the formats the policy chooses for them: none may be wider
-  // than the formats the step's launches were planned for.
-  for (const sequence_state* s : ss)
+  // than the formats the step's launches were planned for. Their bytes (and the windows') must
+  // fit in one free block: then none of the step's allocations can fail, and every check is
+  // behind us before the first layer's bookkeeping changes.
+  uint64_t need = 0;
+  std::vector<format_pair> pairs(size_t(sh.kv_heads));
+  for (const sequence_state* s : ss) {
+    need += st.store.window_bytes_for(s, 1);
     for (int l = 0; l < sh.layers; ++l) {
       const int pages = st.store.new_pages(*s, l, 1);
-      for (int i = 0; i < pages; ++i)
+      for (int i = 0; i < pages; ++i) {
         for (int h = 0; h < sh.kv_heads; ++h)
           for (const role r : {role::k, role::v}) {
             const int64_t first = s->layers[size_t(l)].e + int64_t(i) * sh.page_tokens;
             const format_id f = st.pol->choose({s->id, l, h, r, first});
+            (r == role::k ? pairs[size_t(h)].k : pairs[size_t(h)].v) = f;
             if (kernel_bits(f) > layers_[size_t(l)].max_bits)
               return {errc::unsupported,
                       fmt::format("decode_step::prepare: layer {} kv head {}: policy {} chose {} ({} bits) for a new "
@@ -94,19 +100,14 @@ status decode_step::prepare(std::span<const seq_id> seqs) {
                                   l, h, st.pol->name(), format_name(f), kernel_bits(f), s->id,
                                   layers_[size_t(l)].max_bits)};
           }
+        need += st.store.block_bytes(pairs);
+      }
     }
+  }
   std::vector<seq_id> ids(seqs.begin(), seqs.end());
   std::sort(ids.begin(), ids.end());
   if (auto d = std::adjacent_find(ids.begin(), ids.end()); d != ids.end())
     return {errc::invalid_argument, fmt::format("decode_step::prepare: sequence {} appears more than once", *d)};
-  // The step's pages and windows must fit in one free block: then none of its allocations can
-  // fail, and every check is behind us before the first layer's bookkeeping changes.
-  uint64_t need = 0;
-  for (const seq_id id : seqs) {
-    const result<uint64_t> b = cache_->bytes_for(1, id);
-    if (!b) return b.error();
-    need += *b;
-  }
   const cache_stats now = cache_->stats();
   if (need > now.largest_free_block)
     return {errc::out_of_budget,
@@ -117,8 +118,9 @@ status decode_step::prepare(std::span<const seq_id> seqs) {
   std::vector<uint64_t> windows(ss.size());
   std::vector<detail::step_backend::entry> entries(ss.size());
   for (int l = 0; l < sh.layers; ++l) {
-    // Not reached when the policy's formats are those `bytes_for` counted: the layer's plans are
-    // given back, the layers before it stay advanced.
+    // Not reached by an allocation (the step's bytes fit one free block) nor by a format (each
+    // was checked): a failed ring copy or descriptor check gives the layer's plans back, and the
+    // layers before it stay advanced.
     auto undo = [&](size_t planned, const status& why) {
       for (size_t j = 0; j < planned; ++j) {
         ss[j]->window_offset = windows[j];

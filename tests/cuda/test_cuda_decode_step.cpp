@@ -326,3 +326,44 @@ TEST_CASE("gpu: decode_step refuses a page wider than its layer's planned format
   check(y.prepare(one));
   REQUIRE(a.length(0, 1) == n + 1);
 }
+
+namespace {
+
+// A policy whose new pages are wider in bytes than its map says (sym4/g32 in the map, kivi4/g32
+// chosen: the same kernel bits, 4.5 against 5 bits per element), so that the bytes of a step
+// counted from the map understate what its pages take.
+struct understating_policy final : policy {
+  std::string name() const override { return "understating"; }
+  status bind(const cache_shape&) override { return {}; }
+  format_pair current(int, int) const override {
+    const format_id f = parse_format("sym4/g32").value_or_throw();
+    return {f, f};
+  }
+  format_id choose(const page_request&) override { return parse_format("kivi4/g32").value_or_throw(); }
+};
+
+}  // namespace
+
+TEST_CASE("gpu: decode_step counts a step's bytes in the formats its pages get; a full budget changes nothing",
+          "[gpu][graph][replay]") {
+  stream_guard st;
+  KVCache a = make(st.s, 512u << 10, std::make_shared<understating_policy>());
+  check(a.create_sequence(0));
+  decode_step x = decode_step::create(a, 1, 1024).value_or_throw();
+  const std::vector<seq_id> one = {0};
+  // Steps (bookkeeping only: no graph runs) until the budget refuses one, which must leave every
+  // layer as it was, as a refusal before any layer changed does.
+  status s;
+  int steps = 0;
+  for (; steps < 1000 && (s = x.prepare(one)).ok(); ++steps) {}
+  CAPTURE(steps, s.to_string());
+  REQUIRE(s.code() == errc::out_of_budget);
+  REQUIRE(s.message().find("largest free block") != std::string::npos);
+  const auto before = a.stats();
+  for (int l = 0; l < L; ++l) REQUIRE(a.length(0, l) == steps);
+  REQUIRE(x.prepare(one).code() == errc::out_of_budget);  // again: nothing changed
+  for (int l = 0; l < L; ++l) REQUIRE(a.length(0, l) == steps);
+  REQUIRE(a.stats().used_bytes == before.used_bytes);
+  REQUIRE(a.stats().pages == before.pages);
+  REQUIRE(cudaStreamSynchronize(st.s) == cudaSuccess);
+}
