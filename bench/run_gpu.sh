@@ -56,7 +56,7 @@ for s in $steps; do
           > "$OUT/racecheck_one.log" 2>&1; r=$?; echo "racecheck $f: $(tail -1 "$OUT/racecheck_one.log")" | tee -a "$OUT/racecheck.log"
         rm -f "$OUT/racecheck_one.log"; rc=$((rc | r))
       done
-      # the prefill's chunk kernel (two-stage cp.async ring) and its prefix kernel (64 rows a block)
+      # the prefill's chunk kernel (two-stage cp.async ring) and its prefix kernel (128 rows a block)
       KVQ_GPU_TEST_SMALL=1 "$cs" --tool racecheck --error-exitcode 3 ./.gpu/kvq_cuda_tests "gpu prefill: head_dim*" \
         > "$OUT/racecheck_one.log" 2>&1; r=$?; echo "racecheck [prefill]: $(tail -1 "$OUT/racecheck_one.log")" | tee -a "$OUT/racecheck.log"
       rm -f "$OUT/racecheck_one.log"; rc=$((rc | r)) ;;

@@ -4,23 +4,22 @@
 //   per role, rotated first on rotated heads (the append's arithmetic, so the values equal the
 //   ring's);
 // - `chunk_kernel`: the chunk's causal self-attention over those fp16 K/V, FlashAttention-2
-//   style: a block of 4 warps takes 64 query rows of one kv head (row = query x GQA group + head,
-//   as the tile kernel orders them), each warp 16 rows with its Q fragments in registers; 64-token
-//   K/V tiles come through a two-stage cp.async pipeline into swizzled shared memory; S = Q K^T
-//   and O += P V with mma.sync m16n8k16 (fp16 operands, fp32 accumulation), online softmax in fp32
-//   registers. Each warp writes its rows' partial (max, sum, unnormalized O, base 2) as the last
+//   style: a block of 4 warps takes 128 query rows of one kv head (64 at head_dim 256; row = query
+//   x GQA group + head, as the tile kernel orders them), each warp 32 rows (16) as two m-tiles that
+//   share every K and V fragment (attention/mma_tile.cuh), their query fragments read from shared
+//   memory; 64-token K/V tiles come through a two-stage cp.async pipeline into swizzled shared
+//   memory; S = Q K^T and O += P V with mma.sync m16n8k16 (fp16 operands, fp32 accumulation),
+//   online softmax in fp32 registers. Each warp writes its rows' partial (max, sum, unnormalized O, base 2) as the last
 //   split of the split merge's workspace, which merges it with the prefix part by log-sum-exp.
 #include <cmath>
 
 #include "attention/dequant.cuh"
+#include "attention/mma_tile.cuh"
 #include "attention/params.cuh"
-#include "attention/row_softmax.cuh"
 #include "rotation.cuh"
 
 KVQ_NAMESPACE_BEGIN
 namespace cuda::detail {
-
-constexpr int chunk_rows = 64;  // query rows of a chunk-kernel block (4 warps x 16)
 
 struct chunk_params {
   const __half* ck;  // [kv_heads][T][D] fp16 keys of the chunk
@@ -62,7 +61,7 @@ __global__ void __launch_bounds__(128) stage_chunk_kernel(tensor_view k, tensor_
 
 template <int D>
 struct chunk_smem {
-  __half q[chunk_rows * D];      // the block's query rows, swizzled
+  __half q[prefill_block_rows(D) * D];  // the block's query rows, swizzled
   __half k[2][tile_tokens * D];  // key tiles (two stages), swizzled
   __half v[2][tile_tokens * D];  // value tiles
 };
@@ -88,21 +87,22 @@ __device__ __forceinline__ void chunk_tile_copy(const chunk_params& p, int h, in
   cp_commit();
 }
 
-// Grid (row blocks, kv heads): blockIdx.x counts down from the longest (last) rows, so that the
-// blocks with the most key tiles start first.
+// Grid (row blocks of `prefill_block_rows` rows, kv heads): blockIdx.x counts down from the
+// longest (last) rows, so that the blocks with the most key tiles start first.
 template <int D>
 __global__ void __launch_bounds__(threads, 2) chunk_kernel(const __grid_constant__ chunk_params p) {
+  constexpr int M = prefill_warp_mtiles<D>, rows = prefill_block_rows(D);
   extern __shared__ __align__(16) uint8_t smem_raw[];
   chunk_smem<D>& sm = *reinterpret_cast<chunk_smem<D>*>(smem_raw);
-  const int h = blockIdx.y, row0 = (int(gridDim.x) - 1 - int(blockIdx.x)) * chunk_rows;
+  const int h = blockIdx.y, row0 = (int(gridDim.x) - 1 - int(blockIdx.x)) * rows;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   // the last query of the block's rows bounds its key tiles
-  const int q_last = min(p.T - 1, p.q0 + (min(row0 + chunk_rows, p.rows) - 1) / p.group);
+  const int q_last = min(p.T - 1, p.q0 + (min(row0 + rows, p.rows) - 1) / p.group);
   const int tiles = q_last / tile_tokens + 1;
   chunk_tile_copy<D>(p, h, 0, sm, 0);
 
   // query rows: row rr -> query q0 + rr / group, head h * group + rr % group
-  for (int idx = tid; idx < chunk_rows * D; idx += threads) {
+  for (int idx = tid; idx < rows * D; idx += threads) {
     const int r = idx / D, c = idx % D, rr = row0 + r;
     float x = 0.f;
     if (rr < p.rows) {
@@ -111,21 +111,18 @@ __global__ void __launch_bounds__(threads, 2) chunk_kernel(const __grid_constant
     }
     sm.q[swz<D>(r, c / 8) + c % 8] = __float2half_rn(x);
   }
-  __syncthreads();
-  const int wrow = warp * 16;
-  uint32_t qf[D / 16][4];
-#pragma unroll
-  for (int ks = 0; ks < D / 16; ++ks)
-    ldsm_x4(smem_addr(sm.q + swz<D>(wrow + (lane % 8) + ((lane / 8) % 2) * 8, ks * 2 + lane / 16)), qf[ks][0],
-            qf[ks][1], qf[ks][2], qf[ks][3]);
+  const int wrow = warp * 16 * M;  // the warp's first row in the block
+  const bool active = row0 + wrow < p.rows;  // (warp-uniform) rows of padding only: no math
 
   const int r_lo = lane / 4;
-  // the query of each of this lane's two rows: its last visible chunk token
-  const int last_visible[2] = {p.q0 + (row0 + wrow + r_lo) / p.group, p.q0 + (row0 + wrow + r_lo + 8) / p.group};
-  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
-  float acc[D / 8][4];
+  // the query of each of this lane's rows ([m-tile][row half]): its last visible chunk token
+  int last_visible[M][2];
 #pragma unroll
-  for (int j = 0; j < D / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+  for (int m = 0; m < M; ++m)
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) last_visible[m][hr] = p.q0 + (row0 + wrow + 16 * m + r_lo + 8 * hr) / p.group;
+  float row_max[M][2], row_sum[M][2], acc[M][D / 8][4];
+  rows_init<D, M>(row_max, row_sum, acc);
 
   for (int t = 0; t < tiles; ++t) {
     const int st = t % 2;
@@ -135,45 +132,31 @@ __global__ void __launch_bounds__(threads, 2) chunk_kernel(const __grid_constant
     } else {
       cp_wait<0>();
     }
-    __syncthreads();  // tile t visible to every warp
-    const int tok0 = t * tile_tokens;
-    // ---- S = Q K^T: 16 rows x 64 tokens (8 n-tiles of 8) ----
-    float s[8][4];
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
-#pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks)
-#pragma unroll
-      for (int kb = 0; kb < 4; ++kb) {
-        uint32_t b0, b1, b2, b3;
-        ldsm_x4(smem_addr(sm.k[st] + swz<D>(kb * 16 + (lane / 16) * 8 + lane % 8, ks * 2 + (lane / 8) % 2)), b0, b1, b2,
-                b3);
-        mma16816(s[2 * kb], qf[ks][0], qf[ks][1], qf[ks][2], qf[ks][3], b0, b1);
-        mma16816(s[2 * kb + 1], qf[ks][0], qf[ks][1], qf[ks][2], qf[ks][3], b2, b3);
-      }
-    // ---- scale, causal mask, online softmax ----
-    float tile_max[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int j = tok0 + nt * 8 + (lane % 4) * 2 + (e % 2);
-        const float x = s[nt][e] * p.scale_log2;
-        s[nt][e] = j <= last_visible[e / 2] && j < p.T ? x : -INFINITY;
-        tile_max[e / 2] = fmaxf(tile_max[e / 2], s[nt][e]);
-      }
-    uint32_t pf[8][2];  // P as fp16 pairs: [n-tile][row half]
-    row_softmax_step<8, D>(s, tile_max, row_max, row_sum, acc, pf);
-    pv_mma<D, 4>(sm.v[st], 0, pf, acc);  // O += P V
+    __syncthreads();  // tile t (and, first, the query rows) visible to every warp
+    if (active) {
+      const int tok0 = t * tile_tokens;
+      // ---- S = Q K^T: M x 16 rows x 64 tokens ----
+      float s[M][8][4];
+      qk_mma_tile<D, M>(sm.q, wrow, sm.k[st], s);
+      // ---- scale, causal mask, online softmax, O += P V ----
+      uint32_t pf[M][8][2];  // P as fp16 pairs: [m-tile][n-tile][row half]
+      const auto visible = [&](int m, int hr, int j) { return tok0 + j <= last_visible[m][hr] && tok0 + j < p.T; };
+      softmax_tile<D, M>(s, p.scale_log2, visible, row_max, row_sum, acc, pf);
+      pv_mma_tile<D, M>(sm.v[st], pf, acc);
+    }
     __syncthreads();  // every warp is done with stage st before the next copy into it
   }
+  if (!active) return;
 
-  // ---- this warp's 16 rows: the partial of the merge's last split ----
-  const int rr = row0 + wrow;  // the warp's first row: 16 rows of one m-tile of one item
-  if (rr >= p.rows) return;
-  const int item = rr / p.item_rows, mt = (rr % p.item_rows) / 16;
-  const size_t part = ((size_t(item) * p.kv_heads + h) * p.mtiles + mt) * p.max_splits + (p.max_splits - 1);
-  store_warp_partial<D>(p.ws_o + part * 16 * D, p.ws_ml + part * 16 * 2, acc, row_max, row_sum);
+  // ---- this warp's m-tiles (each 16 rows of one item): the partials of the merge's last split ----
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+    const int rr = row0 + wrow + 16 * m;
+    if (rr >= p.rows) break;
+    const int item = rr / p.item_rows, mt = (rr % p.item_rows) / 16;
+    const size_t part = ((size_t(item) * p.kv_heads + h) * p.mtiles + mt) * p.max_splits + (p.max_splits - 1);
+    store_warp_partial<D>(p.ws_o + part * 16 * D, p.ws_ml + part * 16 * 2, acc[m], row_max[m], row_sum[m]);
+  }
 }
 
 }  // namespace cuda::detail

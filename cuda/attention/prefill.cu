@@ -23,13 +23,13 @@ namespace {
 
 // How a call splits: items of `prefill_item_queries` queries, launches of up to `max_items` items,
 // the prefix's 64-token tiles over `prefix_splits` blocks per (item, kv head, row block), and the
-// chunk's part (a prefill) as one more split. A row block is 64 rows (the prefix kernel) when an
-// item has more than 16 rows, else the tile kernel's one m-tile.
+// chunk's part (a prefill) as one more split. A row block is `prefill_block_rows` rows (the prefix
+// kernel) when an item has more than 16 rows, else the tile kernel's one m-tile.
 struct prefill_plan {
   int items;         // ceil(T / prefill_item_queries)
   int launch_items;  // items of one launch, at most max_items
   int mtiles;        // 16-row m-tiles per item
-  bool wide;         // the prefix kernel (64 rows a block), else the tile kernel (16)
+  bool wide;         // the prefix kernel (prefill_block_rows a block), else the tile kernel (16)
   int row_blocks;    // blocks per (item, kv head) of the prefix part
   int prefix_tiles;  // 64-token tiles of the prefix
   int tiles_per_split, prefix_splits, max_splits;
@@ -47,7 +47,7 @@ prefill_plan plan_of(const prefill_args& a) {
   lp.launch_items = std::min(lp.items, max_items);
   lp.mtiles = ceil_div(int(per_item) * group, 16);
   lp.wide = lp.mtiles > 1;
-  lp.row_blocks = lp.wide ? ceil_div(lp.mtiles, prefix_rows / 16) : lp.mtiles;
+  lp.row_blocks = lp.wide ? ceil_div(lp.mtiles, prefill_block_rows(a.kv.head_dim) / 16) : lp.mtiles;
   lp.prefix_tiles = ceil_div(a.from_pages, tile_tokens) + ceil_div(a.prefix - a.from_pages, tile_tokens);
   // the tile kernel's rule (launch_plan.cpp): about four blocks per SM, at most max_split_tiles
   // tiles per block
@@ -166,7 +166,7 @@ status launch_prefill(const prefill_args& a, const prefill_plan& lp, const prefi
       const int smem = int(sizeof(chunk_smem<D>));
       KVQ_TRY(set_max_dynamic_smem(chunk_kernel<D>, smem));
       KVQ_TRY(launch("prefill: chunk attention launch", chunk_kernel<D>,
-                     dim3(unsigned(ceil_div(c.rows, chunk_rows)), unsigned(H)), dim3(threads), size_t(smem), st, c));
+                     dim3(unsigned(ceil_div(c.rows, prefill_block_rows(D))), unsigned(H)), dim3(threads), size_t(smem), st, c));
     }
     const dim3 pgrid(unsigned(lp.prefix_splits), unsigned(H * lp.row_blocks), unsigned(items));
     if (lp.prefix_splits > 0 && lp.wide) {

@@ -11,10 +11,20 @@
 KVQ_NAMESPACE_BEGIN
 namespace cuda::detail {
 
+// 2^x on the MUFU unit (ex2.approx.ftz: about 2^-22 relative error, results below 2^-126 flushed
+// to 0, -inf -> 0). Branch-free: `exp2f` adds a subnormal fix-up around each MUFU, and a select
+// between it and a constant compiled to a branch around every pair of exponentials.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // `s`: the tile's scores, scaled to base 2 and masked (-inf); `tile_max`: each of the lane's two
 // rows' max over its own columns. Updates the rows' running max and sum, rescales the output
 // accumulators `acc` ([D/8][4], same layout) when the max moves, and leaves P as fp16 pairs in
-// `pf` ([n-tile][row half]: the A fragments of O += P V).
+// `pf` ([n-tile][row half]: the A fragments of O += P V). A row with every score so far masked
+// keeps max -inf and exponentiates against 0, so its P, sum and output stay 0 (no inf - inf).
 template <int NT, int D>
 __device__ __forceinline__ void row_softmax_step(const float (&s)[NT][4], float (&tile_max)[2], float (&row_max)[2],
                                                  float (&row_sum)[2], float (&acc)[D / 8][4], uint32_t (&pf)[NT][2]) {
@@ -23,7 +33,8 @@ __device__ __forceinline__ void row_softmax_step(const float (&s)[NT][4], float 
     tile_max[hr] = fmaxf(tile_max[hr], __shfl_xor_sync(0xffffffffu, tile_max[hr], 1));
     tile_max[hr] = fmaxf(tile_max[hr], __shfl_xor_sync(0xffffffffu, tile_max[hr], 2));
     const float m_new = fmaxf(row_max[hr], tile_max[hr]);
-    const float alpha = m_new == -INFINITY ? 1.f : exp2f(row_max[hr] - m_new);
+    const float m_ref = m_new == -INFINITY ? 0.f : m_new;
+    const float alpha = fast_exp2(row_max[hr] - m_ref);
     row_max[hr] = m_new;
     row_sum[hr] *= alpha;
     if (__any_sync(0xffffffffu, alpha != 1.f)) {  // the running max rarely moves once settled
@@ -35,8 +46,8 @@ __device__ __forceinline__ void row_softmax_step(const float (&s)[NT][4], float 
     }
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
-      const float p0 = m_new == -INFINITY ? 0.f : exp2f(s[nt][2 * hr] - m_new);
-      const float p1 = m_new == -INFINITY ? 0.f : exp2f(s[nt][2 * hr + 1] - m_new);
+      const float p0 = fast_exp2(s[nt][2 * hr] - m_ref);
+      const float p1 = fast_exp2(s[nt][2 * hr + 1] - m_ref);
       row_sum[hr] += p0 + p1;
       pf[nt][hr] = h2_bits(__floats2half2_rn(p0, p1));
     }

@@ -197,8 +197,9 @@ TEST_CASE("gpu prefill: head_dim 64/128, GQA 1/4, rotation on and off", "[gpu][p
   REQUIRE(prefill_both(t, small() ? 65 : 300, rng) < nmse_bound);
 }
 
-// The prefix part runs the 64-row prefix kernel when an item has more than 16 query rows (T x
-// group), else the 16-row tile kernel: rows around both edges and not a multiple of 64, prefixes
+// The prefix part runs the prefix kernel (128-row blocks, two m-tiles a warp) when an item has more
+// than 16 query rows (T x group), else the 16-row tile kernel: rows around both edges and not a
+// multiple of 128 or of a warp's 32 (a warp with one m-tile of rows and one of padding), prefixes
 // around page (64) and window (128) edges, GQA 1 and 8, KIVI keys of one and two token groups per
 // tile, and the ring.
 TEST_CASE("gpu prefill: the prefix kernel's edges (rows per item, prefix at page and ring edges, GQA 1 and 8)",
