@@ -57,9 +57,10 @@ int run_pipeline(const std::vector<uint32_t>& needs, uint32_t ring) {
 
 TEST_CASE("ring_place: every tile placed in time, in the ring, over no byte in flight", "[cuda][ring]") {
   // head_dim 128: FP16 page or ring tile (K and V rows), kivi4/g32, k=kivi2/g32 v=fp8, int8 rows
-  // with scales; head_dim 64: the FP16 tile
+  // with scales; head_dim 64: the FP16 tile. Rings: the prefix kernel's at head_dim 64 and 128
+  // (32 KiB: one FP16 tile at 128), the tile kernel's (64 KiB), and one not a multiple of a tile.
   const std::vector<uint32_t> kinds = {32768, 10240, 11520, 16384 + 512, 16384, 5120};
-  const uint32_t ring = GENERATE(60u * 1024, 64u * 1024);
+  const uint32_t ring = GENERATE(32u * 1024, 60u * 1024, 64u * 1024);
   const uint32_t seed = GENERATE(range(1u, 200u));
   CAPTURE(ring, seed);
   std::mt19937 rng(seed);
