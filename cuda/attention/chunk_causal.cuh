@@ -9,8 +9,9 @@
 //   share every K and V fragment (attention/mma_tile.cuh), their query fragments read from shared
 //   memory; 64-token K/V tiles come through a two-stage cp.async pipeline into swizzled shared
 //   memory; S = Q K^T and O += P V with mma.sync m16n8k16 (fp16 operands, fp32 accumulation),
-//   online softmax in fp32 registers. Each warp writes its rows' partial (max, sum, unnormalized O, base 2) as the last
-//   split of the split merge's workspace, which merges it with the prefix part by log-sum-exp.
+//   online softmax in fp32 registers. Each warp writes its rows' partial (max, sum, unnormalized
+//   O, base 2) as the last split of the split merge's workspace, which merges it with the prefix
+//   part by log-sum-exp.
 #include <cmath>
 
 #include "attention/dequant.cuh"

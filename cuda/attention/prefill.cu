@@ -166,7 +166,8 @@ status launch_prefill(const prefill_args& a, const prefill_plan& lp, const prefi
       const int smem = int(sizeof(chunk_smem<D>));
       KVQ_TRY(set_max_dynamic_smem(chunk_kernel<D>, smem));
       KVQ_TRY(launch("prefill: chunk attention launch", chunk_kernel<D>,
-                     dim3(unsigned(ceil_div(c.rows, prefill_block_rows(D))), unsigned(H)), dim3(threads), size_t(smem), st, c));
+                     dim3(unsigned(ceil_div(c.rows, prefill_block_rows(D))), unsigned(H)), dim3(threads),
+                     size_t(smem), st, c));
     }
     const dim3 pgrid(unsigned(lp.prefix_splits), unsigned(H * lp.row_blocks), unsigned(items));
     if (lp.prefix_splits > 0 && lp.wide) {
