@@ -326,7 +326,7 @@ void bm_append_step(benchmark::State& state, std::string spec, int batch, int co
 
 const int registered = [] {
   const char* formats_env = std::getenv("KVQ_BENCH_FORMATS");
-  // (cb4, cb2: codebook kinds; kivi3, nvfp4: read by element; beside kivi4 / kivi2 at the same bits)
+  // (cb4, cb2: codebook kinds, nvfp4, beside kivi4 / kivi2 at the same bits; kivi3: the 3-bit kind)
   std::vector<std::string> formats = {"fp16",      "sym8", "kivi8/g32", "fp8", "kivi4/g32", "k=kivi4/g32,v=kivi2/g32", "kivi2/g32",
                                       "kivi4/g32|kivi2/g32", "cb4", "cb2", "kivi3/g32", "nvfp4"};
   if (formats_env) {
@@ -364,7 +364,7 @@ const int registered = [] {
   const std::pair<int, int> model_contexts[] = {{8, 4096}, {8, 32768}};
   if (models != "0")
     for (const model_shape& m : model_shapes)
-      for (const char* f : {"fp16", "fp8", "int8", "kivi8/g32", "kivi4/g32", "kivi2/g32", "cb4", "cb2", "nvfp4"})
+      for (const char* f : {"fp16", "fp8", "int8", "kivi8/g32", "kivi4/g32", "kivi3/g32", "kivi2/g32", "cb4", "cb2", "nvfp4"})
         for (auto [b, l] : model_contexts)
           benchmark::RegisterBenchmark(
               ("decode_shape/" + std::string(m.name) + "/" + f + "/B" + std::to_string(b) + "/L" + std::to_string(l))

@@ -16,9 +16,9 @@ import sys
 
 from svg_ratio import axis_and_save
 
-FORMATS = ["fp16", "fp8", "int8", "kivi8/g32", "kivi4/g32", "kivi2/g32", "cb4", "cb2", "nvfp4"]
+FORMATS = ["fp16", "fp8", "int8", "kivi8/g32", "kivi4/g32", "kivi3/g32", "kivi2/g32", "cb4", "cb2", "nvfp4"]
 COLORS = {"fp16": "#7F7F7F", "fp8": "#9467BD", "int8": "#8C564B", "kivi8/g32": "#E377C2", "kivi4/g32": "#4C78A8",
-          "kivi2/g32": "#72B7B2", "cb4": "#F58518", "cb2": "#EECA3B", "nvfp4": "#54A24B"}
+          "kivi3/g32": "#9ECAE9", "kivi2/g32": "#72B7B2", "cb4": "#F58518", "cb2": "#EECA3B", "nvfp4": "#54A24B"}
 
 
 def meets(fmt, ratio):

@@ -281,6 +281,16 @@ class cuda_backend final : public cache_backend {
     }
   }
 
+  // The code width of a layer whose kv heads each hold one format pair (`heads`: their
+  // `head_pair_`), counting a pair of 3-bit kinds at 3 bits (`head_kernel_bits`); 16 where a
+  // head holds a 3-bit page of another pair.
+  int three_bit_layer_bits(std::vector<int16_t>::const_iterator heads) const {
+    int bits = 2;
+    for (int h = 0; h < cfg_.shape.kv_heads; ++h)
+      if (heads[h] >= 0) bits = std::max(bits, head_kernel_bits(format_id(heads[h] >> 8), format_id(heads[h] & 255)));
+    return bits;
+  }
+
   // One sequence's append (rows [row, row + m) of K/V), in calls of at most max_append_pages new
   // pages each.
   void add_pieces(const sequence_state& s, int layer, const append_plan& plan, int64_t row, int64_t m) {
@@ -363,7 +373,16 @@ class cuda_backend final : public cache_backend {
     a.rotation = rotation_of(layer);  // before the plan: the workspace holds the rotated queries
     const auto heads = head_pair_.begin() + ptrdiff_t(layer) * cfg_.shape.kv_heads;
     a.one_format_per_head = std::find(heads, heads + cfg_.shape.kv_heads, int16_t(-2)) == heads + cfg_.shape.kv_heads;
-    const result<cuda::detail::launch_plan> plan = cuda::detail::checked_plan(a);  // once per call
+    // Heads of one 3-bit kind pair each (kivi3/kivi3, sym3/sym3) count 3 bits, so that the
+    // block-staged kernel's Whole instance reads their pages staged; where the plan is another
+    // kernel or instance, 16 (by element).
+    const int staged_bits = a.one_format_per_head ? three_bit_layer_bits(heads) : 16;
+    if (staged_bits < a.max_page_bits) a.max_page_bits = staged_bits;
+    result<cuda::detail::launch_plan> plan = cuda::detail::checked_plan(a);  // once per call (twice at most)
+    if (plan && a.max_page_bits < layer_bits_[size_t(layer)] && plan->decode && !plan->whole) {
+      a.max_page_bits = layer_bits_[size_t(layer)];
+      plan = cuda::detail::checked_plan(a);
+    }
     if (!plan) return plan.error();
     const size_t need = cuda::detail::workspace_bytes(a, *plan);
     KVQ_TRY(reserve_workspace(need));

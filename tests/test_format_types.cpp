@@ -83,31 +83,35 @@ TEST_CASE("format ids keep their order: fp16, bf16, fp8, sym, kivi, rolealign, s
 }
 
 TEST_CASE(
-    "kernel kinds: kivi/ra 8, 4, 2 are 0-2, sym 8, 4, 2 are 3-5, fp8 is 6, cb 4, 2 are 7-8, nvfp4 is 9, 16-bit and "
-    "the unstaged formats are -1",
+    "kernel kinds: kivi/ra 8, 4, 2 are 0-2, sym 8, 4, 2 are 3-5, fp8 is 6, cb 4, 2 are 7-8, nvfp4 is 9, kivi/ra 3 is 10, "
+    "sym 3 is 11, 16-bit and the 3-bit codebooks are -1",
     "[format]") {
-  REQUIRE(kind_count == 10);
+  REQUIRE(kind_count == 12);
   for (format_id id = 0; id < format_count; ++id) {
     const format_traits f = traits_of(id);
     CAPTURE(format_name(id));
     const int b = f.bits == 8 ? 0 : f.bits == 4 ? 1 : 2;
-    // 3-bit pages have no kernel kind (the CUDA decode kernels read them by element)
-    const bool unstaged = f.bits > 8 || f.bits == 3;
+    // 3-bit codebook pages have no kernel kind (the CUDA decode kernels read them by element)
+    const bool unstaged = f.bits > 8 || (f.bits == 3 && f.fam == family::codebook);
     const int expect = unstaged                       ? -1
+                       : f.bits == 3                  ? (f.fam == family::sym ? 11 : 10)
                        : f.fam == family::nvfp4       ? 9
                        : f.fam == family::fp8_e4m3    ? 6
                        : f.fam == family::sym         ? 3 + b
-                       : f.fam == family::codebook    ? 6 + b
+                       : f.fam == family::codebook    ? (f.bits == 4 ? 7 : 8)
                                                       : b;
     CHECK(kind_of(f) == expect);
-    CHECK(read_by_element(f) == (f.bits < 16 && unstaged));
-    CHECK(tile_reads_by_element(f) == (f.bits < 16 && (unstaged || f.fam == family::codebook || f.fam == family::nvfp4)));
+    // (3-bit pages outside a block of one 3-bit kind pair are read by element too)
+    CHECK(read_by_element(f) == (f.bits < 16 && (unstaged || f.bits == 3)));
+    CHECK(tile_reads_by_element(f) ==
+          (f.bits < 16 && (unstaged || f.bits == 3 || f.fam == family::codebook || f.fam == family::nvfp4)));
+    CHECK(kernel_bits(id) == (read_by_element(f) ? 16 : f.bits));
     if (expect < 0) continue;
     CHECK(kind_bits(expect) == f.bits);
     CHECK(kind_family(expect) == (f.fam == family::rolealign ? family::kivi : f.fam));
   }
   using namespace kernel_kind;
-  const int named[] = {kivi8, kivi4, kivi2, sym8, sym4, sym2, fp8, cb4, cb2, fp4};
+  const int named[] = {kivi8, kivi4, kivi2, sym8, sym4, sym2, fp8, cb4, cb2, fp4, kivi3, sym3};
   for (int k = 0; k < kind_count; ++k) CHECK(named[k] == k);
   // the pairs with whole-unit loops: kivi4/kivi4, kivi2/kivi2, kivi4 K + kivi2 V, sym4/sym4, sym2/sym2,
   // cb4/cb4, cb2/cb2, fp4/fp4
@@ -116,8 +120,9 @@ TEST_CASE(
     for (int v = 0; v < kind_count; ++v) {
       const int combo = kind_pair(k, v);
       CAPTURE(k, v);
-      CHECK(has_whole_units(combo) == ((k == v && (k == 1 || k == 2 || k == 4 || k == 5 || k == 7 || k == 8 || k == 9)) ||
-                                        (k == 1 && v == 2)));
+      CHECK(has_whole_units(combo) == ((k == v && (k == kivi4 || k == kivi2 || k == sym4 || k == sym2 || k == cb4 ||
+                                                   k == cb2 || k == fp4)) ||
+                                        (k == kivi4 && v == kivi2)));
       whole += has_whole_units(combo);
     }
   CHECK(whole == 8);

@@ -110,7 +110,8 @@ __device__ __forceinline__ void v_all(const v_raw<D, Cap>& vr, family fam, uint3
 
 // O^T += V^T P^T for a slab of integer V codes (sym, kivi, rolealign): each A fragment is built from
 // its token pair's raw words and dequantized with the two tokens' scales and zeros (exact: subtract
-// the magic, then one fma); rows at or beyond `valid` (stale bytes) get scale and zero 0.
+// the magic, then one fma); rows at or beyond `valid` (stale bytes) get scale and zero 0. 3 bits:
+// each row's words are its 2-bit plane, then its bit plane (`load_v`).
 template <int D, int Bits, int Cap>
 __device__ __forceinline__ void values_int(const v_raw<D, Cap>& vr, bool sym, int valid, int t, uint32_t pb0, uint32_t pb1,
                                            float (&acc)[D / 16][4]) {
@@ -127,6 +128,8 @@ __device__ __forceinline__ void values_int(const v_raw<D, Cap>& vr, bool sym, in
   const float mid = sym ? float(1 << (Bits - 1)) : 0.f;
   uint32_t magic;  // 0x64006400 in a register (opaque, so that it is not folded back into an immediate)
   asm("mov.b32 %0, 0x64006400;\n" : "=r"(magic));
+  constexpr int plane = (D / 4 + 31) / 32;  // (3 bits: the bit plane's first word, after the 2-bit plane's)
+  const auto codes = [&](int ra, int c) { return pair_codes<Bits, plane>(vr.w[ra], vr.w[ra + 1], c, magic); };
   const auto deq = [&](uint32_t x, int c, __half2 sc, __half2 z) {
     const float mul = code_mul<Bits>(c);  // compile-time after unrolling
     const __half2 v = __hsub2(bits_h2(x), __float2half2_rn(1024.f + mid / mul));  // (code - mid) / mul, exact
@@ -134,10 +137,8 @@ __device__ __forceinline__ void values_int(const v_raw<D, Cap>& vr, bool sym, in
   };
 #pragma unroll
   for (int m = 0; m < D / 16; ++m)
-    mma16816(acc[m], deq(pair_codes<Bits>(vr.w[0], vr.w[1], 2 * m, magic), 2 * m, s01, z01),
-             deq(pair_codes<Bits>(vr.w[0], vr.w[1], 2 * m + 1, magic), 2 * m + 1, s01, z01),
-             deq(pair_codes<Bits>(vr.w[2], vr.w[3], 2 * m, magic), 2 * m, s89, z89),
-             deq(pair_codes<Bits>(vr.w[2], vr.w[3], 2 * m + 1, magic), 2 * m + 1, s89, z89), pb0, pb1);
+    mma16816(acc[m], deq(codes(0, 2 * m), 2 * m, s01, z01), deq(codes(0, 2 * m + 1), 2 * m + 1, s01, z01),
+             deq(codes(2, 2 * m), 2 * m, s89, z89), deq(codes(2, 2 * m + 1), 2 * m + 1, s89, z89), pb0, pb1);
 }
 
 // The staged decode kernels' path for 16-bit slabs (fp16/bf16 pages, the FP16 ring): read where

@@ -84,7 +84,11 @@ __global__ void __launch_bounds__(dec_warps * 32, (decode_blocks<D, Wide>))
   // K and V kinds runs code compiled for those kinds (the rings' common kinds: 8-bit (two full
   // barriers) kivi8, sym8, fp8; 4/2-bit kivi4, kivi2, sym4, sym2, cb4, cb2, fp4 and KIVI's K4V2): whole 64-token
   // units per step (`pages`, the Whole instance, page_tokens 64 and up), else 32-token chunks
-  // (`chunks`). Other blocks run 32-token chunks that dispatch on each page's kinds.
+  // (`chunks`). Blocks of one 3-bit pair (kivi3, sym3: `three_bit_pairs`) run chunk loops of their
+  // own in the Whole instance only: the only code that reads 3-bit pages staged (the host plans
+  // that instance for them, `head_kernel_bits`; compiled into the non-Whole instance, whose
+  // per-page dispatch reads the layers of mixed pages, they made those layers 5-14 % slower).
+  // Other blocks run 32-token chunks that dispatch on each page's kinds, which have no 3-bit cases.
   // (16-bit pages: `wide_pair` where every page of the block has 16-bit K and V)
   const auto uniform_kinds = [&]() {  // the (K kind, V kind) of every page of the block, both staged; else -1
     bool same = true;
@@ -254,7 +258,7 @@ __global__ void __launch_bounds__(dec_warps * 32, (decode_blocks<D, Wide>))
     if (uniform_kinds() == wide_pair) chunks.template operator()<kind::staged16, kind::staged16>();
     else chunks.template operator()<kind::dispatch, kind::dispatch>();
   } else if constexpr (Whole) {
-    switch (whole ? kinds : no_combo) {
+    switch (whole || kinds == kind_pair(kind::kivi3, kind::kivi3) || kinds == kind_pair(kind::sym3, kind::sym3) ? kinds : no_combo) {
       case kind_pair(kind::kivi4, kind::kivi4): pages.template operator()<kind::kivi4, kind::kivi4>(); break;
       case kind_pair(kind::kivi2, kind::kivi2): pages.template operator()<kind::kivi2, kind::kivi2>(); break;
       case kind_pair(kind::kivi4, kind::kivi2): pages.template operator()<kind::kivi4, kind::kivi2>(); break;
@@ -263,6 +267,9 @@ __global__ void __launch_bounds__(dec_warps * 32, (decode_blocks<D, Wide>))
       case kind_pair(kind::cb4, kind::cb4): pages.template operator()<kind::cb4, kind::cb4>(); break;
       case kind_pair(kind::cb2, kind::cb2): pages.template operator()<kind::cb2, kind::cb2>(); break;
       case kind_pair(kind::fp4, kind::fp4): pages.template operator()<kind::fp4, kind::fp4>(); break;
+      // (3-bit pairs: no whole units, their chunk loops)
+      case kind_pair(kind::kivi3, kind::kivi3): chunks.template operator()<kind::kivi3, kind::kivi3>(); break;
+      case kind_pair(kind::sym3, kind::sym3): chunks.template operator()<kind::sym3, kind::sym3>(); break;
       default: chunks.template operator()<kind::dispatch, kind::dispatch>(); break;  // (a block of mixed pages: the hint was wrong)
     }
   } else {

@@ -78,7 +78,7 @@ __device__ __forceinline__ void scores_kind(const slab_ref& sk, uint16_t group, 
     slab_ref ss = sk;
     ss.row0 = sk.row0 + slab * s;
     k_raw<D, Cap> kr;
-    load_k<D, Cap, false>(ss, f, rows, window, g, t, kr);
+    load_k<D, Cap, false, Bits == 3>(ss, f, rows, window, g, t, kr);
     uint32_t kg[D / 8], kg8[D / 8];
     if constexpr (Sub) k_frags_sub<D, Bits>(kr.w, kg, kg8);
     else if constexpr (Cb) k_frags_cb<D, Bits, Cap>(kr.w, kr.ps, lut, kg, kg8);
@@ -113,7 +113,7 @@ __device__ __forceinline__ void values_kind(const slab_ref& sk, uint16_t group, 
     ss.row0 = sk.row0 + slab * s;
     const int vs = valid - slab * s;
     v_raw<D, Cap> vr;
-    load_v<D, Cap, false>(ss, f, rows, window, g, t, vr);
+    load_v<D, Cap, false, Bits == 3>(ss, f, rows, window, g, t, vr);
     float ps[4] = {pv[4 * s], pv[4 * s + 1], pv[4 * s + 2], pv[4 * s + 3]};
     uint32_t pb0, pb1;
     if constexpr (Fam == family::fp8_e4m3) {  // per-token V scales fold into P

@@ -113,21 +113,49 @@ __device__ __forceinline__ void to_pairs(const uint32_t* w, family fam, uint32_t
   } else if constexpr (Bits == 4) {  // [byte j, 0x64, byte j, 0x64], then one mask per pair
 #pragma unroll
     for (int i = 0; i < Pairs; ++i) out[i] = __byte_perm(w[i / 4], 0x64646464u, (i % 4) * 0x0101u + 0x4040u) & 0xFFF0FF0Fu;
-  } else {
+  } else if constexpr (Bits == 2) {
 #pragma unroll
     for (int b = 0; b < Pairs / 2; ++b) {  // byte b holds channels 4b .. 4b+3
       const uint32_t x = __byte_perm(w[b / 4], 0x64646464u, (b % 4) * 0x0101u + 0x4040u);
       out[2 * b] = x & 0xFF0CFF03u;
       out[2 * b + 1] = x & 0xFFC0FF30u;
     }
+  } else {
+    static_assert(Bits == 3, "codes of 16, 8, 4, 3 or 2 bits");
+    // The low two bits as 2-bit codes, then each code's bit 2 (bit plane: channel c in bit c of
+    // word c / 32, after the (Pairs + 7) / 8 words of the 2-bit plane) set just above them: bit 2
+    // of a low half, bit 4 of a high half in the first pair of a byte; bits 6 and 8 in the second.
+    to_pairs<2, Pairs>(w, fam, out);
+    const uint32_t* plane = w + (Pairs + 7) / 8;
+#pragma unroll
+    for (int pw = 0; pw < (Pairs + 15) / 16; ++pw) {  // a plane word: 32 channels, bytes 8 pw .. 8 pw + 7
+      const uint32_t x = plane[pw];
+      // two 64-bit words (lo, hi): e holds channels 4i in place and 4i + 1 17 bits up (4i + 18),
+      // f channels 4i + 2 in place and 4i + 3 at 4i + 20, so that one funnel shift of e (f) brings
+      // a byte's first (second) pair's two bits to their places
+      const uint32_t e1 = x & 0x22222222u, f1 = x & 0x88888888u;
+      const uint32_t el = (x & 0x11111111u) | (e1 << 17), eh = e1 >> 15;
+      const uint32_t fl = (x & 0x44444444u) | (f1 << 17), fh = f1 >> 15;
+#pragma unroll
+      for (int bb = 0; bb < 8; ++bb) {
+        const int b = 8 * pw + bb;
+        if (2 * b >= Pairs) break;
+        const uint32_t he = bb == 0 ? el << 2 : __funnelshift_r(el, eh, 4 * bb - 2);
+        const uint32_t hf = bb == 0 ? fl << 4 : bb == 1 ? fl : __funnelshift_r(fl, fh, 4 * bb - 4);
+        out[2 * b] = lop3_or_masked(he, 0x00100004u, out[2 * b]);
+        out[2 * b + 1] = lop3_or_masked(hf, 0x01000040u, out[2 * b + 1]);
+      }
+    }
   }
 }
 
 // Codes read in place within their byte (4 bits: the high nibble 16x; 2 bits: 1x, 4x, 16x, 64x)
 // hold 1024 + code / mul in fp16, exact, with mul = code_mul(c) for channel c of the word.
+// 3-bit codes sit where their low two bits do (the 2-bit plane's places, bit 2 just above).
 template <int Bits>
 __host__ __device__ constexpr float code_mul(int c) {
-  return Bits == 8 ? 1.f : 1.f / float(1 << (Bits * (c % (8 / Bits))));
+  constexpr int b = Bits == 3 ? 2 : Bits;
+  return b == 8 ? 1.f : 1.f / float(1 << (b * (c % (8 / b))));
 }
 // The multipliers of the two halves of pair i of `to_pairs` (channels 2i, 2i + 1).
 template <int Bits>
@@ -141,14 +169,23 @@ __device__ __forceinline__ __half2 magic_mul(int i) {
 // and inserts the magic exponent, so that V^T's A fragments (token pairs) come straight from the
 // raw words. (The permute's selector is an immediate and the magic a register: a permute that
 // inserted the magic itself took its selector from a register, rematerialized at every use.)
-template <int Bits>
+// 3 bits: the 2-bit plane's code, and bit 2 from the bit plane (channel c of the row in bit c,
+// at word `Plane` of wa / wb) shifted to just above it, for both tokens in one shift and one lop3.
+template <int Bits, int Plane = 0>
 __device__ __forceinline__ uint32_t pair_codes(const uint32_t* wa, const uint32_t* wb, int c, uint32_t magic) {
-  constexpr int per_word = 32 / Bits, per_byte = 8 / Bits;
-  constexpr uint32_t mask = ((1u << Bits) - 1) * 0x00010001u;
+  constexpr int b = Bits == 3 ? 2 : Bits;
+  constexpr int per_word = 32 / b, per_byte = 8 / b;
+  constexpr uint32_t mask = ((1u << b) - 1) * 0x00010001u;
   const int wi = c / per_word, j = (c % per_word) / per_byte, k = c % per_byte;
   const uint32_t x = __byte_perm(wa[wi], wb[wi], uint32_t(j * 0x11 + (4 + j) * 0x1100));  // a_j, a_j, b_j, b_j
-  uint32_t d;  // (x & mask) | magic in one lop3 (written as and + or, it compiles to two)
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(d) : "r"(x), "r"(mask << (Bits * k)), "r"(magic));
+  uint32_t d = lop3_or_masked(x, mask << (b * k), magic);
+  if constexpr (Bits == 3) {
+    static_assert(Plane > 0, "3 bits: the bit plane's word");
+    // bits c % 16 of token a (low half) and of token b (high half), then to bit 2k + 2 of each
+    const uint32_t q = __byte_perm(wa[Plane + c / 32], wb[Plane + c / 32], (c % 32) < 16 ? 0x5410u : 0x7632u);
+    const int s = c % 16 - 2 * k - 2;
+    d = lop3_or_masked(s >= 0 ? q >> s : q << -s, 0x00040004u << (2 * k), d);
+  }
   return d;
 }
 

@@ -1,6 +1,7 @@
 #pragma once
-// Pages read element by element: the narrow formats without a kernel kind (3-bit sym, kivi,
-// rolealign and codebook; `kvq::read_by_element`), and in the tile kernel also the 4- and 2-bit
+// Pages read element by element: the 3-bit formats (`kvq::read_by_element`; the block-staged
+// decode kernel reads 3-bit sym and KIVI pages staged in blocks of one 3-bit kind pair, kinds
+// kivi3 and sym3, and the 16-bit instances give them kind -1), and in the tile kernel also the 4- and 2-bit
 // codebooks and nvfp4 (`kvq::tile_reads_by_element`; the decode kernels stage those: kinds cb4,
 // cb2, fp4).
 // Their pages are not staged:
@@ -22,8 +23,8 @@
 KVQ_NAMESPACE_BEGIN
 namespace cuda::detail {
 
-// True for a page read by element: no kernel kind and fewer than 16 bits (the kind is the page
-// table's `kk` / `kv`, so that the test is a compare, not a lookup).
+// True for a page read by element: no kernel kind in the page table (`staged_kind`) and fewer than
+// 16 bits (the kind is the page table's `kk` / `kv`, so that the test is a compare, not a lookup).
 __device__ __forceinline__ bool by_element(format_traits f, int kind) { return kind < 0 && f.bits < 16; }
 
 // Geometry of a page of format f in role r (page_tokens P, head_dim D), for its codec.

@@ -78,7 +78,7 @@ struct page_table_cache {
   format_traits fk[max_cta_slabs * slab / 64 + 2];
   format_traits fv[max_cta_slabs * slab / 64 + 2];
   format_id kid[max_cta_slabs * slab / 64 + 2];
-  int8_t kk[max_cta_slabs * slab / 64 + 2], kv[max_cta_slabs * slab / 64 + 2];  // kind_of(fk), kind_of(fv)
+  int8_t kk[max_cta_slabs * slab / 64 + 2], kv[max_cta_slabs * slab / 64 + 2];  // staged_kind(fk), staged_kind(fv)
   format_id vid[max_cta_slabs * slab / 64 + 2];
 };
 

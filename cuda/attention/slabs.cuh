@@ -17,7 +17,7 @@ struct slab_ref {
   const uint8_t* v;
   int tok0, valid, row0;
   format_traits fk, fv;
-  int8_t kk, kv;  // kind_of(fk), kind_of(fv) (page slabs)
+  int8_t kk, kv;  // staged_kind(fk), staged_kind(fv) (page slabs)
   bool ring;
 };
 
@@ -67,7 +67,7 @@ __device__ __forceinline__ T ld(const T* p) {
   else return *p;
 }
 
-// Reads `Bytes` bytes (4-byte multiples 16-byte aligned as they come, or 2).
+// Reads `Bytes` bytes (4-byte multiples 16-byte aligned as they come, or 2, or 1).
 template <int Bytes, bool Global = true>
 __device__ __forceinline__ void ldg_words(const uint8_t* src, uint32_t* w) {
   if constexpr (Bytes % 16 == 0) {
@@ -81,6 +81,8 @@ __device__ __forceinline__ void ldg_words(const uint8_t* src, uint32_t* w) {
     w[0] = v.x, w[1] = v.y;
   } else if constexpr (Bytes == 4) {
     w[0] = ld<Global>(reinterpret_cast<const unsigned int*>(src));
+  } else if constexpr (Bytes == 1) {
+    w[0] = ld<Global>(src);
   } else {
     w[0] = ld<Global>(reinterpret_cast<const unsigned short*>(src));
   }
@@ -125,17 +127,39 @@ __device__ __forceinline__ void load_k_rows(const slab_ref& s, int g, int t, int
   ldg_words<lane_bytes, Global>(slab_row<D>(s, s.k, g + 8, row_bytes, window) + t * lane_bytes, w[1]);
 }
 
+// 3-bit codes of `rows` rows of a page of P rows (a page, or a stage holding a 16-row page) for a
+// lane: each row's `Lane` channels from offset `Lane` x `lane` of the 2-bit plane ([P][D/4] bytes),
+// then of the bit plane ([P][D/8] bytes after it), as the words w[r][0 ..] and w[r][plane ..].
+template <int D, int Lane, int Plane, int Rows, int N>
+__device__ __forceinline__ void load_rows3(const uint8_t* block, int P, const int (&rows)[Rows], int lane,
+                                           uint32_t (&w)[Rows][N]) {
+  static_assert(Plane * 4 >= Lane / 4 && N * 4 >= Plane * 4 + Lane / 8, "the lane's two planes fit its words");
+  const uint8_t* bits = block + uint32_t(P) * (D / 4);
+#pragma unroll
+  for (int r = 0; r < Rows; ++r) {
+    ldg_words<Lane / 4, false>(block + uint32_t(rows[r]) * (D / 4) + lane * (Lane / 4), w[r]);
+    ldg_words<Lane / 8, false>(bits + uint32_t(rows[r]) * (D / 8) + lane * (Lane / 8), w[r] + Plane);
+  }
+}
+
 // K of a slab for lane (g, t), from its page (Global) or from its staged copy in shared memory
-// (a 16-row page: P = 16, row0 = 0).
-template <int D, int Cap, bool Global = true>
+// (a 16-row page: P = 16, row0 = 0). Three: a 3-bit page (the kinds kivi3, sym3), always staged;
+// a compile-time case, so that the per-page dispatch (whose pages are never 3-bit) keeps the
+// code and stack frame it has without it.
+template <int D, int Cap, bool Global = true, bool Three = false>
 __device__ __forceinline__ void load_k(const slab_ref& s, format_traits f, int P, int window, int g, int t, k_raw<D, Cap>& kr) {
-  switch (f.bits) {
-    case 16:
-      if constexpr (Cap >= 16) load_k_rows<D, 16, Cap, Global>(s, g, t, window, kr.w);
-      break;
-    case 8: load_k_rows<D, 8, Cap, Global>(s, g, t, window, kr.w); break;
-    case 4: load_k_rows<D, 4, Cap, Global>(s, g, t, window, kr.w); break;
-    default: load_k_rows<D, 2, Cap, Global>(s, g, t, window, kr.w); break;
+  static_assert(!Three || (!Global && Cap >= 4), "3-bit pages: staged, in stages of 4 or 8 bits");
+  if constexpr (Three) {
+    load_rows3<D, D / 4, D / 64>(s.k, P, {s.row0 + g, s.row0 + g + 8}, t, kr.w);
+  } else {
+    switch (f.bits) {
+      case 16:
+        if constexpr (Cap >= 16) load_k_rows<D, 16, Cap, Global>(s, g, t, window, kr.w);
+        break;
+      case 8: load_k_rows<D, 8, Cap, Global>(s, g, t, window, kr.w); break;
+      case 4: load_k_rows<D, 4, Cap, Global>(s, g, t, window, kr.w); break;
+      default: load_k_rows<D, 2, Cap, Global>(s, g, t, window, kr.w); break;
+    }
   }
   if (s.ring) return;
   const uint32_t code_bytes = uint32_t(P) * ((D * f.bits) >> 3);
@@ -171,16 +195,22 @@ __device__ __forceinline__ void load_v_rows(const slab_ref& s, int g, int t, int
 }
 
 // V of a slab for lane (g, t), from its page (Global) or from its staged copy in shared memory,
-// which has the shape of a 16-row page (P = 16, row0 = 0).
-template <int D, int Cap, bool Global>
+// which has the shape of a 16-row page (P = 16, row0 = 0). Three: a 3-bit page (as `load_k`).
+template <int D, int Cap, bool Global, bool Three = false>
 __device__ __forceinline__ void load_v(const slab_ref& s, format_traits f, int P, int window, int g, int t, v_raw<D, Cap>& vr) {
-  switch (f.bits) {
-    case 16:
-      if constexpr (Cap >= 16) load_v_rows<D, 16, Cap, Global>(s, g, t, window, vr.w);
-      break;
-    case 8: load_v_rows<D, 8, Cap, Global>(s, g, t, window, vr.w); break;
-    case 4: load_v_rows<D, 4, Cap, Global>(s, g, t, window, vr.w); break;
-    default: load_v_rows<D, 2, Cap, Global>(s, g, t, window, vr.w); break;
+  static_assert(!Three || (!Global && Cap >= 4), "3-bit pages: staged, in stages of 4 or 8 bits");
+  if constexpr (Three) {
+    const int r0 = s.row0 + 2 * t;
+    load_rows3<D, D / 8, (D / 4 + 31) / 32>(s.v, P, {r0, r0 + 1, r0 + 8, r0 + 9}, g, vr.w);
+  } else {
+    switch (f.bits) {
+      case 16:
+        if constexpr (Cap >= 16) load_v_rows<D, 16, Cap, Global>(s, g, t, window, vr.w);
+        break;
+      case 8: load_v_rows<D, 8, Cap, Global>(s, g, t, window, vr.w); break;
+      case 4: load_v_rows<D, 4, Cap, Global>(s, g, t, window, vr.w); break;
+      default: load_v_rows<D, 2, Cap, Global>(s, g, t, window, vr.w); break;
+    }
   }
   if (s.ring) return;
   const uint32_t code_bytes = uint32_t(P) * ((D * f.bits) >> 3);
@@ -230,7 +260,7 @@ __device__ __forceinline__ void fill_page_table(const attend_params& p, const de
     pc.copy_from[e] = k_st ? 0u : kb;
     pc.copy_bytes[e] = (k_st ? kb : 0u) + (v_st ? vb : 0u);  // (K and V blocks are contiguous)
     pc.fk[e] = fk, pc.fv[e] = fv;
-    pc.kk[e] = int8_t(kind_of(fk)), pc.kv[e] = int8_t(kind_of(fv));
+    pc.kk[e] = int8_t(staged_kind(fk, p.stage_cap)), pc.kv[e] = int8_t(staged_kind(fv, p.stage_cap));
     pc.kid[e] = fm[2 * h];
     pc.vid[e] = fm[2 * h + 1];
   }

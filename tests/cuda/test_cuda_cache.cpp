@@ -25,14 +25,18 @@ bool small() { return std::getenv("KVQ_GPU_TEST_SMALL") != nullptr; }
 
 // NMSE bounds of GPU attention against the CPU reference. The GPU rounds dequantized K/V, the
 // query and the probabilities to fp16 for the tensor cores (relative 2^-11 each); the CPU works
-// in fp32. One table for every format.
+// in fp32. One table for every format. The NMSE of one decode query of one sequence at GQA 1 (2
+// heads: 128 outputs at head_dim 64) has a long tail where a few keys dominate the softmax and
+// their rounded scores move it: over 60 random queries of sequences of 200-1000 tokens on the
+// H200 (2026-12-03), sym4/g32 keys at head_dim 64 reached 6.1e-5 (median 3.2e-7).
 constexpr double nmse_bound = 2e-5;
+constexpr double nmse_bound_one_query = 2e-4;
 
-// Can this spec store pages of 64 tokens of head_dim d (both roles)?
+// Can this spec store pages of `page` tokens of head_dim d (both roles)?
 // The spec's formats store pages of this shape and the CUDA kernels read them.
-bool supported(const std::string& spec, int d) {
+bool supported(const std::string& spec, int d, int page = 64) {
   const auto p = parse_format_pair(spec).value_or_throw();
-  return check_shape(p.k, role::k, 64, d).ok() && check_shape(p.v, role::v, 64, d).ok() && kernels_read(p.k) &&
+  return check_shape(p.k, role::k, page, d).ok() && check_shape(p.v, role::v, page, d).ok() && kernels_read(p.k) &&
          kernels_read(p.v);
 }
 
@@ -173,10 +177,11 @@ TEST_CASE("gpu: appends of zero pages and single outliers store the CPU's bytes,
   require_same_store(c, 0, 0);
 }
 
-// The formats read by element (3-bit, nvfp4; cuda/attention/element_read.cuh) and the codebook
-// formats (the decode kernels' kinds cb4, cb2; cb3 by element; the tile kernel reads every codebook
-// by element): decode (GQA x q_len <= 8) and q_len 16 (the tile kernel), alone and as the K or V of
-// a pair with a staged or 16-bit format.
+// The formats some attention kernel reads by element (cuda/attention/element_read.cuh): the 3-bit
+// ones (decode kernels: kinds kivi3 and sym3, cb3 by element; the tile kernel: all by element), the
+// codebooks (kinds cb4, cb2; the tile kernel reads every codebook by element) and nvfp4: decode
+// (GQA x q_len <= 8) and q_len 16 (the tile kernel), alone and as the K or V of a pair with a
+// staged or 16-bit format.
 TEST_CASE("gpu: formats read by element: decode and tile attention match the CPU", "[gpu][decode][by_element]") {
   const std::string spec = GENERATE("sym3/g32", "kivi3/g32", "kivi3/g64", "cb4", "cb4/g32", "cb3/g32", "cb2", "cb2/g64",
                                     "nvfp4", "k=kivi4/g32,v=cb3", "k=cb2/g32,v=kivi2/g32", "k=nvfp4,v=fp16",
@@ -220,7 +225,8 @@ TEST_CASE("gpu: mixed formats with pages read by element", "[gpu][decode][by_ele
 TEST_CASE("gpu: decode attention matches the CPU reference over formats and lengths", "[gpu][decode]") {
   const std::string spec =
       GENERATE("fp16", "bf16", "fp8", "int8", "sym4/g32", "sym2/g64", "kivi8/g32", "kivi4/g32", "kivi2/g32",
-               "kivi4/g64", "ra4/g32", "k=kivi4/g32,v=kivi2/g32", "k=int8,v=kivi4/g128");
+               "kivi4/g64", "ra4/g32", "k=kivi4/g32,v=kivi2/g32", "k=int8,v=kivi4/g128", "sym3/g32", "sym3",
+               "kivi3/g32", "kivi3/g128", "k=kivi3/g64,v=sym3/g64", "k=sym3/g128,v=kivi2/g32");
   const int d = GENERATE(64, 128, 256);
   const int gqa = GENERATE(1, 4, 8);
   CAPTURE(spec, d, gqa);
@@ -234,8 +240,27 @@ TEST_CASE("gpu: decode attention matches the CPU reference over formats and leng
   REQUIRE(attend_both(c, items, 0, rng) < nmse_bound);
   for (const auto& it : items) {
     CAPTURE(it.seq);
-    REQUIRE(attend_both(c, {it}, 0, rng) < nmse_bound);
+    REQUIRE(attend_both(c, {it}, 0, rng) < (gqa == 1 ? nmse_bound_one_query : nmse_bound));
   }
+}
+
+// Layers whose kv heads each hold one 3-bit pair (kivi3/kivi3, sym3/sym3) decode in the
+// block-staged kernel's Whole instance, in chunk loops compiled for that pair, staged; where the
+// plan is another kernel or instance (page_tokens 256 at head_dim 128 and 256: the per-warp
+// kernel), the backend plans them as 16-bit pages, read by element. Both against the CPU.
+TEST_CASE("gpu: layers of one 3-bit pair per head decode staged or by element", "[gpu][decode]") {
+  const std::string spec = GENERATE("kivi3/g32", "sym3/g32", "sym3", "kivi3/g128");
+  const int d = GENERATE(64, 128, 256);
+  const int page = GENERATE(64, 128, 256);
+  const int gqa = GENERATE(1, 4);
+  CAPTURE(spec, d, page, gqa);
+  if (!supported(spec, d, page)) return;
+  auto c = make(spec, 1, 2 * gqa, 2, d, page);
+  std::mt19937 rng(uint32_t(spec.size() * 11 + d + page + gqa));
+  const std::vector<int64_t> lens = small() ? std::vector<int64_t>{700, 1500} : std::vector<int64_t>{300, 700, 1500, 3000};
+  const std::vector<attend_item> items = fill_sequences(c, lens, d, rng);
+  REQUIRE(attend_both(c, items, 0, rng) < nmse_bound);
+  REQUIRE(attend_both(c, {items.back()}, 0, rng) < (gqa == 1 ? nmse_bound_one_query : nmse_bound));
 }
 
 TEST_CASE("gpu: long sequences refill every page stage many times", "[gpu][decode]") {

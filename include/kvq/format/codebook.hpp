@@ -157,7 +157,8 @@ struct codebook {
   static constexpr bool named_by_bits = true;
   static constexpr int default_group = 0;  ///< `cb4` scales by the rms of the whole head
   /// 4- and 2-bit codebooks have kernel kinds (cb4, cb2; format/kinds.hpp); the CUDA decode
-  /// kernels read 3-bit ones by element, the tile kernels every codebook.
+  /// kernels read 3-bit ones by element (eight levels: no byte-permute lookup of two words), the
+  /// tile kernels every codebook.
   static constexpr bool staged = Bits != 3;
   static constexpr family decode_as = family::codebook;
   static constexpr page_layout page(role r, int page_tokens, int head_dim) {

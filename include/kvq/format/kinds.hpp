@@ -5,15 +5,19 @@
 /// table so that a step's dispatch is a byte load. rolealign decodes as kivi, so they share kinds.
 ///
 /// Generated from `format_list` (each type declares `staged` and `decode_as`): kinds are the
-/// distinct (decode_as, bits) pairs of its staged types, numbered kivi before sym before fp8
-/// before codebook before nvfp4, wider before narrower:
+/// distinct (decode_as, bits) pairs of its staged types, the 3-bit ones last; within each part
+/// numbered kivi before sym before fp8 before codebook before nvfp4, wider before narrower:
 ///
-/// | kind | 0     | 1     | 2     | 3    | 4    | 5    | 6   | 7   | 8   | 9   |
-/// |------|-------|-------|-------|------|------|------|-----|-----|-----|-----|
-/// |      | kivi8 | kivi4 | kivi2 | sym8 | sym4 | sym2 | fp8 | cb4 | cb2 | fp4 |
+/// | kind | 0     | 1     | 2     | 3    | 4    | 5    | 6   | 7   | 8   | 9   | 10    | 11   |
+/// |------|-------|-------|-------|------|------|------|-----|-----|-----|-----|-------|------|
+/// |      | kivi8 | kivi4 | kivi2 | sym8 | sym4 | sym2 | fp8 | cb4 | cb2 | fp4 | kivi3 | sym3 |
 ///
-/// 16-bit formats have kind -1 (the unstaged path). 3-bit formats are not staged and have kind
-/// -1 too: the decode kernels read them by element (`read_by_element`).
+/// 16-bit formats have kind -1 (the unstaged path). The 3-bit codebooks have no kind either: the
+/// decode kernels read them by element (`read_by_element`). The 3-bit kinds (kivi3, sym3) are
+/// read only by the chunk loops that the block-staged kernel's Whole instance compiles for a
+/// block whose pages all hold one pair kivi3/kivi3 or sym3/sym3 (`three_bit_pairs`), never by the
+/// per-page dispatch; everywhere else a 3-bit page is read by element. (Numbered last, they leave
+/// the other kinds' numbers, and so the dispatch's code, as they were without them.)
 
 #include <kvq/config.hpp>
 #include <kvq/format/format.hpp>
@@ -49,13 +53,17 @@ struct kernel_kinds<type_list<Ts...>> {
       for (size_t j = 0; j < n && !seen; ++j) seen = k[j].fam == all[i].fam && k[j].bits == all[i].bits;
       if (!seen) k[n++] = all[i];
     }
-    // order: decode family (kivi, sym, fp8: descending in `family`'s order; then codebook, then
-    // nvfp4), then bits descending
+    // order: the 3-bit kinds last; within each part decode family (kivi, sym, fp8: descending in
+    // `family`'s order; then codebook, then nvfp4), then bits descending
     const auto rank = [](family f) { return f == family::codebook ? -1 : f == family::nvfp4 ? -2 : int(f); };
+    const auto before = [&](decode_class a, decode_class b) {
+      if ((a.bits == 3) != (b.bits == 3)) return b.bits == 3;
+      return rank(a.fam) > rank(b.fam) || (a.fam == b.fam && a.bits >= b.bits);
+    };
     for (size_t i = 1; i < n; ++i)
       for (size_t j = i; j > 0; --j) {
         const decode_class a = k[j - 1], b = k[j];
-        if (rank(a.fam) > rank(b.fam) || (a.fam == b.fam && a.bits >= b.bits)) break;
+        if (before(a, b)) break;
         k[j - 1] = b, k[j] = a;
       }
     return std::pair{k, n};
@@ -120,16 +128,17 @@ inline constexpr int kind_count = format_kinds::count;
 /// Kind of a format (-1: read unstaged); host and device.
 KVQ_HOST_DEVICE constexpr int kind_of(const format_traits& f) { return format_kinds::kind_of(f); }
 KVQ_HOST_DEVICE constexpr int kind_of(format_id id) { return format_kinds::kind_of(traits_of(id)); }
-/// True for the narrow formats without a kind (3-bit sym, kivi, rolealign and codebook):
-/// the CUDA decode kernels read their pages unstaged, each element through its codec
-/// (cuda/attention/element_read.cuh; docs/architecture.md).
+/// True for the narrow formats the CUDA decode kernels read unstaged, each element through its
+/// codec (cuda/attention/element_read.cuh; docs/architecture.md), in their 16-bit instances: those
+/// without a kind (the 3-bit codebooks) and, outside the blocks of one 3-bit kind pair
+/// (`three_bit_pairs`), every other 3-bit format.
 KVQ_HOST_DEVICE constexpr bool read_by_element(const format_traits& f) {
-  return kind_of(f) < 0 && f.bits < 16 &&
+  return (kind_of(f) < 0 || f.bits == 3) && f.bits < 16 &&
          (f.fam == family::sym || f.has_zero() || f.fam == family::codebook || f.fam == family::nvfp4);
 }
-/// True for the formats the CUDA tile and prefix kernels (prefill) read by element: those the
-/// decode kernels read by element, every codebook format and nvfp4 (the tile kernels dequantize
-/// integer and fp8 codes only; the decode kernels have codebook and nvfp4 kinds).
+/// True for the formats the CUDA tile and prefix kernels (prefill) read by element: every 3-bit
+/// format, every codebook format and nvfp4 (the tile kernels dequantize 8-, 4- and 2-bit integer
+/// codes and fp8 only).
 KVQ_HOST_DEVICE constexpr bool tile_reads_by_element(const format_traits& f) {
   return read_by_element(f) || ((f.fam == family::codebook || f.fam == family::nvfp4) && f.bits < 16);
 }
@@ -140,16 +149,24 @@ KVQ_HOST_DEVICE constexpr bool kernels_read(format_id id) {
   return kind_of(id) >= 0 || traits_of(id).bits == 16 || read_by_element(traits_of(id));
 }
 /// True where the decode kernels' stages of `cap` bits hold a page of format f (kind k, from
-/// `kind_of`): a format with a kind, or a 16-bit one, of at most `cap` bits. Pages read by element
-/// are never staged (their kernels read them from global memory where they are used).
+/// `kind_of`): a format with a kind, or a 16-bit one, of at most `cap` bits; a 3-bit one in stages
+/// of 4 or 8 bits only (the 16-bit instances read it by element). Pages read by element are never
+/// staged (their kernels read them from global memory where they are used).
 KVQ_HOST_DEVICE constexpr bool stages_hold(const format_traits& f, int k, int cap) {
-  return f.bits <= cap && (k >= 0 || f.bits == 16);
+  return f.bits <= cap && (k >= 0 || f.bits == 16) && !(f.bits == 3 && cap == 16);
+}
+/// The kind a decode kernel of stage width `cap` gives a page of format f in its page table: its
+/// kind, or -1 (`kind::wide`: 16-bit, or read by element) where 16-bit stages do not hold it.
+KVQ_HOST_DEVICE constexpr int staged_kind(const format_traits& f, int cap) {
+  const int k = kind_of(f);
+  return stages_hold(f, k, cap) || f.bits == 16 ? k : -1;
 }
 KVQ_HOST_DEVICE constexpr bool stages_hold(format_id id, int cap) { return stages_hold(traits_of(id), kind_of(id), cap); }
 
 /// The code width a page of format `id` counts as in the choice of decode kernel
 /// (`cuda::attend_args::max_page_bits`): its bits, or 16 for a format read by element, which
-/// only the decode kernels' 16-bit instances (and the tile kernel) read.
+/// only the decode kernels' 16-bit instances (and the tile kernel) read (`head_kernel_bits` for the
+/// heads whose 3-bit pages the kinds kivi3 and sym3 may read).
 KVQ_HOST_DEVICE constexpr int kernel_bits(format_id id) {
   return read_by_element(traits_of(id)) ? 16 : int(traits_of(id).bits);
 }
@@ -164,8 +181,9 @@ inline constexpr int kind_v = format_kinds::kind_of_type<F>;
 
 /// The kinds by name.
 namespace kernel_kind {
-inline constexpr int kivi8 = kind_v<kivi<8, 32>>, kivi4 = kind_v<kivi<4, 32>>, kivi2 = kind_v<kivi<2, 32>>;
-inline constexpr int sym8 = kind_v<sym<8, 32>>, sym4 = kind_v<sym<4, 32>>, sym2 = kind_v<sym<2, 32>>;
+inline constexpr int kivi8 = kind_v<kivi<8, 32>>, kivi4 = kind_v<kivi<4, 32>>, kivi3 = kind_v<kivi<3, 32>>,
+                     kivi2 = kind_v<kivi<2, 32>>;
+inline constexpr int sym8 = kind_v<sym<8, 32>>, sym4 = kind_v<sym<4, 32>>, sym3 = kind_v<sym<3, 32>>, sym2 = kind_v<sym<2, 32>>;
 inline constexpr int fp8 = kind_v<fp8_e4m3>;
 inline constexpr int cb4 = kind_v<codebook<4, 0>>, cb2 = kind_v<codebook<2, 0>>;
 inline constexpr int fp4 = kind_v<kvq::nvfp4>;
@@ -182,7 +200,7 @@ struct kv_types {};
 /// The (K, V) kind pairs whose decode kernels have whole 64-token-unit loops (pages whose K and V
 /// kinds are one of these pairs): kivi4/kivi4, kivi2/kivi2, kivi4 K + kivi2 V, sym4/sym4,
 /// sym2/sym2, cb4/cb4, cb2/cb2, fp4/fp4. The 4- and 2-bit rings' chunk loops are compiled for the
-/// same pairs.
+/// same pairs and for kivi3/kivi3 and sym3/sym3 (3-bit pages: chunk loops only).
 using whole_unit_pairs =
     type_list<kv_types<kivi<4, 32>, kivi<4, 32>>, kv_types<kivi<2, 32>, kivi<2, 32>>, kv_types<kivi<4, 32>, kivi<2, 32>>,
               kv_types<sym<4, 32>, sym<4, 32>>, kv_types<sym<2, 32>, sym<2, 32>>, kv_types<codebook<4, 0>, codebook<4, 0>>,
@@ -210,14 +228,34 @@ KVQ_HOST_DEVICE constexpr bool in_kind_pairs(type_list<kv_types<K, V>...>, int c
 /// True when the (K kind, V kind) pair `combo` (`kind_pair`) has whole-unit loops.
 KVQ_HOST_DEVICE constexpr bool has_whole_units(int combo) { return in_kind_pairs(whole_unit_pairs{}, combo); }
 
-static_assert(kind_count == 10 && kernel_kind::fp4 == 9 && kernel_kind::kivi8 == 0 && kernel_kind::kivi2 == 2 && kernel_kind::sym8 == 3 &&
+/// The (K, V) kind pairs of 3-bit pages that the block-staged decode kernel reads staged, in chunk
+/// loops compiled for them, when every page of a block (one kv head of one sequence) holds the pair:
+/// kivi3/kivi3 (and rolealign), sym3/sym3.
+using three_bit_pairs = type_list<kv_types<kivi<3, 32>, kivi<3, 32>>, kv_types<sym<3, 32>, sym<3, 32>>>;
+
+/// The code width a kv head's pages of one (K, V) pair count as in the choice of decode kernel
+/// when every page of the head holds that pair: 3 for a pair of `three_bit_pairs` (read staged by
+/// the block-staged kernel's chunk loops, in stages of 4 bits), else the wider `kernel_bits`. A
+/// caller must still fall back to `kernel_bits` (16) where the plan is not the block-staged
+/// kernel's Whole instance (`cuda::detail::launch_plan::whole`).
+KVQ_HOST_DEVICE constexpr int head_kernel_bits(format_id k, format_id v) {
+  if (in_kind_pairs(three_bit_pairs{}, kind_pair(kind_of(k), kind_of(v)))) return 3;
+  return kernel_bits(k) > kernel_bits(v) ? kernel_bits(k) : kernel_bits(v);
+}
+
+static_assert(kind_count == 12 && kernel_kind::kivi8 == 0 && kernel_kind::kivi2 == 2 && kernel_kind::sym8 == 3 &&
                   kernel_kind::sym2 == 5 && kernel_kind::fp8 == 6 && kernel_kind::cb4 == 7 && kernel_kind::cb2 == 8 &&
-                  kind_v<rolealign<4, 64>> == kernel_kind::kivi4 && kind_v<codebook<4, 32>> == kernel_kind::cb4 &&
-                  kind_v<fp16> == -1 && kind_v<sym<3, 32>> == -1 && kind_v<codebook<3, 32>> == -1,
+                  kernel_kind::fp4 == 9 && kernel_kind::kivi3 == 10 && kernel_kind::sym3 == 11 &&
+                  kind_v<rolealign<4, 64>> == kernel_kind::kivi4 &&
+                  kind_v<codebook<4, 32>> == kernel_kind::cb4 && kind_v<fp16> == -1 && kind_v<sym<3, 64>> == kernel_kind::sym3 &&
+                  kind_v<codebook<3, 32>> == -1,
               "the kernels' kind numbering");
 static_assert(kernels_read(fp16_format) && kernels_read(format_id_v<kivi<2, 32>>) &&
                   kernels_read(format_id_v<kivi<3, 32>>) && kernels_read(format_id_v<codebook<2, 32>>) &&
                   kernels_read(format_id_v<nvfp4>) && read_by_element(traits_of(format_id_v<sym<3, 32>>)) &&
+                  read_by_element(traits_of(format_id_v<codebook<3, 32>>)) &&
+                  tile_reads_by_element(traits_of(format_id_v<sym<3, 32>>)) &&
+                  tile_reads_by_element(traits_of(format_id_v<kivi<3, 64>>)) &&
                   !read_by_element(traits_of(format_id_v<codebook<4, 0>>)) &&
                   tile_reads_by_element(traits_of(format_id_v<codebook<2, 32>>)) &&
                   !read_by_element(traits_of(format_id_v<nvfp4>)) && tile_reads_by_element(traits_of(format_id_v<nvfp4>)) &&
@@ -225,15 +263,25 @@ static_assert(kernels_read(fp16_format) && kernels_read(format_id_v<kivi<2, 32>>
                   !read_by_element(traits_of(format_id_v<kivi<4, 32>>)) && !read_by_element(traits_of(fp16_format)),
               "the formats the CUDA kernels read");
 /// Every format the kernels read is staged under a stage width of at least its bits unless it is
-/// read by element (`stages_hold` and `read_by_element` agree).
+/// read by element, the 3-bit kinds in stages of 4 and 8 bits (`stages_hold` and `read_by_element`
+/// agree).
 constexpr bool stages_hold_agrees() {
   for (size_t i = 0; i < format_count; ++i)
     for (int cap : {2, 4, 8, 16}) {
       const format_traits t = traits_of(format_id(i));
-      if (kernels_read(format_id(i)) && stages_hold(format_id(i), cap) != (t.bits <= cap && !read_by_element(t))) return false;
+      const bool staged = t.bits <= cap && (!read_by_element(t) || (t.bits == 3 && kind_of(t) >= 0 && cap < 16));
+      if (kernels_read(format_id(i)) && stages_hold(format_id(i), cap) != staged) return false;
     }
   return true;
 }
 static_assert(stages_hold_agrees(), "stages_hold: the staged formats are those not read by element");
+static_assert(head_kernel_bits(format_id_v<kivi<3, 32>>, format_id_v<kivi<3, 128>>) == 3 &&
+                  head_kernel_bits(format_id_v<sym<3, 0>>, format_id_v<sym<3, 64>>) == 3 &&
+                  head_kernel_bits(format_id_v<kivi<3, 32>>, format_id_v<sym<3, 32>>) == 16 &&
+                  head_kernel_bits(format_id_v<kivi<4, 32>>, format_id_v<kivi<2, 32>>) == 4 &&
+                  kernel_bits(format_id_v<kivi<3, 32>>) == 16 && staged_kind(traits_of(format_id_v<sym<3, 32>>), 4) == kernel_kind::sym3 &&
+                  staged_kind(traits_of(format_id_v<sym<3, 32>>), 16) == -1 && staged_kind(traits_of(fp16_format), 16) == -1 &&
+                  staged_kind(traits_of(format_id_v<kivi<4, 32>>), 16) == 1,
+              "3-bit kinds: staged in uniform blocks of 4- and 8-bit plans only");
 
 KVQ_NAMESPACE_END

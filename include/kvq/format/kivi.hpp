@@ -108,8 +108,8 @@ struct kivi_layout_format {
   static constexpr const char* spec_alias = Fam == family::kivi ? nullptr : "rolealign";
   static constexpr bool named_by_bits = true;
   static constexpr int default_group = 32;
-  /// 3-bit pages have no kernel kind: the CUDA kernels read them by element (format/kinds.hpp).
-  static constexpr bool staged = Bits != 3;
+  /// Every width has a kernel kind (kivi8, kivi4, kivi3, kivi2; format/kinds.hpp).
+  static constexpr bool staged = true;
   static constexpr family decode_as = family::kivi;  ///< rolealign decodes as kivi
   static constexpr page_layout page(role r, int page_tokens, int head_dim) {
     return codec_type::layout({fam, bits, group}, r, page_tokens, head_dim);

@@ -77,8 +77,8 @@ struct sym {
   static constexpr const char* spec_alias = nullptr;
   static constexpr bool named_by_bits = true;
   static constexpr int default_group = 0;  ///< `sym4` is the whole-head group
-  /// 3-bit pages have no kernel kind: the CUDA kernels read them by element (format/kinds.hpp).
-  static constexpr bool staged = Bits != 3;
+  /// Every width has a kernel kind (sym8, sym4, sym3, sym2; format/kinds.hpp).
+  static constexpr bool staged = true;
   static constexpr family decode_as = family::sym;
   static constexpr page_layout page(role r, int page_tokens, int head_dim) {
     return codec_type::layout({fam, bits, group}, r, page_tokens, head_dim);
