@@ -200,7 +200,7 @@ struct kv_types {};
 /// The (K, V) kind pairs whose decode kernels have whole 64-token-unit loops (pages whose K and V
 /// kinds are one of these pairs): kivi4/kivi4, kivi2/kivi2, kivi4 K + kivi2 V, sym4/sym4,
 /// sym2/sym2, cb4/cb4, cb2/cb2, fp4/fp4. The 4- and 2-bit rings' chunk loops are compiled for the
-/// same pairs and for kivi3/kivi3 and sym3/sym3 (3-bit pages: chunk loops only).
+/// same pairs; the Whole instance also has chunk loops (only) for `three_bit_pairs`.
 using whole_unit_pairs =
     type_list<kv_types<kivi<4, 32>, kivi<4, 32>>, kv_types<kivi<2, 32>, kivi<2, 32>>, kv_types<kivi<4, 32>, kivi<2, 32>>,
               kv_types<sym<4, 32>, sym<4, 32>>, kv_types<sym<2, 32>, sym<2, 32>>, kv_types<codebook<4, 0>, codebook<4, 0>>,
@@ -282,6 +282,6 @@ static_assert(head_kernel_bits(format_id_v<kivi<3, 32>>, format_id_v<kivi<3, 128
                   kernel_bits(format_id_v<kivi<3, 32>>) == 16 && staged_kind(traits_of(format_id_v<sym<3, 32>>), 4) == kernel_kind::sym3 &&
                   staged_kind(traits_of(format_id_v<sym<3, 32>>), 16) == -1 && staged_kind(traits_of(fp16_format), 16) == -1 &&
                   staged_kind(traits_of(format_id_v<kivi<4, 32>>), 16) == 1,
-              "3-bit kinds: staged in uniform blocks of 4- and 8-bit plans only");
+              "3-bit kinds: staged in stages of 4 and 8 bits only, read by element in 16-bit ones");
 
 KVQ_NAMESPACE_END
