@@ -1,9 +1,9 @@
 #pragma once
 // Pages read element by element: the 3-bit formats (`kvq::read_by_element`; the block-staged
-// decode kernel reads 3-bit sym and KIVI pages staged in blocks of one 3-bit kind pair, kinds
-// kivi3 and sym3, and the 16-bit instances give them kind -1), and in the tile kernel also the 4- and 2-bit
-// codebooks and nvfp4 (`kvq::tile_reads_by_element`; the decode kernels stage those: kinds cb4,
-// cb2, fp4).
+// decode kernel's Whole instance reads 3-bit sym and KIVI pages staged in blocks of one 3-bit
+// kind pair, kinds kivi3 and sym3, and the 16-bit instances give them kind -1), and in the tile
+// kernel also the 4- and 2-bit codebooks and nvfp4 (`kvq::tile_reads_by_element`; the decode
+// kernels stage those: kinds cb4, cb2, fp4).
 // Their pages are not staged:
 // the staged decode kernels' 16-bit instances (the kernels of any layer that holds one:
 // `kvq::kernel_bits`) and the tile kernel read them from global memory where they are used, each element through its format's

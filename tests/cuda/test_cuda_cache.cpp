@@ -247,7 +247,8 @@ TEST_CASE("gpu: decode attention matches the CPU reference over formats and leng
 // Layers whose kv heads each hold one 3-bit pair (kivi3/kivi3, sym3/sym3) decode in the
 // block-staged kernel's Whole instance, in chunk loops compiled for that pair, staged; where the
 // plan is another kernel or instance (page_tokens 256 at head_dim 128 and 256: the per-warp
-// kernel), the backend plans them as 16-bit pages, read by element. Both against the CPU.
+// kernel; head_dim 256 at page_tokens 64: fewer page stages), the backend plans them as 16-bit
+// pages, read by element. Both against the CPU.
 TEST_CASE("gpu: layers of one 3-bit pair per head decode staged or by element", "[gpu][decode]") {
   const std::string spec = GENERATE("kivi3/g32", "sym3/g32", "sym3", "kivi3/g128");
   const int d = GENERATE(64, 128, 256);
