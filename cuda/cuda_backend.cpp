@@ -80,6 +80,7 @@ class cuda_backend final : public cache_backend {
     max_pages_ = int(cuda_max_pages(cfg_));
     layer_bits_.assign(size_t(sh.layers), 2);
     head_pair_.assign(size_t(sh.layers) * sh.kv_heads, -1);
+    hints_.assign(size_t(sh.layers), decode_hint{2, true, false});
     KVQ_TRY(arena_.allocate(store_.arena().capacity(), "cache arena"));
     const size_t rows = size_t(cfg_.max_sequences) * sh.layers * max_pages_;
     KVQ_TRY(blocks_.allocate(rows, "device page table"));
@@ -261,8 +262,8 @@ class cuda_backend final : public cache_backend {
   }
 
   // After a write succeeded: notes, for the decode kernel's choice, the widest format of the
-  // layer (a format read by element counts as 16 bits: `kernel_bits`) and whether each head has
-  // kept one format pair.
+  // layer (a format read by element counts as 16 bits: `kernel_bits`), whether each head has
+  // kept one format pair, and the hint that follows (`hints_`).
   void note_pages(int layer, const append_plan& plan) {
     const int per_page = cfg_.shape.kv_heads * 2;
     for (size_t at = 0; at < plan.entries.size(); at += size_t(per_page)) {
@@ -279,17 +280,18 @@ class cuda_backend final : public cache_backend {
           hp = -2;
       }
     }
+    decode_hint h{2, true, false};
+    for (int i = 0; i < cfg_.shape.kv_heads && h.one_pair; ++i) {
+      const int16_t hp = head_pair_[size_t(layer) * cfg_.shape.kv_heads + size_t(i)];
+      if (hp == -2) h.one_pair = false;
+      if (hp < 0) continue;
+      const int bits = head_kernel_bits(format_id(hp >> 8), format_id(hp & 255));
+      h.bits = uint8_t(std::max(int(h.bits), bits));
+      h.three = h.three || bits == 3;
+    }
+    hints_[size_t(layer)] = h;
   }
 
-  // The code width of a layer whose kv heads each hold one format pair (`heads`: their
-  // `head_pair_`), counting a pair of 3-bit kinds at 3 bits (`head_kernel_bits`); 16 where a
-  // head holds a 3-bit page of another pair.
-  int three_bit_layer_bits(std::vector<int16_t>::const_iterator heads) const {
-    int bits = 2;
-    for (int h = 0; h < cfg_.shape.kv_heads; ++h)
-      if (heads[h] >= 0) bits = std::max(bits, head_kernel_bits(format_id(heads[h] >> 8), format_id(heads[h] & 255)));
-    return bits;
-  }
 
   // One sequence's append (rows [row, row + m) of K/V), in calls of at most max_append_pages new
   // pages each.
@@ -369,17 +371,15 @@ class cuda_backend final : public cache_backend {
     cuda::attend_args a;
     set_call(a, layer, q, o);
     a.items = items_;
-    a.max_page_bits = layer_bits_[size_t(layer)];
     a.rotation = rotation_of(layer);  // before the plan: the workspace holds the rotated queries
-    const auto heads = head_pair_.begin() + ptrdiff_t(layer) * cfg_.shape.kv_heads;
-    a.one_format_per_head = std::find(heads, heads + cfg_.shape.kv_heads, int16_t(-2)) == heads + cfg_.shape.kv_heads;
     // Heads of one 3-bit kind pair each (kivi3/kivi3, sym3/sym3) count 3 bits, so that the
     // block-staged kernel's Whole instance reads their pages staged; where the plan is another
     // kernel or instance, 16 (by element).
-    const int staged_bits = a.one_format_per_head ? three_bit_layer_bits(heads) : 16;
-    if (staged_bits < a.max_page_bits) a.max_page_bits = staged_bits;
+    const decode_hint hint = hints_[size_t(layer)];
+    a.one_format_per_head = hint.one_pair;
+    a.max_page_bits = hint.one_pair ? hint.bits : layer_bits_[size_t(layer)];
     result<cuda::detail::launch_plan> plan = cuda::detail::checked_plan(a);  // once per call (twice at most)
-    if (plan && a.max_page_bits < layer_bits_[size_t(layer)] && plan->decode && !plan->whole) {
+    if (plan && hint.one_pair && hint.three && plan->decode && !plan->whole) {
       a.max_page_bits = layer_bits_[size_t(layer)];
       plan = cuda::detail::checked_plan(a);
     }
@@ -653,6 +653,14 @@ class cuda_backend final : public cache_backend {
   std::vector<cuda::decode_item> items_;
   std::vector<uint8_t> layer_bits_;  // [layers] the widest code bits of any page the layer has held
   std::vector<int16_t> head_pair_;   // [layers][kv_heads] 256 K + V of the head's pages; -1 none yet, -2 several
+  // A layer's decode hint, from its `head_pair_`: whether each kv head has kept one pair, the
+  // widest `head_kernel_bits` of its heads (a 3-bit kind pair at 3), and whether a head holds a
+  // 3-bit kind pair (then a plan that is not the Whole instance is made again at `layer_bits_`).
+  struct decode_hint {
+    uint8_t bits;
+    bool one_pair, three;
+  };
+  std::vector<decode_hint> hints_;  // [layers]
   std::vector<append_call> calls_;   // the launches of the current write ([0, calls_used_)), reused
   size_t calls_used_ = 0;
   std::vector<cuda::detail::ring_rows> undo_rows_;  // per sequence of the current write

@@ -19,7 +19,8 @@ namespace detail {
 namespace {
 
 // Stages of a decode call. cap: the bits a stage holds (the layer's widest format, rounded up to
-// 2/4/8/16; formats read by element are never staged). The block-staged kernel (page stages shared
+// 2/4/8/16; 3 for a layer of 3-bit kind pairs, whose page-heads are smaller than 4-bit ones;
+// formats read by element are never staged). The block-staged kernel (page stages shared
 // by the block's warps) when at least 3 page stages fit with `staged_blocks` blocks per SM, a
 // page-head of the largest K and V formats the stages hold each (8-bit page-heads: 18 KB at
 // page_tokens 64, 3 stages); else the per-warp staged kernel, one slab per stage, as many stages as
@@ -29,7 +30,7 @@ namespace {
 template <int D>
 void plan_stages(const paged_view& kv, int max_bits, bool one_format, launch_plan& lp) {
   constexpr int sm_bytes = 227 * 1024, reserved = 1024;
-  lp.stage_cap = max_bits <= 2 ? 2 : max_bits <= 4 ? 4 : max_bits <= 8 ? 8 : 16;
+  lp.stage_cap = max_bits <= 3 ? std::max(max_bits, 2) : max_bits <= 4 ? 4 : max_bits <= 8 ? 8 : 16;
   const auto room = [](int blocks) { return sm_bytes / blocks - reserved - int(staged_head_bytes<D>); };
   uint32_t kb = 0, vb = 0;  // the largest K and V page-heads the stages hold
   for (int f = 0; f < int(format_count); ++f)
@@ -42,13 +43,20 @@ void plan_stages(const paged_view& kv, int max_bits, bool one_format, launch_pla
   int blocks = max_blocks;
   if (lp.stage_cap == 16)
     while (blocks > 1 && ps > 0 && room(blocks) / ps < 3) --blocks;
-  const int pns = ps > 0 ? std::min(room(blocks) / ps, max_stages) : 0;
+  int pns = ps > 0 ? std::min(room(blocks) / ps, max_stages) : 0;
+  const auto two_full = [&](int stages) { return (stages * (kv.page_tokens / (2 * slab))) % dec_warps != 0; };
+  // Pages of 3-bit kind pairs are read staged by the Whole instance only, which has no two_full
+  // variant: one stage fewer where that makes the ring fit it (an even count at page_tokens 64).
+  const bool three = lp.stage_cap == 3 && one_format;
+  if (three && pns > 3 && two_full(pns)) --pns;
   int st, ring;  // stage bytes; rings of stages (one per warp, or one per block)
   if (pns >= 3) {
     lp.page_stage = uint32_t(ps), st = ps, ring = 1, lp.stages = pns;
-    lp.two_full = (pns * (kv.page_tokens / (2 * slab))) % dec_warps != 0;
-    lp.whole = one_format && lp.stage_cap <= 4 && !lp.two_full && kv.page_tokens >= 4 * slab &&
-               pns * (kv.page_tokens / (4 * slab)) > dec_warps;
+    lp.two_full = two_full(pns);
+    // The Whole instance: 64-token units need a stage in flight beyond the pages the 4 warps
+    // hold; 3-bit kind pairs run their chunk loops there at any stage count.
+    lp.whole = one_format && lp.stage_cap <= 4 && !lp.two_full &&
+               (three || (kv.page_tokens >= 4 * slab && pns * (kv.page_tokens / (4 * slab)) > dec_warps));
   } else {
     blocks = max_blocks;
     lp.page_stage = 0, st = int(stage_bytes(D, lp.stage_cap)), ring = dec_warps;

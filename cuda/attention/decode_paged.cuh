@@ -258,7 +258,7 @@ __global__ void __launch_bounds__(dec_warps * 32, (decode_blocks<D, Wide>))
     if (uniform_kinds() == wide_pair) chunks.template operator()<kind::staged16, kind::staged16>();
     else chunks.template operator()<kind::dispatch, kind::dispatch>();
   } else if constexpr (Whole) {
-    switch (whole || kinds == kind_pair(kind::kivi3, kind::kivi3) || kinds == kind_pair(kind::sym3, kind::sym3) ? kinds : no_combo) {
+    switch (whole || in_kind_pairs(three_bit_pairs{}, kinds) ? kinds : no_combo) {
       case kind_pair(kind::kivi4, kind::kivi4): pages.template operator()<kind::kivi4, kind::kivi4>(); break;
       case kind_pair(kind::kivi2, kind::kivi2): pages.template operator()<kind::kivi2, kind::kivi2>(); break;
       case kind_pair(kind::kivi4, kind::kivi2): pages.template operator()<kind::kivi4, kind::kivi2>(); break;

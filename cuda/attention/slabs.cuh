@@ -142,6 +142,20 @@ __device__ __forceinline__ void load_rows3(const uint8_t* block, int P, const in
   }
 }
 
+// Calls fn.template operator()<B>() with B the code width `bits` (16, 8, 4 or 2) of a page that
+// is not 3-bit; 16 only where stages of Cap bits can hold it.
+template <int Cap, class F>
+__device__ __forceinline__ void with_code_width(int bits, F&& fn) {
+  switch (bits) {
+    case 16:
+      if constexpr (Cap >= 16) fn.template operator()<16>();
+      break;
+    case 8: fn.template operator()<8>(); break;
+    case 4: fn.template operator()<4>(); break;
+    default: fn.template operator()<2>(); break;
+  }
+}
+
 // K of a slab for lane (g, t), from its page (Global) or from its staged copy in shared memory
 // (a 16-row page: P = 16, row0 = 0). Three: a 3-bit page (the kinds kivi3, sym3), always staged;
 // a compile-time case, so that the per-page dispatch (whose pages are never 3-bit) keeps the
@@ -152,14 +166,7 @@ __device__ __forceinline__ void load_k(const slab_ref& s, format_traits f, int P
   if constexpr (Three) {
     load_rows3<D, D / 4, D / 64>(s.k, P, {s.row0 + g, s.row0 + g + 8}, t, kr.w);
   } else {
-    switch (f.bits) {
-      case 16:
-        if constexpr (Cap >= 16) load_k_rows<D, 16, Cap, Global>(s, g, t, window, kr.w);
-        break;
-      case 8: load_k_rows<D, 8, Cap, Global>(s, g, t, window, kr.w); break;
-      case 4: load_k_rows<D, 4, Cap, Global>(s, g, t, window, kr.w); break;
-      default: load_k_rows<D, 2, Cap, Global>(s, g, t, window, kr.w); break;
-    }
+    with_code_width<Cap>(f.bits, [&]<int B>() { load_k_rows<D, B, Cap, Global>(s, g, t, window, kr.w); });
   }
   if (s.ring) return;
   const uint32_t code_bytes = uint32_t(P) * ((D * f.bits) >> 3);
@@ -203,14 +210,7 @@ __device__ __forceinline__ void load_v(const slab_ref& s, format_traits f, int P
     const int r0 = s.row0 + 2 * t;
     load_rows3<D, D / 8, (D / 4 + 31) / 32>(s.v, P, {r0, r0 + 1, r0 + 8, r0 + 9}, g, vr.w);
   } else {
-    switch (f.bits) {
-      case 16:
-        if constexpr (Cap >= 16) load_v_rows<D, 16, Cap, Global>(s, g, t, window, vr.w);
-        break;
-      case 8: load_v_rows<D, 8, Cap, Global>(s, g, t, window, vr.w); break;
-      case 4: load_v_rows<D, 4, Cap, Global>(s, g, t, window, vr.w); break;
-      default: load_v_rows<D, 2, Cap, Global>(s, g, t, window, vr.w); break;
-    }
+    with_code_width<Cap>(f.bits, [&]<int B>() { load_v_rows<D, B, Cap, Global>(s, g, t, window, vr.w); });
   }
   if (s.ring) return;
   const uint32_t code_bytes = uint32_t(P) * ((D * f.bits) >> 3);

@@ -245,17 +245,19 @@ TEST_CASE("gpu: decode attention matches the CPU reference over formats and leng
 }
 
 // Layers whose kv heads each hold one 3-bit pair (kivi3/kivi3, sym3/sym3) decode in the
-// block-staged kernel's Whole instance, in chunk loops compiled for that pair, staged; where the
-// plan is another kernel or instance (page_tokens 256 at head_dim 128 and 256: the per-warp
-// kernel; head_dim 256 at page_tokens 64: fewer page stages), the backend plans them as 16-bit
-// pages, read by element. Both against the CPU.
+// block-staged kernel's Whole instance, in chunk loops compiled for that pair, staged (in stages
+// of 3 bits; of 4 beside a head of 4-bit pages); where the plan is another kernel or instance
+// (page_tokens 256 at head_dim 128 and 256: the per-warp kernel; head_dim 256 beside a 4-bit head
+// at page_tokens 64: an odd count of page stages), the backend plans them as 16-bit pages, read
+// by element. Both against the CPU.
 TEST_CASE("gpu: layers of one 3-bit pair per head decode staged or by element", "[gpu][decode]") {
-  const std::string spec = GENERATE("kivi3/g32", "sym3/g32", "sym3", "kivi3/g128");
+  const std::string spec =
+      GENERATE("kivi3/g32", "sym3/g32", "sym3", "kivi3/g128", "kivi3/g32;0.1=kivi4/g32", "sym3/g32;0.0=kivi2/g32");
   const int d = GENERATE(64, 128, 256);
   const int page = GENERATE(64, 128, 256);
   const int gqa = GENERATE(1, 4);
   CAPTURE(spec, d, page, gqa);
-  if (!supported(spec, d, page)) return;
+  if (!supported(spec.substr(0, spec.find(';')), d, page)) return;
   auto c = make(spec, 1, 2 * gqa, 2, d, page);
   std::mt19937 rng(uint32_t(spec.size() * 11 + d + page + gqa));
   const std::vector<int64_t> lens = small() ? std::vector<int64_t>{700, 1500} : std::vector<int64_t>{300, 700, 1500, 3000};

@@ -66,7 +66,7 @@ TEST_CASE("attention plan: the kernel follows the layer's widest page", "[cuda][
 TEST_CASE("attention plan: block-staged rings have at least 3 page stages that fit", "[cuda][plan]") {
   for (int d : {64, 128, 256})
     for (int P : {64, 128, 256})
-      for (int bits : {2, 4, 8, 16})
+      for (int bits : {2, 3, 4, 8, 16})
         for (int n : {1000, 32768, 131072}) {
           CAPTURE(d, P, bits, n);
           const auto info = plan(d, P, bits, 8, n);
@@ -229,4 +229,27 @@ TEST_CASE("canary: the error table in blocks of keys fits head_dim 256", "[cuda]
   // blocks of 96 keys save 32 error rows (fp32, 260 floats each) and one 32-token page
   CHECK(whole - blocks > size_t(32) * 260 * 4);
   CHECK(cuda::canary_smem_bytes(tiers, 32, 128, 128) <= 232448);  // head_dim 128: the whole table
+}
+
+TEST_CASE("attention plan: heads of 3-bit kind pairs take the Whole instance in stages of 3 bits", "[cuda][plan]") {
+  // A hint of 3 bits (the CUDA backend's, for a layer whose kv heads each hold kivi3/kivi3 or
+  // sym3/sym3): page-heads of at most 3 bits, smaller than 4-bit ones, in a ring the Whole
+  // instance runs (no two_full: an even count at page_tokens 64), its chunk loops reading them.
+  for (int d : {64, 128, 256}) {
+    CAPTURE(d);
+    const auto p3 = plan(d, 64, 3, 8, 32768, 1, true), p4 = plan(d, 64, 4, 8, 32768, 1, true);
+    CHECK(p3.kernel == cuda::attend_kernel::decode_block_staged);
+    CHECK(p3.whole_units);
+    CHECK(p3.stages % 2 == 0);
+    CHECK(p3.stage_bytes < p4.stage_bytes);
+    CHECK(p3.stages >= p4.stages);
+    CHECK(plan(d, 128, 3, 8, 32768, 1, true).whole_units);  // (head_dim 256: 3 stages of 32 KB)
+  }
+  // head_dim 256, 64-token pages: 4-bit page-heads leave room for 5 stages, an odd ring (two_full)
+  CHECK_FALSE(plan(256, 64, 4, 8, 32768, 1, true).whole_units);
+  // page_tokens 256 at head_dim 128 and 256: fewer than 3 page stages, the per-warp kernel (the
+  // backend plans the layer again as 16-bit pages, read by element)
+  for (int d : {128, 256}) CHECK(plan(d, 256, 3, 8, 32768, 1, true).kernel == cuda::attend_kernel::decode_staged);
+  // without the hint, no Whole instance
+  CHECK_FALSE(plan(128, 64, 3, 8, 32768).whole_units);
 }

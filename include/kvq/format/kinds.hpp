@@ -150,7 +150,7 @@ KVQ_HOST_DEVICE constexpr bool kernels_read(format_id id) {
 }
 /// True where the decode kernels' stages of `cap` bits hold a page of format f (kind k, from
 /// `kind_of`): a format with a kind, or a 16-bit one, of at most `cap` bits; a 3-bit one in stages
-/// of 4 or 8 bits only (the 16-bit instances read it by element). Pages read by element are never
+/// of 3, 4 or 8 bits only (the 16-bit instances read it by element). Pages read by element are never
 /// staged (their kernels read them from global memory where they are used).
 KVQ_HOST_DEVICE constexpr bool stages_hold(const format_traits& f, int k, int cap) {
   return f.bits <= cap && (k >= 0 || f.bits == 16) && !(f.bits == 3 && cap == 16);
@@ -235,9 +235,9 @@ using three_bit_pairs = type_list<kv_types<kivi<3, 32>, kivi<3, 32>>, kv_types<s
 
 /// The code width a kv head's pages of one (K, V) pair count as in the choice of decode kernel
 /// when every page of the head holds that pair: 3 for a pair of `three_bit_pairs` (read staged by
-/// the block-staged kernel's chunk loops, in stages of 4 bits), else the wider `kernel_bits`. A
-/// caller must still fall back to `kernel_bits` (16) where the plan is not the block-staged
-/// kernel's Whole instance (`cuda::detail::launch_plan::whole`).
+/// the block-staged kernel's chunk loops, in stages of 3 bits, or 4 beside 4-bit heads), else the
+/// wider `kernel_bits`. A caller must still fall back to `kernel_bits` (16) where the plan is not
+/// the block-staged kernel's Whole instance (`cuda::detail::launch_plan::whole`).
 KVQ_HOST_DEVICE constexpr int head_kernel_bits(format_id k, format_id v) {
   if (in_kind_pairs(three_bit_pairs{}, kind_pair(kind_of(k), kind_of(v)))) return 3;
   return kernel_bits(k) > kernel_bits(v) ? kernel_bits(k) : kernel_bits(v);
@@ -263,11 +263,11 @@ static_assert(kernels_read(fp16_format) && kernels_read(format_id_v<kivi<2, 32>>
                   !read_by_element(traits_of(format_id_v<kivi<4, 32>>)) && !read_by_element(traits_of(fp16_format)),
               "the formats the CUDA kernels read");
 /// Every format the kernels read is staged under a stage width of at least its bits unless it is
-/// read by element, the 3-bit kinds in stages of 4 and 8 bits (`stages_hold` and `read_by_element`
-/// agree).
+/// read by element, the 3-bit kinds in stages of 3, 4 and 8 bits (`stages_hold` and
+/// `read_by_element` agree).
 constexpr bool stages_hold_agrees() {
   for (size_t i = 0; i < format_count; ++i)
-    for (int cap : {2, 4, 8, 16}) {
+    for (int cap : {2, 3, 4, 8, 16}) {
       const format_traits t = traits_of(format_id(i));
       const bool staged = t.bits <= cap && (!read_by_element(t) || (t.bits == 3 && kind_of(t) >= 0 && cap < 16));
       if (kernels_read(format_id(i)) && stages_hold(format_id(i), cap) != staged) return false;
@@ -279,9 +279,11 @@ static_assert(head_kernel_bits(format_id_v<kivi<3, 32>>, format_id_v<kivi<3, 128
                   head_kernel_bits(format_id_v<sym<3, 0>>, format_id_v<sym<3, 64>>) == 3 &&
                   head_kernel_bits(format_id_v<kivi<3, 32>>, format_id_v<sym<3, 32>>) == 16 &&
                   head_kernel_bits(format_id_v<kivi<4, 32>>, format_id_v<kivi<2, 32>>) == 4 &&
-                  kernel_bits(format_id_v<kivi<3, 32>>) == 16 && staged_kind(traits_of(format_id_v<sym<3, 32>>), 4) == kernel_kind::sym3 &&
+                  kernel_bits(format_id_v<kivi<3, 32>>) == 16 && staged_kind(traits_of(format_id_v<sym<3, 32>>), 3) == kernel_kind::sym3 &&
+                  staged_kind(traits_of(format_id_v<sym<3, 32>>), 4) == kernel_kind::sym3 &&
+                  staged_kind(traits_of(format_id_v<kivi<4, 32>>), 3) == -1 &&
                   staged_kind(traits_of(format_id_v<sym<3, 32>>), 16) == -1 && staged_kind(traits_of(fp16_format), 16) == -1 &&
                   staged_kind(traits_of(format_id_v<kivi<4, 32>>), 16) == 1,
-              "3-bit kinds: staged in stages of 4 and 8 bits only, read by element in 16-bit ones");
+              "3-bit kinds: staged in stages of 3, 4 and 8 bits only, read by element in 16-bit ones");
 
 KVQ_NAMESPACE_END
