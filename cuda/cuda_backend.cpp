@@ -292,7 +292,6 @@ class cuda_backend final : public cache_backend {
     hints_[size_t(layer)] = h;
   }
 
-
   // One sequence's append (rows [row, row + m) of K/V), in calls of at most max_append_pages new
   // pages each.
   void add_pieces(const sequence_state& s, int layer, const append_plan& plan, int64_t row, int64_t m) {
