@@ -245,7 +245,7 @@ TEST_CASE("attention plan: heads of 3-bit kind pairs take the Whole instance in 
     CHECK(p3.stages >= p4.stages);
     CHECK(plan(d, 128, 3, 8, 32768, 1, true).whole_units);  // (head_dim 256: 3 stages of 32 KB)
   }
-  // head_dim 256, 64-token pages: 4-bit page-heads leave room for 5 stages, an odd ring (two_full)
+  // head_dim 256, 64-token pages: 4-bit page-heads leave room for 4 stages, too few for whole units
   CHECK_FALSE(plan(256, 64, 4, 8, 32768, 1, true).whole_units);
   // page_tokens 256 at head_dim 128 and 256: fewer than 3 page stages, the per-warp kernel (the
   // backend plans the layer again as 16-bit pages, read by element)
