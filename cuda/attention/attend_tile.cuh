@@ -7,7 +7,7 @@
 // the query (q' = q * s per token group) and the zero point into one dot product per row (q . z).
 // Each warp owns 16 tokens of the tile: S = Q K^T and O += P V with mma.sync m16n8k16 (fp16
 // operands, fp32 accumulation), online softmax in fp32 registers.
-#include "attention/row_softmax.cuh"
+#include "attention/mma_tile.cuh"
 #include "attention/tile_pages.cuh"
 
 #include <cmath>
@@ -75,9 +75,9 @@ __global__ void __launch_bounds__(threads, 2) attend_kernel(const __grid_constan
   }
 
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
-  float acc[D / 8][4];
+  float acc[1][D / 8][4];  // one m-tile of 16 query rows
 #pragma unroll
-  for (int j = 0; j < D / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+  for (int j = 0; j < D / 8; ++j) acc[0][j][0] = acc[0][j][1] = acc[0][j][2] = acc[0][j][3] = 0.f;
   const int q_first = item.n - item.q_len;  // position of query 0
   // last visible token of this lane's two rows (lane/4 and lane/4 + 8): causal mask bound
   // (a prefix call: every row sees all n tokens)
@@ -158,9 +158,9 @@ __global__ void __launch_bounds__(threads, 2) attend_kernel(const __grid_constan
         sc4[nt][e] = ok ? x : -INFINITY;
         tile_max[e / 2] = fmaxf(tile_max[e / 2], sc4[nt][e]);
       }
-    uint32_t pf[2][2];
-    row_softmax_step<2, D>(sc4, tile_max, row_max, row_sum, acc, pf);
-    pv_mma<D, 1>(sm.v, wrow, pf, acc);  // O += P V over the warp's 16 tokens
+    uint32_t pf[1][2][2];
+    row_softmax_step<2, D>(sc4, tile_max, row_max, row_sum, acc[0], pf[0]);
+    pv_mma_tile<D, 1, 1>(sm.v + wrow * D, pf, acc);  // O += P V over the warp's 16 tokens
   }
 
   // ---- merge the 4 warps, write this split's partial (max, sum, unnormalized O) ----
@@ -178,7 +178,7 @@ __global__ void __launch_bounds__(threads, 2) attend_kernel(const __grid_constan
   for (int j = 0; j < D / 8; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e)
-      wo[(warp * 16 + r_lo + (e / 2) * 8) * D + j * 8 + (lane % 4) * 2 + (e % 2)] = acc[j][e];
+      wo[(warp * 16 + r_lo + (e / 2) * 8) * D + j * 8 + (lane % 4) * 2 + (e % 2)] = acc[0][j][e];
   if (lane % 4 == 0)
     for (int hr = 0; hr < 2; ++hr) {
       wml[(warp * 16 + r_lo + hr * 8) * 2] = row_max[hr];

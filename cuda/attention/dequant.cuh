@@ -55,18 +55,38 @@ __device__ __forceinline__ void codes_to_magic(const uint32_t (&w)[4], uint32_t 
   }
 }
 
+// How a 16-byte chunk of integer codes becomes halves: KIVI/RoleAlign keys as centered codes
+// (code - 2^(b-1), exact in fp16; the caller folds their scales and zero points into the query) or
+// as values through their per-channel scales and zeros; every other role as values through the
+// scales of its token's channel groups.
+enum class int_read { centered, channel_scales, token_groups };
+
 // One 16-byte chunk of integer codes (128/Bits channels of one token) -> halves in the tile.
+// `scales`/`zeros`: for channel_scales the [D] halves of the token's group, else the page role's
+// [token][D / g] scales and zeros (group g, `tok` the token).
 template <int D, int Bits>
-__device__ __forceinline__ void dequant_int_chunk(const uint32_t (&w)[4], format_traits f, bool k_codes,
+__device__ __forceinline__ void dequant_int_chunk(const uint32_t (&w)[4], format_traits f, int_read how,
                                                   const uint16_t* scales, const uint16_t* zeros, int tok, int ch0, int g,
                                                   uint4* out, int row) {
   constexpr int elems = 128 / Bits, pairs = elems / 2;
   uint32_t m[pairs];
   codes_to_magic<Bits>(w, m);
-  if (k_codes) {  // centered codes: smaller terms to cancel against q . z
+  if (how == int_read::centered) {  // smaller terms to cancel against q . z
     const __half2 bias = __float2half2_rn(1024.f + float(1 << (Bits - 1)));
 #pragma unroll
     for (int i = 0; i < pairs; ++i) m[i] = h2_bits(__hsub2(bits_h2(m[i]), bias));
+  } else if (how == int_read::channel_scales) {  // code x s + z, one hfma2 per channel pair
+    const __half2 magic = __float2half2_rn(1024.f);
+    const uint4* s4 = reinterpret_cast<const uint4*>(scales + ch0);
+    const uint4* z4 = reinterpret_cast<const uint4*>(zeros + ch0);
+#pragma unroll
+    for (int q = 0; q < elems / 8; ++q) {
+      const uint4 sv = s4[q], zv = z4[q];
+      const uint32_t sw[4] = {sv.x, sv.y, sv.z, sv.w}, zw[4] = {zv.x, zv.y, zv.z, zv.w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        m[4 * q + j] = h2_bits(__hfma2(__hsub2(bits_h2(m[4 * q + j]), magic), bits_h2(sw[j]), bits_h2(zw[j])));
+    }
   } else {
     const int lg = log2i(g), ng = D >> lg;
     const bool sym = f.fam == family::sym;

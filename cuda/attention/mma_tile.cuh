@@ -87,17 +87,19 @@ __device__ __forceinline__ void softmax_tile(float (&s)[M][8][4], float scale_lo
   }
 }
 
-// O += P V over the 64 tokens of the value tile `v`: `pf` P as fp16 pairs from `row_softmax_step`
-// (attention/row_softmax.cuh), [m-tile][n-tile][row half]; each V fragment (ldmatrix, transposed)
-// serves the M m-tiles.
-template <int D, int M>
-__device__ __forceinline__ void pv_mma_tile(const __half* v, const uint32_t (&pf)[M][8][2], float (&acc)[M][D / 8][4]) {
+// O += P V over 16 KB tokens (the 64 of a tile by default) of the value tile `v`, which points at
+// the first of them (a row that is a multiple of 8: the swizzle stays the tile's): `pf` P as fp16
+// pairs from `row_softmax_step` (attention/row_softmax.cuh), [m-tile][n-tile][row half]; each V
+// fragment (ldmatrix, transposed) serves the M m-tiles.
+template <int D, int M, int KB = 4>
+__device__ __forceinline__ void pv_mma_tile(const __half* v, const uint32_t (&pf)[M][2 * KB][2],
+                                            float (&acc)[M][D / 8][4]) {
   const int lane = threadIdx.x % 32;
   // as in `qk_mma_tile`: the lane's row, and its chunk of column pair jp as a swizzle term
   const uint32_t va = smem_addr(v) + uint32_t((lane % 8) + ((lane / 8) % 2) * 8) * D * 2;
   const uint32_t vc = uint32_t((lane / 16) ^ (lane % 8)) * 16;
 #pragma unroll
-  for (int kb = 0; kb < 4; ++kb)
+  for (int kb = 0; kb < KB; ++kb)
 #pragma unroll
     for (int jp = 0; jp < D / 16; ++jp) {
       uint32_t b0, b1, b2, b3;

@@ -45,64 +45,6 @@ struct prefix_smem {
 static_assert(2 * (sizeof(prefix_smem<128>) + 1024) <= 228 * 1024, "two prefix-kernel blocks fit an SM");
 static_assert(3 * (sizeof(prefix_smem<64>) + 1024) <= 228 * 1024, "three prefix-kernel blocks fit an SM");
 
-// KIVI/RoleAlign keys of a tile, raw codes -> fp16 values code x s + z, with the channel scales
-// `scales` and zeros `zeros` ([token group][D] halves) of the tile's token groups (one group of
-// `group` >= 64 tokens, else 64 / group). All threads; rows past `valid` zero.
-template <int D, int Bits>
-__device__ __forceinline__ void keys_from_raw(const uint8_t* codes, const uint16_t* scales, const uint16_t* zeros,
-                                              int group, int valid, __half* dst) {
-  constexpr int row_bytes = D * Bits / 8, cpr = row_bytes / 16, total = tile_tokens * cpr, elems = 128 / Bits;
-  const __half2 magic = __float2half2_rn(1024.f);
-  uint4* out = reinterpret_cast<uint4*>(dst);
-#pragma unroll
-  for (int i = 0; i < (total + threads - 1) / threads; ++i) {
-    const int c = threadIdx.x + i * threads, row = c / cpr, ch0 = (c % cpr) * elems;
-    if (c >= total) break;
-    if (row >= valid) {
-#pragma unroll
-      for (int k = 0; k < elems / 8; ++k) out[swz<D>(row, ch0 / 8 + k) / 8] = make_uint4(0, 0, 0, 0);
-      continue;
-    }
-    const uint4 raw = reinterpret_cast<const uint4*>(codes)[c];
-    const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
-    uint32_t m[elems / 2];
-    codes_to_magic<Bits>(w, m);  // 1024 + code, channel pairs in order
-    const int gi = group >= tile_tokens ? 0 : row >> log2i(group);
-    const uint4* s4 = reinterpret_cast<const uint4*>(scales + gi * D + ch0);
-    const uint4* z4 = reinterpret_cast<const uint4*>(zeros + gi * D + ch0);
-#pragma unroll
-    for (int k = 0; k < elems / 8; ++k) {
-      const uint4 sv = s4[k], zv = z4[k];
-      const uint32_t sw[4] = {sv.x, sv.y, sv.z, sv.w}, zw[4] = {zv.x, zv.y, zv.z, zv.w};
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-        m[4 * k + j] = h2_bits(__hfma2(__hsub2(bits_h2(m[4 * k + j]), magic), bits_h2(sw[j]), bits_h2(zw[j])));
-      out[swz<D>(row, ch0 / 8 + k) / 8] = make_uint4(m[4 * k], m[4 * k + 1], m[4 * k + 2], m[4 * k + 3]);
-    }
-  }
-}
-
-// One tile's raw bytes -> the fp16 K and V tiles as `tile_to_fp16` (attention/tile_pages.cuh),
-// with KIVI/RoleAlign keys as values (`keys_from_raw`) instead of centered codes.
-template <int D>
-__device__ __forceinline__ void prefix_tile_to_fp16(const tile_src& s, const uint8_t* raw, __half* k, __half* v,
-                                                    int page_tokens) {
-  const format_traits fk = traits_of(s.fk);
-  if (s.ring || !fk.k_along_tokens() || tile_reads_by_element(fk)) {
-    tile_to_fp16<D>(s, raw, k, v, page_tokens);
-    return;
-  }
-  const auto* sc = reinterpret_cast<const uint16_t*>(raw + s.size[0][0]);
-  const auto* zr = reinterpret_cast<const uint16_t*>(raw + s.size[0][0] + s.size[0][1]);
-  switch (fk.bits) {
-    case 8: keys_from_raw<D, 8>(raw, sc, zr, fk.group, s.valid, k); break;
-    case 4: keys_from_raw<D, 4>(raw, sc, zr, fk.group, s.valid, k); break;
-    default: keys_from_raw<D, 2>(raw, sc, zr, fk.group, s.valid, k); break;
-  }
-  dequant_role<D>(raw + s.size[0][0] + s.size[0][1] + s.size[0][2], s.size[1], s.fv, role::v, s.valid, v, s.page[1],
-                  page_tokens, s.row0);
-}
-
 // Grid (split, kv head x row block, item); `p.mtiles` counts an item's 16-row m-tiles, whose
 // partials the warps write (m-tile (block rows / 16) x block + M x warp + m).
 template <int D>
@@ -158,8 +100,8 @@ __global__ void __launch_bounds__(threads, 2) prefix_kernel(const __grid_constan
     if (warp == 0) cp_wait_dyn(pipe.issued - t - 1);  // this tile's copies have landed
     __syncthreads();                                  // ... visible to all; every warp is done with the previous tile
     const int valid = sm.slot[t % pipeline_tiles].valid;
-    prefix_tile_to_fp16<D>(sm.slot[t % pipeline_tiles], sm.raw + sm.slot_at[t % pipeline_tiles], sm.k, sm.v,
-                           p.kv.page_tokens);
+    tile_to_fp16<D, true>(sm.slot[t % pipeline_tiles], sm.raw + sm.slot_at[t % pipeline_tiles], sm.k, sm.v,
+                          p.kv.page_tokens);
     __syncthreads();  // tile ready; its raw bytes are free
     if (warp == 0) {
       pipe.release(t);

@@ -54,25 +54,6 @@ __device__ __forceinline__ void row_softmax_step(const float (&s)[NT][4], float 
   }
 }
 
-// O += P V for one warp's 16 rows over KB k-steps of 16 tokens: P the fp16 pairs `pf` of
-// `row_softmax_step` (A fragments, [2 KB n-tiles][row half]), V the rows row0 .. row0 + 16 KB - 1
-// of a [64][D] fp16 tile in shared memory (swizzled, `swz<D>`), read transposed by ldmatrix.
-template <int D, int KB>
-__device__ __forceinline__ void pv_mma(const __half* v, int row0, const uint32_t (&pf)[2 * KB][2],
-                                       float (&acc)[D / 8][4]) {
-  const int lane = threadIdx.x % 32;
-#pragma unroll
-  for (int kb = 0; kb < KB; ++kb)
-#pragma unroll
-    for (int jp = 0; jp < D / 16; ++jp) {
-      uint32_t b0, b1, b2, b3;
-      ldsm_x4_t(smem_addr(v + swz<D>(row0 + kb * 16 + (lane % 8) + ((lane / 8) % 2) * 8, jp * 2 + lane / 16)), b0, b1,
-                b2, b3);
-      mma16816(acc[2 * jp], pf[2 * kb][0], pf[2 * kb][1], pf[2 * kb + 1][0], pf[2 * kb + 1][1], b0, b1);
-      mma16816(acc[2 * jp + 1], pf[2 * kb][0], pf[2 * kb][1], pf[2 * kb + 1][0], pf[2 * kb + 1][1], b2, b3);
-    }
-}
-
 // Stores one warp's 16 rows as a split's partial of the split merge (max, sum, unnormalized O, in
 // base 2): `wo` [16][D], `wml` [16][2] (max, sum). The row sums are summed over each lane quad
 // first.

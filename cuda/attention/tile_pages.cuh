@@ -186,13 +186,14 @@ struct tile_pump {
 };
 
 // One 16-byte chunk (128/Bits channels of one token row) from the raw ring -> halves in the tile.
-// KIVI/RoleAlign keys keep centered codes (code - 2^(b-1), exact in fp16): the caller folds their
-// scales and zero points into the query.
-template <int D, int Bits>
+// KIVI/RoleAlign keys: centered codes (code - 2^(b-1), exact in fp16; the caller folds their
+// scales and zero points into the query), or with `KeyValues` their values code x s + z.
+template <int D, int Bits, bool KeyValues>
 __device__ __forceinline__ void tile_from_raw(const uint8_t* codes, const uint8_t* par1, const uint8_t* par2,
                                               format_traits f, role r, int valid, __half* dst) {
   constexpr int row_bytes = D * Bits / 8, cpr = row_bytes / 16, total = tile_tokens * cpr, elems = 128 / Bits;
-  const bool k_codes = r == role::k && f.k_along_tokens();
+  const bool k_along = r == role::k && f.k_along_tokens();
+  const int_read how = !k_along ? int_read::token_groups : KeyValues ? int_read::channel_scales : int_read::centered;
   const int g = f.group == 0 ? D : f.group;
   const uint16_t* scales = reinterpret_cast<const uint16_t*>(par1);
   const uint16_t* zeros = reinterpret_cast<const uint16_t*>(par2);
@@ -232,15 +233,19 @@ __device__ __forceinline__ void tile_from_raw(const uint8_t* codes, const uint8_
         out[swz<D>(row, ch0 / 8) / 8] = make_uint4(hh[0], hh[1], hh[2], hh[3]);
         out[swz<D>(row, ch0 / 8 + 1) / 8] = make_uint4(hh[4], hh[5], hh[6], hh[7]);
       } else {
-        dequant_int_chunk<D, Bits>(w, f, k_codes, scales, zeros, row, ch0, g, out, row);
+        // channel scales: the [D] scales and zeros of the row's token group (the tile's one group
+        // where it is 64 tokens or more)
+        const int kg = how == int_read::channel_scales && g < tile_tokens ? (row >> log2i(g)) * D : 0;
+        dequant_int_chunk<D, Bits>(w, f, how, scales + kg, zeros + kg, row, ch0, g, out, row);
       }
     }
   }
 }
 
 // One role of a page tile -> fp16 tile: from its bytes in the raw ring, or (a format read by
-// element) from the page itself, rows row0 .. row0 + 63 of page_tokens P.
-template <int D>
+// element) from the page itself, rows row0 .. row0 + 63 of page_tokens P. `KeyValues`: as
+// `tile_from_raw`.
+template <int D, bool KeyValues>
 __device__ __forceinline__ void dequant_role(const uint8_t* raw, const uint32_t (&size)[3], format_id fid, role r,
                                              int valid, __half* dst, const uint8_t* page, int P, int row0) {
   const format_traits f = traits_of(fid);
@@ -251,16 +256,17 @@ __device__ __forceinline__ void dequant_role(const uint8_t* raw, const uint32_t 
   const uint8_t* p1 = raw + size[0];
   const uint8_t* p2 = p1 + size[1];
   switch (f.bits) {
-    case 16: tile_from_raw<D, 16>(raw, p1, p2, f, r, valid, dst); break;
-    case 8: tile_from_raw<D, 8>(raw, p1, p2, f, r, valid, dst); break;
-    case 4: tile_from_raw<D, 4>(raw, p1, p2, f, r, valid, dst); break;
-    default: tile_from_raw<D, 2>(raw, p1, p2, f, r, valid, dst); break;
+    case 16: tile_from_raw<D, 16, KeyValues>(raw, p1, p2, f, r, valid, dst); break;
+    case 8: tile_from_raw<D, 8, KeyValues>(raw, p1, p2, f, r, valid, dst); break;
+    case 4: tile_from_raw<D, 4, KeyValues>(raw, p1, p2, f, r, valid, dst); break;
+    default: tile_from_raw<D, 2, KeyValues>(raw, p1, p2, f, r, valid, dst); break;
   }
 }
 
 // One tile's raw bytes -> the fp16 K and V tiles (swizzled, rows past `valid` zero): ring rows
-// as they are, page rows through `dequant_role` (KIVI keys as centered codes). All threads.
-template <int D>
+// as they are, page rows through `dequant_role` (KIVI/RoleAlign keys as centered codes, or with
+// `KeyValues` as values). All threads.
+template <int D, bool KeyValues = false>
 __device__ __forceinline__ void tile_to_fp16(const tile_src& s, const uint8_t* raw, __half* k, __half* v,
                                              int page_tokens) {
   if (s.ring) {
@@ -275,8 +281,8 @@ __device__ __forceinline__ void tile_to_fp16(const tile_src& s, const uint8_t* r
       reinterpret_cast<uint4*>(v)[swz<D>(row, ch) / 8] = vv;
     }
   } else {
-    dequant_role<D>(raw, s.size[0], s.fk, role::k, s.valid, k, s.page[0], page_tokens, s.row0);
-    dequant_role<D>(raw + s.size[0][0] + s.size[0][1] + s.size[0][2], s.size[1], s.fv, role::v, s.valid, v, s.page[1],
+    dequant_role<D, KeyValues>(raw, s.size[0], s.fk, role::k, s.valid, k, s.page[0], page_tokens, s.row0);
+    dequant_role<D, KeyValues>(raw + s.size[0][0] + s.size[0][1] + s.size[0][2], s.size[1], s.fv, role::v, s.valid, v, s.page[1],
                     page_tokens, s.row0);
   }
 }
