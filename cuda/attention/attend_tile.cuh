@@ -153,13 +153,12 @@ __global__ void __launch_bounds__(threads, 2) attend_kernel(const __grid_constan
         const int j = tok0 + wrow + nt * 8 + (lane % 4) * 2 + (e % 2);
         float x = sc4[nt][e];
         if (k_codes) x += sm.cz[gsel][r];
-        x *= p.scale_log2;
         const bool ok = (j - tok0) < valid && j <= last_visible[e / 2];
         sc4[nt][e] = ok ? x : -INFINITY;
         tile_max[e / 2] = fmaxf(tile_max[e / 2], sc4[nt][e]);
       }
     uint32_t pf[1][2][2];
-    row_softmax_step<2, D>(sc4, tile_max, row_max, row_sum, acc[0], pf[0]);
+    row_softmax_step<2, D>(sc4, p.scale_log2, tile_max, row_max, row_sum, acc[0], pf[0]);
     pv_mma_tile<D, 1, 1>(sm.v + wrow * D, pf, acc);  // O += P V over the warp's 16 tokens
   }
 

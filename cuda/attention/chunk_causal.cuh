@@ -122,6 +122,7 @@ __global__ void __launch_bounds__(threads, 2) chunk_kernel(const __grid_constant
   for (int m = 0; m < M; ++m)
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) last_visible[m][hr] = p.q0 + (row0 + wrow + 16 * m + r_lo + 8 * hr) / p.group;
+  const int first_visible = p.q0 + (row0 + wrow) / p.group;  // (the least of them over the warp)
   float row_max[M][2], row_sum[M][2], acc[M][D / 8][4];
   rows_init<D, M>(row_max, row_sum, acc);
 
@@ -139,10 +140,13 @@ __global__ void __launch_bounds__(threads, 2) chunk_kernel(const __grid_constant
       // ---- S = Q K^T: M x 16 rows x 64 tokens ----
       float s[M][8][4];
       qk_mma_tile<D, M>(sm.q, wrow, sm.k[st], s);
-      // ---- scale, causal mask, online softmax, O += P V ----
+      // ---- causal mask, online softmax, O += P V ----
       uint32_t pf[M][8][2];  // P as fp16 pairs: [m-tile][n-tile][row half]
       const auto visible = [&](int m, int hr, int j) { return tok0 + j <= last_visible[m][hr] && tok0 + j < p.T; };
-      softmax_tile<D, M>(s, p.scale_log2, visible, row_max, row_sum, acc, pf);
+      // every row of the warp sees the whole tile: its last token is in the chunk and at or before
+      // the query of the warp's first row (`first_visible`)
+      const bool all = tok0 + tile_tokens - 1 <= first_visible && tok0 + tile_tokens <= p.T;
+      softmax_tile<D, M>(s, p.scale_log2, all, visible, row_max, row_sum, acc, pf);
       pv_mma_tile<D, M>(sm.v[st], pf, acc);
     }
     __syncthreads();  // every warp is done with stage st before the next copy into it

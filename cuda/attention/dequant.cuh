@@ -62,8 +62,9 @@ __device__ __forceinline__ void codes_to_magic(const uint32_t (&w)[4], uint32_t 
 enum class int_read { centered, channel_scales, token_groups };
 
 // One 16-byte chunk of integer codes (128/Bits channels of one token) -> halves in the tile.
-// `scales`/`zeros`: for channel_scales the [D] halves of the token's group, else the page role's
-// [token][D / g] scales and zeros (group g, `tok` the token).
+// `scales`/`zeros`: the tile's scales and zeros as the raw ring holds them, group g, `tok` the
+// token in the tile: for channel_scales [token group][D] halves (the groups the tile touches),
+// else the page role's [token][D / g].
 template <int D, int Bits>
 __device__ __forceinline__ void dequant_int_chunk(const uint32_t (&w)[4], format_traits f, int_read how,
                                                   const uint16_t* scales, const uint16_t* zeros, int tok, int ch0, int g,
@@ -77,8 +78,9 @@ __device__ __forceinline__ void dequant_int_chunk(const uint32_t (&w)[4], format
     for (int i = 0; i < pairs; ++i) m[i] = h2_bits(__hsub2(bits_h2(m[i]), bias));
   } else if (how == int_read::channel_scales) {  // code x s + z, one hfma2 per channel pair
     const __half2 magic = __float2half2_rn(1024.f);
-    const uint4* s4 = reinterpret_cast<const uint4*>(scales + ch0);
-    const uint4* z4 = reinterpret_cast<const uint4*>(zeros + ch0);
+    const int at = (tok >> log2i(g)) * D + ch0;  // (a group of 64 tokens or more: the tile's one group)
+    const uint4* s4 = reinterpret_cast<const uint4*>(scales + at);
+    const uint4* z4 = reinterpret_cast<const uint4*>(zeros + at);
 #pragma unroll
     for (int q = 0; q < elems / 8; ++q) {
       const uint4 sv = s4[q], zv = z4[q];

@@ -64,26 +64,32 @@ __device__ __forceinline__ void qk_mma_tile(const __half* q, int row0, const __h
   }
 }
 
-// Scales the scores `s` of `qk_mma_tile` to base 2, masks (-inf) the columns `visible(m, hr, j)`
-// rejects (m-tile m, row half hr: the lane's row 16 m + lane / 4 + 8 hr; j: the token in the
-// tile), and runs `row_softmax_step` on each m-tile, leaving P in `pf` for `pv_mma_tile`.
+// Masks (-inf) the scores `s` of `qk_mma_tile` in the columns `visible(m, hr, j)` rejects (m-tile
+// m, row half hr: the lane's row 16 m + lane / 4 + 8 hr; j: the token in the tile), unless `all`
+// (warp-uniform: every column of every row of the warp visible, the common tile, which then
+// skips the per-score tests), and runs `row_softmax_step` on each m-tile (the scale, to base 2,
+// inside its exponentials), leaving P in `pf` for `pv_mma_tile`.
 template <int D, int M, class Visible>
-__device__ __forceinline__ void softmax_tile(float (&s)[M][8][4], float scale_log2, Visible visible,
+__device__ __forceinline__ void softmax_tile(float (&s)[M][8][4], float scale_log2, bool all, Visible visible,
                                              float (&row_max)[M][2], float (&row_sum)[M][2], float (&acc)[M][D / 8][4],
                                              uint32_t (&pf)[M][8][2]) {
   const int lane = threadIdx.x % 32;
+  if (!all)
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (!visible(m, e / 2, nt * 8 + (lane % 4) * 2 + (e % 2))) s[m][nt][e] = -INFINITY;
 #pragma unroll
   for (int m = 0; m < M; ++m) {
     float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int j = nt * 8 + (lane % 4) * 2 + (e % 2);
-        s[m][nt][e] = visible(m, e / 2, j) ? s[m][nt][e] * scale_log2 : -INFINITY;
-        tile_max[e / 2] = fmaxf(tile_max[e / 2], s[m][nt][e]);
-      }
-    row_softmax_step<8, D>(s[m], tile_max, row_max[m], row_sum[m], acc[m], pf[m]);
+      for (int e = 0; e < 4; ++e) tile_max[e / 2] = fmaxf(tile_max[e / 2], s[m][nt][e]);
+    row_softmax_step<8, D>(s[m], scale_log2, tile_max, row_max[m], row_sum[m], acc[m], pf[m]);
   }
 }
 

@@ -177,8 +177,7 @@ status launch_prefill(const prefill_args& a, const prefill_plan& lp, const prefi
     } else if (lp.prefix_splits > 0) {
       KVQ_TRY(launch_tile<D>("prefill: prefix attention launch", p, pgrid, st));
     }
-    const dim3 mgrid(unsigned(items), unsigned(H * lp.mtiles), 16u);
-    KVQ_TRY(launch_merge<D>("prefill: merge launch", p, mgrid, st));
+    KVQ_TRY(launch_merge_rows<D>("prefill: merge launch", p, items, st));
   }
   return {};
 }

@@ -112,9 +112,10 @@ __global__ void __launch_bounds__(threads, 2) prefix_kernel(const __grid_constan
     // ---- S = Q K^T: M x 16 rows x 64 tokens (8 n-tiles of 8); each K fragment serves the M m-tiles ----
     float s[M][8][4];
     qk_mma_tile<D, M>(sm.q, warp * 16 * M, sm.k, s);
-    // ---- scale, columns past the tile's tokens, online softmax, O += P V ----
+    // ---- columns past the tile's tokens, online softmax, O += P V ----
     uint32_t pf[M][8][2];
-    softmax_tile<D, M>(s, p.scale_log2, [&](int, int, int j) { return j < valid; }, row_max, row_sum, acc, pf);
+    softmax_tile<D, M>(s, p.scale_log2, valid == tile_tokens, [&](int, int, int j) { return j < valid; }, row_max,
+                       row_sum, acc, pf);
     pv_mma_tile<D, M>(sm.v, pf, acc);
   }
   if (!active) return;

@@ -20,19 +20,22 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
-// `s`: the tile's scores, scaled to base 2 and masked (-inf); `tile_max`: each of the lane's two
-// rows' max over its own columns. Updates the rows' running max and sum, rescales the output
-// accumulators `acc` ([D/8][4], same layout) when the max moves, and leaves P as fp16 pairs in
-// `pf` ([n-tile][row half]: the A fragments of O += P V). A row with every score so far masked
-// keeps max -inf and exponentiates against 0, so its P, sum and output stay 0 (no inf - inf).
+// `s`: the tile's raw scores, masked (-inf); `scale_log2`: the softmax scale in base 2 (> 0),
+// applied here, inside each exponential's FFMA (2^(s x scale - max), FlashAttention's form: no
+// separate scaling pass); `tile_max`: each of the lane's two rows' max over its own raw scores.
+// Updates the rows' running max (scaled) and sum, rescales the output accumulators `acc`
+// ([D/8][4], same layout) when the max moves, and leaves P as fp16 pairs in `pf` ([n-tile][row
+// half]: the A fragments of O += P V). A row with every score so far masked keeps max -inf and
+// exponentiates against 0, so its P, sum and output stay 0 (no inf - inf).
 template <int NT, int D>
-__device__ __forceinline__ void row_softmax_step(const float (&s)[NT][4], float (&tile_max)[2], float (&row_max)[2],
-                                                 float (&row_sum)[2], float (&acc)[D / 8][4], uint32_t (&pf)[NT][2]) {
+__device__ __forceinline__ void row_softmax_step(const float (&s)[NT][4], float scale_log2, float (&tile_max)[2],
+                                                 float (&row_max)[2], float (&row_sum)[2], float (&acc)[D / 8][4],
+                                                 uint32_t (&pf)[NT][2]) {
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
     tile_max[hr] = fmaxf(tile_max[hr], __shfl_xor_sync(0xffffffffu, tile_max[hr], 1));
     tile_max[hr] = fmaxf(tile_max[hr], __shfl_xor_sync(0xffffffffu, tile_max[hr], 2));
-    const float m_new = fmaxf(row_max[hr], tile_max[hr]);
+    const float m_new = fmaxf(row_max[hr], tile_max[hr] * scale_log2);
     const float m_ref = m_new == -INFINITY ? 0.f : m_new;
     const float alpha = fast_exp2(row_max[hr] - m_ref);
     row_max[hr] = m_new;
@@ -46,8 +49,8 @@ __device__ __forceinline__ void row_softmax_step(const float (&s)[NT][4], float 
     }
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
-      const float p0 = fast_exp2(s[nt][2 * hr] - m_ref);
-      const float p1 = fast_exp2(s[nt][2 * hr + 1] - m_ref);
+      const float p0 = fast_exp2(fmaf(s[nt][2 * hr], scale_log2, -m_ref));
+      const float p1 = fast_exp2(fmaf(s[nt][2 * hr + 1], scale_log2, -m_ref));
       row_sum[hr] += p0 + p1;
       pf[nt][hr] = h2_bits(__floats2half2_rn(p0, p1));
     }

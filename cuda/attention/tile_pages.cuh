@@ -233,10 +233,7 @@ __device__ __forceinline__ void tile_from_raw(const uint8_t* codes, const uint8_
         out[swz<D>(row, ch0 / 8) / 8] = make_uint4(hh[0], hh[1], hh[2], hh[3]);
         out[swz<D>(row, ch0 / 8 + 1) / 8] = make_uint4(hh[4], hh[5], hh[6], hh[7]);
       } else {
-        // channel scales: the [D] scales and zeros of the row's token group (the tile's one group
-        // where it is 64 tokens or more)
-        const int kg = how == int_read::channel_scales && g < tile_tokens ? (row >> log2i(g)) * D : 0;
-        dequant_int_chunk<D, Bits>(w, f, how, scales + kg, zeros + kg, row, ch0, g, out, row);
+        dequant_int_chunk<D, Bits>(w, f, how, scales, zeros, row, ch0, g, out, row);
       }
     }
   }
