@@ -84,11 +84,13 @@ __device__ __forceinline__ void softmax_tile(float (&s)[M][8][4], float scale_lo
           if (!visible(m, e / 2, nt * 8 + (lane % 4) * 2 + (e % 2))) s[m][nt][e] = -INFINITY;
 #pragma unroll
   for (int m = 0; m < M; ++m) {
-    float tile_max[2] = {-INFINITY, -INFINITY};
+    float tile_max[2], mx[2][8];
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt)
+    for (int hr = 0; hr < 2; ++hr) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) tile_max[e / 2] = fmaxf(tile_max[e / 2], s[m][nt][e]);
+      for (int nt = 0; nt < 8; ++nt) mx[hr][nt] = fmaxf(s[m][nt][2 * hr], s[m][nt][2 * hr + 1]);
+      tile_max[hr] = tree_reduce<8, true>(mx[hr]);
+    }
     row_softmax_step<8, D>(s[m], scale_log2, tile_max, row_max[m], row_sum[m], acc[m], pf[m]);
   }
 }

@@ -4,11 +4,15 @@
 // unmasked. A block of 4 warps takes 128 query rows of one kv head (64 at head_dim 256; row =
 // query x GQA group + head, as the tile kernel orders them), each warp 32 rows (16 at 256) as two
 // m-tiles that share every K and V fragment it reads, and walks its split of the prefix's
-// 64-token tiles: the tile kernel's copy pipeline brings each tile's page bytes (or ring rows)
-// into a raw ring, the 4 warps dequantize it once into swizzled fp16 K/V tiles, and every warp
-// runs S = Q K^T and O += P V over the whole tile with mma.sync m16n8k16 (fp16 operands, fp32
-// accumulation), online softmax in fp32 registers. A tile is read and dequantized once per 128
-// rows, where the tile kernel does it once per 16.
+// 64-token tiles, FlashAttention-2's order over one K and one V tile in shared memory: each
+// iteration is two phases between barriers, (A) V of tile t in while S = Q K^T and the online
+// softmax run over K of t, (B) K of tile t + 1 in while O += P V runs over V of t. "In" is the
+// tile readers' dequantization (attention/tile_pages.cuh, `role_to_fp16`) from the role's page
+// bytes, which `cp.async` brought into a raw slot one phase earlier, or for FP16 rows (the ring, FP16
+// pages) their copies straight into the swizzled tile; every thread issues copies and waits for
+// its own before each barrier. mma.sync m16n8k16 (fp16 operands, fp32 accumulation), online
+// softmax in fp32 registers. A tile is read and dequantized once per 128 rows, where the tile
+// kernel does it once per 16.
 // KIVI keys are dequantized to their values here (code x s + z per channel, one fp16 rounding),
 // where the tile kernel keeps centered codes and folds the scales into the query: the query
 // fragments then serve all four 16-token groups of a tile, and no zero-point term is added.
@@ -23,33 +27,68 @@
 KVQ_NAMESPACE_BEGIN
 namespace cuda::detail {
 
-// Raw ring of the copy pipeline: one FP16 tile (K and V rows) at head_dim 128 and 256, two at
-// 64. The copies of the next tile land while the warps work on the current one (a tile's bytes
-// are released once dequantized); smaller quantized tiles have several in flight. An empty ring
-// restarts at offset 0 (`ring_place`, attention/layout.hpp), so a tile as large as the ring fits
-// once the tiles before it are released.
+// A role's page bytes in a raw slot: at most 64 rows of 16-bit values (every quantized role, its
+// scales and zeros included, is smaller).
 template <int D>
-constexpr uint32_t prefix_raw_bytes = D == 64 ? 2 * (2 * tile_tokens * D * 2) : 2 * tile_tokens * D * 2;
+constexpr uint32_t prefix_slot_bytes = tile_tokens * D * 2;
+constexpr int prefix_descs = 4;  // tile descriptions held: tiles t .. t + 2 (and t - 1, last read in its phase A)
 
 template <int D>
 struct prefix_smem {
-  uint8_t raw[prefix_raw_bytes<D>];    // in-flight page bytes, tile after tile
-  __half q[prefill_block_rows(D) * D];  // the block's query rows, swizzled
-  __half k[tile_tokens * D];           // the tile's keys (values), swizzled
-  __half v[tile_tokens * D];           // the tile's values, swizzled
-  tile_table tiles;                    // page lookups of this block's tiles
-  tile_src slot[pipeline_tiles];       // tiles in flight, written by the producer warp
-  uint32_t slot_at[pipeline_tiles];
+  uint8_t raw[2][prefix_slot_bytes<D>];  // page bytes of the next K role (slot 0) and V role (slot 1)
+  __half q[prefill_block_rows(D) * D];    // the block's query rows, swizzled
+  __half k[tile_tokens * D];             // the tile's keys (values), swizzled
+  __half v[tile_tokens * D];             // the tile's values, swizzled
+  tile_table tiles;                      // page lookups of this block's tiles
+  tile_src desc[prefix_descs];           // tile t's description at t % prefix_descs, written by thread 0
 };
 // two blocks an SM on sm_90 (228 KiB of shared memory, 1 KiB of it reserved per block)
 static_assert(2 * (sizeof(prefix_smem<128>) + 1024) <= 228 * 1024, "two prefix-kernel blocks fit an SM");
 static_assert(3 * (sizeof(prefix_smem<64>) + 1024) <= 228 * 1024, "three prefix-kernel blocks fit an SM");
 
+// Role r (0: K, 1: V) of a tile is copied straight into its fp16 tile: FP16 ring rows and FP16
+// pages (no dequantization); any other format's bytes go to a raw slot.
+__device__ __forceinline__ bool role_direct(const tile_src& s, int r) {
+  return s.ring || (r == 0 ? s.fk : s.fv) == fp16_format;
+}
+
+// Issues role r of tile `s` from every thread and commits one copy group: a direct role's 64 rows
+// into the swizzled fp16 tile `tile` (rows past `valid` zeroed: P V must not meet stale bytes),
+// else the role's byte ranges (codes, scales, zeros) back to back into the raw slot at `raw`.
+template <int D>
+__device__ __forceinline__ void issue_role(const tile_src& s, int r, __half* tile, uint32_t raw, int window) {
+  if (role_direct(s, r)) {
+    constexpr int cpr = D * 2 / 16;  // 16-byte chunks per row
+    const uint8_t* src = s.ring ? s.page[r] : s.page[r] + s.from[r][0];
+    const int valid = s.valid, tok0 = s.tok0;
+    const bool ring = s.ring;
+#pragma unroll 1
+    for (int i = 0; i < tile_tokens * cpr / threads; ++i) {
+      const int c = threadIdx.x + i * threads, row = c / cpr, ch = c % cpr;
+      __half* dst = tile + swz<D>(row, ch);
+      if (row >= valid)
+        *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
+      else
+        cp_async16(smem_addr(dst), src + size_t(ring ? (tok0 + row) % window : row) * D * 2 + ch * 16);
+    }
+  } else {
+    uint32_t at = raw;
+#pragma unroll
+    for (int k = 0; k < 3; ++k) {
+      const uint8_t* src = s.page[r] + s.from[r][k];
+      const uint32_t n = s.size[r][k] / 16;
+      for (uint32_t c = threadIdx.x; c < n; c += threads) cp_async16(at + c * 16, src + c * 16);
+      at += s.size[r][k];
+    }
+  }
+  cp_commit();
+}
+
 // Grid (split, kv head x row block, item); `p.mtiles` counts an item's 16-row m-tiles, whose
 // partials the warps write (m-tile (block rows / 16) x block + M x warp + m).
 template <int D>
 __global__ void __launch_bounds__(threads, 2) prefix_kernel(const __grid_constant__ attend_params p) {
-  constexpr int M = prefill_warp_mtiles<D>, rows = prefill_block_rows(D);
+  constexpr int M = prefill_warp_mtiles<D>, rows = prefill_block_rows(D), nd = prefix_descs;
   pdl_trigger();
   extern __shared__ __align__(16) uint8_t smem_raw[];
   prefix_smem<D>& sm = *reinterpret_cast<prefix_smem<D>*>(smem_raw);
@@ -62,11 +101,11 @@ __global__ void __launch_bounds__(threads, 2) prefix_kernel(const __grid_constan
   const int T = page_tiles + ceil_div(item.n - item.from_pages, tile_tokens);
   const int t0 = split * p.tiles_per_split, t1 = min(T, t0 + p.tiles_per_split);
   if (t0 >= T) return;
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int tid = threadIdx.x, warp = tid / 32;
   const int mt0 = mb * (rows / 16) + warp * M;  // this warp's first m-tile
   const bool active = mt0 * 16 < rows_used;     // (warp-uniform) rows of padding only: no math
-  constexpr uint32_t ring_bytes = prefix_raw_bytes<D>;
-  const uint32_t raw_base = smem_addr(sm.raw);
+  const int window = p.kv.window, P = p.kv.page_tokens;
+  const uint32_t raw_k = smem_addr(sm.raw[0]), raw_v = smem_addr(sm.raw[1]);
 
   load_tile_table<D>(p, item, h, t0, t1, sm.tiles);
   // the block's query rows: row r -> m = rows mb + r, query m / group, head h group + m % group
@@ -79,44 +118,58 @@ __global__ void __launch_bounds__(threads, 2) prefix_kernel(const __grid_constan
     }
     sm.q[swz<D>(r, c / 8) + c % 8] = __float2half_rn(x);
   }
+  __syncthreads();  // the page lookups
+  if (tid == 0)
+    for (int t = t0; t < min(t1, t0 + 2); ++t) sm.desc[t % nd] = describe_tile<D>(p, item, h, t, t0, sm.tiles);
   __syncthreads();
   // NOTE: the query fragments are read from shared memory at every tile: held in registers beside
   // the output accumulators they spilled at head_dim 128 (docs/decisions.md, "CUDA prefill of any
   // length").
 
-  // The copy pipeline, as in the tile kernel: warp 0 issues tiles in order into the raw ring while
-  // space and group slots last; a tile's bytes are freed once it is dequantized.
-  uint32_t pipe_end[pipeline_tiles];
-  tile_pump<D, ring_bytes> pipe(t0, t1, pipe_end);
-  const auto pump = [&](int consumed_upto) {
-    pipe.run(p, item, h, t0, sm.tiles, sm.slot, sm.slot_at, raw_base, lane, consumed_upto);
-  };
-  if (warp == 0) pump(t0);
+  // K of the first tile, and its V's page bytes
+  issue_role<D>(sm.desc[t0 % nd], 0, sm.k, raw_k, window);
+  if (!role_direct(sm.desc[t0 % nd], 1)) issue_role<D>(sm.desc[t0 % nd], 1, sm.v, raw_v, window);
+  cp_wait<0>();
+  __syncthreads();
+  if (!role_direct(sm.desc[t0 % nd], 0)) role_to_fp16<D, true>(sm.desc[t0 % nd], 0, sm.raw[0], sm.k, P);
 
   float row_max[M][2], row_sum[M][2], acc[M][D / 8][4];
   rows_init<D, M>(row_max, row_sum, acc);
 
   for (int t = t0; t < t1; ++t) {
-    if (warp == 0) cp_wait_dyn(pipe.issued - t - 1);  // this tile's copies have landed
-    __syncthreads();                                  // ... visible to all; every warp is done with the previous tile
-    const int valid = sm.slot[t % pipeline_tiles].valid;
-    tile_to_fp16<D, true>(sm.slot[t % pipeline_tiles], sm.raw + sm.slot_at[t % pipeline_tiles], sm.k, sm.v,
-                          p.kv.page_tokens);
-    __syncthreads();  // tile ready; its raw bytes are free
-    if (warp == 0) {
-      pipe.release(t);
-      pump(t + 1);  // keep the copies flowing while the tensor cores work
-    }
-    if (!active) continue;
-
-    // ---- S = Q K^T: M x 16 rows x 64 tokens (8 n-tiles of 8); each K fragment serves the M m-tiles ----
-    float s[M][8][4];
-    qk_mma_tile<D, M>(sm.q, warp * 16 * M, sm.k, s);
-    // ---- columns past the tile's tokens, online softmax, O += P V ----
+    const tile_src& cur = sm.desc[t % nd];
+    const tile_src& nxt = sm.desc[(t + 1) % nd];
+    const bool more = t + 1 < t1;
+    // A: K of tile t is in sm.k (and V's page bytes in raw slot 1); every warp is done with sm.v
+    // and raw slot 0
+    __syncthreads();
+    if (more && !role_direct(nxt, 0)) issue_role<D>(nxt, 0, sm.k, raw_k, window);  // K of t + 1: page bytes
+    if (role_direct(cur, 1))
+      issue_role<D>(cur, 1, sm.v, raw_v, window);
+    else
+      role_to_fp16<D, true>(cur, 1, sm.raw[1], sm.v, P);
+    if (tid == 0 && t + 2 < t1) sm.desc[(t + 2) % nd] = describe_tile<D>(p, item, h, t + 2, t0, sm.tiles);
     uint32_t pf[M][8][2];
-    softmax_tile<D, M>(s, p.scale_log2, valid == tile_tokens, [&](int, int, int j) { return j < valid; }, row_max,
-                       row_sum, acc, pf);
-    pv_mma_tile<D, M>(sm.v, pf, acc);
+    if (active) {
+      // ---- S = Q K^T: M x 16 rows x 64 tokens (8 n-tiles of 8); each K fragment serves the M m-tiles ----
+      float s[M][8][4];
+      qk_mma_tile<D, M>(sm.q, warp * 16 * M, sm.k, s);
+      // ---- columns past the tile's tokens, online softmax ----
+      const int valid = cur.valid;
+      softmax_tile<D, M>(s, p.scale_log2, valid == tile_tokens, [&](int, int, int j) { return j < valid; }, row_max,
+                         row_sum, acc, pf);
+    }
+    cp_wait<0>();
+    // B: V of tile t is in sm.v (and K of t + 1's page bytes in raw slot 0); every warp is done
+    // with sm.k and raw slot 1
+    __syncthreads();
+    // the copies first (their latency hides behind the MMAs), the dequantization after P V (P's
+    // registers free by then)
+    if (more && role_direct(nxt, 0)) issue_role<D>(nxt, 0, sm.k, raw_k, window);  // K of t + 1: FP16 rows
+    if (more && !role_direct(nxt, 1)) issue_role<D>(nxt, 1, sm.v, raw_v, window);  // V of t + 1: page bytes
+    if (active) pv_mma_tile<D, M>(sm.v, pf, acc);  // ---- O += P V ----
+    if (more && !role_direct(nxt, 0)) role_to_fp16<D, true>(nxt, 0, sm.raw[0], sm.k, P);
+    cp_wait<0>();
   }
   if (!active) return;
 

@@ -11,6 +11,17 @@
 KVQ_NAMESPACE_BEGIN
 namespace cuda::detail {
 
+// The sum (`Max`: the max) of x[0 .. N), N a power of two, as a tree (depth log2 N, where a chain
+// of N - 1 dependent adds would wait on each one's latency); x is overwritten.
+template <int N, bool Max = false>
+__device__ __forceinline__ float tree_reduce(float (&x)[N]) {
+#pragma unroll
+  for (int w = N / 2; w >= 1; w /= 2)
+#pragma unroll
+    for (int i = 0; i < w; ++i) x[i] = Max ? fmaxf(x[i], x[i + w]) : x[i] + x[i + w];
+  return x[0];
+}
+
 // 2^x on the MUFU unit (ex2.approx.ftz: about 2^-22 relative error, results below 2^-126 flushed
 // to 0, -inf -> 0). Branch-free: `exp2f` adds a subnormal fix-up around each MUFU, and a select
 // between it and a constant compiled to a branch around every pair of exponentials.
@@ -47,13 +58,15 @@ __device__ __forceinline__ void row_softmax_step(const float (&s)[NT][4], float 
         acc[j][2 * hr + 1] *= alpha;
       }
     }
+    float ps[NT];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
       const float p0 = fast_exp2(fmaf(s[nt][2 * hr], scale_log2, -m_ref));
       const float p1 = fast_exp2(fmaf(s[nt][2 * hr + 1], scale_log2, -m_ref));
-      row_sum[hr] += p0 + p1;
+      ps[nt] = p0 + p1;
       pf[nt][hr] = h2_bits(__floats2half2_rn(p0, p1));
     }
+    row_sum[hr] += tree_reduce<NT>(ps);
   }
 }
 

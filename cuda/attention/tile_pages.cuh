@@ -260,6 +260,15 @@ __device__ __forceinline__ void dequant_role(const uint8_t* raw, const uint32_t 
   }
 }
 
+// Role r (0: K, 1: V) of a page tile -> its fp16 tile, from the role's bytes at `raw` (its three
+// ranges back to back), or read by element from the page. `KeyValues`: as `tile_from_raw`.
+template <int D, bool KeyValues>
+__device__ __forceinline__ void role_to_fp16(const tile_src& s, int r, const uint8_t* raw, __half* dst,
+                                             int page_tokens) {
+  dequant_role<D, KeyValues>(raw, s.size[r], r == 0 ? s.fk : s.fv, r == 0 ? role::k : role::v, s.valid, dst, s.page[r],
+                             page_tokens, s.row0);
+}
+
 // One tile's raw bytes -> the fp16 K and V tiles (swizzled, rows past `valid` zero): ring rows
 // as they are, page rows through `dequant_role` (KIVI/RoleAlign keys as centered codes, or with
 // `KeyValues` as values). All threads.
@@ -278,9 +287,8 @@ __device__ __forceinline__ void tile_to_fp16(const tile_src& s, const uint8_t* r
       reinterpret_cast<uint4*>(v)[swz<D>(row, ch) / 8] = vv;
     }
   } else {
-    dequant_role<D, KeyValues>(raw, s.size[0], s.fk, role::k, s.valid, k, s.page[0], page_tokens, s.row0);
-    dequant_role<D, KeyValues>(raw + s.size[0][0] + s.size[0][1] + s.size[0][2], s.size[1], s.fv, role::v, s.valid, v, s.page[1],
-                    page_tokens, s.row0);
+    role_to_fp16<D, KeyValues>(s, 0, raw, k, page_tokens);
+    role_to_fp16<D, KeyValues>(s, 1, raw + s.size[0][0] + s.size[0][1] + s.size[0][2], v, page_tokens);
   }
 }
 
