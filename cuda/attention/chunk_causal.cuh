@@ -71,20 +71,9 @@ struct chunk_smem {
 // are zero (their scores are masked, and P V must not meet garbage).
 template <int D>
 __device__ __forceinline__ void chunk_tile_copy(const chunk_params& p, int h, int t, chunk_smem<D>& sm, int st) {
-  constexpr int cpr = D * 2 / 16;  // 16-byte chunks per row
-  const size_t head0 = size_t(h) * p.T * D;
-#pragma unroll
-  for (int i = 0; i < tile_tokens * cpr / threads; ++i) {
-    const int c = threadIdx.x + i * threads, row = c / cpr, ch = c % cpr, tok = t * tile_tokens + row;
-    const int at = swz<D>(row, ch);
-    if (tok < p.T) {
-      cp_async16(smem_addr(&sm.k[st][at]), p.ck + head0 + size_t(tok) * D + ch * 8);
-      cp_async16(smem_addr(&sm.v[st][at]), p.cv + head0 + size_t(tok) * D + ch * 8);
-    } else {
-      *reinterpret_cast<uint4*>(&sm.k[st][at]) = make_uint4(0, 0, 0, 0);
-      *reinterpret_cast<uint4*>(&sm.v[st][at]) = make_uint4(0, 0, 0, 0);
-    }
-  }
+  const size_t at = (size_t(h) * p.T + size_t(t) * tile_tokens) * D;
+  copy_tile_rows<D>(sm.k[st], p.ck + at, p.T - t * tile_tokens);
+  copy_tile_rows<D>(sm.v[st], p.cv + at, p.T - t * tile_tokens);
   cp_commit();
 }
 

@@ -7,6 +7,7 @@
 #include <cuda_fp16.h>
 
 #include "attention/dequant.cuh"
+#include "attention/layout.hpp"
 #include "attention/row_softmax.cuh"
 #include "ptx.cuh"
 
@@ -28,6 +29,43 @@ __device__ __forceinline__ void rows_init(float (&row_max)[M][2], float (&row_su
     row_sum[m][0] = row_sum[m][1] = 0.f;
 #pragma unroll
     for (int j = 0; j < D / 8; ++j) acc[m][j][0] = acc[m][j][1] = acc[m][j][2] = acc[m][j][3] = 0.f;
+  }
+}
+
+// A block's cp.async copy of 64 fp16 rows into a swizzled tile: thread x takes 16-byte chunk
+// x % cpr of rows x / cpr + i x step (pass i). At head_dim 64 and 128 `step` is a multiple of 8,
+// so every pass of a thread has the same swizzle term and its addresses are constant offsets.
+template <int D>
+struct tile_rows {
+  static constexpr int cpr = D * 2 / 16, step = threads / cpr, passes = tile_tokens / step;
+  static_assert(threads % cpr == 0 && tile_tokens % step == 0, "whole passes of rows");
+  __half* tile;
+  int ch, row0;
+  __device__ explicit tile_rows(__half* t) : tile(t), ch(int(threadIdx.x) % cpr), row0(int(threadIdx.x) / cpr) {}
+  __device__ int row(int i) const { return row0 + i * step; }
+  __device__ __half* dst(int i) const {
+    return step % 8 == 0 ? tile + swz<D>(row0, ch) + i * step * D : tile + swz<D>(row(i), ch);
+  }
+  __device__ void zero(int i) const { *reinterpret_cast<uint4*>(dst(i)) = make_uint4(0, 0, 0, 0); }
+};
+
+// Issues the copies of rows [0, valid) of `src` (row j at src + j D) into `tile`, and zeros its
+// rows past `valid` (P V must not meet stale bytes). No commit.
+template <int D>
+__device__ __forceinline__ void copy_tile_rows(__half* tile, const __half* src, int valid) {
+  using tr = tile_rows<D>;
+  const tr at(tile);
+  src += at.row0 * D + at.ch * 8;
+  if (valid >= tile_tokens) {
+#pragma unroll
+    for (int i = 0; i < tr::passes; ++i) cp_async16(smem_addr(at.dst(i)), src + i * tr::step * D);
+  } else {
+#pragma unroll
+    for (int i = 0; i < tr::passes; ++i)
+      if (at.row(i) < valid)
+        cp_async16(smem_addr(at.dst(i)), src + i * tr::step * D);
+      else
+        at.zero(i);
   }
 }
 

@@ -58,18 +58,22 @@ __device__ __forceinline__ bool role_direct(const tile_src& s, int r) {
 template <int D>
 __device__ __forceinline__ void issue_role(const tile_src& s, int r, __half* tile, uint32_t raw, int window) {
   if (role_direct(s, r)) {
-    constexpr int cpr = D * 2 / 16;  // 16-byte chunks per row
-    const uint8_t* src = s.ring ? s.page[r] : s.page[r] + s.from[r][0];
-    const int valid = s.valid, tok0 = s.tok0;
-    const bool ring = s.ring;
-#pragma unroll 1
-    for (int i = 0; i < tile_tokens * cpr / threads; ++i) {
-      const int c = threadIdx.x + i * threads, row = c / cpr, ch = c % cpr;
-      __half* dst = tile + swz<D>(row, ch);
-      if (row >= valid)
-        *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
-      else
-        cp_async16(smem_addr(dst), src + size_t(ring ? (tok0 + row) % window : row) * D * 2 + ch * 16);
+    if (!s.ring) {
+      copy_tile_rows<D>(tile, reinterpret_cast<const __half*>(s.page[r] + s.from[r][0]), s.valid);
+    } else {  // ring rows: a row's slot advances `step` a pass and wraps at the window (>= 32 > step)
+      using tr = tile_rows<D>;
+      const tr rows(tile);
+      const __half* src = reinterpret_cast<const __half*>(s.page[r]) + rows.ch * 8;
+      int at = (s.tok0 + rows.row0) % window;  // the source row of this pass
+#pragma unroll
+      for (int i = 0; i < tr::passes; ++i) {
+        if (rows.row(i) < s.valid)
+          cp_async16(smem_addr(rows.dst(i)), src + size_t(at) * D);
+        else
+          rows.zero(i);
+        at += tr::step;
+        if (at >= window) at -= window;
+      }
     }
   } else {
     uint32_t at = raw;
