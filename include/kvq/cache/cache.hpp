@@ -234,8 +234,9 @@ class KVQ_EXPORT KVCache {
   /// Appending is `append`'s (same validation, storage and policy calls); everything (shapes,
   /// token counts, values, budget) is validated before anything is stored.
   /// Both backends take any T. CUDA: T <= window as `append` + `attend`; a longer chunk as the
-  /// prefix part on the tile kernel and the chunk's causal part on a FlashAttention-2-style kernel
-  /// over its fp16 K/V, merged by the split merge, its workspace grown before the append (a failed
+  /// prefix part on the prefix kernel (128 query rows a block) and the chunk's causal part on a
+  /// FlashAttention-2-style kernel over its fp16 K/V, merged by log-sum-exp, its workspace grown
+  /// before the append (a failed
   /// call stores nothing); a device canary (EchoKV) does not measure the queries of such a chunk.
   /// \param k [T][kv_heads][head_dim] f32/f16/bf16, finite and within fp16 range
   /// \param v same shape as k
