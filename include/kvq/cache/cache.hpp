@@ -236,8 +236,8 @@ class KVQ_EXPORT KVCache {
   /// Both backends take any T. CUDA: T <= window as `append` + `attend`; a longer chunk as the
   /// prefix part on the prefix kernel (128 query rows a block) and the chunk's causal part on a
   /// FlashAttention-2-style kernel over its fp16 K/V, merged by log-sum-exp, its workspace grown
-  /// before the append (a failed
-  /// call stores nothing); a device canary (EchoKV) does not measure the queries of such a chunk.
+  /// before the append (a failed call stores nothing); a device canary (EchoKV) does not measure
+  /// the queries of such a chunk.
   /// \param k [T][kv_heads][head_dim] f32/f16/bf16, finite and within fp16 range
   /// \param v same shape as k
   /// \param q [T][q_heads][head_dim]
