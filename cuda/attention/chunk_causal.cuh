@@ -77,14 +77,16 @@ __device__ __forceinline__ void chunk_tile_copy(const chunk_params& p, int h, in
   cp_commit();
 }
 
-// Grid (row blocks of `prefill_block_rows` rows, kv heads): blockIdx.x counts down from the
-// longest (last) rows, so that the blocks with the most key tiles start first.
+// Grid (row blocks of `prefill_block_rows` rows x kv heads): blockIdx.x takes the kv heads
+// fastest and the row blocks from the last (longest) down, so that over all heads the blocks with
+// the most key tiles start first and the short ones fill the tail.
 template <int D>
 __global__ void __launch_bounds__(threads, 2) chunk_kernel(const __grid_constant__ chunk_params p) {
   constexpr int M = prefill_warp_mtiles<D>, rows = prefill_block_rows(D);
   extern __shared__ __align__(16) uint8_t smem_raw[];
   chunk_smem<D>& sm = *reinterpret_cast<chunk_smem<D>*>(smem_raw);
-  const int h = blockIdx.y, row0 = (int(gridDim.x) - 1 - int(blockIdx.x)) * rows;
+  const int h = int(blockIdx.x) % p.kv_heads;
+  const int row0 = (int(gridDim.x) / p.kv_heads - 1 - int(blockIdx.x) / p.kv_heads) * rows;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   // the last query of the block's rows bounds its key tiles
   const int q_last = min(p.T - 1, p.q0 + (min(row0 + rows, p.rows) - 1) / p.group);

@@ -40,6 +40,11 @@ struct attend_params {
   int prefix;         // tile kernel, 1: every query sees all n tokens of its item (no causal mask; attend_prefix)
   int extra_splits;   // merge: partials past the item's own splits (1: a prefill chunk's causal part)
   float* lse;         // merge, optional: [rows][q_heads] natural-log log-sum-exp of each output row
+  // prefix kernel: its splits start at split `split0`; the page tiles [stage_t0, stage_t0 +
+  // stage_tiles) of every kv head, dequantized to swizzled fp16 images ([kv head][tile][role]
+  // [64 x D]) by `stage_prefix_kernel` (roles of FP16 pages are read from the page instead)
+  const __half* staged;
+  int stage_t0, stage_tiles, split0;
   int n_items;
   decode_item items[max_items];
   const decode_table* table;  // replay instances: the items, read from device memory (`items` unused)

@@ -1,8 +1,9 @@
 // Launch glue of a prefix / prefill call (attention/prefill.hpp): the query rotation of rotated
 // heads, the chunk's fp16 K/V and its causal part (attention/chunk_causal.cuh), the prefix part on
-// the prefix kernel (attention/prefix_tile.cuh; an item of at most 16 query rows: the tile kernel,
-// attention/attend_tile.cuh, unmasked), then the split merge, which merges both parts by
-// log-sum-exp and writes O and the log-sum-exps.
+// the prefix kernel (attention/prefix_tile.cuh), its quantized page tiles dequantized first into
+// the workspace, a segment of at most `prefill_stage_bytes` at a time (an item of at most 16 query
+// rows: the tile kernel, attention/attend_tile.cuh, unmasked, dequantizing as it reads), then the
+// split merge, which merges both parts by log-sum-exp and writes O and the log-sum-exps.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -24,7 +25,9 @@ namespace {
 // How a call splits: items of `prefill_item_queries` queries, launches of up to `max_items` items,
 // the prefix's 64-token tiles over `prefix_splits` blocks per (item, kv head, row block), and the
 // chunk's part (a prefill) as one more split. A row block is `prefill_block_rows` rows (the prefix
-// kernel) when an item has more than 16 rows, else the tile kernel's one m-tile.
+// kernel) when an item has more than 16 rows, else the tile kernel's one m-tile. The prefix
+// kernel's splits run in segments of `segment_splits` splits, each after its page tiles' fp16
+// images are staged (at most `prefill_stage_bytes`, so a split holds at most that many tiles).
 struct prefill_plan {
   int items;         // ceil(T / prefill_item_queries)
   int launch_items;  // items of one launch, at most max_items
@@ -33,8 +36,11 @@ struct prefill_plan {
   int row_blocks;    // blocks per (item, kv head) of the prefix part
   int prefix_tiles;  // 64-token tiles of the prefix
   int tiles_per_split, prefix_splits, max_splits;
-  size_t parts;     // partials of one launch
-  size_t ws_parts;  // partials the workspace holds: a bound that depends on n0, not on from_pages
+  int segment_splits;  // prefix-kernel splits per segment
+  int stage_tiles;     // page tiles a segment stages at most (the staging buffer's tiles per kv head)
+  int ws_stage_tiles;  // the same bound for any from_pages <= n0 (the workspace's)
+  size_t parts;        // partials of one launch
+  size_t ws_parts;     // partials the workspace holds: a bound that depends on n0, not on from_pages
 };
 
 size_t align256(size_t x) { return (x + 255) / 256 * 256; }
@@ -52,14 +58,22 @@ prefill_plan plan_of(const prefill_args& a) {
   // the tile kernel's rule (launch_plan.cpp): about four blocks per SM, at most max_split_tiles
   // tiles per block
   const int64_t base = int64_t(lp.launch_items) * a.kv.kv_heads * lp.row_blocks;
+  // the staging buffer's tiles: one tile's images of every kv head, K and V
+  const int64_t image_bytes = int64_t(a.kv.kv_heads) * 2 * tile_tokens * a.kv.head_dim * 2;
+  const int cap_tiles = lp.wide
+                            ? int(std::clamp<int64_t>(int64_t(prefill_stage_bytes) / image_bytes, 1, max_split_tiles))
+                            : max_split_tiles;
   const auto splits_for = [&](int tiles) {  // non-decreasing in tiles
     const int64_t want = int64_t(a.num_sms) * 4;
     const int s = int(std::clamp<int64_t>((want + base - 1) / base, 1, std::max(1, tiles)));
-    return std::max(s, ceil_div(tiles, max_split_tiles));
+    return std::max(s, ceil_div(tiles, cap_tiles));
   };
   const int splits = splits_for(lp.prefix_tiles);
-  lp.tiles_per_split = std::max(1, ceil_div(lp.prefix_tiles, splits));
+  lp.tiles_per_split = std::max(1, ceil_div(lp.prefix_tiles, splits));  // <= cap_tiles
   lp.prefix_splits = ceil_div(lp.prefix_tiles, lp.tiles_per_split);  // <= splits
+  lp.segment_splits = std::max(1, cap_tiles / lp.tiles_per_split);
+  lp.stage_tiles = lp.wide ? std::min(ceil_div(a.from_pages, tile_tokens), lp.segment_splits * lp.tiles_per_split) : 0;
+  lp.ws_stage_tiles = lp.wide ? std::min(ceil_div(a.prefix, tile_tokens), cap_tiles) : 0;
   const int chunk = a.k.data ? 1 : 0;
   lp.max_splits = lp.prefix_splits + chunk;
   lp.parts = size_t(lp.launch_items) * a.kv.kv_heads * lp.mtiles * lp.max_splits;
@@ -69,9 +83,10 @@ prefill_plan plan_of(const prefill_args& a) {
   return lp;
 }
 
-// Workspace: partials | rotated queries (rotated heads) | the chunk's fp16 K/V (a prefill).
+// Workspace: partials | rotated queries (rotated heads) | the chunk's fp16 K/V (a prefill) | the
+// staged fp16 images of a segment's page tiles (the prefix kernel).
 struct prefill_layout {
-  size_t rotated_q, chunk_kv, total;
+  size_t rotated_q, chunk_kv, staged, total;
 };
 prefill_layout layout_of(const prefill_args& a, const prefill_plan& lp) {
   prefill_layout l{};
@@ -80,7 +95,8 @@ prefill_layout layout_of(const prefill_args& a, const prefill_plan& lp) {
   const size_t q_bytes = a.rotation.mask ? size_t(a.queries) * a.q_heads * d * sizeof(float) : 0;
   l.chunk_kv = align256(l.rotated_q + q_bytes);
   const size_t kv_bytes = a.k.data ? 2 * size_t(a.kv.kv_heads) * size_t(a.queries) * d * sizeof(__half) : 0;
-  l.total = l.chunk_kv + kv_bytes;
+  l.staged = align256(l.chunk_kv + kv_bytes);
+  l.total = l.staged + size_t(a.kv.kv_heads) * lp.ws_stage_tiles * 2 * tile_tokens * d * sizeof(__half);
   return l;
 }
 
@@ -107,6 +123,8 @@ status launch_prefill(const prefill_args& a, const prefill_plan& lp, const prefi
   }
   float* ws_o = reinterpret_cast<float*>(ws);
   float* ws_ml = ws_o + lp.parts * 16 * D;
+  const int page_tiles = ceil_div(a.from_pages, tile_tokens);
+  const int segments = ceil_div(lp.prefix_splits, lp.segment_splits);
   const int per_launch = lp.launch_items * prefill_item_queries;
   for (int64_t q0 = 0; q0 < a.queries; q0 += per_launch) {
     const int count = int(std::min<int64_t>(per_launch, a.queries - q0));
@@ -166,15 +184,29 @@ status launch_prefill(const prefill_args& a, const prefill_plan& lp, const prefi
       const int smem = int(sizeof(chunk_smem<D>));
       KVQ_TRY(set_max_dynamic_smem(chunk_kernel<D>, smem));
       KVQ_TRY(launch("prefill: chunk attention launch", chunk_kernel<D>,
-                     dim3(unsigned(ceil_div(c.rows, prefill_block_rows(D))), unsigned(H)), dim3(threads),
+                     dim3(unsigned(ceil_div(c.rows, prefill_block_rows(D)) * H)), dim3(threads),
                      size_t(smem), st, c));
     }
-    const dim3 pgrid(unsigned(lp.prefix_splits), unsigned(H * lp.row_blocks), unsigned(items));
     if (lp.prefix_splits > 0 && lp.wide) {
       const int smem = int(sizeof(prefix_smem<D>));
       KVQ_TRY(set_max_dynamic_smem(prefix_kernel<D>, smem));
-      KVQ_TRY(launch("prefill: prefix attention launch", prefix_kernel<D>, pgrid, dim3(threads), size_t(smem), st, p));
+      p.staged = reinterpret_cast<const __half*>(ws + ly.staged);
+      p.stage_tiles = lp.stage_tiles;
+      for (int seg = 0; seg < segments; ++seg) {
+        p.split0 = seg * lp.segment_splits;
+        p.stage_t0 = p.split0 * lp.tiles_per_split;
+        const int splits = std::min(lp.segment_splits, lp.prefix_splits - p.split0);
+        // the segment's page tiles, staged once per call when one segment holds them all
+        const int staged = std::min(page_tiles - p.stage_t0, splits * lp.tiles_per_split);
+        if (staged > 0 && (segments > 1 || q0 == 0))
+          KVQ_TRY(launch("prefill: prefix staging launch", stage_prefix_kernel<D>,
+                         dim3(unsigned(staged), unsigned(H), 2u), dim3(threads), 0, st, p));
+        KVQ_TRY(launch("prefill: prefix attention launch", prefix_kernel<D>,
+                       dim3(unsigned(splits), unsigned(H * lp.row_blocks), unsigned(items)), dim3(threads),
+                       size_t(smem), st, p));
+      }
     } else if (lp.prefix_splits > 0) {
+      const dim3 pgrid(unsigned(lp.prefix_splits), unsigned(H * lp.row_blocks), unsigned(items));
       KVQ_TRY(launch_tile<D>("prefill: prefix attention launch", p, pgrid, st));
     }
     KVQ_TRY(launch_merge_rows<D>("prefill: merge launch", p, items, st));

@@ -39,12 +39,17 @@ struct prefill_args {
 /// Queries per item of the tile kernel's batch: a call of T queries is ceil(T / 256) items of one
 /// sequence, so that the grid's (kv head x m-tile) dimension stays small for any T.
 constexpr int prefill_item_queries = 256;
+/// The prefix kernel reads fp16 tiles only: the quantized page tiles of the prefix are dequantized
+/// once per call into the workspace first, in segments of at most this many bytes (at the
+/// Llama-8B shape, 8 kv heads x head_dim 128: 256 tiles, 16K tokens, a segment).
+constexpr size_t prefill_stage_bytes = size_t(64) << 20;
 
 /// Checks the arguments (shapes, indices, what the ring holds); the message names the problem.
 status prefill_can_implement(const prefill_args& a);
-/// Device workspace of a call: the partial results, the rotated queries (rotated heads) and the
-/// chunk's fp16 K/V (a prefill). It does not depend on `from_pages`, so it can be sized before
-/// the chunk's append decides how many tokens are encoded.
+/// Device workspace of a call: the partial results, the rotated queries (rotated heads), the
+/// chunk's fp16 K/V (a prefill) and the staged fp16 images of a segment's page tiles (at most
+/// `prefill_stage_bytes`). It does not depend on `from_pages`, so it can be sized before the
+/// chunk's append decides how many tokens are encoded.
 size_t prefill_workspace_bytes(const prefill_args& a);
 /// Launches the call on `stream` (no synchronization, no allocation). Defined in
 /// attention/prefill.cu.

@@ -27,7 +27,7 @@ namespace {
 bool small() { return std::getenv("KVQ_GPU_TEST_SMALL") != nullptr; }
 
 constexpr double nmse_bound = 2e-5;  // as tests/cuda/test_cuda_cache.cpp: fp16 MMA operands
-constexpr int H = 2;                 // kv heads
+constexpr int H = 2;                 // kv heads (of every twin but the segment test's: `twin::h`)
 using sizes = std::vector<int64_t>;
 
 // "mixed": the prefix is appended in pieces under changing tiers, one head on its own format;
@@ -41,12 +41,12 @@ const char* const* tiers_of(const std::string& spec) {
 struct twin {
   KVCache cpu, gpu;
   std::shared_ptr<static_policy> pol;
-  int hq, d;
+  int hq, d, h;
 };
 
-twin make(const std::string& spec, int gqa, int d, bool rotated) {
+twin make(const std::string& spec, int gqa, int d, bool rotated, int kv_heads = H) {
   cache_config cfg;
-  cfg.shape = {1, H * gqa, H, d, 64, 128, 32};
+  cfg.shape = {1, kv_heads * gqa, kv_heads, d, 64, 128, 32};
   cfg.budget_bytes = 256ull << 20;
   cfg.max_sequences = 4;
   cfg.max_tokens = 1 << 14;
@@ -59,11 +59,12 @@ twin make(const std::string& spec, int gqa, int d, bool rotated) {
   auto g = KVCache::create(cfg, pol).value_or_throw();
   check(c.create_sequence(0));
   check(g.create_sequence(0));
-  return {std::move(c), std::move(g), pol, H * gqa, d};
+  return {std::move(c), std::move(g), pol, kv_heads * gqa, d, kv_heads};
 }
 
 // n0 stored tokens on both caches (a mixed layer: in pieces under changing tiers).
 void fill_prefix(twin& t, const std::string& spec, int64_t n0, std::mt19937& rng) {
+  const int H = t.h;
   int64_t done = 0;
   const char* const* tiers = tiers_of(spec);
   for (int piece = 0; done < n0; ++piece) {
@@ -91,6 +92,7 @@ std::vector<float> to_float(const std::vector<uint16_t>& h) {
 
 // One prefill of T tokens on both caches; the NMSE of the GPU's output against the CPU's.
 double prefill_both(twin& t, int64_t T, std::mt19937& rng) {
+  const int H = t.h;
   const auto k = randn_h(rng, size_t(T) * H * t.d), v = randn_h(rng, size_t(T) * H * t.d);
   const auto q = randn_h(rng, size_t(T) * t.hq * t.d);
   const auto qf = to_float(q);
@@ -141,6 +143,7 @@ prefix_result prefix_both(twin& t, int64_t prefix, int64_t T, std::mt19937& rng)
 // 2e-3 (1 + |lse|) + 2^-10 scale |q| max_j |k_j| per (query, head), over the first `prefix`
 // stored tokens as read() returns them (the rotation keeps norms).
 void require_close_lse(twin& t, int64_t prefix, const prefix_result& r) {
+  const int H = t.h;
   const std::vector<float>& got = r.lg;
   const std::vector<float>& want = r.lc;
   REQUIRE(got.size() == want.size());
@@ -231,6 +234,24 @@ TEST_CASE("gpu prefill: the prefix kernel at head_dim 64, KIVI and FP16 pages an
   const prefix_result r = prefix_both(t, 450, T, rng);
   REQUIRE(nmse(r.og, r.oc) < nmse_bound);
   require_close_lse(t, 450, r);
+  REQUIRE(prefill_both(t, T, rng) < nmse_bound);
+}
+
+// The prefix kernel reads quantized page tiles as fp16 images staged in the workspace, at most
+// `prefill_stage_bytes` of them at a time: with 32 kv heads at head_dim 256 (2 MiB of images a
+// tile) a segment holds 32 tiles, so a prefix of 35 tiles runs as two segments (staging, then the
+// prefix kernel over its splits, twice), FP16 and sym4 pages (read from the page) among them.
+TEST_CASE("gpu prefill: the prefix kernel's staged tiles in segments (32 kv heads, head_dim 256)",
+          "[gpu][prefill][prefix_kernel]") {
+  const std::string spec = GENERATE("kivi4/g32", "mixed");
+  CAPTURE(spec);
+  auto t = make(spec, 1, 256, false, 32);
+  std::mt19937 rng(spec.size());
+  const int64_t n0 = 2200, T = small() ? 65 : 300;
+  fill_prefix(t, spec, n0, rng);
+  const prefix_result r = prefix_both(t, n0, T, rng);
+  REQUIRE(nmse(r.og, r.oc) < nmse_bound);
+  require_close_lse(t, n0, r);
   REQUIRE(prefill_both(t, T, rng) < nmse_bound);
 }
 
