@@ -27,9 +27,9 @@ KVQ_HOST_DEVICE constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
 // `head` and `tail` are monotone byte counters, an offset is counter % ring. A tile is contiguous:
 // one that does not fit before the ring's end starts at offset 0, the bytes before the end
 // skipped. An empty ring restarts at offset 0: so a tile fits once every tile before it is
-// released, also where need > ring / 2 (the prefix kernel's 60 KiB ring and a 32 KiB FP16 tile
-// at an offset of 28-32 KiB fit neither before the end nor after the skip, with nothing left to
-// release). Returns false where the tile waits for a release; else moves `head` to its start.
+// released, also where need > ring / 2 (a 60 KiB ring and a 32 KiB FP16 tile at an offset of
+// 28-32 KiB fit neither before the end nor after the skip, with nothing left to release).
+// Returns false where the tile waits for a release; else moves `head` to its start.
 KVQ_HOST_DEVICE constexpr bool ring_place(uint32_t& head, uint32_t& tail, uint32_t need, uint32_t ring) {
   if (head == tail) head = tail = 0;
   const uint32_t off = head % ring, pad = off + need > ring ? ring - off : 0;

@@ -260,8 +260,9 @@ __device__ __forceinline__ void dequant_role(const uint8_t* raw, const uint32_t 
   }
 }
 
-// Role r (0: K, 1: V) of a page tile -> its fp16 tile, from the role's bytes at `raw` (its three
-// ranges back to back), or read by element from the page. `KeyValues`: as `tile_from_raw`.
+// Role r (0: K, 1: V) of a page tile -> its fp16 tile at `dst` (shared or global memory,
+// swizzled), from the role's bytes at `raw` (its three ranges back to back), or read by element
+// from the page. `KeyValues`: as `tile_from_raw`.
 template <int D, bool KeyValues>
 __device__ __forceinline__ void role_to_fp16(const tile_src& s, int r, const uint8_t* raw, __half* dst,
                                              int page_tokens) {
