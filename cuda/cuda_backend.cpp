@@ -409,7 +409,20 @@ class cuda_backend final : public cache_backend {
     a.from_pages = int32_t(std::min(ls.e, prefix));
     a.queries = q.tokens;
     a.rotation = rotation_of(layer);
+    a.quantized_pages = quantized_pages(layer);
     return a;
+  }
+
+  // Whether a page of `layer` may hold a format other than FP16: a format pair other than
+  // (FP16, FP16) that one of its heads has held (`head_pair_`).
+  bool quantized_pages(int layer) const {
+    constexpr int fp16_pair = 256 * int(fp16_format) + int(fp16_format);
+    const int heads = cfg_.shape.kv_heads;
+    for (int h = 0; h < heads; ++h) {
+      const int16_t hp = head_pair_[size_t(layer) * size_t(heads) + size_t(h)];
+      if (hp != -1 && hp != fp16_pair) return true;
+    }
+    return false;
   }
 
   // Grows the workspace to what a call needs (to the largest call seen; it never shrinks), in the

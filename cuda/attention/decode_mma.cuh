@@ -236,12 +236,13 @@ __device__ __forceinline__ void values_mma(uint32_t (&va)[D / 16], uint32_t (&vb
 // MMA follows its lookups (no slab of looked-up values held in registers). Lane (g, t) holds rows
 // 2t, 2t + 1 (fragments a0, a1) and 2t + 8, 2t + 9 (a2, a3) of its D/8 channels; m-tile m is
 // channel pair m of them. `row_scales(m)` gives the two rows pairs' half2 scales of m-tile m
-// (rows at or beyond `valid` with scale 0: their codes are stale, their levels finite).
+// (rows at or beyond `valid` with scale 0: their codes are stale, their levels finite); Scaled =
+// false: none (the scales are on P).
 
 // 4-bit codes (codebook levels or e2m1 values): byte m of a row is its channel pair m, so one
 // permute of two rows' words gives the selectors of two m-tiles (nibbles a_c, a_c+1, b_c, b_c+1),
 // looked up four codes at a time by `bytes` (`cb4_bytes`, `fp4_bytes`).
-template <int D, int Cap, class Bytes, class Scales>
+template <int D, int Cap, bool Scaled, class Bytes, class Scales>
 __device__ __forceinline__ void values_nibbles(const v_raw<D, Cap>& vr, Bytes&& bytes, Scales&& row_scales, uint32_t pb0,
                                                uint32_t pb1, float (&acc)[D / 16][4]) {
 #pragma unroll
@@ -257,7 +258,9 @@ __device__ __forceinline__ void values_nibbles(const v_raw<D, Cap>& vr, Bytes&& 
         const nibble_bytes b01 = bytes(p01, hh), b89 = bytes(p89, hh);  // codes a_c, a_c+1, b_c, b_c+1
         const __half2 s01 = row_scales(m, 0), s89 = row_scales(m, 1);
         const auto frag = [](const nibble_bytes& b, uint32_t sel, __half2 sc) {  // (a_c, b_c) or (a_c+1, b_c+1)
-          return h2_bits(__hmul2(bits_h2(__byte_perm(b.lo, b.hi, sel)), sc));
+          const uint32_t x = __byte_perm(b.lo, b.hi, sel);
+          if constexpr (Scaled) return h2_bits(__hmul2(bits_h2(x), sc));
+          else return x;
         };
         mma16816(acc[m], frag(b01, 0x6240, s01), frag(b01, 0x7351, s01), frag(b89, 0x6240, s89), frag(b89, 0x7351, s89),
                  pb0, pb1);
@@ -272,14 +275,18 @@ __device__ __forceinline__ __half2 pair_scales(uint32_t sa, uint32_t sb, int ra,
 }
 
 // O^T += V^T P^T for a slab of codebook V codes: levels by token-pair lookups, times the rows'
-// group scales (a lane's D/8 channels lie in one group).
-template <int D, int Bits, int Cap>
+// group scales (a lane's D/8 channels lie in one group). Scaled = false: the levels alone (whole-
+// head scales, on P: `values_kind`'s HeadScale; `valid` and `t` unused).
+template <int D, int Bits, int Cap, bool Scaled = true>
 __device__ __forceinline__ void values_cb(const v_raw<D, Cap>& vr, const cb_lut<Bits>& lut, int valid, int t, uint32_t pb0,
                                           uint32_t pb1, float (&acc)[D / 16][4]) {
-  const __half2 s01 = pair_scales(vr.s[0], vr.s[1], 2 * t, valid), s89 = pair_scales(vr.s[2], vr.s[3], 2 * t + 8, valid);
+  __half2 s01 = __float2half2_rn(1.f), s89 = s01;
+  if constexpr (Scaled)
+    s01 = pair_scales(vr.s[0], vr.s[1], 2 * t, valid), s89 = pair_scales(vr.s[2], vr.s[3], 2 * t + 8, valid);
   const auto scales = [&](int, int rp) { return rp ? s89 : s01; };
+  const auto scaled = [&](uint32_t x, __half2 sc) { return Scaled ? h2_bits(__hmul2(bits_h2(x), sc)) : x; };
   if constexpr (Bits == 4) {
-    values_nibbles<D, Cap>(vr, [&](uint32_t x, int hh) { return cb4_bytes(x, hh, lut); }, scales, pb0, pb1, acc);
+    values_nibbles<D, Cap, Scaled>(vr, [&](uint32_t x, int hh) { return cb4_bytes(x, hh, lut); }, scales, pb0, pb1, acc);
   } else {
     // 2 bits: per word (16 channels), each phase k's codes (channel 4j + k in byte j) of two rows
     // interleaved by byte into token-pair selectors (0x22 c + 0x10 per code: nibbles 2c, 2c + 1)
@@ -302,9 +309,8 @@ __device__ __forceinline__ void values_cb(const v_raw<D, Cap>& vr, const cb_lut<
           for (int mm = 0; mm < 2; ++mm) {  // m-tile 8i + 2j + mm: phases 2mm, 2mm + 1
             const int m = 8 * i + 4 * q + 2 * jj + mm;
             const auto look = [&](int k, int rp) { return __byte_perm(lut.w[0], lut.w[1], jj ? sel[k][rp] >> 16 : sel[k][rp]); };
-            mma16816(acc[m], h2_bits(__hmul2(bits_h2(look(2 * mm, 0)), s01)), h2_bits(__hmul2(bits_h2(look(2 * mm + 1, 0)), s01)),
-                     h2_bits(__hmul2(bits_h2(look(2 * mm, 1)), s89)), h2_bits(__hmul2(bits_h2(look(2 * mm + 1, 1)), s89)),
-                     pb0, pb1);
+            mma16816(acc[m], scaled(look(2 * mm, 0), s01), scaled(look(2 * mm + 1, 0), s01), scaled(look(2 * mm, 1), s89),
+                     scaled(look(2 * mm + 1, 1), s89), pb0, pb1);
           }
       }
   }
@@ -330,7 +336,7 @@ __device__ __forceinline__ void values_fp4(const v_raw<D, Cap>& vr, float ts, in
       s[b][rp] = pair_scales(fp4_scale_bits(vr.s[2 * rp] >> (8 * b), ts), fp4_scale_bits(vr.s[2 * rp + 1] >> (8 * b), ts),
                              2 * t + 8 * rp, valid);
   const auto scales = [&](int m, int rp) { return s[nb == 2 && m >= 8 ? 1 : 0][rp]; };
-  values_nibbles<D, Cap>(vr, [](uint32_t x, int hh) { return fp4_bytes(x, hh); }, scales, pb0, pb1, acc);
+  values_nibbles<D, Cap, true>(vr, [](uint32_t x, int hh) { return fp4_bytes(x, hh); }, scales, pb0, pb1, acc);
 }
 
 // O^T += V^T P^T for one slab from the lane's raw V words (any format the kernel holds in

@@ -199,10 +199,13 @@ __global__ void __launch_bounds__(dec_warps * 32, (decode_blocks<D, Wide>))
   };
   // Whole 64-token units of a block whose pages all have one (K kind, V kind), both staged: one
   // online-softmax update per unit (four slabs), half the per-step work of 32-token chunks. Warp w
-  // takes units w, w + 4, ...; at page_tokens 64 a unit is its page.
-  const auto pages = [&]<int KK, int KV>() __attribute__((always_inline)) {
+  // takes units w, w + 4, ...; at page_tokens 64 a unit is its page. HeadScale: codebook pages
+  // whose K and V scales are whole-head (group 0): the scales multiply the scores and P, not
+  // every level (`scores_kind`, `values_kind`).
+  const auto pages = [&]<int KK, int KV, bool HeadScale = false>() __attribute__((always_inline)) {
     constexpr family FK = kind_family(KK), FV = kind_family(KV);
     constexpr int BK = kind_bits(KK), BV = kind_bits(KV);
+    float fold = 1.f;  // (HeadScale: `head_fold`)
     constexpr bool Sub = FK == family::kivi && BK <= 4;  // keys as subnormal codes (`k_frags_sub`): scores x 2^-24
     const float scale_log2 = Sub ? p.scale_log2 * 0x1p24f : p.scale_log2;
     const int lg_upp = log2i(upp), n_units = ceil_div(pc_end - c0, 4), wnd = p.kv.window;
@@ -228,15 +231,15 @@ __global__ void __launch_bounds__(dec_warps * 32, (decode_blocks<D, Wide>))
           fold_kivi<D, Sub ? BK : 0>(ks, ks + uint32_t(P >> lgk) * D * 2, BK, sm.qh, lane, t, qb, cz);
         }
         const float czs = Sub ? 0x1p-24f : 1.f;
-        scores_kind<D, Cap, FK, BK, 2, Sub>(sh, fk.group, P, wnd, g, t, qb, part, prs, valid - 2 * slab * hf,
-                                            make_float2(cz[0] * czs, cz[1] * czs));
+        scores_kind<D, Cap, FK, BK, 2, Sub, HeadScale>(sh, HeadScale ? uint16_t(0) : fk.group, P, wnd, g, t, qb, part, prs, valid - 2 * slab * hf,
+                                                       make_float2(cz[0] * czs, cz[1] * czs));
 #pragma unroll
         for (int i = 0; i < 8; ++i) sc[8 * hf + i] = part[i];
 #pragma unroll
         for (int i = 0; i < 4; ++i) rs[4 * hf + i] = prs[i];
       }
       softmax_tiles<D, 4>(sc, rs, scale_log2, tok0, valid, g, cs, pv);
-      values_kind<D, Cap, FV, BV, 4>(sk, sm.pages.fv[e].group, P, wnd, g, t, pv, valid, cs.acc);
+      values_kind<D, Cap, FV, BV, 4, HeadScale>(sk, HeadScale ? uint16_t(0) : sm.pages.fv[e].group, P, wnd, g, t, pv, valid, cs.acc, &fold);
       worked = true;
       __syncwarp();  // every lane is done with this unit's rows of the stage
       if (e + ns < n_pages) {  // the page's warps release its stage; the warp of its last unit refills it
@@ -251,6 +254,19 @@ __global__ void __launch_bounds__(dec_warps * 32, (decode_blocks<D, Wide>))
       while (st >= ns) st -= ns, ++fill;
     }
     q_key = -2;  // qb holds a token group's fold
+    if (HeadScale && fold != 1.f) {  // (warp-uniform) the accumulators back to the values' scale
+      const float r = 1.f / fold;
+#pragma unroll
+      for (int m = 0; m < D / 16; ++m)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) cs.acc[m][i] *= r;
+    }
+  };
+  // Whether every page of the block has whole-head K and V scales (group 0; the HeadScale units).
+  const auto head_scales = [&]() {
+    bool ok = true;
+    for (int i = threadIdx.x; i < n_pages; i += dec_warps * 32) ok = ok && sm.pages.fk[i].group == 0 && sm.pages.fv[i].group == 0;
+    return __syncthreads_and(ok) != 0;
   };
   static_assert(!(Whole && Wide), "whole units: 4- and 2-bit pages");
   if constexpr (Wide) {
@@ -264,8 +280,14 @@ __global__ void __launch_bounds__(dec_warps * 32, (decode_blocks<D, Wide>))
       case kind_pair(kind::kivi4, kind::kivi2): pages.template operator()<kind::kivi4, kind::kivi2>(); break;
       case kind_pair(kind::sym4, kind::sym4): pages.template operator()<kind::sym4, kind::sym4>(); break;
       case kind_pair(kind::sym2, kind::sym2): pages.template operator()<kind::sym2, kind::sym2>(); break;
-      case kind_pair(kind::cb4, kind::cb4): pages.template operator()<kind::cb4, kind::cb4>(); break;
-      case kind_pair(kind::cb2, kind::cb2): pages.template operator()<kind::cb2, kind::cb2>(); break;
+      case kind_pair(kind::cb4, kind::cb4):
+        if (head_scales()) pages.template operator()<kind::cb4, kind::cb4, true>();
+        else pages.template operator()<kind::cb4, kind::cb4>();
+        break;
+      case kind_pair(kind::cb2, kind::cb2):
+        if (head_scales()) pages.template operator()<kind::cb2, kind::cb2, true>();
+        else pages.template operator()<kind::cb2, kind::cb2>();
+        break;
       case kind_pair(kind::fp4, kind::fp4): pages.template operator()<kind::fp4, kind::fp4>(); break;
       // (3-bit pairs: no whole units, their chunk loops)
       case kind_pair(kind::kivi3, kind::kivi3): chunks.template operator()<kind::kivi3, kind::kivi3>(); break;

@@ -60,12 +60,15 @@ __device__ __forceinline__ void issue_chunk(const attend_params& p, const page_t
 
 // S^T of S consecutive staged slabs (sk: the stage as a `rows`-row page, row0 the first slab's
 // row) for one kind of K format; slab s's scores in sc[4s..4s+3], each column's accumulators
-// starting from `init` (KIVI: the score offsets of the token group's zeros).
-template <int D, int Cap, family Fam, int Bits, int S, bool Sub = false>  // Sub: `k_frags_sub`
+// starting from `init` (KIVI: the score offsets of the token group's zeros). HeadScale: codebook
+// keys of whole-head scales (group 0), which multiply the scores (`rs`, as fp8's) instead of
+// every level.
+template <int D, int Cap, family Fam, int Bits, int S, bool Sub = false, bool HeadScale = false>  // Sub: `k_frags_sub`
 __device__ __forceinline__ void scores_kind(const slab_ref& sk, uint16_t group, int rows, int window, int g, int t,
                                             const uint32_t (&qb)[D / 8], float (&sc)[4 * S], float (&rs)[2 * S],
                                             int valid, float2 init = make_float2(0.f, 0.f)) {
   static_assert(!Sub || (Fam == family::kivi && Bits <= 4), "subnormal codes: 4- and 2-bit KIVI keys");
+  static_assert(!HeadScale || Fam == family::codebook, "whole-head scales on the scores: codebook keys");
   constexpr bool Cb = Fam == family::codebook;
   const format_traits f{Fam, uint8_t(Bits), group};
   constexpr bool F4 = Fam == family::nvfp4;
@@ -81,6 +84,10 @@ __device__ __forceinline__ void scores_kind(const slab_ref& sk, uint16_t group, 
     load_k<D, Cap, false, Bits == 3>(ss, f, rows, window, g, t, kr);
     uint32_t kg[D / 8], kg8[D / 8];
     if constexpr (Sub) k_frags_sub<D, Bits>(kr.w, kg, kg8);
+    else if constexpr (Cb && HeadScale) {  // the levels alone (the rows' scales: `rs`, below)
+      cb_pairs<Bits, D / 8>(kr.w[0], lut, kg);
+      cb_pairs<Bits, D / 8>(kr.w[1], lut, kg8);
+    }
     else if constexpr (Cb) k_frags_cb<D, Bits, Cap>(kr.w, kr.ps, lut, kg, kg8);
     else if constexpr (F4) k_frags_fp4<D, Cap>(kr.w, kr.ps, ts, kg, kg8);
     else k_frags<D, Bits, Cap>(kr.w, Fam, kr.ps, kg, kg8);
@@ -88,18 +95,44 @@ __device__ __forceinline__ void scores_kind(const slab_ref& sk, uint16_t group, 
     scores_mma<D, Sub ? Bits : 0>(kg, kg8, qb, part);
 #pragma unroll
     for (int e = 0; e < 4; ++e) sc[4 * s + e] = part[e];
-    if constexpr (Fam == family::fp8_e4m3) {
-      const float2 r = fp8_scales(kr.ps[0], kr.ps[1], g, valid - slab * s);
+    if constexpr (Fam == family::fp8_e4m3 || HeadScale) {
+      const float2 r = HeadScale ? half_scales(kr.ps[0], kr.ps[1], g, valid - slab * s)
+                                 : fp8_scales(kr.ps[0], kr.ps[1], g, valid - slab * s);
       rs[2 * s] = r.x, rs[2 * s + 1] = r.y;
     }
   }
 }
 
+// Whole-head codebook V scales fold into P (`values_kind`'s HeadScale) times `fold`, a power of
+// two at most 1 kept per warp, so that P x s x fold stays inside fp16: P reaches 2^8 (the online
+// softmax's slack), and fold keeps s x fold <= 2^7. Before a unit's P V, `head_fold` lowers fold
+// where one of its scales (`smax`, this lane's largest) needs it and rescales the accumulators to
+// match; the caller multiplies them by 1 / fold when the units are done.
+template <int D>
+__device__ __forceinline__ void head_fold(float smax, float& fold, float (&acc)[D / 16][4]) {
+  constexpr float limit = 128.f;
+  if (!__any_sync(0xffffffffu, smax * fold > limit)) return;
+#pragma unroll
+  for (int o = 16; o >= 1; o /= 2) smax = fmaxf(smax, __shfl_xor_sync(0xffffffffu, smax, o));
+  // k with smax 2^-k <= limit: the exponent of smax / limit, plus one (an fp16 scale: k <= 10)
+  const int k = min(max(int((__float_as_uint(smax / limit) >> 23) & 0xffu) - 126, 0), 24);
+  const float next = __uint_as_float(uint32_t(127 - k) << 23);  // 2^-k
+  const float r = next / fold;
+#pragma unroll
+  for (int m = 0; m < D / 16; ++m)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[m][e] *= r;
+  fold = next;
+}
+
 // O^T += V^T P^T for S consecutive staged slabs for one kind of V format (slab s's P in
-// pv[4s..4s+3]).
-template <int D, int Cap, family Fam, int Bits, int S>
+// pv[4s..4s+3]). HeadScale: codebook values of whole-head scales (group 0), which multiply P
+// (as fp8's) times `*fold` (`head_fold`) instead of every level.
+template <int D, int Cap, family Fam, int Bits, int S, bool HeadScale = false>
 __device__ __forceinline__ void values_kind(const slab_ref& sk, uint16_t group, int rows, int window, int g, int t,
-                                            float (&pv)[4 * S], int valid, float (&acc)[D / 16][4]) {
+                                            float (&pv)[4 * S], int valid, float (&acc)[D / 16][4],
+                                            float* fold = nullptr) {
+  static_assert(!HeadScale || Fam == family::codebook, "whole-head scales on P: codebook values");
   constexpr bool Cb = Fam == family::codebook;
   const format_traits f{Fam, uint8_t(Bits), group};
   constexpr bool F4 = Fam == family::nvfp4;
@@ -107,15 +140,34 @@ __device__ __forceinline__ void values_kind(const slab_ref& sk, uint16_t group, 
   if constexpr (Cb) lut = cb_table<Bits, false>(cb_levels<D, Bits>(sk.v, rows, group));
   float ts = 1.f;  // (nvfp4 values: the page's tensor scale)
   if constexpr (F4) ts = fp4_tensor_scale<D, false>(sk.v, rows);
+  float2 hs[HeadScale ? S : 1];  // (whole-head scales: every slab's, read first for the fold)
+  if constexpr (HeadScale) {
+    const uint16_t* sc = reinterpret_cast<const uint16_t*>(sk.v + uint32_t(rows) * (D * Bits / 8));
+    float smax = 0.f;
+#pragma unroll
+    for (int s = 0; s < S; ++s) {
+      const int r = sk.row0 + slab * s + g;
+      hs[s] = half_scales(sc[r], sc[r + 8], g, valid - slab * s);
+      smax = fmaxf(smax, fmaxf(hs[s].x, hs[s].y));
+    }
+    head_fold<D>(smax, *fold, acc);
+  }
 #pragma unroll
   for (int s = 0; s < S; ++s) {
     slab_ref ss = sk;
     ss.row0 = sk.row0 + slab * s;
     const int vs = valid - slab * s;
     v_raw<D, Cap> vr;
-    load_v<D, Cap, false, Bits == 3>(ss, f, rows, window, g, t, vr);
+    load_v<D, Cap, false, Bits == 3, !HeadScale>(ss, f, rows, window, g, t, vr);
     float ps[4] = {pv[4 * s], pv[4 * s + 1], pv[4 * s + 2], pv[4 * s + 3]};
     uint32_t pb0, pb1;
+    if constexpr (HeadScale) {  // the levels alone; the rows' scales (x fold) on P
+      const float a = hs[s].x * *fold, b = hs[s].y * *fold;
+      ps[0] *= a, ps[1] *= a, ps[2] *= b, ps[3] *= b;
+      p_frags(ps, pb0, pb1);
+      values_cb<D, Bits, Cap, false>(vr, lut, 0, t, pb0, pb1, acc);
+      continue;
+    }
     if constexpr (Fam == family::fp8_e4m3) {  // per-token V scales fold into P
       const float2 v = fp8_scales(vr.s[0], vr.s[1], g, vs);
       ps[0] *= v.x, ps[1] *= v.x, ps[2] *= v.y, ps[3] *= v.y;

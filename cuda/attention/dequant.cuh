@@ -217,6 +217,13 @@ __device__ __forceinline__ float2 fp8_scales(uint32_t s0, uint32_t s8, int g, in
   return make_float2(g < valid ? __uint_as_float(s0) : 0.f, g + 8 < valid ? __uint_as_float(s8) : 0.f);
 }
 
+// Whole-head codebook scales (fp16 bits in the low half of s0, s8) of rows g and g + 8 as floats,
+// 0 for rows at or beyond `valid` (as `fp8_scales`).
+__device__ __forceinline__ float2 half_scales(uint32_t s0, uint32_t s8, int g, int valid) {
+  return make_float2(g < valid ? __half2float(__ushort_as_half(uint16_t(s0))) : 0.f,
+                     g + 8 < valid ? __half2float(__ushort_as_half(uint16_t(s8))) : 0.f);
+}
+
 // Codebook levels as byte-permute tables: a code's fp16 level is looked up in registers, by
 // `__byte_perm` (which picks 4 bytes of 8 by 4 selector nibbles), with no shared-memory table.
 // 2 bits: the four levels fill two words (level k in bytes 2k, 2k + 1), and a channel pair's

@@ -196,9 +196,10 @@ status launch_prefill(const prefill_args& a, const prefill_plan& lp, const prefi
         p.split0 = seg * lp.segment_splits;
         p.stage_t0 = p.split0 * lp.tiles_per_split;
         const int splits = std::min(lp.segment_splits, lp.prefix_splits - p.split0);
-        // the segment's page tiles, staged once per call when one segment holds them all
+        // the segment's page tiles, staged once per call when one segment holds them all (none
+        // where every page is FP16)
         const int staged = std::min(page_tiles - p.stage_t0, splits * lp.tiles_per_split);
-        if (staged > 0 && (segments > 1 || q0 == 0))
+        if (staged > 0 && a.quantized_pages && (segments > 1 || q0 == 0))
           KVQ_TRY(launch("prefill: prefix staging launch", stage_prefix_kernel<D>,
                          dim3(unsigned(staged), unsigned(H), 2u), dim3(threads), 0, st, p));
         KVQ_TRY(launch("prefill: prefix attention launch", prefix_kernel<D>,

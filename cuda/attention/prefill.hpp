@@ -34,6 +34,9 @@ struct prefill_args {
   float scale = 0.f;     ///< 0: 1/sqrt(head_dim)
   int num_sms = 132;
   head_rotation rotation;
+  /// False where no page of the layer holds a format other than FP16: the prefix kernel reads
+  /// every page as it is, and the staging launch is skipped.
+  bool quantized_pages = true;
 };
 
 /// Queries per item of the tile kernel's batch: a call of T queries is ceil(T / 256) items of one

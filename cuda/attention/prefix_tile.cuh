@@ -108,14 +108,7 @@ __global__ void __launch_bounds__(threads) stage_prefix_kernel(const __grid_cons
   __syncthreads();
   const tile_src s = desc;
   if (role_direct(s, r)) return;
-  uint32_t at = smem_addr(raw);
-#pragma unroll
-  for (int k = 0; k < 3; ++k) {
-    const uint8_t* src = s.page[r] + s.from[r][k];
-    const uint32_t n = s.size[r][k] / 16;
-    for (uint32_t c = threadIdx.x; c < n; c += threads) cp_async16(at + c * 16, src + c * 16);
-    at += s.size[r][k];
-  }
+  issue_role_bytes(s, r, smem_addr(raw), int(threadIdx.x), threads);
   cp_commit();
   cp_wait<0>();
   __syncthreads();

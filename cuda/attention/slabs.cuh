@@ -203,7 +203,8 @@ __device__ __forceinline__ void load_v_rows(const slab_ref& s, int g, int t, int
 
 // V of a slab for lane (g, t), from its page (Global) or from its staged copy in shared memory,
 // which has the shape of a 16-row page (P = 16, row0 = 0). Three: a 3-bit page (as `load_k`).
-template <int D, int Cap, bool Global, bool Three = false>
+// Scales = false: the codes only (a whole-head codebook's scales, which the caller folds into P).
+template <int D, int Cap, bool Global, bool Three = false, bool Scales = true>
 __device__ __forceinline__ void load_v(const slab_ref& s, format_traits f, int P, int window, int g, int t, v_raw<D, Cap>& vr) {
   static_assert(!Three || (!Global && Cap >= 4), "3-bit pages: staged, in stages of 4 or 8 bits");
   if constexpr (Three) {
@@ -212,7 +213,7 @@ __device__ __forceinline__ void load_v(const slab_ref& s, format_traits f, int P
   } else {
     with_code_width<Cap>(f.bits, [&]<int B>() { load_v_rows<D, B, Cap, Global>(s, g, t, window, vr.w); });
   }
-  if (s.ring) return;
+  if (s.ring || !Scales) return;
   const uint32_t code_bytes = uint32_t(P) * ((D * f.bits) >> 3);
   if (f.fam == family::fp8_e4m3) {
     const uint32_t* sc = reinterpret_cast<const uint32_t*>(s.v + code_bytes);

@@ -123,6 +123,18 @@ __device__ __forceinline__ tile_src describe_tile(const attend_params& p, const 
   return s;
 }
 
+// Issues the copies of role r's page bytes (codes, scales, zeros: its three ranges back to back)
+// to shared address `dst`, 16 bytes a copy, from threads `first`, `first + stride`, ... (no
+// commit); returns the address past them.
+__device__ __forceinline__ uint32_t issue_role_bytes(const tile_src& s, int r, uint32_t dst, int first, int stride) {
+  for (int k = 0; k < 3; ++k) {
+    const uint8_t* src = s.page[r] + s.from[r][k];
+    for (uint32_t c = uint32_t(first); c < s.size[r][k] / 16; c += uint32_t(stride)) cp_async16(dst + c * 16, src + c * 16);
+    dst += s.size[r][k];
+  }
+  return dst;
+}
+
 // Issues the copies of one tile into the raw ring at `dst` (shared address) from one warp (the
 // producer); commits one group.
 template <int D>
@@ -136,13 +148,7 @@ __device__ __forceinline__ void issue_tile(const tile_src& s, uint32_t dst, int 
         cp_async16(dst + uint32_t(c) * 16, s.page[r] + size_t((s.tok0 + row) % window) * D * 2 + ch * 16);
     }
   } else {
-    uint32_t at = dst;
-    for (int r = 0; r < 2; ++r)
-      for (int k = 0; k < 3; ++k) {
-        const uint8_t* src = s.page[r] + s.from[r][k];
-        for (uint32_t c = lane; c < s.size[r][k] / 16; c += 32) cp_async16(at + c * 16, src + c * 16);
-        at += s.size[r][k];
-      }
+    issue_role_bytes(s, 1, issue_role_bytes(s, 0, dst, lane, 32), lane, 32);
   }
   cp_commit();
 }
@@ -271,9 +277,9 @@ __device__ __forceinline__ void role_to_fp16(const tile_src& s, int r, const uin
 }
 
 // One tile's raw bytes -> the fp16 K and V tiles (swizzled, rows past `valid` zero): ring rows
-// as they are, page rows through `dequant_role` (KIVI/RoleAlign keys as centered codes, or with
-// `KeyValues` as values). All threads.
-template <int D, bool KeyValues = false>
+// as they are, page rows through `dequant_role` (KIVI/RoleAlign keys as centered codes). All
+// threads.
+template <int D>
 __device__ __forceinline__ void tile_to_fp16(const tile_src& s, const uint8_t* raw, __half* k, __half* v,
                                              int page_tokens) {
   if (s.ring) {
@@ -288,8 +294,8 @@ __device__ __forceinline__ void tile_to_fp16(const tile_src& s, const uint8_t* r
       reinterpret_cast<uint4*>(v)[swz<D>(row, ch) / 8] = vv;
     }
   } else {
-    role_to_fp16<D, KeyValues>(s, 0, raw, k, page_tokens);
-    role_to_fp16<D, KeyValues>(s, 1, raw + s.size[0][0] + s.size[0][1] + s.size[0][2], v, page_tokens);
+    role_to_fp16<D, false>(s, 0, raw, k, page_tokens);
+    role_to_fp16<D, false>(s, 1, raw + s.size[0][0] + s.size[0][1] + s.size[0][2], v, page_tokens);
   }
 }
 
