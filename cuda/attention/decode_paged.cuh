@@ -205,7 +205,7 @@ __global__ void __launch_bounds__(dec_warps * 32, (decode_blocks<D, Wide>))
   const auto pages = [&]<int KK, int KV, bool HeadScale = false>() __attribute__((always_inline)) {
     constexpr family FK = kind_family(KK), FV = kind_family(KV);
     constexpr int BK = kind_bits(KK), BV = kind_bits(KV);
-    float fold = 1.f;  // (HeadScale: `head_fold`)
+    float fold = 0.f;  // (HeadScale: `head_fold`)
     constexpr bool Sub = FK == family::kivi && BK <= 4;  // keys as subnormal codes (`k_frags_sub`): scores x 2^-24
     const float scale_log2 = Sub ? p.scale_log2 * 0x1p24f : p.scale_log2;
     const int lg_upp = log2i(upp), n_units = ceil_div(pc_end - c0, 4), wnd = p.kv.window;
@@ -254,7 +254,7 @@ __global__ void __launch_bounds__(dec_warps * 32, (decode_blocks<D, Wide>))
       while (st >= ns) st -= ns, ++fill;
     }
     q_key = -2;  // qb holds a token group's fold
-    if (HeadScale && fold != 1.f) {  // (warp-uniform) the accumulators back to the values' scale
+    if (HeadScale && fold != 0.f && fold != 1.f) {  // (warp-uniform) the accumulators back to the values' scale
       const float r = 1.f / fold;
 #pragma unroll
       for (int m = 0; m < D / 16; ++m)

@@ -104,24 +104,28 @@ __device__ __forceinline__ void scores_kind(const slab_ref& sk, uint16_t group, 
 }
 
 // Whole-head codebook V scales fold into P (`values_kind`'s HeadScale) times `fold`, a power of
-// two at most 1 kept per warp, so that P x s x fold stays inside fp16: P reaches 2^8 (the online
-// softmax's slack), and fold keeps s x fold <= 2^7. Before a unit's P V, `head_fold` lowers fold
-// where one of its scales (`smax`, this lane's largest) needs it and rescales the accumulators to
-// match; the caller multiplies them by 1 / fold when the units are done.
+// two kept per warp, so that P x s x fold stays an fp16 operand: P reaches 2^8 (the online
+// softmax's slack), and fold keeps s x fold <= 2^7, as close to it as the first unit with a
+// nonzero scale allows (0: none yet; the accumulators hold nothing then), so that small scales
+// stay clear of fp16's subnormals too. Before a unit's P V, `head_fold` sets fold, or lowers it
+// where one of the unit's scales (`smax`, this lane's largest) needs it and rescales the
+// accumulators to match; the caller multiplies them by 1 / fold when the units are done.
 template <int D>
 __device__ __forceinline__ void head_fold(float smax, float& fold, float (&acc)[D / 16][4]) {
   constexpr float limit = 128.f;
-  if (!__any_sync(0xffffffffu, smax * fold > limit)) return;
+  if (!__any_sync(0xffffffffu, fold == 0.f ? smax > 0.f : smax * fold > limit)) return;
 #pragma unroll
   for (int o = 16; o >= 1; o /= 2) smax = fmaxf(smax, __shfl_xor_sync(0xffffffffu, smax, o));
-  // k with smax 2^-k <= limit: the exponent of smax / limit, plus one (an fp16 scale: k <= 10)
-  const int k = min(max(int((__float_as_uint(smax / limit) >> 23) & 0xffu) - 126, 0), 24);
-  const float next = __uint_as_float(uint32_t(127 - k) << 23);  // 2^-k
-  const float r = next / fold;
+  // the largest power of two f with smax f <= limit: limit / smax without its mantissa (smax is
+  // a valid row's fp16 scale, 2^-24 .. 65504: the quotient is a normal float)
+  const float next = __uint_as_float(__float_as_uint(limit / smax) & 0x7f800000u);
+  if (fold != 0.f) {
+    const float r = next / fold;
 #pragma unroll
-  for (int m = 0; m < D / 16; ++m)
+    for (int m = 0; m < D / 16; ++m)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) acc[m][e] *= r;
+      for (int e = 0; e < 4; ++e) acc[m][e] *= r;
+  }
   fold = next;
 }
 
