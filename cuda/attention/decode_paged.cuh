@@ -254,13 +254,7 @@ __global__ void __launch_bounds__(dec_warps * 32, (decode_blocks<D, Wide>))
       while (st >= ns) st -= ns, ++fill;
     }
     q_key = -2;  // qb holds a token group's fold
-    if (HeadScale && fold != 0.f && fold != 1.f) {  // (warp-uniform) the accumulators back to the values' scale
-      const float r = 1.f / fold;
-#pragma unroll
-      for (int m = 0; m < D / 16; ++m)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) cs.acc[m][i] *= r;
-    }
+    if constexpr (HeadScale) head_unfold<D>(fold, cs.acc);
   };
   // Whether every page of the block has whole-head K and V scales (group 0; the HeadScale units).
   const auto head_scales = [&]() {

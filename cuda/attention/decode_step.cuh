@@ -109,7 +109,15 @@ __device__ __forceinline__ void scores_kind(const slab_ref& sk, uint16_t group, 
 // nonzero scale allows (0: none yet; the accumulators hold nothing then), so that small scales
 // stay clear of fp16's subnormals too. Before a unit's P V, `head_fold` sets fold, or lowers it
 // where one of the unit's scales (`smax`, this lane's largest) needs it and rescales the
-// accumulators to match; the caller multiplies them by 1 / fold when the units are done.
+// accumulators to match; `head_unfold` takes the fold back out when the units are done.
+template <int D>
+__device__ __forceinline__ void scale_acc(float r, float (&acc)[D / 16][4]) {
+#pragma unroll
+  for (int m = 0; m < D / 16; ++m)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[m][e] *= r;
+}
+
 template <int D>
 __device__ __forceinline__ void head_fold(float smax, float& fold, float (&acc)[D / 16][4]) {
   constexpr float limit = 128.f;
@@ -119,14 +127,15 @@ __device__ __forceinline__ void head_fold(float smax, float& fold, float (&acc)[
   // the largest power of two f with smax f <= limit: limit / smax without its mantissa (smax is
   // a valid row's fp16 scale, 2^-24 .. 65504: the quotient is a normal float)
   const float next = __uint_as_float(__float_as_uint(limit / smax) & 0x7f800000u);
-  if (fold != 0.f) {
-    const float r = next / fold;
-#pragma unroll
-    for (int m = 0; m < D / 16; ++m)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[m][e] *= r;
-  }
+  if (fold != 0.f) scale_acc<D>(next / fold, acc);
   fold = next;
+}
+
+// The accumulators back to the values' scale after the units (`fold` is warp-uniform; 0 and 1
+// leave them as they are).
+template <int D>
+__device__ __forceinline__ void head_unfold(float fold, float (&acc)[D / 16][4]) {
+  if (fold != 0.f && fold != 1.f) scale_acc<D>(1.f / fold, acc);
 }
 
 // O^T += V^T P^T for S consecutive staged slabs for one kind of V format (slab s's P in
