@@ -28,15 +28,22 @@ KVQ_HOST_DEVICE constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
 // one that does not fit before the ring's end starts at offset 0, the bytes before the end
 // skipped. An empty ring restarts at offset 0: so a tile fits once every tile before it is
 // released, also where need > ring / 2 (a 60 KiB ring and a 32 KiB FP16 tile at an offset of
-// 28-32 KiB fit neither before the end nor after the skip, with nothing left to release).
+// 28-32 KiB fit neither before the end nor after the skip, with nothing left to release). The
+// restart moves both counters on to the next multiple of the ring, never back: a tile of no
+// bytes (a page read by element) issued before it ends at or below the new tail, so its release
+// (`ring_release`) cannot make the ring look empty while a later tile is in flight.
 // Returns false where the tile waits for a release; else moves `head` to its start.
 KVQ_HOST_DEVICE constexpr bool ring_place(uint32_t& head, uint32_t& tail, uint32_t need, uint32_t ring) {
-  if (head == tail) head = tail = 0;
+  if (head == tail) head = tail = (head + ring - 1) / ring * ring;
   const uint32_t off = head % ring, pad = off + need > ring ? ring - off : 0;
   if (head + pad + need - tail > ring) return false;
   head += pad;
   return true;
 }
+
+// Frees the ring's bytes of a consumed tile that ended at counter `end` (tiles are released in
+// the order they were placed; see `ring_place` for why the tail never moves back).
+KVQ_HOST_DEVICE constexpr void ring_release(uint32_t& tail, uint32_t end) { tail = end > tail ? end : tail; }
 
 // ---- the decode kernels (16-token slabs, 4 warps a block) ------------------------------------
 

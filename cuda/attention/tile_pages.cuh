@@ -188,7 +188,7 @@ struct tile_pump {
       ++issued;
     }
   }
-  __device__ __forceinline__ void release(int t) { tail = end[t % pipeline_tiles]; }
+  __device__ __forceinline__ void release(int t) { ring_release(tail, end[t % pipeline_tiles]); }
 };
 
 // One 16-byte chunk (128/Bits channels of one token row) from the raw ring -> halves in the tile.

@@ -12,6 +12,7 @@
 
 using kvq::cuda::detail::pipeline_tiles;
 using kvq::cuda::detail::ring_place;
+using kvq::cuda::detail::ring_release;
 
 namespace {
 
@@ -35,7 +36,7 @@ int run_pipeline(const std::vector<uint32_t>& needs, uint32_t ring) {
       CAPTURE(issued, need, s.from);
       REQUIRE(s.to <= ring);
       REQUIRE(s.from % 16 == 0);
-      for (const span& l : live) REQUIRE((s.to <= l.from || l.to <= s.from));
+      for (const span& l : live) REQUIRE((s.to <= l.from || l.to <= s.from || l.from == l.to || need == 0));
       head += need;
       ends.push_back(head);
       live.push_back(s);
@@ -45,7 +46,7 @@ int run_pipeline(const std::vector<uint32_t>& needs, uint32_t ring) {
   pump(0);
   for (size_t t = 0; t < needs.size(); ++t) {
     if (issued <= t) return int(t);
-    tail = ends.front();  // tile t dequantized: its bytes are free
+    ring_release(tail, ends.front());  // tile t dequantized: its bytes are free
     ends.pop_front();
     live.pop_front();
     pump(t + 1);
@@ -67,6 +68,21 @@ TEST_CASE("ring_place: every tile placed in time, in the ring, over no byte in f
   std::vector<uint32_t> needs(64);
   for (uint32_t& n : needs) n = kinds[rng() % kinds.size()];
   REQUIRE(run_pipeline(needs, ring) == -1);
+}
+
+TEST_CASE("ring_place: tiles of no bytes (pages read by element) beside FP16 tiles that fill the ring", "[cuda][ring]") {
+  // head_dim 256: the tile kernel's 72 KiB ring holds one FP16 tile (64 KiB); a page read by
+  // element copies nothing. An FP16 sink page, then pages read by element, then the ring's tiles:
+  // released in order, a tile of no bytes issued before the ring emptied must not make the ring
+  // look empty again while a later tile is in flight.
+  REQUIRE(run_pipeline({65536, 0, 0, 0, 65536, 65536, 0, 65536}, 72 * 1024) == -1);
+  const std::vector<uint32_t> kinds = {65536, 0, 20480, 36864, 0, 10240};
+  const uint32_t seed = GENERATE(range(1u, 200u));
+  CAPTURE(seed);
+  std::mt19937 rng(seed);
+  std::vector<uint32_t> needs(64);
+  for (uint32_t& n : needs) n = kinds[rng() % kinds.size()];
+  REQUIRE(run_pipeline(needs, 72 * 1024) == -1);
 }
 
 TEST_CASE("ring_place: an FP16 tile on an empty 60 KiB ring at an offset of 28-32 KiB", "[cuda][ring]") {
