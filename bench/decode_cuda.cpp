@@ -120,12 +120,29 @@ class striped_policy final : public kvq::policy {
   int64_t page_ = 64;
 };
 
-// Removes a trailing `+rot` from `spec`; true when it was there (every head then rotated).
-bool strip_rotation(std::string& spec) {
-  const std::string suffix = "+rot";
-  if (spec.size() < suffix.size() || spec.compare(spec.size() - suffix.size(), suffix.size(), suffix) != 0) return false;
-  spec.resize(spec.size() - suffix.size());
-  return true;
+// The cache properties named by `spec`'s suffixes, removed from it, in any order: `+rot` (every
+// head rotated) and `+sink` (the first page of each sequence FP16: cache_config::sink_pages 1).
+struct spec_suffixes {
+  bool rotated = false;
+  int sink_pages = 0;
+};
+spec_suffixes strip_suffixes(std::string& spec) {
+  spec_suffixes s;
+  const auto strip = [&](const std::string& suffix) {
+    const bool at_end = spec.size() > suffix.size() && spec.ends_with(suffix);
+    if (at_end) spec.resize(spec.size() - suffix.size());
+    return at_end;
+  };
+  for (;;) {
+    if (strip("+rot")) s.rotated = true;
+    else if (strip("+sink")) s.sink_pages = 1;
+    else return s;
+  }
+}
+
+void apply(const spec_suffixes& s, kvq::cache_config& cfg) {
+  if (s.rotated) cfg.rotation = kvq::rotation_config::all(cfg.shape);
+  cfg.sink_pages = s.sink_pages;
 }
 
 double pair_bits(const kvq::format_pair& fp, int D) {
@@ -134,10 +151,10 @@ double pair_bits(const kvq::format_pair& fp, int D) {
 }
 
 // spec: a format pair, or two joined by '|' (pages alternating between them: `striped_policy`),
-// optionally followed by `+rot`.
+// optionally followed by `+rot` and `+sink` (`strip_suffixes`).
 void bm_decode(benchmark::State& state, std::string spec, model_shape m, int batch, int context) {
   const int Hq = m.hq, H = m.h, D = m.d;
-  const bool rotated = strip_rotation(spec);
+  const spec_suffixes suffixes = strip_suffixes(spec);
   // memory: pages for every set + windows
   const size_t bar = spec.find('|');
   const auto fp = kvq::parse_format_pair(spec.substr(0, bar)).value();
@@ -151,7 +168,7 @@ void bm_decode(benchmark::State& state, std::string spec, model_shape m, int bat
   cfg.max_sequences = batch * sets;
   cfg.max_tokens = context;
   cfg.budget_bytes = uint64_t(set_bytes * sets * 1.05) + uint64_t(batch) * sets * (H * 2 * 128 * D * 2 + 4096) + (64 << 20);
-  if (rotated) cfg.rotation = kvq::rotation_config::all(cfg.shape);
+  apply(suffixes, cfg);
   std::shared_ptr<kvq::policy> pol;
   if (bar == std::string::npos) pol = std::make_shared<kvq::static_policy>(fp);
   else pol = std::make_shared<striped_policy>(fp, fp2);
@@ -226,7 +243,7 @@ void bm_decode(benchmark::State& state, std::string spec, model_shape m, int bat
 // quantity the 5 % goal is about. Each iteration appends 2 tokens per sequence (both paths).
 void bm_append_step(benchmark::State& state, std::string spec, int batch, int context) {
   constexpr int Hq = llama8b.hq, H = llama8b.h, D = llama8b.d;
-  const bool rotated = strip_rotation(spec);
+  const spec_suffixes suffixes = strip_suffixes(spec);
   const auto fp = kvq::parse_format_pair(spec).value();
   const double bpe = pair_bits(fp, D);
   const int steps = 512;  // tokens appended at most (warm-up: two per step; iterations: three)
@@ -238,7 +255,7 @@ void bm_append_step(benchmark::State& state, std::string spec, int batch, int co
   cfg.check_values = false;
   cfg.budget_bytes = uint64_t(double(batch) * (context + steps) * H * D * 2 * bpe / 8 * 1.1) +
                      uint64_t(batch) * (H * 2 * 128 * D * 2 + 4096) + (64 << 20);
-  if (rotated) cfg.rotation = kvq::rotation_config::all(cfg.shape);
+  apply(suffixes, cfg);
   auto cr = kvq::KVCache::create(cfg, std::make_shared<kvq::static_policy>(fp));
   if (!cr.ok()) {
     state.SkipWithError(cr.error().to_string().c_str());

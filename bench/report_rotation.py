@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
-"""Rotated against unrotated decode and append, from one run of kvq_bench_decode_cuda.
+"""A cache property's decode and append cost, from one run of kvq_bench_decode_cuda: rotated
+against unrotated (`+rot`, the default), or with sink pages against without (`--suffix +sink`).
 
-Usage: report_rotation.py decode.json [--goal 1.05]
+Usage: report_rotation.py decode.json [--goal 1.05] [--suffix +rot|+sink]
 
-For every shape (format, B, L) the benchmark ran both as `<format>` and `<format>+rot`
-(bench/decode_cuda.cpp), prints the median times and their ratio rotated / unrotated, and marks
+For every shape (format, B, L) the benchmark ran both as `<format>` and `<format><suffix>`
+(bench/decode_cuda.cpp), prints the median times and their ratio with / without, and marks
 the ratios above the goal (the 5 % of docs/decisions.md, "Rotation"). The append-step rows compare
-`append_step/<format>+rot` with `append_step/<format>` the same way (append_us and append_frac).
+`append_step/<format><suffix>` with `append_step/<format>` the same way (append_us and append_frac).
 Exits 1 when a decode ratio is above the goal, so a script can gate on it.
 """
 import json
@@ -17,15 +18,17 @@ import sys
 def main():
     bench = json.load(open(sys.argv[1]))
     goal = float(sys.argv[sys.argv.index("--goal") + 1]) if "--goal" in sys.argv else 1.05
+    suffix = sys.argv[sys.argv.index("--suffix") + 1] if "--suffix" in sys.argv else "+rot"
+    plain, with_ = ("unrotated", "rotated") if suffix == "+rot" else ("without", "with " + suffix.lstrip("+"))
     decode, append = {}, {}
     for b in bench["benchmarks"]:
-        m = re.match(r"(decode|append_step)/(.+?)(\+rot)?/B(\d+)/L(\d+)/", b["name"])
+        m = re.match(r"(decode|append_step)/(.+?)(" + re.escape(suffix) + r")?/B(\d+)/L(\d+)/", b["name"])
         if not m:
             continue
         kind, fmt, rot, B, L = m.group(1), m.group(2), m.group(3) is not None, int(m.group(4)), int(m.group(5))
         (decode if kind == "decode" else append).setdefault((fmt, B, L), {})[rot] = b
     over = 0
-    print("| format | B | context | unrotated µs | rotated µs | rotated / unrotated | |")
+    print(f"| format | B | context | {plain} µs | {with_} µs | {with_} / {plain} | |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for (fmt, B, L), pair in decode.items():
         if False not in pair or True not in pair:
@@ -38,7 +41,7 @@ def main():
         print(f"| {name} | {B} | {L} | {a:.1f} | {r:.1f} | {ratio:.3f} | {mark} |")
     if append:
         print()
-        print("| format | B | context | append µs | rotated append µs | ratio | append / attention | rotated |")
+        print(f"| format | B | context | append µs | {with_} append µs | ratio | append / attention | {with_} |")
         print("| --- | --- | --- | --- | --- | --- | --- | --- |")
         for (fmt, B, L), pair in append.items():
             if False not in pair or True not in pair:

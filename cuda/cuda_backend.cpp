@@ -263,10 +263,14 @@ class cuda_backend final : public cache_backend {
 
   // After a write succeeded: notes, for the decode kernel's choice, the widest format of the
   // layer (a format read by element counts as 16 bits: `kernel_bits`), whether each head has
-  // kept one format pair, and the hint that follows (`hints_`).
+  // kept one format pair, and the hint that follows (`hints_`). Sink pages (FP16,
+  // `cache_config::sink_pages`) are left out: a decode call gives them a split of their own
+  // (`attend_args::sink_pages`), which reads them from global memory, so a layer's plan stays
+  // the one of the pages the policy chose.
   void note_pages(int layer, const append_plan& plan) {
     const int per_page = cfg_.shape.kv_heads * 2;
-    for (size_t at = 0; at < plan.entries.size(); at += size_t(per_page)) {
+    const size_t sinks = size_t(std::clamp(int64_t(cfg_.sink_pages) - plan.first_page, int64_t(0), int64_t(plan.pages)));
+    for (size_t at = sinks * size_t(per_page); at < plan.entries.size(); at += size_t(per_page)) {
       for (int j = 0; j < per_page; ++j)
         layer_bits_[size_t(layer)] =
             std::max(layer_bits_[size_t(layer)], uint8_t(kernel_bits(plan.entries[at + size_t(j)].fmt)));
@@ -499,6 +503,7 @@ class cuda_backend final : public cache_backend {
     a.o_stride = o.stride();
     a.scale = softmax_scale();
     a.num_sms = sms_;
+    if constexpr (requires { a.sink_pages; }) a.sink_pages = cfg_.sink_pages;  // (attend_args: a split of their own)
   }
 
   result<std::unique_ptr<step_backend>> make_step(int max_batch, int64_t max_tokens,

@@ -13,6 +13,7 @@ namespace cuda::detail {
 struct launch_plan {
   bool decode;  // group x q_len <= 8: the warp-split decode kernel
   int unit, mtiles, tiles_per_split, max_splits, max_tiles;
+  int sink_units;                       // decode: the units (slabs) of split 0 (`attend_args::sink_pages`), 0: none
   int rows;                             // output rows per m-tile at most (the merge's blocks per m-tile)
   int stages, stage_cap, smem, per_sm;  // the staged decode kernel's stages and occupancy
   uint32_t page_stage;                  // > 0: the block-staged kernel, bytes of a page stage

@@ -35,6 +35,9 @@ status validate_config(const cache_config& c) {
     return bad(fmt::format("max_tokens {} must be in [1, 2^30]", c.max_tokens));
   if (!(c.softmax_scale >= 0.f) || !std::isfinite(c.softmax_scale))
     return bad(fmt::format("softmax_scale {} must be finite and >= 0 (0 = 1/sqrt(head_dim))", c.softmax_scale));
+  if (c.sink_pages < 0 || int64_t(c.sink_pages) * s.page_tokens > c.max_tokens)
+    return bad(fmt::format("sink_pages {} must be in [0, max_tokens / page_tokens = {}]", c.sink_pages,
+                           c.max_tokens / s.page_tokens));
   return c.rotation.validate(s);
 }
 
@@ -99,7 +102,8 @@ status move_window(const cache_shape& sh, detail::cache_backend& b, sequence_sta
   return {};
 }
 
-result<append_plan> plan_pages(page_store& store, policy& pol, sequence_state& s, int layer, int64_t m) {
+result<append_plan> plan_pages(cache_state& st, sequence_state& s, int layer, int64_t m) {
+  page_store& store = st.store;
   const cache_shape& sh = store.shape();
   const int pages = store.new_pages(s, layer, m);
   const int64_t first_token = s.layers[size_t(layer)].e;
@@ -108,11 +112,11 @@ result<append_plan> plan_pages(page_store& store, policy& pol, sequence_state& s
   for (int i = 0; i < pages; ++i)
     for (int h = 0; h < sh.kv_heads; ++h)
       for (role r : {role::k, role::v})
-        formats.push_back(pol.choose({s.id, layer, h, r, first_token + int64_t(i) * sh.page_tokens}));
+        formats.push_back(st.page_format({s.id, layer, h, r, first_token + int64_t(i) * sh.page_tokens}));
   auto plan = store.plan_append(s, layer, m, formats);
   if (!plan && plan.error().code() == errc::invalid_argument)
     return status{errc::invalid_argument,
-                  fmt::format("policy {} chose an unusable format: {}", pol.name(), plan.error().message())};
+                  fmt::format("policy {} chose an unusable format: {}", st.pol->name(), plan.error().message())};
   return plan;
 }
 }  // namespace detail
@@ -193,11 +197,15 @@ result<uint64_t> KVCache::bytes_for(int64_t tokens, std::optional<seq_id> seq) c
   const auto& sh = state_->cfg.shape;
   uint64_t bytes = store.window_bytes_for(s, tokens);
   std::vector<format_pair> pairs(size_t(sh.kv_heads));
+  const uint64_t sink_block = store.block_bytes(std::vector<format_pair>(size_t(sh.kv_heads)));  // (FP16)
   for (int l = 0; l < sh.layers; ++l) {
     const int64_t pages = s ? store.new_pages(*s, l, tokens) : store.pages_after(0, 0, tokens);
     if (pages == 0) continue;
+    // the new pages' first is page e / P of the layer; those below sink_pages hold FP16
+    const int64_t first = s ? s->layers[size_t(l)].e / sh.page_tokens : 0;
+    const int64_t sinks = std::clamp(int64_t(state_->cfg.sink_pages) - first, int64_t(0), pages);
     for (int h = 0; h < sh.kv_heads; ++h) pairs[size_t(h)] = state_->pol->current(l, h);
-    bytes += uint64_t(pages) * store.block_bytes(pairs);
+    bytes += uint64_t(sinks) * sink_block + uint64_t(pages - sinks) * store.block_bytes(pairs);
   }
   return bytes;
 }
@@ -223,7 +231,7 @@ status KVCache::append(seq_id id, int layer, const tensor_view& k, const tensor_
   KVQ_TRY(check_append("append", layer, k, v, state_->cfg.shape));
   KVQ_TRY(check_capacity(state_->cfg, "append", id, layer, s->layers[size_t(layer)].n, k.tokens));
   impl_->poll_policy();  // decisions of finished canaries reach the pages planned now
-  auto plan = plan_pages(state_->store, *state_->pol, *s, layer, k.tokens);
+  auto plan = plan_pages(*state_, *s, layer, k.tokens);
   if (!plan) return plan.error();
   const uint64_t window = s->window_offset;
   status st = move_window(state_->cfg.shape, *impl_, *s, *plan);
@@ -271,7 +279,7 @@ status KVCache::append_batch(std::span<const append_item> items, int layer, cons
     for (auto& pl : plans) state_->store.abandon(std::move(pl));
   };
   for (const auto& e : entries) {
-    auto plan = plan_pages(state_->store, *state_->pol, *e.s, layer, e.tokens);
+    auto plan = plan_pages(*state_, *e.s, layer, e.tokens);
     if (!plan) {
       abandon_all();
       return plan.error();

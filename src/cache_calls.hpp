@@ -12,8 +12,9 @@ status check_kv_view(const tensor_view& t, const char* call, const char* which, 
 status check_q_o(const char* call, const tensor_view& q, const tensor_mut& o, int64_t expected, const cache_shape& sh);
 /// The CUDA page tables' limit: (id, layer) holding n + tokens tokens stays within max_tokens.
 status check_capacity(const cache_config& cfg, const char* call, seq_id id, int layer, int64_t n, int64_t tokens);
-/// The pages of an append of m tokens to (s, layer), in the formats the policy chooses, allocated.
-result<append_plan> plan_pages(page_store& store, policy& pol, sequence_state& s, int layer, int64_t m);
+/// The pages of an append of m tokens to (s, layer), in the formats `cache_state::page_format`
+/// gives (the policy's, FP16 for sink pages), allocated.
+result<append_plan> plan_pages(cache_state& st, sequence_state& s, int layer, int64_t m);
 /// A planned append that moves the window: copies its rings to the new run and points s there.
 status move_window(const cache_shape& sh, cache_backend& b, sequence_state& s, const append_plan& plan);
 

@@ -90,9 +90,10 @@ status decode_step::prepare(std::span<const seq_id> seqs) {
         for (int h = 0; h < sh.kv_heads; ++h)
           for (const role r : {role::k, role::v}) {
             const int64_t first = s->layers[size_t(l)].e + int64_t(i) * sh.page_tokens;
-            const format_id f = st.pol->choose({s->id, l, h, r, first});
+            const format_id f = st.page_format({s->id, l, h, r, first});
             (r == role::k ? pairs[size_t(h)].k : pairs[size_t(h)].v) = f;
-            if (kernel_bits(f) > layers_[size_t(l)].max_bits)
+            // (a sink page's FP16 is read from global memory under any plan)
+            if (first >= st.sink_tokens() && kernel_bits(f) > layers_[size_t(l)].max_bits)
               return {errc::unsupported,
                       fmt::format("decode_step::prepare: layer {} kv head {}: policy {} chose {} ({} bits) for a new "
                                   "page of sequence {}; the step was planned for at most {} kernel bits in this layer (make "
@@ -132,7 +133,7 @@ status decode_step::prepare(std::span<const seq_id> seqs) {
     };
     for (size_t i = 0; i < ss.size(); ++i) {
       windows[i] = ss[i]->window_offset;
-      auto plan = detail::plan_pages(st.store, *st.pol, *ss[i], l, 1);
+      auto plan = detail::plan_pages(st, *ss[i], l, 1);
       if (!plan) return undo(i, plan.error());
       plans[i] = std::move(plan).value();
       if (status moved = detail::move_window(sh, *cache_->impl_, *ss[i], plans[i]); !moved.ok()) return undo(i + 1, moved);

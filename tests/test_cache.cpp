@@ -8,6 +8,7 @@
 #include <kvq/policy/static_policy.hpp>
 #include <limits>
 #include <random>
+#include <string>
 #include <vector>
 
 using namespace kvq;
@@ -19,10 +20,11 @@ struct shape_args {
   uint64_t budget = 64ull << 20;
 };
 
-std::pair<KVCache, std::shared_ptr<static_policy>> make(const std::string& spec, shape_args a = {}) {
+std::pair<KVCache, std::shared_ptr<static_policy>> make(const std::string& spec, shape_args a = {}, int sink_pages = 0) {
   cache_config cfg;
   cfg.shape = {a.layers, a.hq, a.h, a.d, a.page, a.window, a.recent};
   cfg.budget_bytes = a.budget;
+  cfg.sink_pages = sink_pages;
   auto pol = std::make_shared<static_policy>(static_policy::parse(spec).value_or_throw());
   return {KVCache::create(cfg, pol).value_or_throw(), pol};
 }
@@ -81,6 +83,20 @@ std::vector<float> step_view(KVCache& c, seq_id s, int layer, role r, const std:
   return out;
 }
 
+// One decode query (random) of sequence s at `layer`: the relative error of the cache's output
+// against float64 attention over what the step reads (`step_view`) of its n tokens.
+double decode_error(KVCache& c, seq_id s, int layer, const std::vector<float>& k, const std::vector<float>& v, int64_t n,
+                    std::mt19937& rng) {
+  const auto& sh = c.config().shape;
+  const int Hq = sh.q_heads, H = sh.kv_heads, d = sh.head_dim;
+  const auto q = randn(rng, size_t(Hq) * d);
+  std::vector<float> o(size_t(Hq) * d);
+  const attend_item it{s, 1};
+  check(c.attend({&it, 1}, layer, {q.data(), dtype::f32, 1, Hq, d}, {o.data(), dtype::f32, 1, Hq, d}));
+  return rel_err(o, attention64(step_view(c, s, layer, role::k, k, 1), step_view(c, s, layer, role::v, v, 1), n, q, 1,
+                                Hq, H, d));
+}
+
 }  // namespace
 
 TEST_CASE("decode attention is exact over the dequantized cache at page and window edges", "[cache]") {
@@ -133,7 +149,7 @@ TEST_CASE("token-by-token and one-shot appends store the same cache", "[cache]")
 TEST_CASE("a tier change mid-sequence leaves earlier pages identical (temporal striping)", "[cache]") {
   auto [c, pol] = make("kivi4/g32");
   std::mt19937 rng(21);
-  const int H = 2, Hq = 8, d = 64, n1 = 300, n2 = 260;
+  const int H = 2, d = 64, n1 = 300, n2 = 260;
   auto k = randn(rng, size_t(n1 + n2) * H * d), v = randn(rng, size_t(n1 + n2) * H * d);
   check(c.create_sequence(3));
   check(c.append(3, 0, view(k, n1, H, d), view(v, n1, H, d)));
@@ -157,13 +173,7 @@ TEST_CASE("a tier change mid-sequence leaves earlier pages identical (temporal s
   REQUIRE(st.format_map[1] == *parse_format_pair("fp16"));
   REQUIRE(st.format_map[0] == *parse_format_pair("k=kivi2/g32,v=fp8"));
 
-  const int n = n1 + n2;
-  auto q = randn(rng, size_t(Hq) * d);
-  std::vector<float> o(size_t(Hq) * d);
-  const attend_item it{3, 1};
-  check(c.attend({&it, 1}, 0, {q.data(), dtype::f32, 1, Hq, d}, {o.data(), dtype::f32, 1, Hq, d}));
-  REQUIRE(rel_err(o, attention64(step_view(c, 3, 0, role::k, k, 1), step_view(c, 3, 0, role::v, v, 1), n, q, 1, Hq, H,
-                                 d)) < 1e-5);
+  REQUIRE(decode_error(c, 3, 0, k, v, n1 + n2, rng) < 1e-5);
 }
 
 TEST_CASE("extend attention (q_len > 1) is causal and sees its own tokens in fp16", "[cache]") {
@@ -619,4 +629,55 @@ TEST_CASE("codebook levels set on a cache encode the pages after, nothing before
       for (int ch = 0; ch < d; ++ch)
         REQUIRE(after[(size_t(2 * P + t) * H + h) * d + ch] == codec::decode_element(g, page.data(), t, ch));
   }
+}
+
+TEST_CASE("sink pages hold FP16 whatever the policy chooses; later pages as without sinks", "[cache][sinks]") {
+  const std::string spec = GENERATE("kivi2/g32", "k=kivi4/g32,v=sym4/g32", "cb2", "fp8");
+  const int sinks = GENERATE(1, 2);
+  const int64_t n = GENERATE(95, 96, 160, 333);
+  CAPTURE(spec, sinks, n);
+  shape_args a;
+  const int H = a.h, d = a.d, P = a.page;
+  auto [c, pol] = make(spec, a, sinks);
+  auto [plain, pp] = make(spec, a);
+  std::mt19937 rng{uint32_t(n + 7 * sinks)};
+  const auto k = randn(rng, size_t(n) * H * d, 3.f), v = randn(rng, size_t(n) * H * d);
+  for (KVCache* x : {&c, &plain}) {
+    check(x->create_sequence(1));
+    for (int l = 0; l < a.layers; ++l) check(x->append(1, l, view(k, n, H, d), view(v, n, H, d)));
+  }
+  const int64_t pages = n >= P + a.recent ? (n - a.recent) / P : 0;
+  const int64_t fp16_pages = std::min<int64_t>(pages, sinks);
+  const cache_stats st = c.stats();
+  CHECK(st.pages == uint64_t(pages * a.layers * H * 2));
+  CHECK(st.pages_by_format[fp16_format] == uint64_t(fp16_pages * a.layers * H * 2));
+  CHECK(st.format_map == plain.stats().format_map);  // (the policy's map: sinks are not a tier)
+  for (int l = 0; l < a.layers; ++l)
+    for (role r : {role::k, role::v}) {
+      const auto& x = r == role::k ? k : v;
+      std::vector<float> got(size_t(n) * H * d), ref(got.size());
+      check(c.read(1, l, r, got));
+      check(plain.read(1, l, r, ref));
+      const size_t sink_end = size_t(fp16_pages * P) * H * d;
+      for (size_t i = 0; i < sink_end; ++i) REQUIRE(got[i] == half_to_float(float_to_half(x[i])));
+      for (size_t i = sink_end; i < got.size(); ++i) REQUIRE(got[i] == ref[i]);
+    }
+  REQUIRE(decode_error(c, 1, 1, k, v, n, rng) < 1e-5);
+}
+
+TEST_CASE("sink pages out of range are a configuration error naming sink_pages", "[cache][sinks][errors]") {
+  cache_config cfg;
+  cfg.shape = {2, 8, 2, 64, 64, 128, 32};
+  cfg.budget_bytes = 1 << 20;
+  cfg.max_tokens = 1024;
+  auto pol = std::make_shared<static_policy>(*parse_format_pair("kivi4/g32"));
+  for (int bad : {-1, 17}) {
+    cfg.sink_pages = bad;
+    auto r = KVCache::create(cfg, pol);
+    REQUIRE_FALSE(r.ok());
+    REQUIRE_THAT(r.error().message(), Catch::Contains("sink_pages " + std::to_string(bad) +
+                                                      " must be in [0, max_tokens / page_tokens = 16]"));
+  }
+  cfg.sink_pages = 16;
+  REQUIRE(KVCache::create(cfg, pol).ok());
 }

@@ -18,12 +18,15 @@ namespace {
 // P = 32, R = 64, r = 16: a page is encoded once 48 tokens are unencoded.
 constexpr int layers = 2, hq = 4, kvh = 2, d = 32, page = 32, window = 64, recent = 16;
 
+// spec: a static policy's spec, optionally followed by `+sink<N>` (cache_config::sink_pages N).
 KVCache make(const std::string& spec, uint64_t budget = 16ull << 20, int max_sequences = 8) {
   cache_config cfg;
   cfg.shape = {layers, hq, kvh, d, page, window, recent};
   cfg.budget_bytes = budget;
   cfg.max_sequences = max_sequences;
-  return KVCache::create(cfg, std::make_shared<static_policy>(static_policy::parse(spec).value_or_throw()))
+  const size_t sink = spec.find("+sink");
+  if (sink != std::string::npos) cfg.sink_pages = std::stoi(spec.substr(sink + 5));
+  return KVCache::create(cfg, std::make_shared<static_policy>(static_policy::parse(spec.substr(0, sink)).value_or_throw()))
       .value_or_throw();
 }
 
@@ -253,7 +256,7 @@ TEST_CASE("append, truncate, append equals appending the kept tokens directly", 
   // have encoded page 1 yet, so it goes and its tokens are read from the ring); a cut in
   // [48, 64) falls in page 1, whose tokens the ring still holds; a cut at 0 keeps nothing. Cuts
   // in (0, 48) keep page 0 because the ring lost its first tokens: the next tests.
-  const std::string spec = GENERATE("fp16", "int8", "kivi4/g32", "kivi2/g32");
+  const std::string spec = GENERATE("fp16", "int8", "kivi4/g32", "kivi2/g32", "kivi2/g32+sink1");
   const int64_t n = 90;
   const int64_t keep = GENERATE(90, 89, 80, 79, 70, 64, 63, 50, 48, 0);
   const int64_t more = GENERATE(1, 30, 75);
@@ -426,7 +429,8 @@ TEST_CASE("a truncate that cannot be done is an error and changes nothing", "[tr
 }
 
 TEST_CASE("bytes_for is what an append or a new sequence takes from the budget", "[stats]") {
-  const std::string spec = GENERATE("fp16", "int8", "kivi2/g32", "k=kivi4/g32,v=kivi2/g32;1=fp16");
+  const std::string spec =
+      GENERATE("fp16", "int8", "kivi2/g32", "k=kivi4/g32,v=kivi2/g32;1=fp16", "kivi2/g32+sink1", "int8+sink3");
   const int64_t first = GENERATE(0, 1, 47, 48, 200);
   const int64_t more = GENERATE(0, 1, 33, 64, 300);
   CAPTURE(spec, first, more);

@@ -40,6 +40,7 @@ void set_params(const attend_args& a, const launch_plan& lp, const void* q, dtyp
   p.scale_log2 = scale * 1.4426950408889634f;
   p.tiles_per_split = lp.tiles_per_split;
   p.max_splits = lp.max_splits;
+  p.sink_units = lp.sink_units;
   const size_t parts = items * a.kv.kv_heads * lp.mtiles * lp.max_splits;
   p.ws_o = static_cast<float*>(workspace);
   p.ws_ml = p.ws_o + parts * 16 * a.kv.head_dim;

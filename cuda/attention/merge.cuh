@@ -62,7 +62,7 @@ __global__ void __launch_bounds__(merge_threads) merge_kernel(const __grid_const
     }
   }
   const int T = ceil_div(item.from_pages, p.unit_tokens) + ceil_div(item.n - item.from_pages, p.unit_tokens);
-  const int splits = ceil_div(T, p.tiles_per_split) + p.extra_splits;  // (a prefill chunk's part last)
+  const int splits = item_splits(p, T) + p.extra_splits;  // (a prefill chunk's part last)
   const size_t part0 = ((size_t(blockIdx.x) * p.kv.kv_heads + h) * p.mtiles + mt) * p.max_splits;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const float2* ml = reinterpret_cast<const float2*>(p.ws_ml + (part0 * 16 + r) * 2);  // split s: ml[s * 16] (max, sum)
@@ -150,7 +150,7 @@ __global__ void __launch_bounds__(merge_rows_warps * 32) merge_rows_kernel(const
   const int mm = mt * 16 + r;
   if (mm >= p.group * item.q_len) return;  // (warp-uniform)
   const int T = ceil_div(item.from_pages, p.unit_tokens) + ceil_div(item.n - item.from_pages, p.unit_tokens);
-  const int splits = ceil_div(T, p.tiles_per_split) + p.extra_splits;  // (a prefill chunk's part last)
+  const int splits = item_splits(p, T) + p.extra_splits;  // (a prefill chunk's part last)
   const size_t part0 = ((size_t(blockIdx.x) * p.kv.kv_heads + h) * p.mtiles + mt) * p.max_splits;
   const float2* ml = reinterpret_cast<const float2*>(p.ws_ml + (part0 * 16 + r) * 2);  // split s: ml[s * 16]
   const float* wo = p.ws_o + (part0 * 16 + r) * D + lane * per_lane;             // split s: wo[s * 16 * D]

@@ -29,6 +29,8 @@ struct attend_params {
   dtype q_type, o_type;
   float scale_log2;
   int tiles_per_split, max_splits;
+  int sink_units;   // decode: split 0 holds units [0, sink_units), split s > 0 the units from
+                    // sink_units + (s - 1) x tiles_per_split (`attend_args::sink_pages`); 0: none
   int unit_tokens;  // tokens of a work unit: 64 (tile kernel) or 16 (decode kernel slabs)
   int stages, stage_cap;  // staged decode kernels: stages (per warp or per block), code bits
   uint32_t page_stage;           // block-staged decode kernel: bytes of a stage (a page-head's K and V), 0: not used
@@ -61,6 +63,12 @@ __device__ __forceinline__ bool load_item(const attend_params& p, int i, decode_
     out = p.items[i];
   }
   return true;
+}
+
+// The splits of an item of T units: tiles_per_split each, after the sink split where there is one.
+__device__ __forceinline__ int item_splits(const attend_params& p, int T) {
+  if (p.sink_units == 0) return ceil_div(T, p.tiles_per_split);
+  return 1 + (T > p.sink_units ? ceil_div(T - p.sink_units, p.tiles_per_split) : 0);
 }
 
 static_assert(slab <= ring_slack_slots, "the ring blocks' slack covers a slab read past a sequence's last slot");

@@ -276,8 +276,10 @@ __device__ __forceinline__ slab_range block_slabs(const attend_params& p, const 
   slab_range r;
   r.page_slabs = ceil_div(item.from_pages, slab);
   const int S = r.page_slabs + ceil_div(item.n - item.from_pages, slab);
-  r.c0 = blockIdx.x * p.tiles_per_split;  // a multiple of dec_warps (x 2: block-staged)
-  r.c1 = min(S, r.c0 + p.tiles_per_split);
+  // a multiple of dec_warps (x 2: block-staged) after the sink split, which is whole pages
+  const int b = int(blockIdx.x);
+  r.c0 = p.sink_units == 0 ? b * p.tiles_per_split : b == 0 ? 0 : p.sink_units + (b - 1) * p.tiles_per_split;
+  r.c1 = min(S, p.sink_units != 0 && b == 0 ? p.sink_units : r.c0 + p.tiles_per_split);
   const int per_warp = ceil_div(r.c1 - r.c0, dec_warps);
   r.s0 = r.c0 + warp * per_warp;
   r.s1 = min(r.c1, r.s0 + per_warp);

@@ -45,12 +45,13 @@ struct pair_of_caches {
   std::shared_ptr<static_policy> pol;
 };
 
-pair_of_caches make(const std::string& spec, int layers, int hq, int h, int d, int page = 64) {
+pair_of_caches make(const std::string& spec, int layers, int hq, int h, int d, int page = 64, int sink_pages = 0) {
   cache_config cfg;
   cfg.shape = {layers, hq, h, d, page, 2 * page, 32};
   cfg.budget_bytes = 512ull << 20;
   cfg.max_sequences = 16;
   cfg.max_tokens = 1 << 15;
+  cfg.sink_pages = sink_pages;
   auto pol = std::make_shared<static_policy>(static_policy::parse(spec).value_or_throw());
   auto c = KVCache::create(cfg, pol).value_or_throw();
   cfg.where = backend::cuda;
@@ -318,6 +319,43 @@ TEST_CASE("gpu: mixed formats within one sequence (temporal striping)", "[gpu][d
   const char* const* tiers = wide ? wide_tiers : narrow_tiers;
   REQUIRE(append_striped(c, tiers, small() ? 3 : 6, "sym4/g32", "sym4/g32", rng) >= (small() ? 5 : 6));
   REQUIRE(attend_both(c, {{0, 1}}, 1, rng) < nmse_bound);
+}
+
+// Sink pages (cache_config::sink_pages: FP16) beside pages of every kind: the backend plans a
+// layer for the pages the policy chose (the Whole instance for 4/2-bit pairs, the 3-bit chunk
+// loops), and a decode call gives the sink pages a split of their own, read from global memory.
+// Decode (one launch for the batch, and one sequence at a time) and extend steps (the tile
+// kernel: an FP16 tile filling the 72 KiB copy ring at head_dim 256, then pages read by
+// element) against the CPU.
+TEST_CASE("gpu: sink pages beside pages of every kind decode as the CPU's", "[gpu][decode][sinks]") {
+  const std::string spec = GENERATE("kivi4/g32", "kivi2/g32", "k=kivi4/g32,v=kivi2/g32", "sym4/g32", "cb4", "cb2",
+                                    "nvfp4", "int8", "fp8", "kivi3/g32", "sym3/g32", "k=kivi3/g64,v=sym3/g64");
+  // (reduced for the sanitizers: head_dim 128, one sink page)
+  const int d = GENERATE_COPY(from_range(small() ? std::vector<int>{128} : std::vector<int>{64, 128, 256}));
+  const int gqa = GENERATE(1, 4);
+  const int sinks = GENERATE_COPY(from_range(small() ? std::vector<int>{1} : std::vector<int>{1, 3}));
+  CAPTURE(spec, d, gqa, sinks);
+  if (!supported(spec, d)) return;
+  auto c = make(spec, 1, 2 * gqa, 2, d, 64, sinks);
+  std::mt19937 rng(uint32_t(spec.size() * 17 + d + gqa + sinks));
+  const std::vector<int64_t> lens =
+      small() ? std::vector<int64_t>{130, 1500} : std::vector<int64_t>{1, 96, 97, 130, 200, 257, 1500, 3000};
+  const std::vector<attend_item> items = fill_sequences(c, lens, d, rng);
+  CHECK(c.gpu.stats().pages_by_format[fp16_format] > 0);
+  require_same_store(c, int64_t(lens.size()) - 1, 0);
+  REQUIRE(attend_both(c, items, 0, rng) < nmse_bound);
+  for (const auto& it : items) {
+    CAPTURE(it.seq);
+    REQUIRE(attend_both(c, {it}, 0, rng) < (gqa == 1 ? nmse_bound_one_query : nmse_bound));
+  }
+  // an extend step of 16 tokens on every sequence
+  std::vector<attend_item> ext;
+  for (size_t i = 0; i < lens.size(); ++i) {
+    auto k = randn_h(rng, size_t(16) * 2 * d), v = randn_h(rng, size_t(16) * 2 * d);
+    append_both(c, int64_t(i), 0, k, v, 16, 2, d);
+    ext.push_back({int64_t(i), 16});
+  }
+  REQUIRE(attend_both(c, ext, 0, rng) < nmse_bound);
 }
 
 TEST_CASE("gpu: speculative (q_len <= 16) and extend (q_len up to the window) attention", "[gpu][extend]") {

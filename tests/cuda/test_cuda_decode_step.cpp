@@ -44,8 +44,9 @@ struct stream_guard {
 const std::string narrow_spec = "k=kivi8/g32,v=sym4/g32;0.1=k=kivi4/g32,v=kivi2/g32;1.0=k=sym8/g32,v=fp8;1.1=kivi2/g32";
 const std::string fp16_spec = "fp16;1=kivi4/g32";
 
-KVCache make(cudaStream_t st, uint64_t budget = 64ull << 20, std::shared_ptr<policy> pol = nullptr) {
+KVCache make(cudaStream_t st, uint64_t budget = 64ull << 20, std::shared_ptr<policy> pol = nullptr, int sinks = 0) {
   cache_config cfg;
+  cfg.sink_pages = sinks;
   cfg.shape = {L, Hq, H, D, P, W, R};
   cfg.where = backend::cuda;
   cfg.budget_bytes = budget;
@@ -109,10 +110,14 @@ bool small() { return std::getenv("KVQ_GPU_TEST_SMALL") != nullptr; }
 
 TEST_CASE("gpu: a decode step captured once replays 200 steps as its eager calls compute", "[gpu][graph][replay]") {
   const std::string map = GENERATE(spec, narrow_spec, fp16_spec);
-  CAPTURE(map);
+  // with a sink page, the shorter sequences encode it during the replayed steps (FP16, read from
+  // global memory under the plans of the narrower formats)
+  const int sinks = GENERATE(0, 1);
+  CAPTURE(map, sinks);
   stream_guard st;
   const auto pol = [&] { return std::make_shared<static_policy>(static_policy::parse(map).value_or_throw()); };
-  KVCache a = make(st.s, 64ull << 20, pol()), b = make(st.s, 64ull << 20, pol()), c = make(st.s, 64ull << 20, pol());
+  KVCache a = make(st.s, 64ull << 20, pol(), sinks), b = make(st.s, 64ull << 20, pol(), sinks),
+          c = make(st.s, 64ull << 20, pol(), sinks);
   // Lengths around page and slab edges; the longest crosses several pages during the 200 steps.
   const std::vector<int64_t> lens = {1, 63, 94, 200, 700};
   const int n = int(lens.size()), max_batch = 6;

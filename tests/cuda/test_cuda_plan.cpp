@@ -35,7 +35,7 @@ cuda::paged_view view(int head_dim, int page_tokens) {
 
 // A decode batch: `batch` sequences of `n` tokens, one query each (GQA 4).
 cuda::attend_plan_info plan(int head_dim, int page_tokens, int max_bits, int batch, int n, int q_len = 1,
-                            bool one_format = false) {
+                            bool one_format = false, int sink_pages = 0) {
   std::vector<cuda::decode_item> items;
   const int ring = page_tokens / 2;  // tokens not yet in pages
   for (int i = 0; i < batch; ++i) items.push_back({i, q_len, n, n - ring, 0, i * q_len});
@@ -45,6 +45,7 @@ cuda::attend_plan_info plan(int head_dim, int page_tokens, int max_bits, int bat
   a.items = items;
   a.max_page_bits = max_bits;
   a.one_format_per_head = one_format;
+  a.sink_pages = sink_pages;
   return cuda::attend_plan(a).value_or_throw();
 }
 
@@ -252,4 +253,22 @@ TEST_CASE("attention plan: heads of 3-bit kind pairs take the Whole instance in 
   for (int d : {128, 256}) CHECK(plan(d, 256, 3, 8, 32768, 1, true).kernel == cuda::attend_kernel::decode_staged);
   // without the hint, no Whole instance
   CHECK_FALSE(plan(128, 64, 3, 8, 32768).whole_units);
+}
+
+TEST_CASE("attention plan: sink pages get a split of their own, the rest keeps the layer's instance", "[cuda][plan]") {
+  for (const int n : {100, 4096, 32768, 131072})
+    for (const int sinks : {1, 2}) {
+      CAPTURE(n, sinks);
+      const cuda::attend_plan_info without = plan(128, 64, 4, 8, n, 1, true);
+      const cuda::attend_plan_info with = plan(128, 64, 4, 8, n, 1, true, sinks);
+      CHECK(with.kernel == without.kernel);
+      CHECK(with.whole_units == without.whole_units);
+      CHECK(with.stages == without.stages);
+      // split 0: the sink pages; the others: tokens_per_split each over what follows them
+      const int slabs = (n - 32 + 15) / 16 + 2, rest = std::max(1, slabs - sinks * 4);  // (32 ring tokens)
+      CHECK(with.max_splits == 1 + (rest + with.tokens_per_split / 16 - 1) / (with.tokens_per_split / 16));
+      CHECK(with.tokens_per_split % 128 == 0);  // whole 32-token chunks per warp of the block
+    }
+  // a tile call (extend) has no sink split
+  CHECK(plan(128, 64, 4, 8, 4096, 16, true, 1).max_splits == plan(128, 64, 4, 8, 4096, 16, true, 0).max_splits);
 }

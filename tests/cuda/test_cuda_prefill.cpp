@@ -44,7 +44,9 @@ struct twin {
   int hq, d, h;
 };
 
-twin make(const std::string& spec, int gqa, int d, bool rotated, int kv_heads = H) {
+// spec: a format pair or a `mixed` spec, optionally followed by `+sink` (the first page FP16:
+// cache_config::sink_pages 1).
+twin make(std::string spec, int gqa, int d, bool rotated, int kv_heads = H) {
   cache_config cfg;
   cfg.shape = {1, kv_heads * gqa, kv_heads, d, 64, 128, 32};
   cfg.budget_bytes = 256ull << 20;
@@ -52,6 +54,7 @@ twin make(const std::string& spec, int gqa, int d, bool rotated, int kv_heads = 
   cfg.max_tokens = 1 << 14;
   cfg.cpu_threads = 4;
   if (rotated) cfg.rotation = {{1, 0}, 4321};  // head 0 rotated, head 1 plain
+  if (spec.ends_with("+sink")) cfg.sink_pages = 1, spec.resize(spec.size() - 5);
   auto pol =
       std::make_shared<static_policy>(parse_format_pair(tiers_of(spec) ? tiers_of(spec)[0] : spec).value_or_throw());
   auto c = KVCache::create(cfg, pol).value_or_throw();
@@ -174,7 +177,7 @@ void require_close_lse(twin& t, int64_t prefix, const prefix_result& r) {
 
 TEST_CASE("gpu prefill: chunks of any length after stored tokens match the CPU, every format", "[gpu][prefill]") {
   const std::string spec = GENERATE("fp16", "kivi4/g32", "kivi2/g32", "int8", "mixed", "cb4", "kivi3/g32",
-                                    "k=nvfp4,v=cb2/g32", "mixed by element");
+                                    "k=nvfp4,v=cb2/g32", "mixed by element", "kivi4/g32+sink", "kivi3/g32+sink");
   const int64_t n0 = GENERATE_COPY(from_range(small() ? sizes{0, 37} : sizes{0, 37, 1000}));
   const int64_t T = GENERATE_COPY(from_range(small() ? sizes{1, 129, 300} : sizes{1, 100, 128, 129, 700, 4096}));
   CAPTURE(spec, n0, T);

@@ -67,6 +67,12 @@ struct cache_config {
   /// as unrotated up to rounding. Empty (the default): nothing rotated. Needs head_dim a power of
   /// two when any head is rotated.
   rotation_config rotation;
+  /// Attention sinks: the first `sink_pages` pages of every sequence (its tokens
+  /// [0, sink_pages x page_tokens) in every layer, kv head and role) are written FP16 whatever
+  /// the policy chooses. The first tokens draw a large share of every query's attention; a KIVI
+  /// key group that holds them loses the most (docs/quality.md, "Attention sinks"). 0 (the
+  /// default): every page as the policy chooses. At most max_tokens / page_tokens.
+  int sink_pages = 0;
 };
 
 /// Memory a cache holds outside `budget_bytes`: the CUDA backend's page tables, workspaces and

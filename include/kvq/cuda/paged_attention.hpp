@@ -108,6 +108,12 @@ struct attend_args {
   /// units per step (6-11 % faster on the H200 at 8-32 x 32K). Each thread block checks its pages: where they
   /// differ, the call is still correct, slower than without the hint.
   bool one_format_per_head = false;
+  /// The first `sink_pages` pages of every item are attention-sink pages (KVCache's
+  /// `cache_config::sink_pages`: FP16 where the layer's other pages are narrower). A decode call
+  /// then gives them a thread block of their own per (item, kv head), so that every other block
+  /// holds the layer's other pages only and keeps the kernel instance of `max_page_bits` and
+  /// `one_format_per_head`, which describe those pages; 0 (the default): no such split.
+  int sink_pages = 0;
   /// Optional, for a device canary that runs after the engine has reused `q` (EchoKV's): the
   /// launch also copies the query rows of every item with `stage_row >= 0` into `q_stage`
   /// ([rows][q_heads * head_dim] float, packed) from that row on. No extra launch: the split

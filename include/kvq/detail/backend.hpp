@@ -41,6 +41,13 @@ struct cache_state {
   cache_config cfg;
   std::shared_ptr<policy> pol;
   page_store store;
+  /// Tokens of the sink pages (`cache_config::sink_pages`): a page whose first token is below
+  /// holds FP16.
+  int64_t sink_tokens() const { return int64_t(cfg.sink_pages) * cfg.shape.page_tokens; }
+  /// The format of a new page: FP16 for a sink page, else the policy's choice.
+  format_id page_format(const page_request& r) const {
+    return r.first_token < sink_tokens() ? fp16_format : pol->choose(r);
+  }
   std::vector<float> clip;  ///< [layers][kv_heads][2]
   /// [layers][kv_heads][2][codebook formats][codebook_slot_floats]: the levels each codebook
   /// format encodes with (`KVCache::set_codebook_levels`; Lloyd-Max until set).

@@ -12,8 +12,9 @@ KL(P_fp16 || P_config) against the absolute position, one line per configuration
 series `kl_by_position`, a point per --kl-bucket positions), log y axis, linear x axis.
 
 --bits-svg writes one standalone SVG of mean KL (log) against bits per element (pages and the
-FP16 window), a point per configuration, rotated ones (`+rot`) in red; with --peer, the peer's
-caches as green squares in every panel of the same text.
+FP16 window), a point per configuration, rotated ones (`+rot`) in red, with sink pages (`+sink`)
+in orange, both in purple; with --peer, the peer's caches as green squares in every panel of the
+same text.
 
 --peer names records of bench/peer_llamacpp_quality.py (llama.cpp's quantized caches against its
 own f16 cache on the same positions): --md then adds a table of every configuration of the runs
@@ -131,9 +132,17 @@ def render_svg(recs):
     return render_panels(recs, panel, 900, 360)
 
 
+def suffix_color(name):
+    """A configuration's colour by its cache suffixes: plain blue, rotated (`+rot`) red, with
+    sink pages (`+sink`) orange, both purple."""
+    parts = name.split("+")[1:]
+    rot, sink = "rot" in parts, any(p.startswith("sink") for p in parts)
+    return PALETTE[4] if rot and sink else PALETTE[3] if sink else PALETTE[1] if rot else PALETTE[0]
+
+
 def bits_panel(rec, y0, width, height, peer_pts=()):
     """One run's scatter of bits per element against mean KL as SVG elements, its top at y0: a
-    point per configuration (rotated ones, `+rot`, in red), labelled with its name, and the
+    point per configuration (coloured by `suffix_color`), labelled with its name, and the
     peer's (bits, KL, label) points as green squares."""
     left, right, top, bottom = 70, 30, 28, 40
     pw, ph = width - left - right, height - top - bottom
@@ -160,7 +169,7 @@ def bits_panel(rec, y0, width, height, peer_pts=()):
     s.append(f'<text transform="translate(16 {y0 + top + ph / 2}) rotate(-90)" text-anchor="middle">'
              f'mean KL, nats (log)</text>')
     for x, v, name in pts:
-        color = PALETTE[1] if name.endswith("+rot") else PALETTE[0]
+        color = suffix_color(name)
         s.append(f'<circle cx="{X(x):.1f}" cy="{Y(v):.1f}" r="4" fill="{color}"/>')
         s.append(f'<text x="{X(x) + 7:.1f}" y="{Y(v) + 4:.1f}" fill="{color}">{escape(name)}</text>')
     for x, v, name in peer_pts:

@@ -38,8 +38,9 @@ CONFIGURATIONS (--config, repeatable; default: fp16 int8 kivi4/g32 kivi2/g32 ra4
   head overrides after ';': k=kivi2/g32,v=kivi2/g32;0=fp16;5.1=int8. A '+rot' suffix on a
   configuration rotates every (layer, kv head) (randomized Hadamard: kivi2/g32+rot,
   echokv:...+rot); rolealign's clip ratios are calibrated unrotated, so a rotated rolealign
-  configuration runs without --clip-ratios. The FP16 cache (fp16) is the reference; it is
-  added when no configuration is fp16.
+  configuration runs without --clip-ratios. A '+sink' suffix keeps the first page of every
+  sequence FP16 (attention sinks; '+sink<N>': N pages): kivi2/g32+rot+sink. The FP16 cache
+  (fp16) is the reference; it is added when no configuration is fp16.
 
 WHAT IS MEASURED (every configuration on the same tokens and positions)
   The text is tokenized; the first --prefill tokens are prefilled once at full precision into

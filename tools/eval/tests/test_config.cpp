@@ -109,6 +109,30 @@ TEST_CASE("make_eval_cache: '+rot' rotates every head of the configuration's cac
   REQUIRE_FALSE(bare.ok());
 }
 
+TEST_CASE("make_eval_cache: '+sink' and '+sink<N>' keep the first pages FP16, beside '+rot' in any order", "[config]") {
+  cache_settings s;
+  s.max_tokens = 256;
+  CHECK(make_eval_cache(smol_shape(), "kivi2/g32", s)->config().sink_pages == 0);
+  auto one = make_eval_cache(smol_shape(), "kivi2/g32+sink", s);
+  REQUIRE(one.ok());
+  CHECK(one->config().sink_pages == 1);
+  CHECK_FALSE(one->config().rotation.any());
+  for (const char* both : {"kivi2/g32+rot+sink3", "kivi2/g32+sink3+rot"}) {
+    CAPTURE(both);
+    auto c = make_eval_cache(smol_shape(), both, s);
+    REQUIRE(c.ok());
+    CHECK(c->config().sink_pages == 3);
+    CHECK(c->config().rotation.any());
+    CHECK(c->active_policy().name() == "static(kivi2/g32)");
+  }
+  for (const char* bad : {"kivi2/g32+sink0", "kivi2/g32+sinkx", "kivi2/g32+sink+sink"}) {
+    CAPTURE(bad);
+    auto c = make_eval_cache(smol_shape(), bad, s);
+    REQUIRE_FALSE(c.ok());
+    CHECK_THAT(c.error().message(), Contains(bad));
+  }
+}
+
 TEST_CASE("teacher_forced_chunk: a chunk ends before the next page encode, at the run's end and a map sample",
           "[config]") {
   cache_settings s;

@@ -106,6 +106,9 @@ class LongContextReport(unittest.TestCase):
         self.assertEqual(len(dots), 3)  # every configuration but the reference
         fills = [c.get("fill") for c in dots]
         self.assertEqual(fills.count(lcr.PALETTE[1]), 1)  # the rotated one
+        self.assertEqual([lcr.suffix_color(n) for n in ("kivi2/g32", "kivi2/g32+rot", "kivi2/g32+sink",
+                                                         "kivi2/g32+rot+sink2", "kivi2/g32+sink+rot")],
+                         [lcr.PALETTE[0], lcr.PALETTE[1], lcr.PALETTE[3], lcr.PALETTE[4], lcr.PALETTE[4]])
         # log axis: mean KL 0.02 (kivi2, <odd>) sits log10(10) = one decade above 0.002 (rotated)
         ys = {t.text: float(t.get("y")) for t in root.findall(f"{ns}text") if t.text and t.text.startswith("1e")}
         decade = ys["1e-3"] - ys["1e-2"]
