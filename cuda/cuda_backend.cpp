@@ -269,7 +269,7 @@ class cuda_backend final : public cache_backend {
   // the one of the pages the policy chose.
   void note_pages(int layer, const append_plan& plan) {
     const int per_page = cfg_.shape.kv_heads * 2;
-    const size_t sinks = size_t(std::clamp(int64_t(cfg_.sink_pages) - plan.first_page, int64_t(0), int64_t(plan.pages)));
+    const size_t sinks = size_t(cache_state::sink_pages_among(cfg_, plan.first_page, plan.pages));
     for (size_t at = sinks * size_t(per_page); at < plan.entries.size(); at += size_t(per_page)) {
       for (int j = 0; j < per_page; ++j)
         layer_bits_[size_t(layer)] =

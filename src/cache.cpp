@@ -201,9 +201,8 @@ result<uint64_t> KVCache::bytes_for(int64_t tokens, std::optional<seq_id> seq) c
   for (int l = 0; l < sh.layers; ++l) {
     const int64_t pages = s ? store.new_pages(*s, l, tokens) : store.pages_after(0, 0, tokens);
     if (pages == 0) continue;
-    // the new pages' first is page e / P of the layer; those below sink_pages hold FP16
-    const int64_t first = s ? s->layers[size_t(l)].e / sh.page_tokens : 0;
-    const int64_t sinks = std::clamp(int64_t(state_->cfg.sink_pages) - first, int64_t(0), pages);
+    // the new pages' first is page e / P of the layer; sink pages hold FP16
+    const int64_t sinks = state_->sink_pages_among(s ? s->layers[size_t(l)].e / sh.page_tokens : 0, pages);
     for (int h = 0; h < sh.kv_heads; ++h) pairs[size_t(h)] = state_->pol->current(l, h);
     bytes += uint64_t(sinks) * sink_block + uint64_t(pages - sinks) * store.block_bytes(pairs);
   }

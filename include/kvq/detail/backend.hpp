@@ -44,6 +44,13 @@ struct cache_state {
   /// Tokens of the sink pages (`cache_config::sink_pages`): a page whose first token is below
   /// holds FP16.
   int64_t sink_tokens() const { return int64_t(cfg.sink_pages) * cfg.shape.page_tokens; }
+  /// How many of `pages` new pages of a layer, from page index `first_page` on, are sink pages.
+  int64_t sink_pages_among(int64_t first_page, int64_t pages) const {
+    return sink_pages_among(cfg, first_page, pages);
+  }
+  static int64_t sink_pages_among(const cache_config& c, int64_t first_page, int64_t pages) {
+    return std::clamp(int64_t(c.sink_pages) - first_page, int64_t(0), pages);
+  }
   /// The format of a new page: FP16 for a sink page, else the policy's choice.
   format_id page_format(const page_request& r) const {
     return r.first_token < sink_tokens() ? fp16_format : pol->choose(r);
