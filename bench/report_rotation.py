@@ -8,11 +8,19 @@ For every shape (format, B, L) the benchmark ran both as `<format>` and `<format
 (bench/decode_cuda.cpp), prints the median times and their ratio with / without, and marks
 the ratios above the goal (the 5 % of docs/decisions.md, "Rotation"). The append-step rows compare
 `append_step/<format><suffix>` with `append_step/<format>` the same way (append_us and append_frac).
-Exits 1 when a decode ratio is above the goal, so a script can gate on it.
+Exits 1 when a decode ratio is above the goal, so a script can gate on it. A run with
+--benchmark_repetitions (best with --benchmark_enable_random_interleaving, so that both sides of a
+ratio see the same clock drift) gives each shape the median of its repetitions' medians.
 """
 import json
 import re
+import statistics
 import sys
+
+
+def median(runs, key):
+    """The median of `key` over a shape's repetitions (one run: its value)."""
+    return statistics.median(b[key] for b in runs)
 
 
 def main():
@@ -22,18 +30,20 @@ def main():
     plain, with_ = ("unrotated", "rotated") if suffix == "+rot" else ("without", "with " + suffix.lstrip("+"))
     decode, append = {}, {}
     for b in bench["benchmarks"]:
+        if b.get("run_type", "iteration") != "iteration":
+            continue  # (the aggregates of repetitions)
         m = re.match(r"(decode|append_step)/(.+?)(" + re.escape(suffix) + r")?/B(\d+)/L(\d+)/", b["name"])
         if not m:
             continue
         kind, fmt, rot, B, L = m.group(1), m.group(2), m.group(3) is not None, int(m.group(4)), int(m.group(5))
-        (decode if kind == "decode" else append).setdefault((fmt, B, L), {})[rot] = b
+        (decode if kind == "decode" else append).setdefault((fmt, B, L), {}).setdefault(rot, []).append(b)
     over = 0
     print(f"| format | B | context | {plain} µs | {with_} µs | {with_} / {plain} | |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for (fmt, B, L), pair in decode.items():
         if False not in pair or True not in pair:
             continue
-        a, r = pair[False]["median_us"], pair[True]["median_us"]
+        a, r = median(pair[False], "median_us"), median(pair[True], "median_us")
         ratio = r / a
         over += ratio > goal
         mark = f"above {goal:g}" if ratio > goal else ""
@@ -47,8 +57,9 @@ def main():
             if False not in pair or True not in pair:
                 continue
             a, r = pair[False], pair[True]
-            print(f"| {fmt} | {B} | {L} | {a['append_us']:.1f} | {r['append_us']:.1f} | "
-                  f"{r['append_us'] / a['append_us']:.3f} | {a['append_frac']:.3f} | {r['append_frac']:.3f} |")
+            au, ru = median(a, "append_us"), median(r, "append_us")
+            print(f"| {fmt} | {B} | {L} | {au:.1f} | {ru:.1f} | {ru / au:.3f} | {median(a, 'append_frac'):.3f} | "
+                  f"{median(r, 'append_frac'):.3f} |")
     print()
     print(f"{over} decode shape(s) above {goal:g}")
     return 1 if over else 0

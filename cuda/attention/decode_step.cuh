@@ -11,11 +11,20 @@ KVQ_NAMESPACE_BEGIN
 namespace cuda::detail {
 
 // The staged kernels' common start: the block's page lookups, this lane's query fragments, and
-// the fp16 query pairs in shared memory (for KIVI re-scaling; warp 0 stores them).
+// the fp16 query pairs in shared memory (for KIVI re-scaling). A rotated head's query columns are
+// rotated by the block's warps together (`rotate_query_columns`) and read back after a barrier;
+// otherwise each warp loads its fragments and warp w stores rows w, w + 4, ... of qh. Either way
+// the caller syncs the block (its barrier before the first copies) before other warps read qh.
 template <int D>
 __device__ __forceinline__ void staged_start(const attend_params& p, const decode_item& item, int h, const slab_range& rg,
                                              int warp, int g, int t, int lane, staged_head<D>& sm, uint32_t (&qb)[D / 8]) {
   fill_page_table<D>(p, item, h, rg.c0, rg.c1, rg.page_slabs, sm.pages);
+  if (!p.q_rotated && head_rotated(p.rot, h)) {  // (block-uniform)
+    rotate_query_columns<D>(p, item, h, warp, dec_warps, lane, sm.qh);
+    __syncthreads();
+    get_query<D>(sm.qh, lane, qb);
+    return;
+  }
   load_query<D>(p, item, h, g, t, qb);
   // Every warp holds the same fragments: warp w stores rows w, w + 4, ... of the D / 32 rows
   // (warps past them store nothing). No warp-0-only stores: in the build with per-kind chunk

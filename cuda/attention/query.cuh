@@ -11,27 +11,45 @@ namespace cuda::detail {
 
 // The block's query columns as MMA B fragments: column n is query n / group of head
 // h * group + n % group; lane (g, t) holds column g, the pairs of its channels [(D/4) t, (D/4)(t+1)).
-// A rotated head's queries are rotated here, in the prologue (R q, the quad's 4 lanes holding the
-// row), unless the call rotated them already (`attend_params::q_rotated`).
+// Unrotated heads (or queries the call rotated already, `attend_params::q_rotated`); a rotated
+// head's columns come from `rotate_query_columns`.
 template <int D>
 __device__ __forceinline__ void load_query(const attend_params& p, const decode_item& item, int h, int g, int t,
                                            uint32_t (&qb)[D / 8]) {
   const bool live = g < p.group * item.q_len;
   const int i = g / p.group, qh_i = h * p.group + g % p.group;
   const int64_t base = int64_t(item.q_row + i) * p.q_stride + int64_t(qh_i) * D + t * (D / 4);
-  if (!p.q_rotated && head_rotated(p.rot, h)) {  // (warp-uniform: every lane takes part in the shuffles)
-    float x[D / 4];
-#pragma unroll
-    for (int c = 0; c < D / 4; ++c) x[c] = live ? load_any(p.q, p.q_type, base + c) : 0.f;
-    warp_rotate<D / 4, 4>(x, t, p.rot.seed, p.layer, h, false);
-#pragma unroll
-    for (int c = 0; c < D / 8; ++c) qb[c] = h2_bits(__floats2half2_rn(x[2 * c], x[2 * c + 1]));
-    return;
-  }
 #pragma unroll
   for (int c = 0; c < D / 8; ++c)
     qb[c] = h2_bits(__floats2half2_rn(live ? load_any(p.q, p.q_type, base + 2 * c) : 0.f,
                                       live ? load_any(p.q, p.q_type, base + 2 * c + 1) : 0.f));
+}
+
+// A rotated head's query columns R q, written in fp16 into `qh` (the layout `put_query` writes,
+// 0 for columns past the block's queries): warp w rotates columns w, w + warps, ..., a column
+// across the whole warp (D / 32 channels a lane). The caller syncs the block before reading qh.
+// (Each warp rotating all 8 columns itself, a quad per column with D / 4 channels a lane, cost
+// every warp about 650 instructions: 1-4 us of a short decode step, 3 % of 8 x 128K.)
+template <int D>
+__device__ __forceinline__ void rotate_query_columns(const attend_params& p, const decode_item& item, int h, int warp,
+                                                     int warps, int lane, uint4 (&qh)[D / 32][32]) {
+  constexpr int per_lane = D / 32;
+  uint32_t* words = reinterpret_cast<uint32_t*>(&qh[0][0]);
+  for (int n = warp; n < 8; n += warps) {  // (warp-uniform: every lane takes part in the shuffles)
+    const bool live = n < p.group * item.q_len;
+    const int i = n / p.group, qh_i = h * p.group + n % p.group;
+    const int64_t base = int64_t(item.q_row + i) * p.q_stride + int64_t(qh_i) * D + lane * per_lane;
+    float x[per_lane];
+#pragma unroll
+    for (int c = 0; c < per_lane; ++c) x[c] = live ? load_any(p.q, p.q_type, base + c) : 0.f;
+    if (live) warp_rotate<per_lane>(x, lane, p.rot.seed, p.layer, h, false);
+    // channel pair c0 / 2 of column n: fragment lane n x 4 + c0 / (D / 4), its pair k = (c0 mod D / 4) / 2
+#pragma unroll
+    for (int j = 0; j < per_lane / 2; ++j) {
+      const int c0 = lane * per_lane + 2 * j, k = (c0 % (D / 4)) / 2;
+      words[((k / 4) * 32 + n * 4 + c0 / (D / 4)) * 4 + k % 4] = h2_bits(__floats2half2_rn(x[2 * j], x[2 * j + 1]));
+    }
+  }
 }
 
 // Each lane's query fragments kept in shared memory for re-scaling, as [D / 32][lane] 16-byte
@@ -103,7 +121,8 @@ __device__ __forceinline__ void fold_kivi(const uint8_t* scales, const uint8_t* 
 // The queries of a tile-kernel call with rotated heads as fp32 into the workspace, which the
 // tile kernel then reads: one warp per (row, query head); the heads of a rotated kv head get R q
 // (docs/architecture.md, "Rotation"), the others are copied. One small launch for the batch,
-// before the attention kernel (the decode kernels rotate in `load_query` instead).
+// before the attention kernel (the decode kernels rotate in their prologue instead,
+// `rotate_query_columns`).
 constexpr int rotate_query_threads = 128;
 template <int D>
 __global__ void __launch_bounds__(rotate_query_threads)
