@@ -120,29 +120,12 @@ class striped_policy final : public kvq::policy {
   int64_t page_ = 64;
 };
 
-// The cache properties named by `spec`'s suffixes, removed from it, in any order: `+rot` (every
-// head rotated) and `+sink` (the first page of each sequence FP16: cache_config::sink_pages 1).
-struct spec_suffixes {
-  bool rotated = false;
-  int sink_pages = 0;
-};
-spec_suffixes strip_suffixes(std::string& spec) {
-  spec_suffixes s;
-  const auto strip = [&](const std::string& suffix) {
-    const bool at_end = spec.size() > suffix.size() && spec.ends_with(suffix);
-    if (at_end) spec.resize(spec.size() - suffix.size());
-    return at_end;
-  };
-  for (;;) {
-    if (strip("+rot")) s.rotated = true;
-    else if (strip("+sink")) s.sink_pages = 1;
-    else return s;
-  }
-}
-
-void apply(const spec_suffixes& s, kvq::cache_config& cfg) {
-  if (s.rotated) cfg.rotation = kvq::rotation_config::all(cfg.shape);
-  cfg.sink_pages = s.sink_pages;
+// Takes the cache suffixes (`+rot`, `+sink`, `+sink<N>`: kvq::parse_cache_suffixes) off `spec`.
+kvq::cache_suffixes strip_suffixes(std::string& spec) {
+  kvq::cache_suffixes s = kvq::parse_cache_suffixes(spec).value();
+  spec.resize(s.spec.size());
+  s.spec = {};  // (viewed the string just cut)
+  return s;
 }
 
 double pair_bits(const kvq::format_pair& fp, int D) {
@@ -151,10 +134,10 @@ double pair_bits(const kvq::format_pair& fp, int D) {
 }
 
 // spec: a format pair, or two joined by '|' (pages alternating between them: `striped_policy`),
-// optionally followed by `+rot` and `+sink` (`strip_suffixes`).
+// optionally followed by `+rot` and `+sink<N>` (`strip_suffixes`).
 void bm_decode(benchmark::State& state, std::string spec, model_shape m, int batch, int context) {
   const int Hq = m.hq, H = m.h, D = m.d;
-  const spec_suffixes suffixes = strip_suffixes(spec);
+  const kvq::cache_suffixes suffixes = strip_suffixes(spec);
   // memory: pages for every set + windows
   const size_t bar = spec.find('|');
   const auto fp = kvq::parse_format_pair(spec.substr(0, bar)).value();
@@ -168,7 +151,7 @@ void bm_decode(benchmark::State& state, std::string spec, model_shape m, int bat
   cfg.max_sequences = batch * sets;
   cfg.max_tokens = context;
   cfg.budget_bytes = uint64_t(set_bytes * sets * 1.05) + uint64_t(batch) * sets * (H * 2 * 128 * D * 2 + 4096) + (64 << 20);
-  apply(suffixes, cfg);
+  suffixes.apply(cfg);
   std::shared_ptr<kvq::policy> pol;
   if (bar == std::string::npos) pol = std::make_shared<kvq::static_policy>(fp);
   else pol = std::make_shared<striped_policy>(fp, fp2);
@@ -243,7 +226,7 @@ void bm_decode(benchmark::State& state, std::string spec, model_shape m, int bat
 // quantity the 5 % goal is about. Each iteration appends 2 tokens per sequence (both paths).
 void bm_append_step(benchmark::State& state, std::string spec, int batch, int context) {
   constexpr int Hq = llama8b.hq, H = llama8b.h, D = llama8b.d;
-  const spec_suffixes suffixes = strip_suffixes(spec);
+  const kvq::cache_suffixes suffixes = strip_suffixes(spec);
   const auto fp = kvq::parse_format_pair(spec).value();
   const double bpe = pair_bits(fp, D);
   const int steps = 512;  // tokens appended at most (warm-up: two per step; iterations: three)
@@ -255,7 +238,7 @@ void bm_append_step(benchmark::State& state, std::string spec, int batch, int co
   cfg.check_values = false;
   cfg.budget_bytes = uint64_t(double(batch) * (context + steps) * H * D * 2 * bpe / 8 * 1.1) +
                      uint64_t(batch) * (H * 2 * 128 * D * 2 + 4096) + (64 << 20);
-  apply(suffixes, cfg);
+  suffixes.apply(cfg);
   auto cr = kvq::KVCache::create(cfg, std::make_shared<kvq::static_policy>(fp));
   if (!cr.ok()) {
     state.SkipWithError(cr.error().to_string().c_str());

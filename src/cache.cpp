@@ -2,6 +2,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <kvq/cache/cache.hpp>
 #include <kvq/detail/backend.hpp>
@@ -476,5 +477,39 @@ cache_stats KVCache::stats() const {
 
 const cache_config& KVCache::config() const { return state_->cfg; }
 policy& KVCache::active_policy() const { return *state_->pol; }
+
+result<cache_suffixes> parse_cache_suffixes(std::string_view config) {
+  cache_suffixes c{config};
+  for (;;) {
+    const size_t plus = c.spec.rfind('+');
+    if (plus == std::string_view::npos || plus == 0) return c;
+    const std::string_view tail = c.spec.substr(plus + 1);
+    const bool rot = tail == "rot", sink = tail.starts_with("sink");
+    if (!rot && !sink) return c;  // (a '+' of the spec itself)
+    if ((rot && c.rotated) || (sink && c.sink_pages > 0))
+      return status{errc::invalid_argument, fmt::format("configuration '{}': '+{}' given twice", config, rot ? "rot" : "sink")};
+    if (rot) {
+      c.rotated = true;
+    } else {
+      const std::string_view n = tail.substr(4);
+      int pages = 1;
+      if (!n.empty()) {
+        const auto [end, ec] = std::from_chars(n.data(), n.data() + n.size(), pages);
+        if (ec != std::errc() || end != n.data() + n.size() || pages < 1 || pages > 1024)
+          return status{errc::invalid_argument,
+                        fmt::format("configuration '{}': '+{}' is not a sink suffix (+sink, or +sink<N> for N pages, "
+                                    "N in [1, 1024])",
+                                    config, tail)};
+      }
+      c.sink_pages = pages;
+    }
+    c.spec = c.spec.substr(0, plus);
+  }
+}
+
+void cache_suffixes::apply(cache_config& cfg) const {
+  cfg.rotation = rotated ? rotation_config::all(cfg.shape) : rotation_config{};
+  cfg.sink_pages = sink_pages;
+}
 
 KVQ_NAMESPACE_END

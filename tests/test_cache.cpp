@@ -681,3 +681,42 @@ TEST_CASE("sink pages out of range are a configuration error naming sink_pages",
   cfg.sink_pages = 16;
   REQUIRE(KVCache::create(cfg, pol).ok());
 }
+
+TEST_CASE("parse_cache_suffixes: '+rot' and '+sink<N>' in any order after the spec, bad ones named", "[cache][sinks]") {
+  const auto ok = [](std::string_view config) { return parse_cache_suffixes(config).value_or_throw(); };
+  const cache_suffixes none = ok("kivi4/g32");
+  CHECK(none.spec == "kivi4/g32");
+  CHECK_FALSE(none.rotated);
+  CHECK(none.sink_pages == 0);
+  for (std::string_view both : {"k=kivi4/g32,v=kivi2/g32+rot+sink3", "k=kivi4/g32,v=kivi2/g32+sink3+rot"}) {
+    CAPTURE(both);
+    const cache_suffixes s = ok(both);
+    CHECK(s.spec == "k=kivi4/g32,v=kivi2/g32");
+    CHECK(s.rotated);
+    CHECK(s.sink_pages == 3);
+  }
+  CHECK(ok("kivi2/g32+sink").sink_pages == 1);
+  // a '+' that is not a cache suffix ends them: it is the spec's
+  const cache_suffixes inner = ok("a+b+rot");
+  CHECK(inner.spec == "a+b");
+  CHECK(inner.rotated);
+  CHECK(ok("+rot").spec == "+rot");  // (nothing before it: left to the spec's parser, which rejects it)
+  for (const char* bad : {"kivi2/g32+sink0", "kivi2/g32+sinkx", "kivi2/g32+sink1025", "kivi2/g32+sink+sink2",
+                          "kivi2/g32+rot+sink+rot"}) {
+    CAPTURE(bad);
+    auto r = parse_cache_suffixes(bad);
+    REQUIRE_FALSE(r.ok());
+    CHECK_THAT(r.error().message(), Catch::Contains(std::string("configuration '") + bad + "'"));
+  }
+  CHECK_THAT(parse_cache_suffixes("x+sink2+sink").error().message(), Catch::Contains("'+sink' given twice"));
+  // apply: every kv head of the shape rotated, the sink pages set
+  cache_config cfg;
+  cfg.shape = {2, 8, 2, 64, 64, 128, 32};
+  ok("kivi2/g32+sink2+rot").apply(cfg);
+  CHECK(cfg.sink_pages == 2);
+  for (int l = 0; l < 2; ++l)
+    for (int h = 0; h < 2; ++h) CHECK(cfg.rotation.rotated(l, h, 2));
+  ok("kivi2/g32").apply(cfg);
+  CHECK(cfg.sink_pages == 0);
+  CHECK_FALSE(cfg.rotation.any());
+}

@@ -75,6 +75,25 @@ struct cache_config {
   int sink_pages = 0;
 };
 
+/// The cache properties a configuration string names after its policy or format spec, in any
+/// order: `+rot` (every (layer, kv head) rotated, `cache_config::rotation`) and `+sink` /
+/// `+sink<N>` (the first page, or N pages, of every sequence FP16, `cache_config::sink_pages`).
+/// `kivi4/g32+rot+sink` is the spec `kivi4/g32`, rotated, one sink page. The spelling kvq-eval
+/// and the decode benchmark take.
+struct cache_suffixes {
+  std::string_view spec;  ///< what precedes the suffixes (a view into the parsed string)
+  bool rotated = false;
+  int sink_pages = 0;
+  /// Sets `cfg.rotation` (every kv head of `cfg.shape`, which must be set, or none) and
+  /// `cfg.sink_pages` to what the suffixes name.
+  KVQ_EXPORT void apply(cache_config& cfg) const;
+};
+
+/// Takes the suffixes off the end of `config`. A '+' followed by anything else ends them (it
+/// belongs to the spec); a repeated suffix, `+sink0` or `+sink` followed by other than a number
+/// in [1, 1024] is an error naming the configuration.
+KVQ_EXPORT result<cache_suffixes> parse_cache_suffixes(std::string_view config);
+
 /// Memory a cache holds outside `budget_bytes`: the CUDA backend's page tables, workspaces and
 /// canary buffers (all zero on the CPU, whose only memory is the budget's arena). `budget_bytes`
 /// is what the KV data may take; a cache takes `budget_bytes` plus these in all.

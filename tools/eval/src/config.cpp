@@ -377,52 +377,12 @@ bool names_rolealign(std::string_view spec) {
   return false;
 }
 
-/// The cache properties a configuration's suffixes name, in any order: `+rot` (every (layer, kv
-/// head) rotated, docs/architecture.md "Rotation") and `+sink` / `+sink<N>` (the first page, or
-/// N pages, of every sequence FP16: `cache_config::sink_pages`); `spec` is what precedes them.
-struct cache_suffixes {
-  std::string_view spec;
-  bool rotated = false;
-  int sink_pages = 0;
-};
-
-kvq::result<cache_suffixes> parse_suffixes(std::string_view config) {
-  cache_suffixes c{config};
-  for (;;) {
-    const size_t plus = c.spec.rfind('+');
-    if (plus == std::string_view::npos || plus == 0) return c;
-    const std::string_view tail = c.spec.substr(plus + 1);
-    const bool rot = tail == "rot", sink = tail.starts_with("sink");
-    if ((rot && c.rotated) || (sink && c.sink_pages > 0))
-      return kvq::status{kvq::errc::invalid_argument,
-                         fmt::format("configuration '{}': '+{}' given twice", config, rot ? "rot" : "sink")};
-    if (rot) {
-      c.rotated = true;
-    } else if (sink) {
-      const std::string_view n = tail.substr(4);
-      int pages = 1;
-      if (!n.empty()) {
-        const auto [end, ec] = std::from_chars(n.data(), n.data() + n.size(), pages);
-        if (ec != std::errc() || end != n.data() + n.size() || pages < 1 || pages > 1024)
-          return kvq::status{kvq::errc::invalid_argument,
-                             fmt::format("configuration '{}': '+{}' is not a sink suffix (+sink, or +sink<N> for N "
-                                         "pages, N in [1, 1024])",
-                                         config, tail)};
-      }
-      c.sink_pages = pages;
-    } else {
-      return c;  // (a '+' of the policy spec itself)
-    }
-    c.spec = c.spec.substr(0, plus);
-  }
-}
-
 }  // namespace
 
 kvq::result<kvq::KVCache> make_eval_cache(const kvq::cache_shape& model_shape, std::string_view config,
                                           const cache_settings& s) {
   const kvq::cache_shape shape = with_paging(model_shape, s);
-  auto suffixes = parse_suffixes(config);
+  auto suffixes = kvq::parse_cache_suffixes(config);
   if (!suffixes) return suffixes.error();
   const bool rotated = suffixes->rotated;
   const std::string_view spec = suffixes->spec;
@@ -435,8 +395,7 @@ kvq::result<kvq::KVCache> make_eval_cache(const kvq::cache_shape& model_shape, s
   if (!pol) return pol.error();
   kvq::cache_config cfg;
   cfg.shape = shape;
-  if (rotated) cfg.rotation = kvq::rotation_config::all(shape);
-  cfg.sink_pages = suffixes->sink_pages;
+  suffixes->apply(cfg);
   cfg.where = kvq::backend::cpu;
   cfg.budget_bytes = s.budget_bytes;
   if (cfg.budget_bytes == 0) {
