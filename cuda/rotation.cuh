@@ -1,12 +1,12 @@
 #pragma once
-// The randomized Hadamard rotation of one head row by a group of `Lanes` lanes of a warp (a whole
-// warp, or the 4 lanes of an MMA quad; rotation/hadamard.hpp): the group's lane l holds channels
+// The randomized Hadamard rotation of one head row by a group of `Lanes` lanes of a warp (the
+// callers all use the whole warp; rotation/hadamard.hpp): the group's lane l holds channels
 // [l * PerLane, (l + 1) * PerLane), PerLane = head_dim / Lanes. The butterfly stages below
 // PerLane run inside a lane, the others between the group's lanes by shuffles; each stage
 // computes the same a + b and a - b as the host's `walsh_hadamard`, so the rows equal the CPU's
 // bit for bit. Every lane of the warp must call (the shuffles span the warp). Used by the append
-// kernels (K/V), the decode kernels' query, the query rotation of the tile kernel and the split
-// merge (the output rotated back).
+// kernels (K/V), the decode kernels' query columns (a column per warp), the query rotation of the
+// tile kernel and the split merge (the output rotated back).
 #include <kvq/cuda/paged_attention.hpp>
 #include <kvq/rotation/hadamard.hpp>
 
