@@ -361,15 +361,21 @@ const int registered = [] {
   // Other models' shapes: the formats of each bit width and decode family the kernels stage (the
   // codebooks and nvfp4 for their level lookups), at a short and a long
   // context (KVQ_BENCH_FORMATS does not apply here).
+  // Each also rotated (`<format>+rot`), as the formats above, unless KVQ_BENCH_ROTATED excludes it.
   const std::pair<int, int> model_contexts[] = {{8, 4096}, {8, 32768}};
+  std::vector<std::string> shape_formats;
+  for (const char* f : {"fp16", "fp8", "int8", "kivi8/g32", "kivi4/g32", "kivi3/g32", "kivi2/g32", "cb4", "cb2", "nvfp4"}) {
+    if (rot != "only") shape_formats.push_back(f);
+    if (rot != "0") shape_formats.push_back(std::string(f) + "+rot");
+  }
   if (models != "0")
     for (const model_shape& m : model_shapes)
-      for (const char* f : {"fp16", "fp8", "int8", "kivi8/g32", "kivi4/g32", "kivi3/g32", "kivi2/g32", "cb4", "cb2", "nvfp4"})
+      for (const std::string& f : shape_formats)
         for (auto [b, l] : model_contexts)
           benchmark::RegisterBenchmark(
               ("decode_shape/" + std::string(m.name) + "/" + f + "/B" + std::to_string(b) + "/L" + std::to_string(l))
                   .c_str(),
-              bm_decode, std::string(f), m, b, l)
+              bm_decode, f, m, b, l)
               ->UseManualTime()
               ->Iterations(100)
               ->Unit(benchmark::kMicrosecond);

@@ -4,8 +4,8 @@ against unrotated (`+rot`, the default), or with sink pages against without (`--
 
 Usage: report_rotation.py decode.json [--goal 1.05] [--suffix +rot|+sink]
 
-For every shape (format, B, L) the benchmark ran both as `<format>` and `<format><suffix>`
-(bench/decode_cuda.cpp), prints the median times and their ratio with / without, and marks
+For every shape (format, B, L; the other models' shapes as "<model> <format>") the benchmark ran
+both as `<format>` and `<format><suffix>` (bench/decode_cuda.cpp), prints the median times and their ratio with / without, and marks
 the ratios above the goal (the 5 % of docs/decisions.md, "Rotation"). The append-step rows compare
 `append_step/<format><suffix>` with `append_step/<format>` the same way (append_us and append_frac).
 Exits 1 when a decode ratio is above the goal, so a script can gate on it. A run with
@@ -32,10 +32,12 @@ def main():
     for b in bench["benchmarks"]:
         if b.get("run_type", "iteration") != "iteration":
             continue  # (the aggregates of repetitions)
-        m = re.match(r"(decode|append_step)/(.+?)(" + re.escape(suffix) + r")?/B(\d+)/L(\d+)/", b["name"])
+        m = re.match(r"(decode|decode_shape/[^/]+|append_step)/(.+?)(" + re.escape(suffix) + r")?/B(\d+)/L(\d+)/", b["name"])
         if not m:
             continue
         kind, fmt, rot, B, L = m.group(1), m.group(2), m.group(3) is not None, int(m.group(4)), int(m.group(5))
+        if kind.startswith("decode_shape/"):  # another model's shape: "<model> <format>"
+            kind, fmt = "decode", kind.split("/")[1] + " " + fmt
         (decode if kind == "decode" else append).setdefault((fmt, B, L), {}).setdefault(rot, []).append(b)
     over = 0
     print(f"| format | B | context | {plain} µs | {with_} µs | {with_} / {plain} | |")
