@@ -6,8 +6,9 @@ Usage: report_rotation.py decode.json [--goal 1.05] [--suffix +rot|+sink]
 
 For every shape (format, B, L; the other models' shapes as "<model> <format>") the benchmark
 ran both as `<format>` and `<format><suffix>` (bench/decode_cuda.cpp), prints the median times
-and their ratio with / without, and marks the ratios above the goal (the 5 % of docs/decisions.md, "Rotation"). The append-step rows compare
-`append_step/<format><suffix>` with `append_step/<format>` the same way (append_us and append_frac).
+and their ratio with / without, and marks the ratios above the goal (the 5 % of
+docs/decisions.md, "Rotation"). The append-step rows compare `append_step/<format><suffix>` with
+`append_step/<format>` the same way (append_us and append_frac).
 Exits 1 when a decode ratio is above the goal, so a script can gate on it. A run with
 --benchmark_repetitions (best with --benchmark_enable_random_interleaving, so that both sides of a
 ratio see the same clock drift) gives each shape the median of its repetitions' medians.
