@@ -48,6 +48,7 @@ struct append_table {
     int32_t src_row;  // the item's first row in src
     int first_page;   // page index of its first new page
     int page0;        // its first new page in page_blocks / page_fmts
+    int32_t ring_from;  // for the guard's record
   } items[max_append_items];
 };
 
@@ -63,6 +64,7 @@ struct append_params {
   float clip[max_kv_heads * 2];
   const float* levels;  // append_args::levels
   head_rotation rot;
+  append_guard guard;         // held slots are not written (append_args::guard)
   const append_table* table;  // replay instances: the call's part, in device memory (`step` unused)
   append_table step;
 };
@@ -98,6 +100,17 @@ __device__ __forceinline__ void rotated_row(const append_params& p, int r, int64
   });
 }
 
+// Whether the item's slot is held (append_guard): then nothing of it is written. With `record`
+// (one thread of the item's ring write), the first refused append of (slot, layer) is recorded.
+__device__ __forceinline__ bool refused(const append_params& p, const append_table::item& it, bool record) {
+  if (p.guard.held == nullptr || p.guard.held[it.slot] == 0) return false;
+  if (record) {
+    int32_t* since = p.guard.since + (size_t(it.slot) * p.kv.layers + p.layer) * 3;
+    if (atomicCAS(since, -1, it.n) == -1) since[1] = it.e, since[2] = it.ring_from;
+  }
+  return true;
+}
+
 __device__ __forceinline__ uint16_t* ring_of(const append_params& p, const append_table::item& it, int h, int r) {
   return reinterpret_cast<uint16_t*>(p.arena + size_t(it.window_unit) * block_unit) +
          ring_halves(p.layer, p.kv.kv_heads, h, r, p.kv.window, p.kv.head_dim);
@@ -112,6 +125,7 @@ __device__ __forceinline__ void encode_page(const append_params& p, const append
                                             uint16_t* src) {
   const int d = p.kv.head_dim, P = p.kv.page_tokens;
   const append_table::item& it = t.items[t.page_item[pg]];
+  if (refused(p, it, false)) return;  // (uniform over the block)
   const uint16_t* ring = ring_of(p, it, h, r);
   const int first_tok = it.e + (pg - it.page0) * P;
   const bool rotated = Rotating && head_rotated(p.rot, h);
@@ -184,6 +198,7 @@ __global__ void __launch_bounds__(threads) step_append_kernel(const __grid_const
   const append_table& t = *p.table;
   if (i >= t.n_items) return;
   const append_table::item& it = t.items[i];
+  if (refused(p, it, h == 0 && r == 0 && threadIdx.x == 0)) return;
   const int page_end = i + 1 < t.n_items ? t.items[i + 1].page0 : t.pages;
   for (int pg = it.page0; pg < page_end; ++pg) {
     encode_page<Rotating>(p, t, pg, h, r, reinterpret_cast<uint16_t*>(smem_raw));
@@ -202,6 +217,7 @@ __global__ void __launch_bounds__(threads) step_append_kernel(const __grid_const
 // store; 32-bit index math (a row count times d fits easily).
 __global__ void ring_kernel(const __grid_constant__ append_params p) {
   const append_table::item& it = p.step.items[blockIdx.y];
+  if (refused(p, it, blockIdx.x == 0 && threadIdx.x == 0)) return;
   const int32_t first = max(it.n, it.n + it.m - p.kv.window);
   const int d8 = p.kv.head_dim / 8, rows = (it.n + it.m - first) * p.kv.kv_heads * 2;
   for (int idx = blockIdx.x * blockDim.x + threadIdx.x; idx < rows * d8; idx += gridDim.x * blockDim.x) {
@@ -222,6 +238,7 @@ __global__ void ring_kernel(const __grid_constant__ append_params p) {
 // registers): a warp per (token, head, role) row, rotated where the head is.
 __global__ void ring_rotated_kernel(const __grid_constant__ append_params p) {
   const append_table::item& it = p.step.items[blockIdx.y];
+  if (refused(p, it, blockIdx.x == 0 && threadIdx.x == 0)) return;
   const int32_t first = max(it.n, it.n + it.m - p.kv.window);
   const int rows = (it.n + it.m - first) * p.kv.kv_heads * 2;
   const int lane = threadIdx.x % 32, warps = gridDim.x * blockDim.x / 32;
@@ -294,7 +311,7 @@ status fill_table(const append_args& a, int first_row, bool check_rows, append_t
   int row = first_row, page = 0;
   for (size_t i = 0; i < a.items.size(); ++i) {
     const append_seq& it = a.items[i];
-    t.items[i] = {it.slot, it.n, it.e, it.m, it.window_unit, row, it.first_page, page};
+    t.items[i] = {it.slot, it.n, it.e, it.m, it.window_unit, row, it.first_page, page, it.ring_from};
     for (int k = 0; k < it.pages; ++k) t.page_item[page + k] = uint8_t(i);
     row += it.m;
     page += it.pages;
@@ -322,6 +339,7 @@ void set_layer(const append_args& a, append_params& p) {
   for (int j = 0; j < a.kv.kv_heads * 2; ++j) p.clip[j] = a.clip ? a.clip[j] : 1.0f;
   p.levels = a.levels;
   p.rot = a.rotation;
+  p.guard = a.guard;
 }
 
 // The encoder over the call's pages (when any), then the ring write of its items of at most
@@ -351,6 +369,7 @@ status append_run(const append_args& a, void* stream) {
   int max_m = 0;
   KVQ_TRY(fill_table(a, 0, true, p.step, max_m));
   if (a.items.empty()) return {};
+  if (a.guard.held && a.guard.check) KVQ_TRY(check_append_values(a, stream));
   set_layer(a, p);
   return launch_append(p, max_m, static_cast<cudaStream_t>(stream));
 }

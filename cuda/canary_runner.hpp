@@ -54,6 +54,8 @@ class canary_runner {
   status flush();
   /// Ingests the finished launches in step order; with `wait`, all of them.
   status drain(bool wait);
+  /// Whether the policy has a device canary (then it runs on the cache's stream).
+  bool active() const { return proto_ != nullptr; }
   /// Device bytes of the query staging buffer.
   size_t staging_bytes() const { return q_stage_.count * sizeof(float); }
   /// Mapped pinned host bytes of the result slots.

@@ -68,7 +68,6 @@ class cuda_backend final : public cache_backend {
 
   ~cuda_backend() override {
     (void)teardown_.enter(dev_);  // the members free their memory on the cache's device; restored last
-    if (flag_host_) cudaFreeHost(flag_host_);
   }
 
   // Binds the cache to the device current at creation.
@@ -85,10 +84,21 @@ class cuda_backend final : public cache_backend {
     const size_t rows = size_t(cfg_.max_sequences) * sh.layers * max_pages_;
     KVQ_TRY(blocks_.allocate(rows, "device page table"));
     KVQ_TRY(fmts_.allocate(rows * sh.kv_heads * 2, "device format table"));
+    // zeroed: a held sequence's attention (docs/architecture.md, "Value checks on the device") may
+    // read rows of pages whose append was refused; they name block 0 and format 0, never memory
+    // outside the arena
+    KVQ_TRY(cuda_status(cudaMemset(blocks_.ptr, 0, blocks_.count * sizeof(uint32_t)), "cudaMemset (page table)"));
+    KVQ_TRY(cuda_status(cudaMemset(fmts_.ptr, 0, fmts_.count), "cudaMemset (format table)"));
     KVQ_TRY(levels_d_.allocate(levels_.size(), "codebook level table"));
     KVQ_TRY(levels_changed_here());
-    KVQ_TRY(flag_.allocate(1, "value-check flag"));
-    KVQ_TRY(cuda_status(cudaMallocHost(reinterpret_cast<void**>(&flag_host_), sizeof(int)), "cudaMallocHost"));
+    if (cfg_.check_values) {
+      KVQ_TRY(held_.allocate(size_t(cfg_.max_sequences), "value-check guard"));
+      KVQ_TRY(since_.allocate(size_t(cfg_.max_sequences) * sh.layers * 3, "value-check guard"));
+      KVQ_TRY(fault_.allocate(1, "value-check fault record"));
+      KVQ_TRY(cuda::clear_guard(guard(), sh.layers, 0, cfg_.max_sequences, stream()));
+      KVQ_TRY(cuda_status(cudaMemsetAsync(fault_.ptr, 0, sizeof(cuda::append_fault), stream()), "cudaMemsetAsync"));
+      KVQ_TRY(cuda_status(cudaStreamSynchronize(stream()), "cudaStreamSynchronize (creation)"));
+    }
     view_.arena = arena_.ptr;
     view_.blocks = blocks_.ptr;
     view_.fmts = fmts_.ptr;
@@ -113,7 +123,26 @@ class cuda_backend final : public cache_backend {
     return cuda::attend_can_implement(a);
   }
 
-  cudaStream_t stream() const { return static_cast<cudaStream_t>(cfg_.stream); }
+  // The stream of the call in progress (`cache_backend::stream_`: the caller's, else the cache's).
+  cudaStream_t stream() const { return static_cast<cudaStream_t>(stream_); }
+  cudaStream_t cache_stream() const { return static_cast<cudaStream_t>(cfg_.stream); }
+
+  // The device-side value checks (cuda::append_guard); none without check_values.
+  cuda::append_guard guard() const { return {held_.ptr, since_.ptr, fault_.ptr, false}; }
+
+  // A stream's own workspaces: calls on different streams may run at once, so none shares them.
+  struct stream_buffers {
+    void* stream = nullptr;
+    device_buffer<uint8_t> workspace;  // attention split partials, prefill staging
+    device_buffer<uint16_t> undo;      // the rings' rows saved by a multi-call write
+  };
+  stream_buffers& buffers() {
+    for (auto& b : per_stream_)
+      if (b->stream == stream_) return *b;
+    per_stream_.push_back(std::make_unique<stream_buffers>());
+    per_stream_.back()->stream = stream_;
+    return *per_stream_.back();
+  }
 
   // The codebook levels copied to the device on the cache's stream, behind the work already on
   // it (a replay in flight reads the old ones); the copy completes before the call returns.
@@ -133,20 +162,6 @@ class cuda_backend final : public cache_backend {
     return levels_changed_here();
   }
 
-  // With check_values: rejects NaN/Inf/out-of-range values of the whole call before anything is
-  // stored (one synchronization).
-  status check(const tensor_view& k, const tensor_view& v, const std::string& what) {
-    if (!cfg_.check_values) return {};
-    KVQ_TRY(cuda::check_values(k, v, flag_.ptr, cfg_.stream));
-    KVQ_TRY(cuda_status(cudaMemcpyAsync(flag_host_, flag_.ptr, sizeof(int), cudaMemcpyDeviceToHost, stream()),
-                        "cudaMemcpyAsync"));
-    KVQ_TRY(cuda_status(cudaStreamSynchronize(stream()), "cudaStreamSynchronize"));
-    if (*flag_host_)
-      return {errc::non_finite,
-              fmt::format("{} holds NaN, Inf or a value outside the fp16 range; nothing was stored", what)};
-    return {};
-  }
-
   // Pages of a format the attention kernels do not read are refused before any launch.
   static status check_readable(const append_plan& plan) {
     for (const page_entry& pe : plan.entries)
@@ -160,7 +175,6 @@ class cuda_backend final : public cache_backend {
   status write(sequence_state& s, int layer, const tensor_view& k, const tensor_view& v,
                const append_plan& plan) override {
     KVQ_ON_DEVICE();
-    KVQ_TRY(check(k, v, fmt::format("append: K or V of sequence {} layer {}", s.id, layer)));
     KVQ_TRY(canary_.flush_of(layer));  // before the layer's rings change
     calls_used_ = 0;
     undo_rows_.clear();
@@ -173,7 +187,6 @@ class cuda_backend final : public cache_backend {
   status write_batch(std::span<const batch_entry> entries, int layer, const tensor_view& k,
                      const tensor_view& v) override {
     KVQ_ON_DEVICE();
-    KVQ_TRY(check(k, v, fmt::format("append_batch: K or V of the batch (layer {})", layer)));
     KVQ_TRY(canary_.flush_of(layer));  // before the layer's rings change
     // One launch pair for as many sequences as fit (max_append_items, max_append_pages); a
     // sequence with more new pages than that (a long prefill) goes through pieces of its own.
@@ -193,7 +206,8 @@ class cuda_backend final : public cache_backend {
           int(open->blocks.size()) + pages > cuda::max_append_pages || open->first_row + open->rows != b.row)
         open = &next_call(b.row);
       open->items.push_back({b.s->slot, int32_t(ls.n), int32_t(ls.e), int32_t(b.tokens),
-                             uint32_t(b.s->window_offset / block_unit), int(b.plan->first_page), pages});
+                             uint32_t(b.s->window_offset / block_unit), int(b.plan->first_page), pages,
+                             int32_t(ls.ring_from), b.s->id});
       add_pages(*b.plan, 0, pages, *open);
       open->rows += b.tokens;
       undo_rows_.push_back(undo_of(*b.s, layer, b.tokens));
@@ -240,6 +254,7 @@ class cuda_backend final : public cache_backend {
     a.clip = clip_.data() + size_t(layer) * cfg_.shape.kv_heads * 2;
     a.levels = levels_d_.ptr + size_t(layer) * cfg_.shape.kv_heads * 2 * codebook_table_floats;
     a.rotation = rotation_of(layer);
+    a.guard = guard();
     return a;
   }
 
@@ -311,7 +326,8 @@ class cuda_backend final : public cache_backend {
       const int pages = int(store_.pages_after(n, e, piece));
       append_call& c = next_call(row + done);
       c.items.push_back({s.slot, int32_t(n), int32_t(e), int32_t(piece), uint32_t(s.window_offset / block_unit),
-                         int(plan.first_page) + page, pages});
+                         int(plan.first_page) + page, pages,
+                         int32_t(std::max(ls.ring_from, n - int64_t(sh.window))), s.id});
       add_pages(plan, page, pages, c);
       c.rows = piece;
       n += piece;
@@ -328,28 +344,43 @@ class cuda_backend final : public cache_backend {
   // past the sequences' listed pages, which nothing reads). With several calls, a failure after
   // the first would leave earlier calls' ring writes behind: those rows are copied aside before
   // the first launch and copied back after a failure.
+  //
+  // With check_values, every call's rows are checked on the device before the first call's
+  // launches (`cuda::check_append_values`): a sequence with a bad row is held, and no call writes
+  // anything of it (KVCache::check reports it). No synchronization.
   status launch_calls(int layer, const tensor_view& k, const tensor_view& v) {
-    const bool undo = calls_used_ > 1;
-    if (undo) {
-      int64_t rows = 0;
-      for (cuda::detail::ring_rows& r : undo_rows_) r.saved_row = uint32_t(rows), rows += r.count;
-      const size_t halves = cuda::detail::ring_undo_bytes(view_, rows) / 2;
-      if (halves > undo_.count)  // grows to the largest multi-call append seen
-        KVQ_TRY(undo_.allocate(halves, "append undo record"));
-      KVQ_TRY(cuda::detail::ring_undo(view_, arena_.ptr, layer, undo_rows_, undo_.ptr, true, cfg_.stream));
-    }
-    for (size_t i = 0; i < calls_used_; ++i) {
-      const append_call& c = calls_[i];
+    auto call_args = [&](const append_call& c) {
       cuda::append_args a = append_args(layer);
       a.items = c.items;
       a.k = rows_of(k, c.first_row, c.rows);
       a.v = rows_of(v, c.first_row, c.rows);
       a.page_blocks = c.blocks.data();
       a.page_fmts = c.fmts.data();
-      status st = cuda::append_run(a, cfg_.stream);
+      return a;
+    };
+    const bool undo = calls_used_ > 1;
+    stream_buffers& buf = buffers();
+    if (undo) {
+      int64_t rows = 0;
+      for (cuda::detail::ring_rows& r : undo_rows_) r.saved_row = uint32_t(rows), rows += r.count;
+      const size_t halves = cuda::detail::ring_undo_bytes(view_, rows) / 2;
+      if (halves > buf.undo.count) {  // grows to the largest multi-call append seen
+        KVQ_TRY(refuse_growth_in_capture("the append undo record", buf.undo.count * 2, halves * 2));
+        KVQ_TRY(buf.undo.allocate_on(halves, "append undo record", stream()));
+      }
+    }
+    if (cfg_.check_values)
+      for (size_t i = 0; i < calls_used_; ++i) {
+        cuda::append_args a = call_args(calls_[i]);
+        a.guard.check = true;
+        KVQ_TRY(cuda::check_append_values(a, stream()));
+      }
+    if (undo) KVQ_TRY(cuda::detail::ring_undo(view_, arena_.ptr, layer, undo_rows_, buf.undo.ptr, true, stream()));
+    for (size_t i = 0; i < calls_used_; ++i) {
+      status st = cuda::append_run(call_args(calls_[i]), stream());
       if (st.ok()) continue;
       if (undo && i > 0)
-        if (status back = cuda::detail::ring_undo(view_, arena_.ptr, layer, undo_rows_, undo_.ptr, false, cfg_.stream);
+        if (status back = cuda::detail::ring_undo(view_, arena_.ptr, layer, undo_rows_, buf.undo.ptr, false, stream());
             !back.ok())
           return {st.code(), fmt::format("{}; restoring the rings of the earlier launches failed too ({}): the FP16 "
                                          "windows of layer {} may hold tokens of the failed call",
@@ -391,7 +422,8 @@ class cuda_backend final : public cache_backend {
     KVQ_TRY(reserve_workspace(need));
     KVQ_TRY(canary_.pick(items, layer, arena_.ptr, items_));
     a.q_stage = canary_.q_stage();
-    KVQ_TRY(cuda::detail::launch_planned(a, *plan, workspace_.ptr, workspace_.count, cfg_.stream));
+    const device_buffer<uint8_t>& ws = buffers().workspace;
+    KVQ_TRY(cuda::detail::launch_planned(a, *plan, ws.ptr, ws.count, stream()));
     canary_.defer(layer);
     return {};
   }
@@ -433,16 +465,23 @@ class cuda_backend final : public cache_backend {
   // order of the cache's stream: the host does not wait for the device. Not while the stream is
   // being captured (a graph cannot own a buffer the cache keeps).
   status reserve_workspace(size_t need) {
-    if (need <= workspace_.count) return {};
+    device_buffer<uint8_t>& ws = buffers().workspace;
+    if (need <= ws.count) return {};
+    KVQ_TRY(refuse_growth_in_capture("the attention workspace", ws.count, need));
+    return ws.allocate_on(need, "attention workspace", stream());
+  }
+
+  // A workspace cannot grow while the call's stream is being captured (a graph cannot own a
+  // buffer the cache keeps): the error says how to size it first.
+  status refuse_growth_in_capture(const char* what, size_t have, size_t need) const {
     cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
     KVQ_TRY(cuda_status(cudaStreamIsCapturing(stream(), &capturing), "cudaStreamIsCapturing"));
-    if (capturing != cudaStreamCaptureStatusNone)
-      return {errc::invalid_argument,
-              fmt::format("the attention workspace must grow from {} to {} bytes while the cache's stream is being "
-                          "captured; run a call of this shape once before the capture (or capture a decode_step, "
-                          "whose workspace is sized when it is made)",
-                          workspace_.count, need)};
-    return workspace_.allocate_on(need, "attention workspace", stream());
+    if (capturing == cudaStreamCaptureStatusNone) return {};
+    return {errc::invalid_argument,
+            fmt::format("{} must grow from {} to {} bytes while the call's stream is being captured; run a call of "
+                        "this shape on that stream once before the capture (or capture a decode_step, whose "
+                        "workspace is sized when it is made)",
+                        what, have, need)};
   }
 
   // Before the chunk's append: the call's checks and its workspace, sized for the prefix the
@@ -475,7 +514,8 @@ class cuda_backend final : public cache_backend {
     a.k = k;
     a.v = v;
     KVQ_TRY(reserve_workspace(cuda::detail::prefill_workspace_bytes(a)));
-    return cuda::detail::prefill_run(a, workspace_.ptr, workspace_.count, cfg_.stream);
+    const device_buffer<uint8_t>& ws = buffers().workspace;
+    return cuda::detail::prefill_run(a, ws.ptr, ws.count, stream());
   }
 
   status attend_prefix(const sequence_state& s, int layer, int64_t prefix, const tensor_view& q, const tensor_mut& o,
@@ -485,7 +525,8 @@ class cuda_backend final : public cache_backend {
     a.lse = lse;
     KVQ_TRY(cuda::detail::prefill_can_implement(a));
     KVQ_TRY(reserve_workspace(cuda::detail::prefill_workspace_bytes(a)));
-    return cuda::detail::prefill_run(a, workspace_.ptr, workspace_.count, cfg_.stream);
+    const device_buffer<uint8_t>& ws = buffers().workspace;
+    return cuda::detail::prefill_run(a, ws.ptr, ws.count, stream());
   }
 
   // The fields an attention call (`cuda::attend_args`) and a prefix / prefill call
@@ -511,10 +552,11 @@ class cuda_backend final : public cache_backend {
 
   cache_overhead overhead() const override {
     cache_overhead o;
-    o.device_tables = blocks_.count * sizeof(uint32_t) + fmts_.count + levels_d_.count * sizeof(float);
-    o.device_workspace =
-        workspace_.count + undo_.count * sizeof(uint16_t) + flag_.count * sizeof(int) + canary_.staging_bytes();
-    o.pinned_host = canary_.pinned_bytes() + (flag_host_ ? sizeof(int) : 0);
+    o.device_tables = blocks_.count * sizeof(uint32_t) + fmts_.count + levels_d_.count * sizeof(float) +
+                      held_.count + since_.count * sizeof(int32_t) + fault_.count * sizeof(cuda::append_fault);
+    o.device_workspace = canary_.staging_bytes();
+    for (const auto& b : per_stream_) o.device_workspace += b->workspace.count + b->undo.count * sizeof(uint16_t);
+    o.pinned_host = canary_.pinned_bytes();
     return o;
   }
 
@@ -550,9 +592,63 @@ class cuda_backend final : public cache_backend {
     KVQ_TRY(cuda_status(cudaMemcpyAsync(blocks_.ptr + size_t(dst.slot) * row, blocks_.ptr + size_t(src.slot) * row,
                                         row * sizeof(uint32_t), cudaMemcpyDeviceToDevice, stream()),
                         "cudaMemcpyAsync (fork: page table)"));
-    return cuda_status(cudaMemcpyAsync(fmts_.ptr + size_t(dst.slot) * fmt_row, fmts_.ptr + size_t(src.slot) * fmt_row,
-                                       fmt_row, cudaMemcpyDeviceToDevice, stream()),
-                       "cudaMemcpyAsync (fork: format table)");
+    KVQ_TRY(cuda_status(cudaMemcpyAsync(fmts_.ptr + size_t(dst.slot) * fmt_row, fmts_.ptr + size_t(src.slot) * fmt_row,
+                                        fmt_row, cudaMemcpyDeviceToDevice, stream()),
+                        "cudaMemcpyAsync (fork: format table)"));
+    return cuda::copy_guard(guard(), sh.layers, src.slot, dst.slot, stream());  // a held src's fork is held
+  }
+
+  // A policy's device canary reads the rings at the next step's first call, on the cache's stream:
+  // its cache runs every call there.
+  status use_stream(stream_ref s) const override {
+    void* to = s.given ? s.stream : cfg_.stream;
+    if (to != cfg_.stream && canary_.active())
+      return {errc::unsupported,
+              fmt::format("policy {} measures its canary on the cache's stream; its cache runs every call there (a "
+                          "call on another stream was given)",
+                          pol_->name())};
+    stream_ = to;
+    return {};
+  }
+
+  // A new sequence's slot starts clear of an earlier holder's refusals.
+  status on_sequence_change(const sequence_state& s, bool created) override {
+    if (!created || !cfg_.check_values) return {};
+    KVQ_ON_DEVICE();
+    return cuda::clear_guard(guard(), cfg_.shape.layers, s.slot, 1, stream());
+  }
+
+  // Synchronizes the call's stream, reads the guard and clears it (KVCache::check).
+  result<refusals> take_refusals() override {
+    refusals out;
+    if (!cfg_.check_values) return out;
+    KVQ_ON_DEVICE();
+    const int L = cfg_.shape.layers;
+    KVQ_TRY(cuda_status(cudaStreamSynchronize(stream()), "cudaStreamSynchronize (check)"));
+    cuda::append_fault f;
+    KVQ_TRY(cuda_status(cudaMemcpy(&f, fault_.ptr, sizeof f, cudaMemcpyDeviceToHost), "cudaMemcpy (check)"));
+    std::vector<uint8_t> held(held_.count);
+    KVQ_TRY(cuda_status(cudaMemcpy(held.data(), held_.ptr, held.size(), cudaMemcpyDeviceToHost), "cudaMemcpy (check)"));
+    std::vector<int32_t> since(size_t(L) * 3);
+    for (int slot = 0; slot < int(held.size()); ++slot) {
+      if (!held[size_t(slot)]) continue;
+      out.slots.push_back(slot);
+      KVQ_TRY(cuda_status(cudaMemcpy(since.data(), since_.ptr + size_t(slot) * L * 3, since.size() * 4,
+                                     cudaMemcpyDeviceToHost),
+                          "cudaMemcpy (check)"));
+      for (int l = 0; l < L; ++l)
+        if (since[size_t(l) * 3] >= 0)
+          out.layers.push_back({slot, l, since[size_t(l) * 3], since[size_t(l) * 3 + 1], since[size_t(l) * 3 + 2]});
+    }
+    out.rows = f.count;
+    out.layer = f.layer;
+    out.seq = f.seq;
+    out.token = f.token;
+    if (f.count == 0 && out.slots.empty()) return out;
+    for (int slot : out.slots) KVQ_TRY(cuda::clear_guard(guard(), L, slot, 1, stream()));
+    KVQ_TRY(cuda_status(cudaMemsetAsync(fault_.ptr, 0, sizeof f, stream()), "cudaMemsetAsync (check)"));
+    KVQ_TRY(cuda_status(cudaStreamSynchronize(stream()), "cudaStreamSynchronize (check)"));
+    return out;
   }
 
   // One 2D copy on the caller's stream: a row per ring, `slots` slots wide. Staged canaries are
@@ -569,53 +665,27 @@ class cuda_backend final : public cache_backend {
   }
 
   // A cut in the ring needs nothing on the device (the lengths are launch arguments). A cut page
-  // whose overwritten tokens must come back is read to the host, decoded there with the codec and
-  // written back into the ring: every read happens before the first write, so a failed read
-  // changes nothing. Two stream synchronizations when anything must be restored.
+  // whose overwritten tokens must come back is decoded on the device into the ring
+  // (`cuda::restore_run`: the CPU's bytes), on the call's stream, after the layer's staged
+  // canaries (they read the ring as it was). No synchronization.
   status restore_ring(const sequence_state& s, int64_t length) override {
     KVQ_ON_DEVICE();
-    const auto& sh = cfg_.shape;
-    struct pending {
-      uint64_t offset;             // first ring byte of the rows
-      std::vector<uint16_t> rows;  // ring slots [first % R, ...) contiguous (no wrap), fp16
-    };
-    std::vector<pending> writes;
-    std::vector<uint8_t> page;
-    std::vector<uint16_t> ring(size_t(sh.window) * sh.head_dim);
-    bool synced = false;
-    for (int l = 0; l < sh.layers; ++l) {
-      const layer_state& ls = s.layers[size_t(l)];
-      const auto [first, last] = ring_restore_range(store_, ls, length);
+    restore_jobs_.clear();
+    for (int l = 0; l < cfg_.shape.layers; ++l) {
+      const auto [first, last] = ring_restore_range(store_, s.layers[size_t(l)], length);
       if (first == last) continue;
-      if (!synced) {
-        KVQ_TRY(cuda_status(cudaStreamSynchronize(stream()), "cudaStreamSynchronize"));
-        synced = true;
-      }
-      // The rows of one page never wrap: the page starts at a multiple of page_tokens, which
-      // divides the window.
-      const int64_t slot0 = first % sh.window, count = last - first;
-      for (int h = 0; h < sh.kv_heads; ++h)
-        for (role r : {role::k, role::v}) {
-          const page_entry& pe =
-              ls.pages[(size_t(first / sh.page_tokens) * sh.kv_heads + h) * 2 + (r == role::k ? 0 : 1)];
-          page.resize(store_.page_bytes_of(pe.fmt, r));
-          KVQ_TRY(cuda_status(cudaMemcpy(page.data(), arena_.ptr + pe.offset, page.size(), cudaMemcpyDeviceToHost),
-                              "cudaMemcpy (truncate: page)"));
-          restore_rows(sh, pe, r, page.data(), first, last, ring.data());
-          const auto at = ring.begin() + ptrdiff_t(slot0 * sh.head_dim);
-          writes.push_back({store_.window_offset(s, l, h, r) + uint64_t(slot0) * sh.head_dim * 2,
-                            std::vector<uint16_t>(at, at + ptrdiff_t(count * sh.head_dim))});
-        }
+      restore_jobs_.push_back({l, int32_t(first), int32_t(last)});
       KVQ_TRY(canary_.flush_of(l));  // before the layer's rings change
     }
-    if (writes.empty()) return {};
-    // On the stream, after the canaries just launched read the rings; the host rows live until
-    // the copies are done.
-    for (const pending& w : writes)
-      KVQ_TRY(cuda_status(
-          cudaMemcpyAsync(arena_.ptr + w.offset, w.rows.data(), w.rows.size() * 2, cudaMemcpyHostToDevice, stream()),
-          "cudaMemcpyAsync (truncate: ring)"));
-    return cuda_status(cudaStreamSynchronize(stream()), "cudaStreamSynchronize");
+    if (restore_jobs_.empty()) return {};
+    cuda::restore_args a;
+    a.kv = view_;
+    a.arena = arena_.ptr;
+    a.slot = s.slot;
+    a.window_unit = uint32_t(s.window_offset / block_unit);
+    a.layers = restore_jobs_;
+    a.guard = guard();
+    return cuda::restore_run(a, stream());
   }
 
   status read(const sequence_state& s, int layer, role r, std::span<float> out) const override {
@@ -663,11 +733,13 @@ class cuda_backend final : public cache_backend {
   device_buffer<uint32_t> blocks_;
   device_buffer<uint8_t> fmts_;
   device_buffer<float> levels_d_;  // cache_state::levels
-  device_buffer<uint8_t> workspace_;
-  device_buffer<int> flag_;
-  int* flag_host_ = nullptr;
+  device_buffer<uint8_t> held_;              // guard: [max_sequences] held slots (check_values)
+  device_buffer<int32_t> since_;             // guard: [max_sequences][layers][3] first refused append
+  device_buffer<cuda::append_fault> fault_;  // guard: the first refused row
+  std::vector<std::unique_ptr<stream_buffers>> per_stream_;  // workspaces, one set per stream used
   cuda::paged_view view_;
   std::vector<cuda::decode_item> items_;
+  std::vector<cuda::ring_restore> restore_jobs_;  // a truncation's layers (kept: no allocation per call)
   std::vector<uint8_t> layer_bits_;  // [layers] the widest code bits of any page the layer has held
   std::vector<int16_t> head_pair_;   // [layers][kv_heads] 256 K + V of the head's pages; -1 none yet, -2 several
   // A layer's decode hint, from its `head_pair_`: whether each kv head has kept one pair, the
@@ -681,7 +753,6 @@ class cuda_backend final : public cache_backend {
   std::vector<append_call> calls_;   // the launches of the current write ([0, calls_used_)), reused
   size_t calls_used_ = 0;
   std::vector<cuda::detail::ring_rows> undo_rows_;  // per sequence of the current write
-  device_buffer<uint16_t> undo_;                    // the rings' rows saved by a multi-call write
 
   void note(status s) {
     if (!s.ok() && canary_error_.ok()) canary_error_ = std::move(s);
@@ -758,7 +829,7 @@ class cuda_step final : public step_backend {
   status can_prepare() override {
     KVQ_ON_DEVICE();
     cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-    KVQ_TRY(cuda_status(cudaStreamIsCapturing(b_.stream(), &capturing), "cudaStreamIsCapturing"));
+    KVQ_TRY(cuda_status(cudaStreamIsCapturing(b_.cache_stream(), &capturing), "cudaStreamIsCapturing"));
     if (capturing != cudaStreamCaptureStatusNone)
       return {errc::invalid_argument,
               "decode_step::prepare: the cache's stream is being captured; prepare a step "
@@ -786,7 +857,8 @@ class cuda_step final : public step_backend {
         const layer_state& ls = s.layers[size_t(layer)];
         const append_plan& plan = *entries[i].plan;
         const uint32_t window = uint32_t(s.window_offset / block_unit);
-        c.items.push_back({s.slot, int32_t(ls.n), int32_t(ls.e), 1, window, int(plan.first_page), plan.pages});
+        c.items.push_back({s.slot, int32_t(ls.n), int32_t(ls.e), 1, window, int(plan.first_page), plan.pages,
+                           int32_t(ls.ring_from), s.id});
         b_.add_pages(plan, 0, plan.pages, c);
         const int64_t n = ls.n + 1, e = ls.e + int64_t(plan.pages) * sh.page_tokens;
         items.push_back({s.slot, 1, int32_t(n), int32_t(std::min(e, n - 1)), window, int32_t(i)});
@@ -805,9 +877,9 @@ class cuda_step final : public step_backend {
   status upload() override {
     KVQ_ON_DEVICE();
     staging_ = false;
-    KVQ_TRY(cuda_status(cudaMemcpyAsync(tables_.ptr, host_[cur_], tables_.count, cudaMemcpyHostToDevice, b_.stream()),
+    KVQ_TRY(cuda_status(cudaMemcpyAsync(tables_.ptr, host_[cur_], tables_.count, cudaMemcpyHostToDevice, b_.cache_stream()),
                         "cudaMemcpyAsync (decode step tables)"));
-    KVQ_TRY(cuda_status(cudaEventRecord(done_[cur_], b_.stream()), "cudaEventRecord (decode step)"));
+    KVQ_TRY(cuda_status(cudaEventRecord(done_[cur_], b_.cache_stream()), "cudaEventRecord (decode step)"));
     cur_ ^= 1;
     return {};
   }

@@ -1,5 +1,6 @@
 // KVCache: validation and bookkeeping shared by every backend; the data plane is the backend's.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <charconv>
@@ -121,8 +122,29 @@ result<append_plan> plan_pages(cache_state& st, sequence_state& s, int layer, in
                   fmt::format("policy {} chose an unusable format: {}", st.pol->name(), plan.error().message())};
   return plan;
 }
+
+// A call's device work runs on its stream (`stream_ref`); the stream before it is current again
+// after it (a call inside a call keeps the outer one's).
+class call_stream {
+ public:
+  call_stream(const cache_backend& b, stream_ref s) : b_(b), prev_(b.current_stream()), error_(b.use_stream(s)) {}
+  call_stream(const call_stream&) = delete;
+  call_stream& operator=(const call_stream&) = delete;
+  ~call_stream() { (void)b_.use_stream(stream_ref(prev_)); }
+  const status& error() const { return error_; }
+
+ private:
+  const cache_backend& b_;
+  void* prev_;
+  status error_;
+};
 }  // namespace detail
 using namespace detail;
+
+// The first statement of every call with device work: the call's stream, or the reason it is refused.
+#define KVQ_CALL_STREAM(s)                              \
+  const detail::call_stream call_stream_(*impl_, (s)); \
+  KVQ_TRY(call_stream_.error())
 
 result<KVCache> KVCache::create(const cache_config& cfg, std::shared_ptr<policy> pol) {
   KVQ_TRY(validate_config(cfg));
@@ -152,21 +174,26 @@ KVCache::KVCache(KVCache&&) noexcept = default;
 KVCache& KVCache::operator=(KVCache&&) noexcept = default;
 KVCache::~KVCache() = default;
 
-status KVCache::create_sequence(seq_id id) {
+status KVCache::create_sequence(seq_id id, stream_ref stream) {
+  KVQ_CALL_STREAM(stream);
   auto s = state_->store.create(id);
   if (!s) return s.error();
-  impl_->on_sequence_change(**s, true);
+  if (status st = impl_->on_sequence_change(**s, true); !st.ok()) {
+    (void)state_->store.release(id);
+    return st;
+  }
   return {};
 }
 
 status KVCache::release_sequence(seq_id id) {
   const sequence_state* s = state_->store.find(id);
   if (!s) return {errc::not_found, fmt::format("release_sequence: unknown sequence {}", id)};
-  impl_->on_sequence_change(*s, false);
+  (void)impl_->on_sequence_change(*s, false);
   return state_->store.release(id);
 }
 
-status KVCache::fork(seq_id src, seq_id dst) {
+status KVCache::fork(seq_id src, seq_id dst, stream_ref stream) {
+  KVQ_CALL_STREAM(stream);
   auto made = state_->store.fork(src, dst);
   if (!made) return made.error();
   if (status st = impl_->fork(*state_->store.find(src), **made); !st.ok()) {
@@ -176,7 +203,8 @@ status KVCache::fork(seq_id src, seq_id dst) {
   return {};
 }
 
-status KVCache::truncate(seq_id id, int64_t length) {
+status KVCache::truncate(seq_id id, int64_t length, stream_ref stream) {
+  KVQ_CALL_STREAM(stream);
   sequence_state* s = state_->store.find(id);
   if (!s) return {errc::not_found, fmt::format("truncate: unknown sequence {}", id)};
   if (length < 0)
@@ -226,7 +254,8 @@ int64_t KVCache::tokens_before_encode(seq_id id, int layer) const {
   return state_->store.tokens_before_encode(ls.n, ls.e);
 }
 
-status KVCache::append(seq_id id, int layer, const tensor_view& k, const tensor_view& v) {
+status KVCache::append(seq_id id, int layer, const tensor_view& k, const tensor_view& v, stream_ref stream) {
+  KVQ_CALL_STREAM(stream);
   sequence_state* s = state_->store.find(id);
   if (!s) return {errc::not_found, fmt::format("append: unknown sequence {}", id)};
   KVQ_TRY(check_append("append", layer, k, v, state_->cfg.shape));
@@ -247,7 +276,8 @@ status KVCache::append(seq_id id, int layer, const tensor_view& k, const tensor_
 }
 
 status KVCache::append_batch(std::span<const append_item> items, int layer, const tensor_view& k,
-                             const tensor_view& v) {
+                             const tensor_view& v, stream_ref stream) {
+  KVQ_CALL_STREAM(stream);
   if (items.empty()) return {errc::invalid_argument, "append_batch: empty batch"};
   KVQ_TRY(check_append("append_batch", layer, k, v, state_->cfg.shape));
   std::vector<detail::cache_backend::batch_entry> entries;
@@ -306,7 +336,9 @@ status KVCache::append_batch(std::span<const append_item> items, int layer, cons
   return {};
 }
 
-status KVCache::attend(std::span<const attend_item> items, int layer, const tensor_view& q, const tensor_mut& o) {
+status KVCache::attend(std::span<const attend_item> items, int layer, const tensor_view& q, const tensor_mut& o,
+                       stream_ref stream) {
+  KVQ_CALL_STREAM(stream);
   const auto& sh = state_->cfg.shape;
   if (layer < 0 || layer >= sh.layers)
     return {errc::invalid_argument, fmt::format("attend: layer {} out of range [0, {})", layer, sh.layers)};
@@ -335,7 +367,8 @@ status KVCache::attend(std::span<const attend_item> items, int layer, const tens
 }
 
 status KVCache::prefill(seq_id id, int layer, const tensor_view& k, const tensor_view& v, const tensor_view& q,
-                        const tensor_mut& o) {
+                        const tensor_mut& o, stream_ref stream) {
+  KVQ_CALL_STREAM(stream);
   const auto& sh = state_->cfg.shape;
   sequence_state* s = state_->store.find(id);
   if (!s) return {errc::not_found, fmt::format("prefill: unknown sequence {}", id)};
@@ -348,18 +381,19 @@ status KVCache::prefill(seq_id id, int layer, const tensor_view& k, const tensor
           fmt::format("prefill: a chunk of {} tokens is longer than the window {}, and this backend serves a prefill "
                       "as append + attend (feed chunks of at most the window)",
                       k.tokens, sh.window)};
-    KVQ_TRY(append(id, layer, k, v));
+    KVQ_TRY(append(id, layer, k, v, stream));
     const attend_item item{id, int(k.tokens)};
-    return attend({&item, 1}, layer, q, o);
+    return attend({&item, 1}, layer, q, o, stream);
   }
   const int64_t prefix = s->layers[size_t(layer)].n;
   KVQ_TRY(impl_->prepare_prefill(*s, layer, k.tokens));  // e.g. the device workspace, before anything is stored
-  KVQ_TRY(append(id, layer, k, v));                      // validates values and budget; stores nothing on failure
-  return impl_->prefill(*s, layer, prefix, k, v, q, o);
+  KVQ_TRY(append(id, layer, k, v, stream));              // validates values and budget; stores nothing on failure
+  return impl_->prefill(*s, layer, prefix, k, v, q, o);  // (on this call's stream, as the append)
 }
 
 status KVCache::attend_prefix(seq_id id, int layer, int64_t prefix, const tensor_view& q, const tensor_mut& o,
-                              float* lse) {
+                              float* lse, stream_ref stream) {
+  KVQ_CALL_STREAM(stream);
   const auto& sh = state_->cfg.shape;
   const sequence_state* s = state_->store.find(id);
   if (!s) return {errc::not_found, fmt::format("attend_prefix: unknown sequence {}", id)};
@@ -378,7 +412,8 @@ status KVCache::attend_prefix(seq_id id, int layer, int64_t prefix, const tensor
   return impl_->attend_prefix(*s, layer, prefix, q, o, lse);
 }
 
-status KVCache::read(seq_id id, int layer, role r, std::span<float> out) const {
+status KVCache::read(seq_id id, int layer, role r, std::span<float> out, stream_ref stream) const {
+  KVQ_CALL_STREAM(stream);
   const auto& sh = state_->cfg.shape;
   const sequence_state* s = state_->store.find(id);
   if (!s) return {errc::not_found, fmt::format("read: unknown sequence {}", id)};
@@ -444,6 +479,32 @@ result<std::vector<float>> KVCache::codebook_levels(format_id f) const {
     std::copy_n(state_->levels.begin() + std::ptrdiff_t(codec::codebook_level_offset(u, f)), n,
                 out.begin() + std::ptrdiff_t(u * size_t(n)));
   return out;
+}
+
+status KVCache::check(stream_ref stream) {
+  KVQ_CALL_STREAM(stream);
+  auto got = impl_->take_refusals();
+  if (!got) return got.error();
+  const auto& r = *got;
+  if (r.rows == 0 && r.slots.empty()) return {};
+  page_store& store = state_->store;
+  std::vector<seq_id> restored;
+  for (auto& [id, s] : store.sequences()) {
+    if (std::find(r.slots.begin(), r.slots.end(), s.slot) == r.slots.end()) continue;
+    restored.push_back(id);
+    sequence_state& seq = *store.find(id);
+    for (const auto& x : r.layers)
+      if (x.slot == seq.slot) store.rewind(seq, x.layer, x.n, x.e, x.ring_from);
+  }
+  std::sort(restored.begin(), restored.end());
+  return {errc::non_finite,
+          fmt::format("check: append of sequence {} layer {} token {} held NaN, Inf or a value outside the fp16 range: "
+                      "{} row(s) refused on the device since the last check; {}",
+                      r.seq, r.layer, r.token, r.rows,
+                      restored.empty() ? std::string("no sequence is held now (released since)")
+                                       : fmt::format("sequence(s) {} restored to their state before their first "
+                                                     "refused append",
+                                                     fmt::join(restored, ", ")))};
 }
 
 status KVCache::sync_policy() { return impl_->sync_policy(); }

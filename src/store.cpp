@@ -157,6 +157,19 @@ void page_store::truncate(sequence_state& s, int64_t length) {
   }
 }
 
+void page_store::rewind(sequence_state& s, int layer, int64_t n, int64_t e, int64_t ring_from) {
+  const size_t per_page = size_t(shape_.kv_heads) * 2;
+  layer_state& ls = s.layers[size_t(layer)];
+  const int64_t keep_n = std::min(ls.n, n), keep_e = std::min(ls.e, e);
+  const size_t keep = size_t(keep_e / shape_.page_tokens) * per_page;
+  for (size_t i = keep; i < ls.pages.size(); i += per_page) unref_block(ls, i);
+  ls.pages.resize(std::min(keep, ls.pages.size()));
+  ls.e = keep_e;
+  ls.ring_from = std::min({ls.ring_from, ring_from, keep_e});
+  totals_.tokens -= ls.n - keep_n;
+  ls.n = keep_n;
+}
+
 uint64_t page_store::block_bytes(std::span<const format_pair> pairs) const {
   uint64_t b = 0;
   for (const format_pair& p : pairs) b += page_bytes_of(p.k, role::k) + page_bytes_of(p.v, role::v);

@@ -50,3 +50,47 @@ TEST_CASE("the store rejects a wrong format count or an unusable format and allo
   CHECK(st.arena().used() == used);
   CHECK(st.totals().pages == 0);
 }
+
+TEST_CASE("rewind makes a layer what its appends before a refused one left; shared pages stay", "[store][rewind]") {
+  // (KVCache::check on CUDA: the device refused the appends from n = 150 on, the host counted them)
+  page_store st(shape, 4 << 20, 4);
+  sequence_state* s = st.create(3).value_or_throw();
+  const std::vector<format_id> f(4, id_of("kivi4/g32"));
+  auto append = [&](sequence_state& q, int64_t m) {
+    const int pages = st.new_pages(q, 0, m);
+    auto plan = st.plan_append(q, 0, m, std::vector<format_id>(size_t(pages) * 4, f[0])).value_or_throw();
+    st.commit_append(q, 0, m, std::move(plan));
+  };
+  append(*s, 150);  // pages [0, 64); ring from 22
+  const layer_state before = s->layers[0];
+  const auto totals = st.totals();
+  const uint64_t used = st.arena().used();
+  REQUIRE(before.e == 64);
+  append(*s, 1);    // refused on the device ...
+  append(*s, 150);  // ... and so are the appends after it: pages [64, 256) never written
+  sequence_state* fork = st.fork(3, 4).value_or_throw();  // lists them too
+  REQUIRE(s->layers[0].pages.size() == 4 * 4);
+  st.rewind(*s, 0, before.n, before.e, before.ring_from);
+  st.rewind(*fork, 0, before.n, before.e, before.ring_from);
+  for (const sequence_state* q : {s, fork}) {
+    const layer_state& ls = q->layers[0];
+    CHECK(ls.n == before.n);
+    CHECK(ls.e == before.e);
+    CHECK(ls.ring_from == before.ring_from);
+    REQUIRE(ls.pages.size() == before.pages.size());
+    for (size_t i = 0; i < ls.pages.size(); ++i) CHECK(ls.pages[i].offset == before.pages[i].offset);
+  }
+  CHECK(st.totals().pages == totals.pages);  // the never-written pages are freed; page 0 is shared
+  CHECK(st.totals().page_bytes == totals.page_bytes);
+  CHECK(st.totals().tokens == 2 * before.n);
+  REQUIRE(st.release(4).ok());
+  CHECK(st.arena().used() == used);
+  // a truncation issued since stands where it cut deeper
+  append(*s, 1);
+  append(*s, 150);
+  st.truncate(*s, 100);
+  st.rewind(*s, 0, before.n, before.e, before.ring_from);
+  CHECK(s->layers[0].n == 100);
+  CHECK(s->layers[0].e == 64);
+  CHECK(s->layers[0].pages.size() == 4);
+}

@@ -81,7 +81,7 @@ KVQ_EXPORT kvq_serve* kvq_serve_create(const char* policy, int cuda, int layers,
     cfg.budget_bytes = budget_bytes;
     cfg.where = cuda ? kvq::backend::cuda : kvq::backend::cpu;
     cfg.stream = stream;
-    cfg.check_values = false;  // a synchronization-free decode step, as an engine runs it
+    cfg.check_values = false;  // no check launch per append, as an engine with finite inputs runs it
     cfg.max_sequences = max_sequences;
     cfg.max_tokens = max_tokens;
     std::shared_ptr<kvq::policy> pol;

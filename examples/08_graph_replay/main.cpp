@@ -64,7 +64,7 @@ kvq::KVCache make(cudaStream_t stream) {
   cfg.max_sequences = 16;
   cfg.max_tokens = max_tokens;
   cfg.stream = stream;
-  cfg.check_values = false;  // the value check synchronizes; an engine that feeds finite values turns it off
+  cfg.check_values = false;  // a replayed step checks no values (docs/architecture.md, "Value checks on the device")
   // 4-bit keys and 2-bit values, the first layer's pages in fp16
   auto pol = kvq::static_policy::parse("k=kivi4/g32,v=kivi2/g32;0=fp16").value_or_throw();
   return kvq::KVCache::create(cfg, std::make_shared<kvq::static_policy>(pol)).value_or_throw();

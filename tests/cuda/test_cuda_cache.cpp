@@ -2,6 +2,7 @@
 // decode), decode and extend attention within the NMSE bound of the tolerance table, over every
 // format, mixed formats within one sequence, page-edge lengths, unequal batches and GQA 1/4/8.
 #include <cuda_runtime.h>
+#include <fmt/format.h>
 
 #include <catch2/catch.hpp>
 #include <cmath>
@@ -380,7 +381,9 @@ TEST_CASE("gpu: speculative (q_len <= 16) and extend (q_len up to the window) at
   REQUIRE(attend_both(c, items, 0, rng) < nmse_bound);
 }
 
-TEST_CASE("gpu: bad values are rejected before anything is stored", "[gpu][errors]") {
+// On the device, without a synchronization: the append returns, the sequence is held, and
+// `check` reports it and restores it (docs/architecture.md, "Value checks on the device").
+TEST_CASE("gpu: bad values are refused on the device and reported by check; nothing is stored", "[gpu][errors]") {
   auto c = make("kivi4/g32", 1, 8, 2, 128);
   std::mt19937 rng(1);
   check(c.gpu.create_sequence(0));
@@ -393,8 +396,13 @@ TEST_CASE("gpu: bad values are rejected before anything is stored", "[gpu][error
   dev_mem dk(kb.size() * 2), dv(v.size() * 2);
   upload(dk, kb);
   upload(dv, v);
-  const status s = c.gpu.append(0, 0, {dk.p, dtype::f16, 200, 2, 128}, {dv.p, dtype::f16, 200, 2, 128});
+  check(c.gpu.append(0, 0, {dk.p, dtype::f16, 200, 2, 128}, {dv.p, dtype::f16, 200, 2, 128}));
+  const status s = c.gpu.check();
   REQUIRE(s.code() == errc::non_finite);
+  CAPTURE(s.message());
+  REQUIRE(s.message().find("sequence 0 layer 0 token 250") != std::string::npos);
+  REQUIRE(c.gpu.length(0, 0) == 100);
+  REQUIRE(c.gpu.check().ok());  // reported once
   REQUIRE(c.gpu.stats().page_bytes == before.page_bytes);
   REQUIRE(c.gpu.stats().used_bytes == before.used_bytes);
   require_same_store(c, 0, 0);
@@ -438,7 +446,8 @@ TEST_CASE("gpu: a batched append stores what per-sequence CPU appends store", "[
   std::vector<attend_item> items;
   for (int s = 0; s < nseq; ++s) items.push_back({s, 1});
   REQUIRE(attend_both(c, items, 1, rng) < nmse_bound);
-  // a bad value in the last sequence's rows stores nothing for any sequence
+  // a bad value in the last sequence's rows: the others are stored (on the CPU too), the last
+  // one is held and restored by check
   const auto before = c.gpu.stats();
   std::vector<append_item> all;
   for (int s = 0; s < nseq; ++s) all.push_back({s, 1});
@@ -447,10 +456,17 @@ TEST_CASE("gpu: a batched append stores what per-sequence CPU appends store", "[
   dev_mem dk(k.size() * 2), dv(v.size() * 2);
   upload(dk, k);
   upload(dv, v);
-  const status st = c.gpu.append_batch(all, 0, {dk.p, dtype::f16, nseq, H, d}, {dv.p, dtype::f16, nseq, H, d});
+  check(c.gpu.append_batch(all, 0, {dk.p, dtype::f16, nseq, H, d}, {dv.p, dtype::f16, nseq, H, d}));
+  const status st = c.gpu.check();
   REQUIRE(st.code() == errc::non_finite);
-  REQUIRE(c.gpu.stats().used_bytes == before.used_bytes);
+  CAPTURE(st.message());
+  REQUIRE(st.message().find(fmt::format("sequence {} layer 0", nseq - 1)) != std::string::npos);
+  REQUIRE(c.gpu.length(nseq - 1, 0) == c.cpu.length(nseq - 1, 0));
+  for (int s = 0; s + 1 < nseq; ++s)
+    check(c.cpu.append(s, 0, {k.data() + size_t(s) * H * d, dtype::f16, 1, H, d},
+                       {v.data() + size_t(s) * H * d, dtype::f16, 1, H, d}));
   for (int s = 0; s < nseq; ++s) require_same_store(c, s, 0);
+  (void)before;
 }
 
 // Codebook pages whose tokens' scales (their rms) span 0.01 to 2000 in one sequence, keys 0.1 to

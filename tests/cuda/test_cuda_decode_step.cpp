@@ -53,7 +53,7 @@ KVCache make(cudaStream_t st, uint64_t budget = 64ull << 20, std::shared_ptr<pol
   cfg.max_sequences = 8;
   cfg.max_tokens = 1024;
   cfg.stream = st;
-  cfg.check_values = false;  // with checks, append synchronizes the stream (not capturable)
+  cfg.check_values = false;  // (a replayed step checks no values; the eager reference would run the check)
   cfg.rotation.heads = {0, 0, 1, 1};
   if (!pol) pol = std::make_shared<static_policy>(static_policy::parse(spec).value_or_throw());
   return KVCache::create(cfg, std::move(pol)).value_or_throw();

@@ -1,5 +1,5 @@
-// A decode step of the CUDA backend captured into a CUDA graph: with value checks off, `attend`
-// and `append_batch` on the caller's stream launch kernels only (no allocation, no
+// A decode step of the CUDA backend captured into a CUDA graph: `attend` and `append_batch` (its
+// value check included) on the caller's stream launch kernels only (no allocation, no
 // synchronization, no legacy-stream work), so a thread-local capture of them ends with
 // cudaSuccess, and replaying the graph once computes exactly (bit for bit) what the eager calls
 // compute.
@@ -77,7 +77,6 @@ KVCache make(const std::string& spec, cudaStream_t st) {
   cfg.max_sequences = 8;
   cfg.max_tokens = 4096;
   cfg.stream = st;
-  cfg.check_values = false;  // with checks, append synchronizes the stream (not capturable)
   return KVCache::create(cfg, std::make_shared<static_policy>(static_policy::parse(spec).value_or_throw())).value_or_throw();
 }
 

@@ -354,7 +354,8 @@ TEST_CASE("gpu prefill: bad input returns an error and changes nothing", "[gpu][
   SECTION("NaN in K") {
     k[size_t(250) * H * d + 17] = 0x7e00;  // fp16 NaN, past the window
     upload(dk, k);
-    const status s = t.gpu.prefill(0, 0, kv_k, kv_v, {dq.p, dtype::f16, T, t.hq, int(d)}, o);
+    check(t.gpu.prefill(0, 0, kv_k, kv_v, {dq.p, dtype::f16, T, t.hq, int(d)}, o));  // (refused on the device)
+    const status s = t.gpu.check();
     REQUIRE(s.code() == errc::non_finite);
     unchanged();
   }

@@ -40,6 +40,16 @@
 
 KVQ_NAMESPACE_BEGIN
 
+/// The CUDA stream one call runs on: a `cudaStream_t` (converts implicitly; `nullptr` is the
+/// legacy default stream), or, when not given, the cache's own (`cache_config::stream`). The CPU
+/// backend ignores it. Ordering across streams: docs/architecture.md, "Streams".
+struct stream_ref {
+  stream_ref() = default;
+  stream_ref(void* s) : stream(s), given(true) {}  // NOLINT: implicit, from cudaStream_t
+  void* stream = nullptr;
+  bool given = false;
+};
+
 /// Where the cache's bytes live and where its attention runs.
 enum class backend : uint8_t { cpu, cuda };
 
@@ -51,10 +61,14 @@ struct cache_config {
   float softmax_scale = 0.f;     ///< 0: 1/sqrt(head_dim)
   int max_sequences = 256;       ///< live sequences at most (and rows of the CUDA page tables)
   int64_t max_tokens = 1 << 17;  ///< CUDA: tokens per sequence the device page tables can index
-  void* stream = nullptr;        ///< CUDA: the caller's cudaStream_t (nullptr = legacy default)
-  /// CUDA: check appended K/V for NaN/Inf/out-of-range on the device before storing, which costs
-  /// one stream synchronization per append. An engine that guarantees finite inputs turns it off
-  /// for a synchronization-free hot path (then bad values are stored as they come).
+  /// CUDA: the stream of calls that name none (`stream_ref`); nullptr = the legacy default stream.
+  void* stream = nullptr;
+  /// Check appended K/V for NaN, Inf and values beyond the fp16 range. CPU: at the call, which
+  /// then fails and stores nothing. CUDA: on the device, without a synchronization: a sequence
+  /// with a bad row is *held* (nothing of that append or any later one is written for it) and
+  /// `check()` reports it and restores it to its state before its first refused append
+  /// (docs/architecture.md, "Value checks on the device"). Off: bad values are stored as they come
+  /// (CUDA: one launch less per append).
   bool check_values = true;
   /// CPU: threads of the attention (the calling thread included), split over (sequence, kv head)
   /// in `attend` and over (kv head, tile of 64 queries) in `prefill` and `attend_prefix`, on a
@@ -179,7 +193,7 @@ class KVQ_EXPORT KVCache {
   /// Starts an empty sequence with a window of one lane (page_tokens slots of every ring), taken
   /// from a ring block that has one free, else from a new ring block of the budget; the window
   /// grows a lane at a time with the appends, up to the full window (include/kvq/store/store.hpp).
-  status create_sequence(seq_id id);
+  status create_sequence(seq_id id, stream_ref stream = {});
   /// Returns every page and window of the sequence to the budget.
   status release_sequence(seq_id id);
   bool has_sequence(seq_id id) const;
@@ -202,7 +216,7 @@ class KVQ_EXPORT KVCache {
   /// existing dst
   /// (`invalid_argument`), no slot or no budget for the window (`out_of_budget`); then nothing
   /// changed.
-  status fork(seq_id src, seq_id dst);
+  status fork(seq_id src, seq_id dst, stream_ref stream = {});
 
   /// Drops the newest tokens of sequence `id`: every layer keeps its first `length` tokens
   /// (rejected speculative drafts). Needs 0 <= length <= the tokens of every layer. Each layer is
@@ -212,7 +226,8 @@ class KVQ_EXPORT KVCache {
   /// falls inside it, and then its kept tokens that left the ring come back as the page's decoded
   /// values rounded to fp16 (a later append re-encodes them from there). Pages another sequence
   /// shares stay for it: a sharer never changes. docs/architecture.md has the rule in full.
-  status truncate(seq_id id, int64_t length);
+  /// On CUDA the restore of a cut page's tokens runs on the device (no synchronization).
+  status truncate(seq_id id, int64_t length, stream_ref stream = {});
 
   /// Budget bytes that appending `tokens` more tokens to every layer of sequence `seq` would
   /// allocate (its new page blocks, in the formats the policy holds now: `current`, and a ring
@@ -228,7 +243,7 @@ class KVQ_EXPORT KVCache {
   /// Appends the K and V of `k.tokens` new tokens of one sequence and layer.
   /// \param k [tokens][kv_heads][head_dim] f32/f16/bf16, finite and within fp16 range
   /// \param v same shape as k
-  status append(seq_id id, int layer, const tensor_view& k, const tensor_view& v);
+  status append(seq_id id, int layer, const tensor_view& k, const tensor_view& v, stream_ref stream = {});
 
   /// Appends the new tokens of several sequences of one layer in one call: a decode step's
   /// writes for a whole batch. On CUDA it is one page-encode launch and one ring-write launch for
@@ -238,13 +253,15 @@ class KVQ_EXPORT KVCache {
   /// \param items one entry per sequence (distinct), tokens >= 1
   /// \param k [sum of tokens][kv_heads][head_dim], the items' rows in order
   /// \param v same shape as k
-  status append_batch(std::span<const append_item> items, int layer, const tensor_view& k, const tensor_view& v);
+  status append_batch(std::span<const append_item> items, int layer, const tensor_view& k, const tensor_view& v,
+                      stream_ref stream = {});
 
   /// Decode / extend attention of one layer for a batch of sequences.
   /// \param items one entry per sequence; each q_len <= its appended length and <= window
   /// \param q [sum q_len][q_heads][head_dim], items' queries in order
   /// \param o [sum q_len][q_heads][head_dim] output
-  status attend(std::span<const attend_item> items, int layer, const tensor_view& q, const tensor_mut& o);
+  status attend(std::span<const attend_item> items, int layer, const tensor_view& q, const tensor_mut& o,
+                stream_ref stream = {});
 
   /// Appends a chunk of any length of one sequence and layer and attends its queries, in one
   /// call (docs/architecture.md, "Prefill of any length"). With n0 tokens stored before the
@@ -268,26 +285,38 @@ class KVQ_EXPORT KVCache {
   /// \param q [T][q_heads][head_dim]
   /// \param o [T][q_heads][head_dim] output
   status prefill(seq_id id, int layer, const tensor_view& k, const tensor_view& v, const tensor_view& q,
-                 const tensor_mut& o);
+                 const tensor_mut& o, stream_ref stream = {});
 
   /// Attention of `q.tokens` queries over the first `prefix` stored tokens of (sequence, layer),
   /// unmasked (every query sees all of them), read as stored now: from the page where encoded,
   /// else from the FP16 ring. It also writes each (query, head)'s log-sum-exp, so an engine can
   /// merge it (`merge_attention`) with its own attention over other keys, e.g. a chunk's causal
   /// attention over its own K/V after appending the chunk with `append`: that is `prefill`.
-  /// Both backends; on CUDA `lse` is device memory and the call runs on the cache's stream.
+  /// Both backends; on CUDA `lse` is device memory.
   /// \param prefix stored tokens to attend to, 0 <= prefix <= length(id, layer); 0 gives o = 0
   ///        and lse = -inf
   /// \param q [tokens][q_heads][head_dim]
   /// \param o [tokens][q_heads][head_dim] output
   /// \param lse [tokens][q_heads] float, in the backend's memory: the natural-log log-sum-exp
   ///        ln(sum_j exp(s_j)) of the scaled scores s_j = softmax_scale * (q . k_j)
-  status attend_prefix(seq_id id, int layer, int64_t prefix, const tensor_view& q, const tensor_mut& o, float* lse);
+  status attend_prefix(seq_id id, int layer, int64_t prefix, const tensor_view& q, const tensor_mut& o, float* lse,
+                       stream_ref stream = {});
 
   /// What the next step will read for (sequence, layer, role): token j of kv head h is
   /// dequantized from its page if encoded, else read from the FP16 ring.
   /// \param out host [length][kv_heads][head_dim] float
-  status read(seq_id id, int layer, role r, std::span<float> out) const;
+  /// CUDA: synchronizes `stream` (the work that wrote the sequence must be on it or done).
+  status read(seq_id id, int layer, role r, std::span<float> out, stream_ref stream = {}) const;
+
+  /// Reports what the device-side value checks refused (`cache_config::check_values`) and makes
+  /// the bookkeeping match what the device holds. CUDA: synchronizes `stream` (default: the
+  /// cache's), so it covers the appends queued there and every append already complete on other
+  /// streams. Each held sequence is restored, layer by layer, to its state before its first
+  /// refused append (its length, pages and window; a truncate of it issued before this call
+  /// stands where it cut deeper), and takes appends again. Returns `non_finite` naming the
+  /// sequence, layer and token of the first refused row, the rows refused and the sequences
+  /// restored; OK when nothing was refused. CPU: always OK (the CPU refuses at the call).
+  status check(stream_ref stream = {});
 
   /// rolealign clip ratios, [layers][kv_heads][2] (K then V), each in (0, 1]. Applies to pages
   /// encoded afterwards.

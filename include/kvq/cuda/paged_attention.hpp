@@ -175,6 +175,30 @@ struct append_seq {
   uint32_t window_unit = 0;  ///< the sequence's window block, in 256-byte units
   int first_page = 0;        ///< page index of its first new page
   int pages = 0;             ///< its new pages (each spans every kv head and role)
+  int32_t ring_from = 0;     ///< the first token its ring holds (`layer_state::ring_from`): recorded by a guard
+  int64_t seq = 0;           ///< the caller's sequence id: named in a guard's fault record
+};
+
+/// A refused append's report (`append_guard::fault`), device memory written by the check kernel.
+struct append_fault {
+  int32_t count = 0;  ///< K/V rows refused since the record was cleared (a row counts once per role)
+  int32_t layer = -1;
+  int64_t seq = -1;    ///< `append_seq::seq` of the first refused row's sequence
+  int64_t token = -1;  ///< its position in the sequence (n + its row within the item)
+};
+
+/// Value checks of an append on the device, without a synchronization (`KVCache`'s
+/// `check_values`). Before the append's kernels, a check kernel looks at every row: a row with a
+/// NaN, an Inf or a value beyond the fp16 range marks its sequence's slot *held* and fills
+/// `fault` (the first such row). The append kernels then write nothing for a held slot, in this
+/// call and every later one, until the caller clears it; for each (slot, layer) whose append was
+/// skipped, the first skipped append's n, e and ring_from are recorded in `since`, so the caller
+/// can restore its bookkeeping to what the device holds (KVCache::check). All device memory.
+struct append_guard {
+  uint8_t* held = nullptr;        ///< [slots] nonzero: writes to the slot are refused
+  int32_t* since = nullptr;       ///< [slots][layers][3] n, e, ring_from of the first refused append; n = -1: none
+  append_fault* fault = nullptr;  ///< the first refused row
+  bool check = true;              ///< run the value check where `held` is set (false: only honour `held`)
 };
 
 /// Arguments of quantize-on-append for a batch of sequences of one layer: one launch of the page
@@ -197,14 +221,49 @@ struct append_args {
   /// The layer's rotated heads: their K and V rows are rotated inside the append kernels before
   /// they are rounded to fp16, in the ring and in the pages alike (the bytes equal the CPU's).
   head_rotation rotation;
+  /// Optional device-side value checks and held slots (null pointers: none).
+  append_guard guard;
 };
 
 /// Writes each sequence's m tokens into its ring and encodes the new pages (at most
 /// max_append_pages in all): bytes identical to the CPU codec.
 KVQ_EXPORT status append_run(const append_args& a, void* stream);
 
-/// Sets `*flag` (device int) to 1 if any of the K/V values is NaN, Inf or beyond the fp16 range.
-KVQ_EXPORT status check_values(const tensor_view& k, const tensor_view& v, int* flag, void* stream);
+/// The guard's value check of an append call (`append_guard`): marks held the slots of the items
+/// with a NaN, Inf or out-of-range row, fills the fault record, and records `since` for every item
+/// whose slot is held after the check. One launch; no synchronization. `append_run` runs it itself
+/// when `a.guard.check`; a caller that splits one logical append into several `append_run`s
+/// checks every part first (with `guard.check` off in the runs) so that no part is stored when
+/// another is refused.
+KVQ_EXPORT status check_append_values(const append_args& a, void* stream);
+
+/// Clears the guard of `count` slots from `slot` on (not held, nothing recorded), on `stream`:
+/// for a new sequence, or once a refusal was reported and the bookkeeping restored.
+KVQ_EXPORT status clear_guard(const append_guard& g, int layers, int slot, int count, void* stream);
+/// Copies slot `src`'s guard (held flag and records) to slot `dst` on `stream`: a fork of a held
+/// sequence is held too.
+KVQ_EXPORT status copy_guard(const append_guard& g, int layers, int src, int dst, void* stream);
+
+/// Writes back into the FP16 ring the tokens a truncation keeps that its page holds but its ring
+/// slots no longer do (KVCache::truncate; docs/architecture.md, "Truncation"): for each listed
+/// layer, tokens [first, last) of one page (its page index first / page_tokens in the page
+/// tables), decoded through the codec and rounded to fp16, as the CPU does, into every (kv head,
+/// role) ring of the sequence. One launch per 128 layers; no synchronization. With a guard, a
+/// held slot's pages at or past its recorded e (never written: their append was refused) are
+/// skipped.
+struct ring_restore {
+  int layer;
+  int32_t first, last;
+};
+struct restore_args {
+  paged_view kv;
+  uint8_t* arena = nullptr;  ///< writable alias of kv.arena
+  int slot = 0;
+  uint32_t window_unit = 0;
+  std::span<const ring_restore> layers;  ///< host memory
+  append_guard guard;                    ///< held / since read; null: none
+};
+KVQ_EXPORT status restore_run(const restore_args& a, void* stream);
 
 }  // namespace cuda
 KVQ_NAMESPACE_END

@@ -105,7 +105,7 @@ class step_backend {
 class cache_backend {
  public:
   explicit cache_backend(const cache_state& st)
-      : cfg_(st.cfg), pol_(st.pol), store_(st.store), clip_(st.clip), levels_(st.levels) {}
+      : cfg_(st.cfg), pol_(st.pol), store_(st.store), clip_(st.clip), levels_(st.levels), stream_(st.cfg.stream) {}
   cache_backend(const cache_backend&) = delete;
   cache_backend& operator=(const cache_backend&) = delete;
   virtual ~cache_backend() = default;
@@ -154,8 +154,32 @@ class cache_backend {
   }
   /// Dequantized view of one (sequence, layer, role) into host memory.
   virtual status read(const sequence_state& s, int layer, role r, std::span<float> out) const = 0;
-  /// Called after a sequence is created or released (device tables).
-  virtual void on_sequence_change(const sequence_state&, bool /*created*/) {}
+  /// Called after a sequence is created or released (device tables). A failure after a creation
+  /// makes the cache release the sequence again.
+  virtual status on_sequence_change(const sequence_state&, bool /*created*/) { return {}; }
+  /// The stream the device work of the calls that follow runs on: `s` where given, else the
+  /// cache's (`cache_config::stream`). KVCache sets it for each call and sets the cache's back
+  /// after it. A backend may refuse a stream (the message says why).
+  virtual status use_stream(stream_ref s) const {
+    stream_ = s.given ? s.stream : cfg_.stream;
+    return {};
+  }
+  void* current_stream() const { return stream_; }
+  /// What the device-side value checks refused since the last call (`KVCache::check`).
+  struct refusal {
+    int slot, layer;
+    int64_t n, e, ring_from;  ///< the (slot, layer)'s state before its first refused append
+  };
+  struct refusals {
+    int64_t rows = 0;  ///< rows refused for their values
+    int layer = -1;    ///< the first of them: its layer, sequence and token
+    int64_t seq = -1, token = -1;
+    std::vector<int> slots;         ///< the held slots
+    std::vector<refusal> layers;    ///< their layers with a refused append
+  };
+  /// Waits for the work on the call's stream and takes (and clears) the refusals of the device's
+  /// value checks. Backends that check at the call (the CPU) have none.
+  virtual result<refusals> take_refusals() { return refusals{}; }
   /// After the store forked `src` into `dst` (dst lists src's pages): copies src's FP16 windows
   /// into dst's (`copy_rings`) and dst's page-table rows where the backend keeps them. On failure
   /// the caller releases `dst`.
@@ -193,6 +217,7 @@ class cache_backend {
   const page_store& store_;
   const std::vector<float>& clip_;    ///< [layers][kv_heads][2]
   const std::vector<float>& levels_;  ///< cache_state::levels
+  mutable void* stream_;              ///< the current call's stream (`use_stream`)
 
   float softmax_scale() const {
     return cfg_.softmax_scale > 0.f ? cfg_.softmax_scale : 1.0f / std::sqrt(float(cfg_.shape.head_dim));
@@ -247,11 +272,18 @@ inline int64_t cuda_max_pages(const cache_config& cfg) {
 inline uint64_t cuda_levels_bytes(const cache_config& cfg) {
   return uint64_t(cfg.shape.layers) * uint64_t(cfg.shape.kv_heads) * 2 * codebook_table_floats * sizeof(float);
 }
+/// Bytes of the CUDA value-check guard (`check_values`): a held flag and [layers][3] int32
+/// records per sequence slot, and one fault record of 24 bytes.
+inline uint64_t cuda_guard_bytes(const cache_config& cfg) {
+  return cfg.check_values ? uint64_t(cfg.max_sequences) * (1 + uint64_t(cfg.shape.layers) * 12) + 24 : 0;
+}
 /// Bytes of the CUDA tables of a configuration: the page tables ([max_sequences][layers][max_pages]
-/// uint32 block offsets and [...][kv_heads][2] format ids) and the codebook level table.
+/// uint32 block offsets and [...][kv_heads][2] format ids), the codebook level table and the
+/// value-check guard.
 inline uint64_t cuda_table_bytes(const cache_config& cfg) {
   const uint64_t rows = uint64_t(cfg.max_sequences) * uint64_t(cfg.shape.layers) * uint64_t(cuda_max_pages(cfg));
-  return rows * (sizeof(uint32_t) + uint64_t(cfg.shape.kv_heads) * 2) + cuda_levels_bytes(cfg);
+  return rows * (sizeof(uint32_t) + uint64_t(cfg.shape.kv_heads) * 2) + cuda_levels_bytes(cfg) +
+         cuda_guard_bytes(cfg);
 }
 
 /// The CPU reference backend, or an `out_of_budget` status when its arena cannot be allocated.

@@ -126,6 +126,12 @@ class KVQ_EXPORT page_store {
   /// dropped (a page another sequence lists stays for it) and their kept tokens are unencoded
   /// again (the caller put them in the ring first).
   void truncate(sequence_state& s, int64_t length);
+  /// Makes one layer of `s` what the device holds after appends it refused (KVCache::check): the
+  /// layer's state before its first refused append was (n, e, ring_from); a truncation since then
+  /// stands where it cut deeper. Keeps min(n, now) tokens and the pages below min(e, now)
+  /// (listings of later pages are dropped: their bytes were never written), the ring from
+  /// min(ring_from, now).
+  void rewind(sequence_state& s, int layer, int64_t n, int64_t e, int64_t ring_from);
   /// Tokens a layer keeps encoded when cut to `length`: what appending the first `length` tokens
   /// would have encoded (floor((length - r) / P) pages), except that a page whose tokens the ring
   /// no longer holds (tokens before `ring_from`) stays, and never a page holding a dropped
