@@ -4,6 +4,7 @@
 # one session so that ratios compare like with like. Logs and raw results go to $OUT (default
 # out/gpu, git-ignored).
 #   bash bench/run_gpu.sh [tests] [sanitize] [examples] [bench] [peer] [shapes] [canary] [prefill] [ab] [serve] [replay]
+#                         [step]
 #   (default: tests sanitize bench peer)
 # examples: the examples that run the CUDA backend or the low-level CUDA API (examples.log).
 # ab: the decode benchmark of another build (KVQ_AB_BASE, default out/gpu-base/, staged the same
@@ -21,6 +22,8 @@
 # Llama-3-8B-shaped run over every backend (KVQ_SERVE_BACKENDS: its --backends list, space-separated;
 # KVQ_SERVE_ARGS: more serve.py options); serve.json, steps.csv, serve.log, and report_serve.py's
 # serve.md, serve.svg, serve.png.
+# step: an eager decode step's host, device and wall time with value checks on and off (step.csv;
+# KVQ_STEP_ARGS: its options, bench/step_cuda.cpp).
 # replay: a decode step replayed from one CUDA graph (decode_step) against its eager calls, on a
 # Llama-8B-like stack at batch 1 / 8 / 32 and contexts 1K / 32K (replay.log).
 set -uo pipefail
@@ -40,7 +43,7 @@ for s in $steps; do
       KVQ_GPU_TEST_SMALL=1 "$cs" --tool memcheck --error-exitcode 3 ./.gpu/kvq_cuda_tests "[decode],[extend],[errors]" \
         > "$OUT/memcheck.log" 2>&1; r=$?; tail -4 "$OUT/memcheck.log"; rc=$((rc | r))
       for f in "[append]" "[canary]" "[graph]" "[fork],[truncate]" "[rotation]" "gpu: a launch failing*" "[windows]" \
-               "[prefill]"; do  # appended to memcheck.log (the device returns at most 8 files)
+               "[prefill]" "[contract]"; do  # appended to memcheck.log (the device returns at most 8 files)
         KVQ_GPU_TEST_SMALL=1 "$cs" --tool memcheck --error-exitcode 3 ./.gpu/kvq_cuda_tests "$f" \
           > "$OUT/memcheck_one.log" 2>&1; r=$?; echo "memcheck $f: $(tail -1 "$OUT/memcheck_one.log")" | tee -a "$OUT/memcheck.log"
         rm -f "$OUT/memcheck_one.log"; rc=$((rc | r))
@@ -51,7 +54,7 @@ for s in $steps; do
       # [lowlevel]: both staged kernels (hints 8, 4, 2), page_tokens 64 and 128; long sequences:
       # every page stage refilled several times (8-bit rings with two full barriers per stage);
       # pages of 128 tokens: whole-unit steps with two warps per page
-      for f in "[lowlevel]" "gpu: long sequences*" "gpu: pages of 128*"; do
+      for f in "[lowlevel]" "gpu: long sequences*" "gpu: pages of 128*" "[contract]"; do
         KVQ_GPU_TEST_SMALL=1 "$cs" --tool racecheck --error-exitcode 3 ./.gpu/kvq_cuda_tests "$f" \
           > "$OUT/racecheck_one.log" 2>&1; r=$?; echo "racecheck $f: $(tail -1 "$OUT/racecheck_one.log")" | tee -a "$OUT/racecheck.log"
         rm -f "$OUT/racecheck_one.log"; rc=$((rc | r))
@@ -106,6 +109,8 @@ PY
       for b in 1 8 32; do for c in 1024 32768; do
         ./.gpu/kvq_bench_replay_cuda --batch $b --context $c 2>&1 | tee -a "$OUT/replay.log"; rc=$((rc | ${PIPESTATUS[0]}))
       done; done ;;
+    step)
+      ./.gpu/kvq_bench_step_cuda ${KVQ_STEP_ARGS:-} 2>&1 | tee "$OUT/step.csv"; rc=$((rc | ${PIPESTATUS[0]})) ;;
     canary)
       ./.gpu/kvq_bench_canary_cuda --steps 1280 --json "$OUT/canary.json" 2>&1 | tee "$OUT/canary.log" | grep -vE "filled|round"
       rc=$((rc | ${PIPESTATUS[0]})) ;;

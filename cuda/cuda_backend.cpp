@@ -366,7 +366,7 @@ class cuda_backend final : public cache_backend {
       const size_t halves = cuda::detail::ring_undo_bytes(view_, rows) / 2;
       if (halves > buf.undo.count) {  // grows to the largest multi-call append seen
         KVQ_TRY(refuse_growth_in_capture("the append undo record", buf.undo.count * 2, halves * 2));
-        KVQ_TRY(buf.undo.allocate_on(halves, "append undo record", stream()));
+        KVQ_TRY(buf.undo.allocate(halves, "append undo record"));
       }
     }
     if (cfg_.check_values)

@@ -17,14 +17,11 @@ struct device_buffer {
   device_buffer() = default;
   device_buffer(const device_buffer&) = delete;
   device_buffer& operator=(const device_buffer&) = delete;
-  ~device_buffer() {
-    if (ptr) cudaFree(ptr);  // (also frees a stream-ordered allocation, after the device is done with it)
-  }
+  ~device_buffer() { release(); }
   /// Replaces the buffer (its contents are not kept). On failure it is empty (count 0), so a later
   /// size check asks for it again instead of writing through a null pointer.
   status allocate(size_t n, const char* what) {
-    if (ptr) cudaFree(ptr);
-    ptr = nullptr;
+    release();
     count = 0;
     if (n == 0) return {};
     const cudaError_t e = cudaMalloc(reinterpret_cast<void**>(&ptr), n * sizeof(T));
@@ -41,7 +38,10 @@ struct device_buffer {
   /// the device's memory pool, so the host never waits for the device (`cudaFree` would). For a
   /// buffer only work on `stream` uses. Where the device has no memory pools, as `allocate`.
   status allocate_on(size_t n, const char* what, cudaStream_t stream) {
-    if (ptr) (void)(pooled_ ? cudaFreeAsync(ptr, stream) : cudaFree(ptr));
+    if (ptr && pooled_)
+      (void)cudaFreeAsync(ptr, stream);
+    else
+      release();
     ptr = nullptr;
     count = 0;
     pooled_ = false;
@@ -62,6 +62,21 @@ struct device_buffer {
   }
 
  private:
+  // Frees the buffer now. A stream-ordered allocation goes back to its pool with cudaFreeAsync,
+  // once the device is done with it (the stream it was used on may be gone): cudaFree of pool
+  // memory left later cudaMallocAsync calls with unbacked addresses on the H100/H200 (the prefill
+  // tests' "Warp illegal address", 2026-12-06).
+  void release() {
+    if (ptr && pooled_) {
+      (void)cudaDeviceSynchronize();
+      (void)cudaFreeAsync(ptr, cudaStreamLegacy);
+    } else if (ptr) {
+      cudaFree(ptr);
+    }
+    ptr = nullptr;
+    count = 0;
+    pooled_ = false;
+  }
   bool pooled_ = false;  // from cudaMallocAsync
 };
 

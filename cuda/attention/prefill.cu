@@ -216,6 +216,10 @@ status launch_prefill(const prefill_args& a, const prefill_plan& lp, const prefi
 }
 
 }  // namespace
+}  // namespace cuda::detail
+
+namespace cuda {
+using namespace detail;
 
 status prefill_can_implement(const prefill_args& a) {
   const paged_view& kv = a.kv;
@@ -259,5 +263,5 @@ status prefill_run(const prefill_args& a, void* workspace, size_t workspace_byte
   return with_head_dim(a.kv.head_dim, [&]<int D>() { return launch_prefill<D>(a, lp, ly, ws, st); });
 }
 
-}  // namespace cuda::detail
+}  // namespace cuda
 KVQ_NAMESPACE_END

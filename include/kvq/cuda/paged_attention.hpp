@@ -161,6 +161,51 @@ KVQ_EXPORT size_t attend_workspace_bytes(const attend_args& a);
 /// grid before reading the workspace; in a captured graph this is a programmatic edge).
 KVQ_EXPORT status attend_run(const attend_args& a, void* workspace, size_t workspace_bytes, void* stream);
 
+/// One prefill (or prefix) attention call over one sequence and layer of a paged store: T
+/// queries at positions n0 .. n0 + T - 1 see the first n0 stored tokens (`prefix`) unmasked, read
+/// from their pages where encoded (`from_pages` of them) and else from the ring, and, where the
+/// chunk's K/V are given, the chunk's tokens 0..i causally in fp16 (as the ring would hold them,
+/// rotated on rotated heads), the two parts merged by log-sum-exp. A chunk of any length: an
+/// engine appends it with `append_run` (which may encode prefix tokens into pages: pass the
+/// `from_pages` of after the append) and then runs this, as `KVCache::prefill` does.
+/// `prefill_can_implement` -> `prefill_workspace_bytes` -> `prefill_run`; the run allocates
+/// nothing and never synchronizes.
+struct prefill_args {
+  paged_view kv;
+  int layer = 0;
+  int q_heads = 0;
+  int32_t slot = 0;          ///< the sequence's page-table row
+  uint32_t window_unit = 0;  ///< its window block, 256-byte units
+  int32_t prefix = 0;        ///< n0: the stored tokens every query sees, unmasked
+  int32_t from_pages = 0;    ///< of those, read from pages: min(encoded tokens, n0); the rest from the ring
+  int64_t queries = 0;       ///< T
+  const void* q = nullptr;   ///< device [T][q_heads][head_dim]
+  dtype q_type = dtype::f16;
+  int64_t q_stride = 0;  ///< elements between rows (0: packed)
+  void* o = nullptr;     ///< device [T][q_heads][head_dim]
+  dtype o_type = dtype::f16;
+  int64_t o_stride = 0;
+  /// A prefill: the chunk's K and V (device [T][kv_heads][head_dim]); query i also sees chunk
+  /// tokens 0..i rounded to fp16 (rotated first on rotated heads). Null `k.data`: the prefix only.
+  tensor_view k, v;
+  float* lse = nullptr;  ///< optional, device [T][q_heads]: natural-log log-sum-exp of each row
+  float scale = 0.f;     ///< 0: 1/sqrt(head_dim)
+  int num_sms = 132;
+  head_rotation rotation;
+  /// False where no page of the layer holds a format other than FP16: the prefix kernel reads
+  /// every page as it is, and the staging launch is skipped.
+  bool quantized_pages = true;
+};
+/// Checks the arguments (shapes, indices, what the ring holds); the message names the problem.
+KVQ_EXPORT status prefill_can_implement(const prefill_args& a);
+/// Device workspace of a call: the partial results, the rotated queries (rotated heads), the
+/// chunk's fp16 K/V (a prefill) and the staged fp16 images of a segment's page tiles (at most
+/// 64 MiB). It does not depend on `from_pages`, so it can be sized before the chunk's append
+/// decides how many tokens are encoded.
+KVQ_EXPORT size_t prefill_workspace_bytes(const prefill_args& a);
+/// Launches the call on `stream` (no synchronization, no allocation).
+KVQ_EXPORT status prefill_run(const prefill_args& a, void* workspace, size_t workspace_bytes, void* stream);
+
 /// New pages of one append call, over all its sequences.
 inline constexpr int max_append_pages = 32;
 /// Sequences of one append call.
