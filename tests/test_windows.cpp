@@ -229,10 +229,14 @@ TEST_CASE("overhead(cfg) states the memory outside the budget before creation", 
   CHECK(KVCache::overhead(cfg).value_or_throw().device_bytes() == 0);  // the CPU holds only the budget
   cfg.where = backend::cuda;
   // [256 slots][32 layers][2048 pages]: a 4-byte block offset and 8 x 2 format ids each (320
-  // MiB), and the codebook level table: [32 layers][8 heads][2] x 12 formats x 16 floats.
+  // MiB), the codebook level table: [32 layers][8 heads][2] x 12 formats x 16 floats, and the
+  // value-check guard: a held byte and [32 layers] x 12 bytes per slot, a 24-byte fault record.
   const cache_overhead o = KVCache::overhead(cfg).value_or_throw();
-  CHECK(o.device_tables == 256ull * 32 * 2048 * (4 + 16) + 32ull * 8 * 2 * 12 * 16 * 4);
-  CHECK(o.device_tables == (320ull << 20) + (384ull << 10));
+  CHECK(o.device_tables == 256ull * 32 * 2048 * (4 + 16) + 32ull * 8 * 2 * 12 * 16 * 4 + 256ull * (1 + 32 * 12) + 24);
+  CHECK(o.device_tables == (320ull << 20) + (384ull << 10) + 98584);
+  cfg.check_values = false;  // no guard
+  CHECK(KVCache::overhead(cfg).value_or_throw().device_tables == (320ull << 20) + (384ull << 10));
+  cfg.check_values = true;
   CHECK(o.device_workspace == 0);  // workspaces grow with the calls, after creation
   cfg.max_tokens = 0;
   CHECK(KVCache::overhead(cfg).error().code() == errc::invalid_argument);
