@@ -461,9 +461,9 @@ class cuda_backend final : public cache_backend {
     return false;
   }
 
-  // Grows the workspace to what a call needs (to the largest call seen; it never shrinks), in the
-  // order of the cache's stream: the host does not wait for the device. Not while the stream is
-  // being captured (a graph cannot own a buffer the cache keeps).
+  // Grows the call's stream's workspace to what the call needs (to the largest call seen; it never
+  // shrinks), in that stream's order: the host does not wait for the device. Not while the stream
+  // is being captured (a graph cannot own a buffer the cache keeps).
   status reserve_workspace(size_t need) {
     device_buffer<uint8_t>& ws = buffers().workspace;
     if (need <= ws.count) return {};

@@ -116,7 +116,8 @@ class cache_backend {
   virtual status levels_changed() { return {}; }
 
   /// Converts, validates (finite, within fp16 range) and stores m tokens; encodes the planned
-  /// pages. Must leave the ring untouched when the values are rejected.
+  /// pages. With `check_values`, values are rejected before anything is stored: at the call
+  /// (CPU: the call fails) or on the device (CUDA: the sequence is held, `take_refusals`).
   virtual status write(sequence_state& s, int layer, const tensor_view& k, const tensor_view& v,
                        const append_plan& plan) = 0;
   /// One sequence of a validated batched append: its rows of k and v and its planned pages.
