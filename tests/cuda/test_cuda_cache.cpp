@@ -448,7 +448,6 @@ TEST_CASE("gpu: a batched append stores what per-sequence CPU appends store", "[
   REQUIRE(attend_both(c, items, 1, rng) < nmse_bound);
   // a bad value in the last sequence's rows: the others are stored (on the CPU too), the last
   // one is held and restored by check
-  const auto before = c.gpu.stats();
   std::vector<append_item> all;
   for (int s = 0; s < nseq; ++s) all.push_back({s, 1});
   auto k = randn_h(rng, size_t(nseq) * H * d), v = randn_h(rng, size_t(nseq) * H * d);
@@ -466,7 +465,6 @@ TEST_CASE("gpu: a batched append stores what per-sequence CPU appends store", "[
     check(c.cpu.append(s, 0, {k.data() + size_t(s) * H * d, dtype::f16, 1, H, d},
                        {v.data() + size_t(s) * H * d, dtype::f16, 1, H, d}));
   for (int s = 0; s < nseq; ++s) require_same_store(c, s, 0);
-  (void)before;
 }
 
 // Codebook pages whose tokens' scales (their rms) span 0.01 to 2000 in one sequence, keys 0.1 to
