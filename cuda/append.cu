@@ -330,12 +330,7 @@ void set_layer(const append_args& a, append_params& p) {
   p.fmts = a.fmts;
   p.kv = a.kv;
   p.layer = a.layer;
-  p.src[0] = a.k.data;
-  p.src[1] = a.v.data;
-  p.src_type[0] = a.k.type;
-  p.src_type[1] = a.v.type;
-  p.src_stride[0] = a.k.stride();
-  p.src_stride[1] = a.v.stride();
+  detail::set_kv_rows(a.k, a.v, p);
   for (int j = 0; j < a.kv.kv_heads * 2; ++j) p.clip[j] = a.clip ? a.clip[j] : 1.0f;
   p.levels = a.levels;
   p.rot = a.rotation;

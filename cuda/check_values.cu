@@ -22,9 +22,9 @@ using detail::load_any;
 using detail::msg;
 
 struct check_params {
-  const void* src[2];
-  dtype type[2];
-  int64_t stride[2];  // elements between rows
+  const void* src[2];  // set_kv_rows
+  dtype src_type[2];
+  int64_t src_stride[2];  // elements between rows
   int row_elems;      // kv_heads * head_dim
   int layer;
   int n_items;
@@ -43,7 +43,7 @@ __global__ void check_kernel(const __grid_constant__ check_params p, int32_t row
     bool bad = false;
     for (int r = 0; r < 2; ++r)
       for (int c = lane; c < p.row_elems; c += 32)
-        bad |= !(fabsf(load_any(p.src[r], p.type[r], int64_t(row) * p.stride[r] + c)) <= fp16_max);
+        bad |= !(fabsf(load_any(p.src[r], p.src_type[r], int64_t(row) * p.src_stride[r] + c)) <= fp16_max);
     if (!__any_sync(0xffffffffu, bad) || lane != 0) continue;
     int i = 0;
     while (p.row_end[i] <= row) ++i;  // (at most max_append_items items)
@@ -74,12 +74,7 @@ status check_append_values(const append_args& a, void* stream) {
     return {errc::invalid_argument,
             msg("check_append_values: ", a.items.size(), " sequences in one call, at most ", max_append_items)};
   check_params p{};
-  p.src[0] = a.k.data;
-  p.src[1] = a.v.data;
-  p.type[0] = a.k.type;
-  p.type[1] = a.v.type;
-  p.stride[0] = a.k.stride();
-  p.stride[1] = a.v.stride();
+  detail::set_kv_rows(a.k, a.v, p);
   p.row_elems = a.kv.kv_heads * a.kv.head_dim;
   p.layer = a.layer;
   p.n_items = int(a.items.size());

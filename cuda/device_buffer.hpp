@@ -22,7 +22,6 @@ struct device_buffer {
   /// size check asks for it again instead of writing through a null pointer.
   status allocate(size_t n, const char* what) {
     release();
-    count = 0;
     if (n == 0) return {};
     const cudaError_t e = cudaMalloc(reinterpret_cast<void**>(&ptr), n * sizeof(T));
     if (e != cudaSuccess) {

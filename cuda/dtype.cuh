@@ -11,6 +11,19 @@
 KVQ_NAMESPACE_BEGIN
 namespace cuda::detail {
 
+/// The K and V rows an append's kernels read ([0] K, [1] V: base pointers, element types, row
+/// strides in elements), set from the call's views: the append kernels' parameters and the value
+/// check's read the same rows the same way.
+template <class P>
+void set_kv_rows(const tensor_view& k, const tensor_view& v, P& p) {
+  p.src[0] = k.data;
+  p.src[1] = v.data;
+  p.src_type[0] = k.type;
+  p.src_type[1] = v.type;
+  p.src_stride[0] = k.stride();
+  p.src_stride[1] = v.stride();
+}
+
 /// Calls `f` with a value of the C++ element type of `t` (float, __half or __nv_bfloat16) and
 /// returns its result.
 template <class F>
