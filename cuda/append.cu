@@ -18,7 +18,7 @@
 #include "replay.hpp"
 #include "rotation.cuh"
 #include "status.hpp"
-#include "view_checks.hpp"
+#include <kvq/detail/view_checks.hpp>
 
 KVQ_NAMESPACE_BEGIN
 namespace cuda {
@@ -55,6 +55,7 @@ struct append_table {
 struct append_params {
   paged_view kv;
   uint8_t* arena;  // writable aliases of kv's
+  uint8_t* rings;  // (rings_base(kv))
   uint32_t* blocks;
   uint8_t* fmts;
   int layer;
@@ -112,7 +113,7 @@ __device__ __forceinline__ bool refused(const append_params& p, const append_tab
 }
 
 __device__ __forceinline__ uint16_t* ring_of(const append_params& p, const append_table::item& it, int h, int r) {
-  return reinterpret_cast<uint16_t*>(p.arena + size_t(it.window_unit) * block_unit) +
+  return reinterpret_cast<uint16_t*>(p.rings + size_t(it.window_unit) * block_unit) +
          ring_halves(p.layer, p.kv.kv_heads, h, r, p.kv.window, p.kv.head_dim);
 }
 
@@ -145,7 +146,10 @@ __device__ __forceinline__ void encode_page(const append_params& p, const append
   if (r == 1) off += p.kv.k_page_bytes[fm[2 * h]];
   const format_id f = fm[2 * h + r];
   const codec::page_geom g = codec::make_geom(f, r == 0 ? role::k : role::v, P, d);
-  uint8_t* page = p.arena + size_t(t.page_blocks[pg]) * block_unit + off;
+  const bool shared = p.kv.tables == page_tables::shared;
+  uint8_t* block = shared ? p.arena + uint64_t(p.layer) * p.kv.layer_bytes + uint64_t(t.page_blocks[pg]) * p.kv.block_bytes
+                          : p.arena + uint64_t(t.page_blocks[pg]) * block_unit;
+  uint8_t* page = block + (shared ? block_header_bytes(p.kv.kv_heads) : 0u) + off;
   for (uint32_t i = threadIdx.x * 16; i < g.lay.total(); i += threads * 16)
     *reinterpret_cast<uint4*>(page + i) = make_uint4(0, 0, 0, 0);
   __syncthreads();
@@ -169,7 +173,9 @@ __device__ __forceinline__ void encode_page(const append_params& p, const append
       ep.levels = p.levels + codec::codebook_level_offset(size_t(2 * h + r), f);
     for (int u = threadIdx.x; u < g.unit_count(); u += threads) codec::encode_unit(g, src, d, u, page, ep);
   }
-  if (h == 0 && r == 0) {
+  if (h == 0 && r == 0 && shared) {  // the engine's table lists the block: its header names the formats
+    for (int i = threadIdx.x; i < p.kv.kv_heads * 2; i += threads) block[i] = fm[i];
+  } else if (h == 0 && r == 0) {
     const size_t row = (size_t(it.slot) * p.kv.layers + p.layer) * p.kv.max_pages + it.first_page + (pg - it.page0);
     if (threadIdx.x == 0) p.blocks[row] = t.page_blocks[pg];
     for (int i = threadIdx.x; i < p.kv.kv_heads * 2; i += threads) p.fmts[row * p.kv.kv_heads * 2 + i] = fm[i];
@@ -254,58 +260,15 @@ __global__ void ring_rotated_kernel(const __grid_constant__ append_params p) {
   }
 }
 
-// The checks of an append call (its items' indices, page count, rows, formats and blocks), then its
-// per-call part written into `t`, the items' source rows counted from `first_row`; `max_m`: its
-// longest item. `t` is written only after every check passed.
+// The checks of an append call (`detail::check_append`), then its per-call part written into `t`,
+// the items' source rows counted from `first_row`; `max_m`: its longest item. `t` is written only
+// after every check passed.
 status fill_table(const append_args& a, int first_row, bool check_rows, append_table& t, int& max_m) {
   const auto& kv = a.kv;
   if (kv.kv_heads > max_kv_heads)
     return {errc::unsupported, msg("append: kv_heads ", kv.kv_heads, " above ", max_kv_heads)};
-  if (a.items.size() > size_t(max_append_items))
-    return {errc::invalid_argument,
-            msg("append: ", a.items.size(), " sequences in one call, at most ", max_append_items)};
-  if (a.layer < 0 || a.layer >= kv.layers)
-    return {errc::invalid_argument, msg("append: layer ", a.layer, " outside [0, ", kv.layers, ")")};
-  int pages = 0, rows = 0;
-  max_m = 0;
-  for (size_t i = 0; i < a.items.size(); ++i) {
-    const append_seq& it = a.items[i];
-    // Indices the kernels write through: checked here, since a bad one writes outside the tables.
-    if (it.slot < 0 || it.m < 1 || it.n < 0 || it.e < 0 || it.e > it.n || it.e % kv.page_tokens != 0 || it.pages < 0 ||
-        it.first_page != it.e / kv.page_tokens || it.first_page + it.pages > kv.max_pages ||
-        int64_t(it.e) + int64_t(it.pages) * kv.page_tokens > int64_t(it.n) + it.m)
-      return {errc::invalid_argument,
-              msg("append: item ", i, " (slot ", it.slot, ", n ", it.n, ", e ", it.e, ", m ", it.m, ", first_page ",
-                  it.first_page, ", pages ", it.pages, ") is inconsistent: need slot >= 0, m >= 1, 0 <= e <= n, e a ",
-                  "multiple of page_tokens ", kv.page_tokens, ", first_page = e / page_tokens, first_page + pages <= ",
-                  "max_pages ", kv.max_pages, " and the new pages within the n + m tokens")};
-    KVQ_TRY(detail::check_item_indices(kv, "append", i, it.slot, it.window_unit, int64_t(it.n) + it.m));
-    pages += it.pages, rows += it.m, max_m = std::max(max_m, int(it.m));
-  }
-  if (pages > max_append_pages)
-    return {errc::invalid_argument, msg("append: ", pages, " new pages in one call, at most ", max_append_pages)};
-  if (check_rows && (rows != a.k.tokens || rows != a.v.tokens))
-    return {errc::invalid_argument,
-            msg("append: the items append ", rows, " tokens, K has ", a.k.tokens, " and V ", a.v.tokens)};
-  if (a.rotation.mask != 0 && (!rotation::is_power_of_two(kv.head_dim) || kv.head_dim < 32 || kv.head_dim > 256 ||
-                               (kv.kv_heads < 32 && (a.rotation.mask >> kv.kv_heads) != 0)))
-    return {errc::invalid_argument,
-            msg("append: rotation (mask ", a.rotation.mask, ") needs head_dim a power of two in [32, ",
-                "256] (got head_dim ", kv.head_dim, ") and names only the layer's ", kv.kv_heads, " kv heads")};
-  for (int i = 0; i < pages * kv.kv_heads * 2; ++i) {
-    if (a.page_fmts[i] >= format_count || (i % 2 == 0 ? kv.k_page_bytes : kv.v_page_bytes)[a.page_fmts[i]] == 0)
-      return {errc::invalid_argument, msg("append: new page ", i / (kv.kv_heads * 2), " has format id ",
-                                          int(a.page_fmts[i]), ", which the paged view cannot store")};
-    if (!kernels_read(a.page_fmts[i]))
-      return {errc::unsupported, msg("append: format ", format_name(a.page_fmts[i]),
-                                     " is not read by the CUDA attention kernels (the CPU backend reads it)")};
-  }
-  for (int i = 0; i < pages; ++i) {
-    uint64_t bytes = 0;
-    for (int j = 0; j < kv.kv_heads * 2; ++j)
-      bytes += (j % 2 == 0 ? kv.k_page_bytes : kv.v_page_bytes)[a.page_fmts[i * kv.kv_heads * 2 + j]];
-    KVQ_TRY(detail::check_page_block(kv, "append", i, a.page_blocks[i], bytes));
-  }
+  int pages = 0;
+  KVQ_TRY(detail::check_append(a, check_rows, true, pages, max_m));
   t.n_items = int(a.items.size());
   t.pages = pages;
   int row = first_row, page = 0;
@@ -326,6 +289,7 @@ status fill_table(const append_args& a, int first_row, bool check_rows, append_t
 // The launch parameters shared by every call of a layer (`a`'s items and pages not read).
 void set_layer(const append_args& a, append_params& p) {
   p.arena = a.arena;
+  p.rings = a.windows ? a.windows : a.arena;
   p.blocks = a.blocks;
   p.fmts = a.fmts;
   p.kv = a.kv;

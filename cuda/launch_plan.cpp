@@ -8,7 +8,7 @@
 #include "attention/attend_launch.hpp"
 #include "attention/layout.hpp"
 #include "status.hpp"
-#include "view_checks.hpp"
+#include <kvq/detail/view_checks.hpp>
 
 #include <algorithm>
 #include <climits>
@@ -168,26 +168,7 @@ status attend_can_implement(const attend_args& a) {
   if (kv.kv_heads <= 0 || kv.kv_heads > max_kv_heads || a.q_heads % kv.kv_heads != 0 || a.q_heads / kv.kv_heads > 16)
     return {errc::unsupported, msg("CUDA attention supports kv_heads <= ", max_kv_heads, " and a GQA group of at most 16; got ",
                                    a.q_heads, " query heads over ", kv.kv_heads, " kv heads")};
-  if (a.items.empty()) return {errc::invalid_argument, "attend: empty batch"};
-  if (a.sink_pages < 0 || a.sink_pages > kv.max_pages)
-    return {errc::invalid_argument, msg("attend: sink_pages ", a.sink_pages, " outside [0, max_pages ", kv.max_pages, "]")};
-  if (kv.kv_heads < 32 && (a.rotation.mask >> kv.kv_heads) != 0)
-    return {errc::invalid_argument, msg("attend: rotation mask ", a.rotation.mask, " names kv heads beyond the layer's ",
-                                        kv.kv_heads)};
-  for (size_t i = 0; i < a.items.size(); ++i) {
-    const decode_item& it = a.items[i];
-    if (it.q_len < 1 || it.q_len > it.n || it.from_pages < 0 || it.from_pages > it.n - it.q_len ||
-        it.n - it.from_pages > kv.window)
-      return {errc::invalid_argument, msg("attend: inconsistent item (slot ", it.slot, ", q_len ", it.q_len, ", n ", it.n,
-                                          ", from_pages ", it.from_pages, "), item ", i, " of the batch")};
-    if (int64_t(it.from_pages) > int64_t(kv.max_pages) * kv.page_tokens)
-      return {errc::invalid_argument, msg("attend: item ", i, " (slot ", it.slot, ") reads ", it.from_pages,
-                                          " tokens from pages, past the page tables' ", kv.max_pages, " pages of ",
-                                          kv.page_tokens, " tokens")};
-    if (it.q_row < 0) return {errc::invalid_argument, msg("attend: item ", i, " has q_row ", it.q_row)};
-    KVQ_TRY(detail::check_item_indices(kv, "attend", i, it.slot, it.window_unit, it.n));
-  }
-  return {};
+  return detail::check_attend_items(a);
 }
 
 result<attend_plan_info> attend_plan(const attend_args& a) {

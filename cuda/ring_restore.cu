@@ -11,7 +11,7 @@
 
 #include "launch.hpp"
 #include "status.hpp"
-#include "view_checks.hpp"
+#include <kvq/detail/view_checks.hpp>
 
 KVQ_NAMESPACE_BEGIN
 namespace cuda {
@@ -23,7 +23,7 @@ constexpr int restore_layers_per_launch = 128;  // (one launch for every model o
 
 struct restore_params {
   paged_view kv;
-  uint8_t* arena;
+  uint8_t* rings;  // writable alias of rings_base(kv)
   int slot;
   uint32_t window_unit;
   append_guard guard;
@@ -39,14 +39,14 @@ __global__ void restore_kernel(const __grid_constant__ restore_params p) {
     const int32_t* since = p.guard.since + (size_t(p.slot) * p.kv.layers + job.layer) * 3;
     if (since[0] >= 0 && page * P >= since[1]) return;  // a page of a refused append: never written
   }
-  const size_t row = (size_t(p.slot) * p.kv.layers + job.layer) * p.kv.max_pages + size_t(page);
-  const uint8_t* fm = p.kv.fmts + row * p.kv.kv_heads * 2;
+  const block_ref b = locate_block(p.kv, job.layer, p.slot, page);
+  const uint8_t* fm = b.fmts;
   uint32_t off = 0;
   for (int hh = 0; hh < h; ++hh) off += p.kv.k_page_bytes[fm[2 * hh]] + p.kv.v_page_bytes[fm[2 * hh + 1]];
   if (r == 1) off += p.kv.k_page_bytes[fm[2 * h]];
   const codec::page_geom g = codec::make_geom(fm[2 * h + r], r == 0 ? role::k : role::v, P, d);
-  const uint8_t* bytes = p.kv.arena + size_t(p.kv.blocks[row]) * block_unit + off;
-  uint16_t* ring = reinterpret_cast<uint16_t*>(p.arena + size_t(p.window_unit) * block_unit) +
+  const uint8_t* bytes = pages_base(p.kv, job.layer) + b.offset + off;
+  uint16_t* ring = reinterpret_cast<uint16_t*>(p.rings + size_t(p.window_unit) * block_unit) +
                    ring_halves(job.layer, p.kv.kv_heads, h, r, p.kv.window, d);
   const int count = (job.last - job.first) * d;
   for (int i = threadIdx.x; i < count; i += blockDim.x) {
@@ -61,6 +61,7 @@ status restore_run(const restore_args& a, void* stream) {
   const paged_view& kv = a.kv;
   if (a.slot < 0 || (kv.slots > 0 && a.slot >= kv.slots))
     return {errc::invalid_argument, msg("restore: slot ", a.slot, " outside the page tables' slots [0, ", kv.slots, ")")};
+  KVQ_TRY(detail::check_tables(kv, "restore"));
   for (size_t i = 0; i < a.layers.size(); ++i) {
     const ring_restore& j = a.layers[i];
     const int64_t P = kv.page_tokens;
@@ -74,7 +75,7 @@ status restore_run(const restore_args& a, void* stream) {
   }
   restore_params p{};
   p.kv = kv;
-  p.arena = a.arena;
+  p.rings = a.windows ? a.windows : a.arena;
   p.slot = a.slot;
   p.window_unit = a.window_unit;
   p.guard = a.guard;

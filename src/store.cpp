@@ -16,7 +16,7 @@ page_store::page_store(const cache_shape& shape, uint64_t budget, int max_sequen
 }
 
 uint64_t page_store::window_block_bytes() const {
-  return (uint64_t(shape_.layers) * shape_.kv_heads * 2 * shape_.window + ring_slack_slots) * shape_.head_dim * 2;
+  return ring_block_bytes(shape_.layers, shape_.kv_heads, shape_.head_dim, shape_.window);
 }
 
 int page_store::lanes_for(int64_t tokens) const {
@@ -249,10 +249,7 @@ const sequence_state* page_store::find(seq_id id) const {
 }
 
 int64_t page_store::pages_after(int64_t n, int64_t e, int64_t m) const {
-  // A page is encoded as soon as P + r tokens are unencoded, so after the append the unencoded
-  // count is below P + r: k = max(0, floor((n + m - e - r) / P)).
-  const int64_t u = n + m - e - shape_.recent;
-  return u >= shape_.page_tokens ? u / shape_.page_tokens : 0;
+  return pages_to_encode(n, e, m, shape_.page_tokens, shape_.recent);
 }
 
 int64_t page_store::tokens_before_encode(int64_t n, int64_t e) const {

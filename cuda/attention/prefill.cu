@@ -16,7 +16,7 @@
 #include "attention/tile_launch.cuh"
 #include "launch.hpp"
 #include "status.hpp"
-#include "view_checks.hpp"
+#include <kvq/detail/view_checks.hpp>
 
 KVQ_NAMESPACE_BEGIN
 namespace cuda::detail {
@@ -232,22 +232,7 @@ status prefill_can_implement(const prefill_args& a) {
     return {errc::unsupported,
             msg("CUDA prefill supports kv_heads <= ", max_kv_heads, " and a GQA group of at most 16; got ", a.q_heads,
                 " query heads over ", kv.kv_heads, " kv heads")};
-  if (a.queries < 1 || a.queries > INT32_MAX / 16)
-    return {errc::invalid_argument, msg("prefill: ", a.queries, " queries; need 1 to ", INT32_MAX / 16)};
-  if (a.prefix < 0 || a.from_pages < 0 || a.from_pages > a.prefix || a.prefix - a.from_pages > kv.window)
-    return {errc::invalid_argument, msg("prefill: inconsistent prefix (", a.prefix, " tokens, ", a.from_pages,
-                                        " from pages, window ", kv.window, ")")};
-  if (int64_t(a.from_pages) > int64_t(kv.max_pages) * kv.page_tokens)
-    return {errc::invalid_argument, msg("prefill: ", a.from_pages, " tokens from pages, past the page tables' ",
-                                        kv.max_pages, " pages of ", kv.page_tokens, " tokens")};
-  if (a.k.data && (a.k.tokens != a.queries || a.v.tokens != a.queries || a.k.heads != kv.kv_heads ||
-                   a.v.heads != kv.kv_heads || a.k.head_dim != kv.head_dim || a.v.head_dim != kv.head_dim || !a.v.data))
-    return {errc::invalid_argument,
-            msg("prefill: the chunk's K/V are not [", a.queries, "][", kv.kv_heads, "][", kv.head_dim, "]")};
-  if (kv.kv_heads < 32 && (a.rotation.mask >> kv.kv_heads) != 0)
-    return {errc::invalid_argument,
-            msg("prefill: rotation mask ", a.rotation.mask, " names kv heads beyond the layer's ", kv.kv_heads)};
-  return check_item_indices(kv, "prefill", 0, a.slot, a.window_unit, a.prefix);
+  return check_prefill_range(a);
 }
 
 size_t prefill_workspace_bytes(const prefill_args& a) { return layout_of(a, plan_of(a)).total; }

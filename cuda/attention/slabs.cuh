@@ -35,7 +35,7 @@ __device__ __forceinline__ slab_ref locate_slab(const attend_params& p, const de
     s.fv = pc.fv[e];
     s.kk = pc.kk[e];
     s.kv = pc.kv[e];
-    s.k = p.kv.arena + size_t(pc.page16[e]) * 16;
+    s.k = pages_base(p.kv, p.layer) + size_t(pc.page16[e]) * 16;
     s.v = s.k + pc.v_offset[e];
   } else {
     s.ring = true;
@@ -249,11 +249,11 @@ __device__ __forceinline__ void fill_page_table(const attend_params& p, const de
   const int npages = last_slab >= c0 ? ((last_slab * slab) >> lg) - first + 1 : 0;
   if (threadIdx.x == 0) pc.first_page = first;
   for (int e = threadIdx.x; e < npages; e += dec_warps * 32) {
-    const size_t row = (size_t(item.slot) * p.kv.layers + p.layer) * p.kv.max_pages + first + e;
-    const uint8_t* fm = p.kv.fmts + row * p.kv.kv_heads * 2;
+    const block_ref b = locate_block(p.kv, p.layer, item.slot, first + e);
+    const uint8_t* fm = b.fmts;
     uint32_t off = 0;
     for (int hh = 0; hh < h; ++hh) off += p.kv.k_page_bytes[fm[2 * hh]] + p.kv.v_page_bytes[fm[2 * hh + 1]];
-    pc.page16[e] = uint32_t((size_t(p.kv.blocks[row]) * block_unit + off) / 16);
+    pc.page16[e] = uint32_t((b.offset + off) / 16);
     const uint32_t kb = p.kv.k_page_bytes[fm[2 * h]], vb = p.kv.v_page_bytes[fm[2 * h + 1]];
     const format_traits fk = traits_of(fm[2 * h]), fv = traits_of(fm[2 * h + 1]);
     const bool k_st = stages_hold(fm[2 * h], p.stage_cap), v_st = stages_hold(fm[2 * h + 1], p.stage_cap);

@@ -65,7 +65,7 @@ __device__ __forceinline__ void role_ranges(format_id fid, role r, int P, int ro
 // static_assert below pins the two together.
 template <int D>
 __device__ __forceinline__ const uint8_t* ring_base(const attend_params& p, const decode_item& item, int h) {
-  return p.kv.arena + size_t(item.window_unit) * block_unit + ((size_t(p.layer) * p.kv.kv_heads + h) * 2) * size_t(p.kv.window) * D * 2;
+  return rings_base(p.kv) + size_t(item.window_unit) * block_unit + ((size_t(p.layer) * p.kv.kv_heads + h) * 2) * size_t(p.kv.window) * D * 2;
 }
 static_assert(ring_offset(5, 8, 3, 0, 96, 128) == ((size_t(5) * 8 + 3) * 2) * size_t(96) * 128 * 2);
 
@@ -81,11 +81,11 @@ __device__ __forceinline__ void load_tile_table(const attend_params& p, const de
   const int page_tiles = ceil_div(item.from_pages, tile_tokens);
   for (int t = t0 + int(threadIdx.x); t < min(t1, page_tiles); t += threads) {
     const int page = (t * tile_tokens) >> log2i(p.kv.page_tokens);
-    const size_t table_row = (size_t(item.slot) * p.kv.layers + p.layer) * p.kv.max_pages + page;
-    const uint8_t* fm = p.kv.fmts + table_row * p.kv.kv_heads * 2;
+    const block_ref b = locate_block(p.kv, p.layer, item.slot, page);
+    const uint8_t* fm = b.fmts;
     uint32_t off = 0;
     for (int hh = 0; hh < h; ++hh) off += p.kv.k_page_bytes[fm[2 * hh]] + p.kv.v_page_bytes[fm[2 * hh + 1]];
-    tt.page16[t - t0] = uint32_t((size_t(p.kv.blocks[table_row]) * block_unit + off) / 16);
+    tt.page16[t - t0] = uint32_t((b.offset + off) / 16);
     tt.fk[t - t0] = fm[2 * h];
     tt.fv[t - t0] = fm[2 * h + 1];
   }
@@ -103,7 +103,7 @@ __device__ __forceinline__ tile_src describe_tile(const attend_params& p, const 
     s.row0 = s.tok0 & (p.kv.page_tokens - 1);
     s.fk = tt.fk[t - t0];
     s.fv = tt.fv[t - t0];
-    s.page[0] = p.kv.arena + size_t(tt.page16[t - t0]) * 16;
+    s.page[0] = pages_base(p.kv, p.layer) + size_t(tt.page16[t - t0]) * 16;
     s.page[1] = s.page[0] + p.kv.k_page_bytes[s.fk];
     role_ranges<D>(s.fk, role::k, p.kv.page_tokens, s.row0, tile_tokens, s.size[0], s.from[0]);
     role_ranges<D>(s.fv, role::v, p.kv.page_tokens, s.row0, tile_tokens, s.size[1], s.from[1]);

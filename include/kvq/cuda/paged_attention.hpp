@@ -5,19 +5,33 @@
 /// these; an engine may call them directly over its own arena and page tables, laid out as below.
 /// Host-compilable: streams are passed as `void*` (a `cudaStream_t`).
 ///
-/// Device memory an engine provides:
-/// - `arena`: page blocks and FP16 windows. A page block holds the pages of one (sequence, layer,
-///   page index) for every (kv head, role), back to back in the order (h0 K, h0 V, h1 K, ...), each
-///   page laid out as in format/format.hpp; blocks start at multiples of 256 bytes.
-/// - `blocks`: [slots][layers][max_pages] uint32 block offsets in 256-byte units.
-/// - `fmts`:   [slots][layers][max_pages][kv_heads][2] format ids.
+/// Device memory: page blocks, page tables and FP16 windows, in one of two table layouts
+/// (`paged_view::tables`). A *page block* holds the pages of one (sequence, layer, page index) for
+/// every (kv head, role), back to back in the order (h0 K, h0 V, h1 K, ...), each page laid out as
+/// in format/format.hpp (its scales, zeros, codebook levels and tensor scale inside the page).
+/// - `page_tables::per_layer` (kvq's own, what `KVCache` uses): `arena` holds page blocks of any
+///   size at multiples of 256 bytes; `blocks` [slots][layers][max_pages] uint32 block offsets in
+///   256-byte units; `fmts` [slots][layers][max_pages][kv_heads][2] format ids.
+/// - `page_tables::shared` (an engine's pool): `arena` holds each layer's pool of `layer_blocks`
+///   blocks of `block_bytes` bytes (layer l's at `arena + l * layer_bytes`; an engine that gives
+///   each layer its own buffer passes that layer's as `arena` with `layer_bytes` 0); `blocks` is the
+///   engine's int32 block table [slots][table_stride] of block ids, one row per sequence, shared by
+///   every layer (as vLLM's and FlashInfer's). A block begins with a header of
+///   `block_header_bytes(kv_heads)` bytes holding its format ids [kv_heads][2] (written by
+///   `append_run`), its pages follow: a block is self-describing, so copying or swapping it by id
+///   moves its formats along; `fmts` is unused. `pool_block_bytes` gives the block size that holds
+///   any of a set of candidate formats. The engine writes its table; the kernels only read it.
 /// - windows: per sequence, [layers][kv_heads][2][window][head_dim] fp16 rings at
-///   `window_unit * 256`; token j lives in slot j % window. A sequence of n < window tokens uses
+///   `window_unit * 256` bytes from `windows` (null: from `arena`); token j lives in slot j %
+///   window (`window_block_bytes`). A sequence of n < window tokens uses
 ///   only slots [0, n) of each ring, so the rings of short sequences may interleave in one block
 ///   (`KVCache` places them in lanes of page_tokens slots: include/kvq/store/store.hpp). The
 ///   decode kernels read the ring in 16-token slabs and may read up to 15 slots past the last
-///   token (values they select away): such a window needs `ring_slack_slots` slots of arena
+///   token (values they select away): such a window needs `ring_slack_slots` slots of memory
 ///   after its last ring (kvq/store/window_layout.hpp).
+/// The FP16 window holds a sequence's newest tokens (the last `window`, of which at least the
+/// unencoded ones); a page is encoded when page_tokens + recent tokens are unencoded (the caller
+/// decides: `KVCache`'s rule is `pages_to_encode`, kvq/store/window_layout.hpp). Sink pages are ordinary pages in FP16.
 ///
 /// Supported: head_dim 64, 128 or 256, page_tokens a power of two of at least 64 (64 and 128 tested),
 /// q_heads / kv_heads <= 16, any mix of formats per page. Launches take the caller's stream,
@@ -29,9 +43,11 @@
 #include <cstdint>
 #include <kvq/config.hpp>
 #include <kvq/format/format.hpp>
+#include <kvq/store/window_layout.hpp>
 #include <kvq/status.hpp>
 #include <kvq/tensor.hpp>
 #include <span>
+#include <string>
 
 KVQ_NAMESPACE_BEGIN
 namespace cuda {
@@ -41,16 +57,26 @@ namespace cuda {
 /// the view states its extents (`slots`, `arena_bytes`: the checked mode, which `KVCache` always
 /// uses) slots, window blocks and new page blocks against them. The block offsets already stored
 /// in the device tables are the caller's (they were checked when appended).
+/// How a `paged_view`'s tables address a page block (see the file comment).
+enum class page_tables : uint8_t {
+  per_layer,  ///< kvq's: `blocks` [slots][layers][max_pages] 256-byte offsets, `fmts` beside them
+  shared,     ///< an engine's: int32 block ids [slots][table_stride] shared by every layer, formats in the block
+};
+
+/// Bytes at the start of a `page_tables::shared` block: its format ids [kv_heads][2], padded to
+/// 16 bytes (the pages after it stay 16-byte aligned).
+KVQ_HOST_DEVICE constexpr uint32_t block_header_bytes(int kv_heads) { return (uint32_t(kv_heads) * 2 + 15) / 16 * 16; }
+
 struct paged_view {
   const uint8_t* arena = nullptr;
-  const uint32_t* blocks = nullptr;  ///< [slots][layers][max_pages]
-  const uint8_t* fmts = nullptr;     ///< [slots][layers][max_pages][kv_heads][2]
+  const uint32_t* blocks = nullptr;  ///< per_layer: [slots][layers][max_pages]; shared: [slots][table_stride] (int32 ids)
+  const uint8_t* fmts = nullptr;     ///< per_layer: [slots][layers][max_pages][kv_heads][2]; shared: unused
   int layers = 0;
   int kv_heads = 0;
   int head_dim = 0;
   int page_tokens = 0;
   int window = 0;
-  int max_pages = 0;
+  int max_pages = 0;  ///< pages a sequence may hold (shared: at most `table_stride`)
   /// Rows of the page tables (sequence slots), for the index checks of every call: a slot outside
   /// [0, slots) is refused, naming the item. 0: unknown, slots unchecked.
   int slots = 0;
@@ -59,7 +85,72 @@ struct paged_view {
   uint64_t arena_bytes = 0;
   std::array<uint32_t, format_count> k_page_bytes{};  ///< page bytes of each format, role K
   std::array<uint32_t, format_count> v_page_bytes{};  ///< page bytes of each format, role V
+  page_tables tables = page_tables::per_layer;
+  /// The rings' base (null: `arena`), and its bytes for the index checks (0: unchecked; with
+  /// `windows` null the rings are checked against `arena_bytes`).
+  const uint8_t* windows = nullptr;
+  uint64_t windows_bytes = 0;
+  // page_tables::shared only:
+  int64_t table_stride = 0;  ///< int32 elements between two rows of `blocks`
+  uint32_t block_bytes = 0;  ///< bytes of a block, a multiple of 256
+  int64_t layer_blocks = 0;  ///< blocks of each layer's pool: ids are read clamped to [0, layer_blocks)
+  uint64_t layer_bytes = 0;  ///< bytes from layer l's pool to layer l + 1's (0: `arena` is the call's layer's pool)
 };
+
+/// Where the page blocks of `layer` start (shared: that layer's pool).
+KVQ_HOST_DEVICE const uint8_t* pages_base(const paged_view& kv, int layer) {
+  return kv.tables == page_tables::shared ? kv.arena + uint64_t(layer) * kv.layer_bytes : kv.arena;
+}
+/// Where the FP16 rings are (`window_unit`s count from here).
+KVQ_HOST_DEVICE const uint8_t* rings_base(const paged_view& kv) { return kv.windows ? kv.windows : kv.arena; }
+
+/// Page `page` of (`slot`, `layer`): the offset of its block's first page from `pages_base` and
+/// its format ids [kv_heads][2] (device memory: the kernels' lookup).
+struct block_ref {
+  uint64_t offset;
+  const uint8_t* fmts;
+};
+KVQ_HOST_DEVICE block_ref locate_block(const paged_view& kv, int layer, int slot, int page) {
+  if (kv.tables == page_tables::shared) {
+    const uint32_t id = kv.blocks[uint64_t(slot) * uint64_t(kv.table_stride) + uint64_t(page)];
+    // an id outside the pool (an engine's table is not checked on the host) reads its last block
+    const uint64_t b = uint64_t(id < uint64_t(kv.layer_blocks) ? id : uint64_t(kv.layer_blocks) - 1) * kv.block_bytes;
+    return {b + block_header_bytes(kv.kv_heads), kv.arena + uint64_t(layer) * kv.layer_bytes + b};
+  }
+  const uint64_t row = (uint64_t(slot) * kv.layers + uint64_t(layer)) * uint64_t(kv.max_pages) + uint64_t(page);
+  return {uint64_t(kv.blocks[row]) * 256, kv.fmts + row * uint64_t(kv.kv_heads) * 2};
+}
+
+/// The size of a `page_tables::shared` block for pages of `page_tokens` tokens whose (kv head,
+/// role) may take any of `candidates`, per head and over time: the header, then per kv head the
+/// largest K page and the largest V page of the candidates, rounded up to 256 bytes. (One block
+/// size per layer for a mixed policy costs memory against kvq's arena of blocks of any size:
+/// docs/performance.md, "Engine pools of one block size".)
+inline result<uint32_t> pool_block_bytes(int kv_heads, int head_dim, int page_tokens,
+                                         std::span<const format_pair> candidates) {
+  if (kv_heads < 1 || head_dim < 1 || page_tokens < 1 || candidates.empty())
+    return status{errc::invalid_argument, "pool_block_bytes: kv_heads, head_dim, page_tokens >= 1 and a candidate"};
+  uint64_t k = 0, v = 0;
+  for (const format_pair& c : candidates) {
+    if (c.k >= format_count || c.v >= format_count)
+      return status{errc::invalid_argument, "pool_block_bytes: a candidate's format id is not a format"};
+    const uint64_t kb = layout_of(format_table[c.k], role::k, page_tokens, head_dim).total();
+    const uint64_t vb = layout_of(format_table[c.v], role::v, page_tokens, head_dim).total();
+    if (kb == 0 || vb == 0)
+      return status{errc::invalid_argument, "pool_block_bytes: candidate " + std::string(format_name(c.k)) + "/" +
+                                                std::string(format_name(c.v)) + " cannot store pages of this shape"};
+    k = kb > k ? kb : k, v = vb > v ? vb : v;
+  }
+  const uint64_t bytes = (block_header_bytes(kv_heads) + uint64_t(kv_heads) * (k + v) + 255) / 256 * 256;
+  if (bytes > UINT32_MAX) return status{errc::invalid_argument, "pool_block_bytes: a block above 4 GiB"};
+  return uint32_t(bytes);
+}
+
+/// Bytes of one sequence's window block: its [layers][kv_heads][2][window][head_dim] fp16 rings and
+/// the slack the decode kernels may read past them, rounded up to 256 (`window_unit`s count 256 bytes).
+inline uint64_t window_block_bytes(int layers, int kv_heads, int head_dim, int window) {
+  return (ring_block_bytes(layers, kv_heads, head_dim, window) + 255) / 256 * 256;
+}
 
 /// One sequence of an attention batch.
 struct decode_item {
@@ -250,13 +341,17 @@ struct append_guard {
 /// encoder for every new page and one ring write for every sequence, whatever the batch size.
 struct append_args {
   paged_view kv;
-  uint8_t* arena = nullptr;  ///< writable alias of kv.arena
-  uint32_t* blocks = nullptr;
-  uint8_t* fmts = nullptr;
+  uint8_t* arena = nullptr;    ///< writable alias of kv.arena
+  uint8_t* windows = nullptr;  ///< writable alias of kv.windows (null: the rings are in `arena`)
+  uint32_t* blocks = nullptr;  ///< per_layer: writable alias of kv.blocks (the encoder lists the new pages); shared: unused
+  uint8_t* fmts = nullptr;     ///< per_layer: writable alias of kv.fmts; shared: unused (formats go in the block header)
   int layer = 0;
   std::span<const append_seq> items;      ///< host memory; at most max_append_items
   tensor_view k, v;                       ///< device [sum of m][kv_heads][head_dim], items in order
-  const uint32_t* page_blocks = nullptr;  ///< host [sum of pages] block offsets, 256-byte units, items in order
+  /// Host [sum of pages], items in order: per_layer, the new blocks' offsets in 256-byte units;
+  /// shared, the block ids the engine's table lists at the new pages (checked against
+  /// `layer_blocks`; the table itself is the engine's to write).
+  const uint32_t* page_blocks = nullptr;
   const uint8_t* page_fmts = nullptr;     ///< host [sum of pages][kv_heads][2]
   const float* clip = nullptr;            ///< host [kv_heads][2] rolealign clip ratios of the layer
   /// Device [kv_heads][2][codec::codebook_format_count][codec::codebook_slot_floats]: the levels
@@ -302,7 +397,8 @@ struct ring_restore {
 };
 struct restore_args {
   paged_view kv;
-  uint8_t* arena = nullptr;  ///< writable alias of kv.arena
+  uint8_t* arena = nullptr;    ///< writable alias of kv.arena
+  uint8_t* windows = nullptr;  ///< writable alias of kv.windows (null: the rings are in `arena`)
   int slot = 0;
   uint32_t window_unit = 0;
   std::span<const ring_restore> layers;  ///< host memory

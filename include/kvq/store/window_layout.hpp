@@ -18,6 +18,20 @@ inline constexpr uint32_t block_unit = 256;
 /// ring, so each ring block carries this slack.
 inline constexpr int ring_slack_slots = 16;
 
+/// Bytes of a ring block of `window` slots: [layers][kv_heads][K, V][window][head_dim] fp16 rings and
+/// the slack after them.
+KVQ_HOST_DEVICE constexpr uint64_t ring_block_bytes(int layers, int kv_heads, int head_dim, int window) {
+  return (uint64_t(layers) * kv_heads * 2 * uint64_t(window) + ring_slack_slots) * uint64_t(head_dim) * 2;
+}
+
+/// Pages (each over every kv head and role) encoded when `m` tokens are appended to a layer
+/// holding `n` tokens of which `e` are encoded: a page is encoded as soon as page_tokens + `recent`
+/// tokens are unencoded, so after the append fewer are: max(0, floor((n + m - e - recent) / P)).
+KVQ_HOST_DEVICE constexpr int64_t pages_to_encode(int64_t n, int64_t e, int64_t m, int page_tokens, int recent) {
+  const int64_t u = n + m - e - recent;
+  return u >= page_tokens ? u / page_tokens : 0;
+}
+
 /// Offset in halves of the FP16 ring of (`layer`, `kv_head`, role `r`: 0 K, 1 V) from the start of
 /// a sequence's window block. Rings are laid out [layers][kv_heads][K, V][window][head_dim] halves.
 KVQ_HOST_DEVICE constexpr uint64_t ring_halves(int layer, int kv_heads, int kv_head, int r, int window, int head_dim) {
