@@ -160,5 +160,7 @@ TEST_CASE("pool_block_bytes: the header and the widest page of each role, per kv
   CHECK(cuda::block_header_bytes(8) == 16);
   CHECK(cuda::block_header_bytes(9) == 32);
   CHECK(cuda::pool_block_bytes(2, 128, 64, {}).error().code() == errc::invalid_argument);
+  const format_pair wide_group[] = {parse_format_pair("kivi4/g128").value_or_throw()};  // groups of 128 channels
+  CHECK(cuda::pool_block_bytes(2, 64, 64, wide_group).error().code() == errc::invalid_argument);
   CHECK(cuda::window_block_bytes(2, 2, 64, 128) == (2ull * 2 * 2 * 128 * 64 * 2 + 16 * 64 * 2));
 }

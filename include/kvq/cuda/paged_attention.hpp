@@ -134,11 +134,10 @@ inline result<uint32_t> pool_block_bytes(int kv_heads, int head_dim, int page_to
   for (const format_pair& c : candidates) {
     if (c.k >= format_count || c.v >= format_count)
       return status{errc::invalid_argument, "pool_block_bytes: a candidate's format id is not a format"};
+    for (const status& s : {check_shape(c.k, role::k, page_tokens, head_dim), check_shape(c.v, role::v, page_tokens, head_dim)})
+      if (!s.ok()) return status{s.code(), "pool_block_bytes: " + std::string(s.message())};
     const uint64_t kb = layout_of(format_table[c.k], role::k, page_tokens, head_dim).total();
     const uint64_t vb = layout_of(format_table[c.v], role::v, page_tokens, head_dim).total();
-    if (kb == 0 || vb == 0)
-      return status{errc::invalid_argument, "pool_block_bytes: candidate " + std::string(format_name(c.k)) + "/" +
-                                                std::string(format_name(c.v)) + " cannot store pages of this shape"};
     k = kb > k ? kb : k, v = vb > v ? vb : v;
   }
   const uint64_t bytes = (block_header_bytes(kv_heads) + uint64_t(kv_heads) * (k + v) + 255) / 256 * 256;
