@@ -157,6 +157,10 @@ TEST_CASE("pool_block_bytes: the header and the widest page of each role, per kv
   const format_pair pairs[] = {parse_format_pair("kivi2/g32").value_or_throw(), parse_format_pair("fp16").value_or_throw()};
   // fp16 pages are the widest of both roles: 2 kv heads x 2 roles x 64 tokens x 128 channels x 2 bytes + 16
   CHECK(cuda::pool_block_bytes(2, 128, 64, pairs).value_or_throw() == (2 * 2 * 64 * 128 * 2 + 16 + 255) / 256 * 256);
+  // kivi2/g32 on head 0 and fp16 on head 1, fixed: each head its own pages (kivi2 pages from the layouts)
+  const uint64_t k2 = layout_of(format_table[pairs[0].k], role::k, 64, 128).total(),
+                 v2 = layout_of(format_table[pairs[0].v], role::v, 64, 128).total();
+  CHECK(cuda::pool_block_bytes_per_head(128, 64, pairs).value_or_throw() == (16 + k2 + v2 + 2 * 64 * 128 * 2 + 255) / 256 * 256);
   CHECK(cuda::block_header_bytes(8) == 16);
   CHECK(cuda::block_header_bytes(9) == 32);
   CHECK(cuda::pool_block_bytes(2, 128, 64, {}).error().code() == errc::invalid_argument);

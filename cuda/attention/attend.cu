@@ -23,8 +23,7 @@ namespace {
 // The launch parameters of a part of `items` items of a call, but its items.
 void set_params(const attend_args& a, const launch_plan& lp, const void* q, dtype q_type, int64_t q_stride,
                 bool q_rotated, void* workspace, size_t items, attend_params& p) {
-  p.kv = a.kv;
-  p.layer = a.layer;
+  set_view(p, a.kv, a.layer);
   p.q_heads = a.q_heads;
   p.group = a.q_heads / a.kv.kv_heads;
   p.mtiles = lp.mtiles;

@@ -30,7 +30,7 @@ __device__ __forceinline__ void issue_page(const attend_params& p, const page_ta
   mbar_expect_tx(bar, bytes);
   if (bytes) {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the warps' reads of the stage's last page
-    bulk_copy(stage, pages_base(p.kv, p.layer) + size_t(pc.page16[e]) * 16 + pc.copy_from[e], bytes, bar);
+    bulk_copy(stage, p.pages + size_t(pc.page16[e]) * 16 + pc.copy_from[e], bytes, bar);
   }
 }
 
@@ -162,7 +162,7 @@ __global__ void __launch_bounds__(dec_warps * 32, (decode_blocks<D, Wide>))
       slab_ref cur;
       cur.tok0 = j * slab;
       cur.fk = sm.pages.fk[e], cur.fv = sm.pages.fv[e], cur.kk = sm.pages.kk[e], cur.kv = sm.pages.kv[e];
-      cur.k = pages_base(p.kv, p.layer) + size_t(sm.pages.page16[e]) * 16;  // (used by the unstaged paths only)
+      cur.k = p.pages + size_t(sm.pages.page16[e]) * 16;  // (used by the unstaged paths only)
       cur.v = cur.k + sm.pages.v_offset[e];
       cur.ring = false;
       cur.row0 = cur.tok0 & (P - 1);

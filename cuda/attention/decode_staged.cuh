@@ -71,7 +71,7 @@ __global__ void __launch_bounds__(dec_warps * 32, (decode_blocks<D, Wide>))
       const int e = (cur.tok0 >> log2i(P)) - sm.pages.first_page;
       if (e != cur_e) cur_e = e, pk = sm.pages.fk[e], pv_fmt = sm.pages.fv[e], pkk = sm.pages.kk[e], pvk = sm.pages.kv[e];
       cur.fk = pk, cur.fv = pv_fmt, cur.kk = pkk, cur.kv = pvk;
-      cur.k = pages_base(p.kv, p.layer) + size_t(sm.pages.page16[e]) * 16;  // (used by the unstaged paths only)
+      cur.k = p.pages + size_t(sm.pages.page16[e]) * 16;  // (used by the unstaged paths only)
       cur.v = cur.k + sm.pages.v_offset[e];
       cur.ring = false;
       cur.row0 = cur.tok0 & (P - 1);

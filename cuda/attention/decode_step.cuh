@@ -60,7 +60,7 @@ __device__ __forceinline__ void issue_chunk(const attend_params& p, const page_t
   if ((d.y >> 24) && !first && (row0 & ((1u << shift) - 1u))) bytes = 0;
   const uint32_t total = __reduce_add_sync(0xffffffffu, bytes);
   if (bytes) {
-    const uint8_t* src = pages_base(p.kv, p.layer) + size_t(pc.page16[e]) * 16 + (is_v ? pc.v_offset[e] : 0u) + d.x + (row0 >> shift) * (d.y & 0xffffu);
+    const uint8_t* src = p.pages + size_t(pc.page16[e]) * 16 + (is_v ? pc.v_offset[e] : 0u) + d.x + (row0 >> shift) * (d.y & 0xffffu);
     bulk_copy(stage + (is_v ? stage_k_bytes(D, p.stage_cap) : 0u) + d.w, src, bytes, bar);
   }
   if (lane == 0) mbar_expect_tx(bar, total);

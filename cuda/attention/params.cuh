@@ -20,7 +20,8 @@ struct decode_table {
 };
 
 struct attend_params {
-  paged_view kv;
+  paged_view kv;      // (kv.windows never null: the rings' base, resolved on the host)
+  const uint8_t* pages;  // pages_base(kv, layer), resolved on the host (page16 offsets count from here)
   int layer, q_heads, group, mtiles;
   const void* q;
   int64_t q_stride;
@@ -51,6 +52,15 @@ struct attend_params {
   decode_item items[max_items];
   const decode_table* table;  // replay instances: the items, read from device memory (`items` unused)
 };
+
+// The view of one layer's call: its pages' and rings' bases resolved once on the host, so the
+// kernels add offsets to a parameter.
+inline void set_view(attend_params& p, const paged_view& kv, int layer) {
+  p.kv = kv;
+  p.kv.windows = rings_base(kv);
+  p.pages = pages_base(kv, layer);
+  p.layer = layer;
+}
 
 // Item i of a call: from the parameters (eager), or from the device table (`Replay`), where it is
 // false for a block past the step's items.

@@ -130,8 +130,7 @@ status launch_prefill(const prefill_args& a, const prefill_plan& lp, const prefi
     const int count = int(std::min<int64_t>(per_launch, a.queries - q0));
     const int items = ceil_div(count, prefill_item_queries);
     attend_params p{};
-    p.kv = a.kv;
-    p.layer = a.layer;
+    set_view(p, a.kv, a.layer);
     p.q_heads = a.q_heads;
     p.group = group;
     p.mtiles = lp.mtiles;

@@ -35,7 +35,7 @@ __device__ __forceinline__ slab_ref locate_slab(const attend_params& p, const de
     s.fv = pc.fv[e];
     s.kk = pc.kk[e];
     s.kv = pc.kv[e];
-    s.k = pages_base(p.kv, p.layer) + size_t(pc.page16[e]) * 16;
+    s.k = p.pages + size_t(pc.page16[e]) * 16;
     s.v = s.k + pc.v_offset[e];
   } else {
     s.ring = true;

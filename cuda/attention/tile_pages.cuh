@@ -65,7 +65,7 @@ __device__ __forceinline__ void role_ranges(format_id fid, role r, int P, int ro
 // static_assert below pins the two together.
 template <int D>
 __device__ __forceinline__ const uint8_t* ring_base(const attend_params& p, const decode_item& item, int h) {
-  return rings_base(p.kv) + size_t(item.window_unit) * block_unit + ((size_t(p.layer) * p.kv.kv_heads + h) * 2) * size_t(p.kv.window) * D * 2;
+  return p.kv.windows + size_t(item.window_unit) * block_unit + ((size_t(p.layer) * p.kv.kv_heads + h) * 2) * size_t(p.kv.window) * D * 2;
 }
 static_assert(ring_offset(5, 8, 3, 0, 96, 128) == ((size_t(5) * 8 + 3) * 2) * size_t(96) * 128 * 2);
 
@@ -103,7 +103,7 @@ __device__ __forceinline__ tile_src describe_tile(const attend_params& p, const 
     s.row0 = s.tok0 & (p.kv.page_tokens - 1);
     s.fk = tt.fk[t - t0];
     s.fv = tt.fv[t - t0];
-    s.page[0] = pages_base(p.kv, p.layer) + size_t(tt.page16[t - t0]) * 16;
+    s.page[0] = p.pages + size_t(tt.page16[t - t0]) * 16;
     s.page[1] = s.page[0] + p.kv.k_page_bytes[s.fk];
     role_ranges<D>(s.fk, role::k, p.kv.page_tokens, s.row0, tile_tokens, s.size[0], s.from[0]);
     role_ranges<D>(s.fv, role::v, p.kv.page_tokens, s.row0, tile_tokens, s.size[1], s.from[1]);

@@ -4,8 +4,8 @@
 // argument structs).
 //
 // What an engine developer learns here:
-// - the pool: one buffer of [layers][pool_blocks] blocks of one size (`pool_block_bytes` of the
-//   candidate formats: here each kv head may take kivi4 or K 4-bit / V 2-bit pages), and one of
+// - the pool: one buffer of [layers][pool_blocks] blocks of one size (`pool_block_bytes_per_head`:
+//   here kv head 0 keeps kivi4 pages, kv head 1 4-bit keys and 2-bit values), and one of
 //   window blocks (`window_block_bytes`: a sequence's FP16 rings, its newest tokens);
 // - one int32 block table row per sequence, shared by every layer (block id b of layer l is at
 //   pool + l * layer_bytes + b * block_bytes); the engine allocates block ids from its free list
@@ -139,7 +139,9 @@ run_result serve(bool on_gpu) {
   const char* name = on_gpu ? "cuda" : "cpu";
   kvq::format_pair cands[kv_heads];
   for (int h = 0; h < kv_heads; ++h) cands[h] = kvq::parse_format_pair(head_specs[h]).value_or_throw();
-  const uint32_t block_bytes = kvq::cuda::pool_block_bytes(kv_heads, d, P, cands).value_or_throw();
+  // (each head keeps its pair: the block holds each head's own pages; a policy that moves formats
+  // over time sizes blocks for all its candidates instead, `pool_block_bytes`)
+  const uint32_t block_bytes = kvq::cuda::pool_block_bytes_per_head(d, P, cands).value_or_throw();
   const uint64_t layer_bytes = uint64_t(pool_blocks) * block_bytes;
   const uint64_t window_bytes = kvq::cuda::window_block_bytes(layers, kv_heads, d, R);
 

@@ -121,28 +121,49 @@ KVQ_HOST_DEVICE block_ref locate_block(const paged_view& kv, int layer, int slot
   return {uint64_t(kv.blocks[row]) * 256, kv.fmts + row * uint64_t(kv.kv_heads) * 2};
 }
 
+namespace detail {
+/// The bytes of a shared block: the header and, per kv head h, the widest K and V pages of the pairs
+/// `head_pairs(h)` it may hold, rounded up to 256; each pair checked against the page shape.
+template <class HeadPairs>
+result<uint32_t> block_bytes_of(int kv_heads, int head_dim, int page_tokens, HeadPairs head_pairs) {
+  if (kv_heads < 1 || head_dim < 1 || page_tokens < 1)
+    return status{errc::invalid_argument, "pool_block_bytes: kv_heads, head_dim and page_tokens >= 1"};
+  uint64_t bytes = block_header_bytes(kv_heads);
+  for (int h = 0; h < kv_heads; ++h) {
+    const std::span<const format_pair> pairs = head_pairs(h);
+    if (pairs.empty()) return status{errc::invalid_argument, "pool_block_bytes: a kv head without a format"};
+    uint64_t k = 0, v = 0;
+    for (const format_pair& c : pairs) {
+      if (c.k >= format_count || c.v >= format_count)
+        return status{errc::invalid_argument, "pool_block_bytes: a format id that is not a format"};
+      for (const status& s : {check_shape(c.k, role::k, page_tokens, head_dim), check_shape(c.v, role::v, page_tokens, head_dim)})
+        if (!s.ok()) return status{s.code(), "pool_block_bytes: " + std::string(s.message())};
+      const uint64_t kb = layout_of(format_table[c.k], role::k, page_tokens, head_dim).total();
+      const uint64_t vb = layout_of(format_table[c.v], role::v, page_tokens, head_dim).total();
+      k = kb > k ? kb : k, v = vb > v ? vb : v;
+    }
+    bytes += k + v;
+  }
+  bytes = (bytes + 255) / 256 * 256;
+  if (bytes > UINT32_MAX) return status{errc::invalid_argument, "pool_block_bytes: a block above 4 GiB"};
+  return uint32_t(bytes);
+}
+}  // namespace detail
+
 /// The size of a `page_tables::shared` block for pages of `page_tokens` tokens whose (kv head,
 /// role) may take any of `candidates`, per head and over time: the header, then per kv head the
 /// largest K page and the largest V page of the candidates, rounded up to 256 bytes. (One block
-/// size per layer for a mixed policy costs memory against kvq's arena of blocks of any size:
-/// docs/performance.md, "Engine pools of one block size".)
+/// size per layer for formats that change over time costs memory against kvq's arena of blocks of
+/// any size: docs/performance.md, "Engine pools of one block size".)
 inline result<uint32_t> pool_block_bytes(int kv_heads, int head_dim, int page_tokens,
                                          std::span<const format_pair> candidates) {
-  if (kv_heads < 1 || head_dim < 1 || page_tokens < 1 || candidates.empty())
-    return status{errc::invalid_argument, "pool_block_bytes: kv_heads, head_dim, page_tokens >= 1 and a candidate"};
-  uint64_t k = 0, v = 0;
-  for (const format_pair& c : candidates) {
-    if (c.k >= format_count || c.v >= format_count)
-      return status{errc::invalid_argument, "pool_block_bytes: a candidate's format id is not a format"};
-    for (const status& s : {check_shape(c.k, role::k, page_tokens, head_dim), check_shape(c.v, role::v, page_tokens, head_dim)})
-      if (!s.ok()) return status{s.code(), "pool_block_bytes: " + std::string(s.message())};
-    const uint64_t kb = layout_of(format_table[c.k], role::k, page_tokens, head_dim).total();
-    const uint64_t vb = layout_of(format_table[c.v], role::v, page_tokens, head_dim).total();
-    k = kb > k ? kb : k, v = vb > v ? vb : v;
-  }
-  const uint64_t bytes = (block_header_bytes(kv_heads) + uint64_t(kv_heads) * (k + v) + 255) / 256 * 256;
-  if (bytes > UINT32_MAX) return status{errc::invalid_argument, "pool_block_bytes: a block above 4 GiB"};
-  return uint32_t(bytes);
+  return detail::block_bytes_of(kv_heads, head_dim, page_tokens, [&](int) { return candidates; });
+}
+/// The size of a block whose kv head h always holds `heads[h]` (formats mixed per head, fixed):
+/// the header and each head's own pages, rounded up to 256 bytes (no byte lost to the mix).
+inline result<uint32_t> pool_block_bytes_per_head(int head_dim, int page_tokens, std::span<const format_pair> heads) {
+  return detail::block_bytes_of(int(heads.size()), head_dim, page_tokens,
+                                [&](int h) { return heads.subspan(size_t(h), 1); });
 }
 
 /// Bytes of one sequence's window block: its [layers][kv_heads][2][window][head_dim] fp16 rings and
