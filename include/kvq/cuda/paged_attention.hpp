@@ -20,7 +20,7 @@
 ///   `block_header_bytes(kv_heads)` bytes holding its format ids [kv_heads][2] (written by
 ///   `append_run`), its pages follow: a block is self-describing, so copying or swapping it by id
 ///   moves its formats along; `fmts` is unused. `pool_block_bytes` gives the block size that holds
-///   any of a set of candidate formats. The engine writes its table; the kernels only read it.
+///   any of a set of candidate formats (`pool_block_bytes_per_head`: a mix fixed per head). The engine writes its table; the kernels only read it.
 /// - windows: per sequence, [layers][kv_heads][2][window][head_dim] fp16 rings at
 ///   `window_unit * 256` bytes from `windows` (null: from `arena`); token j lives in slot j %
 ///   window (`window_block_bytes`). A sequence of n < window tokens uses
@@ -52,11 +52,6 @@
 KVQ_NAMESPACE_BEGIN
 namespace cuda {
 
-/// Non-owning view of a paged store in device memory (see file comment). Every call checks the
-/// indices it is given on the host before launching: page counts against `max_pages`, and where
-/// the view states its extents (`slots`, `arena_bytes`: the checked mode, which `KVCache` always
-/// uses) slots, window blocks and new page blocks against them. The block offsets already stored
-/// in the device tables are the caller's (they were checked when appended).
 /// How a `paged_view`'s tables address a page block (see the file comment).
 enum class page_tables : uint8_t {
   per_layer,  ///< kvq's: `blocks` [slots][layers][max_pages] 256-byte offsets, `fmts` beside them
@@ -67,6 +62,11 @@ enum class page_tables : uint8_t {
 /// 16 bytes (the pages after it stay 16-byte aligned).
 KVQ_HOST_DEVICE constexpr uint32_t block_header_bytes(int kv_heads) { return (uint32_t(kv_heads) * 2 + 15) / 16 * 16; }
 
+/// Non-owning view of a paged store in device memory (see file comment). Every call checks the
+/// indices it is given on the host before launching: page counts against `max_pages`, and where
+/// the view states its extents (`slots`, `arena_bytes`: the checked mode, which `KVCache` always
+/// uses) slots, window blocks and new page blocks against them. The block offsets already stored
+/// in the device tables are the caller's (they were checked when appended).
 struct paged_view {
   const uint8_t* arena = nullptr;
   const uint32_t* blocks = nullptr;  ///< per_layer: [slots][layers][max_pages]; shared: [slots][table_stride] (int32 ids)
