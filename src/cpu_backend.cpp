@@ -18,6 +18,8 @@ KVQ_NAMESPACE_BEGIN
 namespace detail {
 namespace {
 
+using cpu::bad_value;
+using cpu::first_bad_value;
 using cpu::load;
 
 class cpu_backend final : public cache_backend {
@@ -35,16 +37,13 @@ class cpu_backend final : public cache_backend {
                   int64_t first_row) const {
     const int d = cfg_.shape.head_dim, H = cfg_.shape.kv_heads;
     for (const tensor_view* t : {&k, &v}) {
-      for (int64_t i = 0; i < t->tokens; ++i)
-        for (int e = 0; e < H * d; ++e) {
-          const float x = load(t->data, t->type, i * t->stride() + e);
-          if (!std::isfinite(x) || std::fabs(x) > fp16_max)
-            return {std::isfinite(x) ? errc::invalid_argument : errc::non_finite,
-                    fmt::format("{}: {}[token {}][head {}][channel {}] = {} of sequence {} layer {} is {}; nothing was "
-                                "stored",
-                                call, t == &k ? "K" : "V", first_row + i, e / d, e % d, x, s.id, layer,
-                                std::isfinite(x) ? "outside the fp16 range" : "not finite")};
-        }
+      const bad_value b = first_bad_value(*t, 0, t->tokens);
+      if (b.row >= 0)
+        return {std::isfinite(b.x) ? errc::invalid_argument : errc::non_finite,
+                fmt::format("{}: {}[token {}][head {}][channel {}] = {} of sequence {} layer {} is {}; nothing was "
+                            "stored",
+                            call, t == &k ? "K" : "V", first_row + b.row, b.elem / d, b.elem % d, b.x, s.id, layer,
+                            std::isfinite(b.x) ? "outside the fp16 range" : "not finite")};
       // A rotated head stores R x in fp16: its rotated values must fit too.
       float row[256];
       for (int h = 0; h < H; ++h) {

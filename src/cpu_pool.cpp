@@ -61,18 +61,6 @@ status cpu_supports(const cuda::head_rotation& r, const cuda::paged_view& kv, in
 // The attention's scale: the call's, else 1 / sqrt(head_dim).
 float scale_of(float scale, int head_dim) { return scale > 0.f ? scale : 1.f / std::sqrt(float(head_dim)); }
 
-// The first row of `t` (from `row0`, `rows` of them) holding a NaN, an Inf or a value beyond the
-// fp16 range, or -1.
-int64_t bad_row(const tensor_view& t, int64_t row0, int64_t rows) {
-  const int w = t.heads * t.head_dim;
-  for (int64_t i = 0; i < rows; ++i)
-    for (int c = 0; c < w; ++c) {
-      const float x = load(t.data, t.type, (row0 + i) * t.stride() + c);
-      if (!std::isfinite(x) || std::fabs(x) > 65504.f) return i;
-    }
-  return -1;
-}
-
 }  // namespace
 
 status pool_append(const cuda::append_args& a) {
@@ -86,7 +74,7 @@ status pool_append(const cuda::append_args& a) {
   int64_t row = 0;
   for (size_t i = 0; i < a.items.size(); ++i) {  // every value first: a refused call writes nothing
     for (const tensor_view* t : {&a.k, &a.v}) {
-      const int64_t bad = bad_row(*t, row, a.items[i].m);
+      const int64_t bad = first_bad_value(*t, row, a.items[i].m).row;
       if (bad >= 0)
         return {errc::non_finite, msg("pool_append: ", t == &a.k ? "K" : "V", " of item ", i, " (slot ",
                                       a.items[i].slot, ") token ", a.items[i].n + bad,

@@ -77,10 +77,7 @@ struct engine {
     kv.blocks = reinterpret_cast<const uint32_t*>(table.data());
     kv.layers = layers, kv.kv_heads = kvh, kv.head_dim = d, kv.page_tokens = P, kv.window = R;
     kv.max_pages = max_blocks, kv.slots = slots, kv.arena_bytes = pool.size();
-    for (size_t f = 0; f < format_count; ++f) {
-      kv.k_page_bytes[f] = layout_of(format_table[f], role::k, P, d).total();
-      kv.v_page_bytes[f] = layout_of(format_table[f], role::v, P, d).total();
-    }
+    kv.k_page_bytes = cuda::page_bytes(role::k, P, d), kv.v_page_bytes = cuda::page_bytes(role::v, P, d);
     kv.tables = cuda::page_tables::shared;
     kv.windows = windows.data(), kv.windows_bytes = windows.size();
     kv.table_stride = table_stride, kv.block_bytes = block_bytes, kv.layer_blocks = pool_blocks;

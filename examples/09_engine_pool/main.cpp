@@ -176,10 +176,8 @@ run_result serve(bool on_gpu) {
   kv.arena = mem.pool;
   kv.layers = layers, kv.kv_heads = kv_heads, kv.head_dim = d, kv.page_tokens = P, kv.window = R;
   kv.max_pages = max_blocks, kv.slots = max_batch, kv.arena_bytes = pool_size;
-  for (size_t f = 0; f < kvq::format_count; ++f) {
-    kv.k_page_bytes[f] = kvq::layout_of(kvq::format_table[f], kvq::role::k, P, d).total();
-    kv.v_page_bytes[f] = kvq::layout_of(kvq::format_table[f], kvq::role::v, P, d).total();
-  }
+  kv.k_page_bytes = kvq::cuda::page_bytes(kvq::role::k, P, d);
+  kv.v_page_bytes = kvq::cuda::page_bytes(kvq::role::v, P, d);
   kv.tables = kvq::cuda::page_tables::shared;
   kv.blocks = reinterpret_cast<const uint32_t*>(on_gpu ? mem.table : table.data());
   kv.windows = mem.windows, kv.windows_bytes = windows_size;

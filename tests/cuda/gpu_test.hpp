@@ -3,6 +3,7 @@
 // synchronous upload, random fp16 data, NMSE, the page bytes of every format, the check that a
 // CPU and a CUDA cache store the same.
 #include <kvq/cache/cache.hpp>
+#include <kvq/cuda/paged_attention.hpp>
 #include <kvq/format/format.hpp>
 #include <kvq/format/numeric.hpp>
 
@@ -26,15 +27,9 @@ struct dev_mem {
   ~dev_mem() { cudaFree(p); }
 };
 
-// Page bytes of every format in role `r` at this page shape, 0 where the format does not fit it:
-// what `cuda::paged_view::k_page_bytes` / `v_page_bytes` hold.
-inline std::array<uint32_t, format_count> page_bytes(role r, int page_tokens, int head_dim) {
-  std::array<uint32_t, format_count> b{};
-  for (size_t f = 0; f < format_count; ++f)
-    if (check_shape(format_id(f), r, page_tokens, head_dim).ok())
-      b[f] = layout_of(traits_of(format_id(f)), r, page_tokens, head_dim).total();
-  return b;
-}
+// Page bytes of every format in role `r` at this page shape: what `cuda::paged_view::k_page_bytes`
+// / `v_page_bytes` hold.
+using cuda::page_bytes;
 
 // Host to device, synchronous (legacy stream).
 template <class T>

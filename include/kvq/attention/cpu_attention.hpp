@@ -17,6 +17,7 @@
 #include <kvq/tensor.hpp>
 
 #include <atomic>
+#include <cmath>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -45,6 +46,23 @@ inline void store(void* base, dtype t, int64_t idx, float x) {
     case dtype::f16: static_cast<uint16_t*>(base)[idx] = float_to_half(x); break;
     case dtype::bf16: static_cast<uint16_t*>(base)[idx] = float_to_bf16(x); break;
   }
+}
+
+/// The first element of rows [row0, row0 + rows) of `t` that is not finite or lies beyond the fp16
+/// range (what no page or ring can store), in row order; `row` -1: none.
+struct bad_value {
+  int64_t row = -1;  ///< counted from row0
+  int elem = 0;      ///< within the row: head * head_dim + channel
+  float x = 0.f;
+};
+inline bad_value first_bad_value(const tensor_view& t, int64_t row0, int64_t rows) {
+  const int w = t.heads * t.head_dim;
+  for (int64_t i = 0; i < rows; ++i)
+    for (int e = 0; e < w; ++e) {
+      const float x = load(t.data, t.type, (row0 + i) * t.stride() + e);
+      if (!std::isfinite(x) || std::fabs(x) > fp16_max) return {i, e, x};
+    }
+  return {};
 }
 
 /// Decodes tokens [0, rows) of a page into floats, one call per page: the same values as

@@ -97,6 +97,16 @@ struct paged_view {
   uint64_t layer_bytes = 0;  ///< bytes from layer l's pool to layer l + 1's (0: `arena` is the call's layer's pool)
 };
 
+/// Page bytes of every format in role `r` at this page shape, 0 where the format does not fit it:
+/// what `paged_view::k_page_bytes` / `v_page_bytes` hold.
+inline std::array<uint32_t, format_count> page_bytes(role r, int page_tokens, int head_dim) {
+  std::array<uint32_t, format_count> b{};
+  for (size_t f = 0; f < format_count; ++f)
+    if (check_shape(format_id(f), r, page_tokens, head_dim).ok())
+      b[f] = uint32_t(layout_of(format_table[f], r, page_tokens, head_dim).total());
+  return b;
+}
+
 /// Where the page blocks of `layer` start (shared: that layer's pool).
 KVQ_HOST_DEVICE const uint8_t* pages_base(const paged_view& kv, int layer) {
   return kv.tables == page_tables::shared ? kv.arena + uint64_t(layer) * kv.layer_bytes : kv.arena;
