@@ -8,16 +8,16 @@
 /// - a bare spec (no known `<policy>:` prefix) is the same as `static:<spec>`: `fp16`, `int8`,
 ///   `kivi4/g32`, `ra4/g32`, `fp8`, `k=sym8,v=kivi4/g32;0.1=fp16`.
 ///
-/// Policies plug in by name through one table in config.cpp (`policy_registry`): an adaptive
-/// policy (autok, kl_budget, random, echokv) is one entry, a name, a one-line help and a factory
-/// from its parameter string and the cache shape. `make_policy` and the `--help` text read that
-/// table, so nothing else changes when a policy is added.
+/// Policies plug in by name through one table of the library (`kvq::policy_registry`,
+/// kvq/policy/registry.hpp): an adaptive policy (autok, kl_budget, random, echokv) is one entry, a
+/// name, a one-line help and a factory from its parameter string and the cache shape.
 
 #include <cstdint>
 #include <functional>
 #include <kvq/cache/cache.hpp>
 #include <kvq/calib/artifact.hpp>
 #include <kvq/policy/policy.hpp>
+#include <kvq/policy/registry.hpp>
 #include <kvq/status.hpp>
 #include <llama/model.hpp>
 #include <memory>
@@ -27,37 +27,12 @@
 
 namespace kvq::eval {
 
-/// What a policy is made for: the cache's shape, and whether every (layer, kv head) is rotated
-/// (`<config>+rot`). Policies that read a calibration artifact (kl_budget, autok) read its rotated
-/// damages for a rotated cache: a format's damage differs a lot with and without rotation.
-struct policy_target {
-  kvq::cache_shape shape;
-  bool rotated = false;
-};
-
-/// Builds a policy from its parameter string (the part after `<name>:`) for `target`.
-/// Errors name the bad parameter.
-using policy_factory =
-    std::function<kvq::result<std::shared_ptr<kvq::policy>>(std::string_view params, const policy_target& target)>;
-
-/// One named policy of the registry.
-struct policy_entry {
-  std::string name;    ///< prefix before ':' in a configuration, e.g. "static"
-  std::string syntax;  ///< e.g. "static:<format spec>"
-  std::string help;    ///< one line for --help
-  policy_factory make;
-};
-
-/// Every policy kvq-eval knows by name, in --help order.
-const std::vector<policy_entry>& policy_registry();
-
-/// The policy a configuration string names (grammar above, without `+rot`), for a cache of
-/// `shape`, rotated or not. The policy is not bound yet (`KVCache::create` binds it). Errors
-/// (invalid_argument) quote the configuration: an unknown `<policy>:` prefix lists the known ones;
-/// a bad spec gives the parser's message; a rotated cache's kl_budget or autok whose artifact
-/// holds no rotated damages (or damages of another rotation seed) says so.
-kvq::result<std::shared_ptr<kvq::policy>> make_policy(std::string_view name_and_params, const kvq::cache_shape& shape,
-                                                      bool rotated = false);
+// The policies by name live in the library (kvq/policy/registry.hpp); kvq-eval's configuration
+// strings are those, with the `+rot` / `+sink` suffixes.
+using kvq::make_policy;
+using kvq::policy_entry;
+using kvq::policy_registry;
+using kvq::policy_target;
 
 /// Paging and budget of every cache kvq-eval creates.
 struct cache_settings {

@@ -1,0 +1,551 @@
+// kvq._kvq: the Python binding of kvq's C++ API (python/README.md). A thin layer: tensors come in
+// through DLPack (torch, numpy, cupy, jax, ...) as views without a copy, every call is the C++
+// call of the same name, and a failed call raises the exception class of its error code with
+// kvq's message (nothing stored changes: the C++ call validates first).
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/string_view.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <array>
+#include <cstdint>
+#include <kvq/cache/cache.hpp>
+#include <kvq/cache/decode_step.hpp>
+#include <kvq/format/format.hpp>
+#include <kvq/policy/registry.hpp>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#if KVQ_WITH_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace {
+
+// ---- errors: one Python class per kvq::errc, all subclasses of kvq.Error ------------------------
+
+std::array<PyObject*, 9> error_types{};  // indexed by kvq::errc; [0] is the base class kvq.Error
+
+[[noreturn]] void raise(const kvq::status& s) { throw kvq::error(s); }
+void ok(const kvq::status& s) {
+  if (!s.ok()) raise(s);
+}
+template <class T>
+T ok(kvq::result<T>&& r) {
+  if (!r.ok()) raise(r.error());
+  return std::move(r).value();
+}
+[[noreturn]] void invalid(std::string message) { raise({kvq::errc::invalid_argument, std::move(message)}); }
+
+void register_errors(nb::module_& m) {
+  struct entry {
+    kvq::errc code;
+    const char* name;
+    PyObject* builtin;  // a second base, so that `except ValueError` also catches a bad argument
+    const char* doc;
+  };
+  PyObject* base = PyErr_NewExceptionWithDoc("kvq.Error", "Any error kvq reports; `code` names its kind.",
+                                             PyExc_RuntimeError, nullptr);
+  m.attr("Error") = nb::handle(base);
+  error_types[0] = base;
+  const entry entries[] = {
+      {kvq::errc::invalid_argument, "InvalidArgument", PyExc_ValueError, "A bad shape, dtype, device, spec or value."},
+      {kvq::errc::non_finite, "NonFinite", PyExc_ValueError, "NaN, Inf or beyond-fp16 values in K/V input."},
+      {kvq::errc::out_of_budget, "OutOfBudget", nullptr, "The byte budget cannot hold the request."},
+      {kvq::errc::not_found, "NotFound", PyExc_LookupError, "An unknown sequence id or missing item."},
+      {kvq::errc::io_error, "IOError", PyExc_OSError, "A file could not be read or is corrupt."},
+      {kvq::errc::cuda_error, "CudaError", nullptr, "A CUDA runtime call failed."},
+      {kvq::errc::unsupported, "Unsupported", PyExc_NotImplementedError,
+       "A valid request this build or backend cannot serve."},
+      {kvq::errc::comm_error, "CommError", nullptr, "A collective between ranks failed."},
+  };
+  for (const entry& e : entries) {
+    PyObject* bases = e.builtin ? PyTuple_Pack(2, base, e.builtin) : PyTuple_Pack(1, base);
+    PyObject* type = PyErr_NewExceptionWithDoc((std::string("kvq.") + e.name).c_str(), e.doc, bases, nullptr);
+    Py_DECREF(bases);
+    m.attr(e.name) = nb::handle(type);
+    error_types[size_t(e.code)] = type;
+  }
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const kvq::error& e) {
+      PyObject* type = error_types[size_t(e.code())] ? error_types[size_t(e.code())] : error_types[0];
+      PyErr_SetString(type, e.what());
+    }
+  });
+}
+
+// ---- tensors: DLPack views checked against the cache ------------------------------------------
+
+/// Inputs may be read-only (a numpy array with writeable=False); outputs may not (nanobind then
+/// refuses the argument with a TypeError before kvq sees it).
+using in_array = nb::ndarray<nb::ro>;
+using out_array = nb::ndarray<>;
+
+enum class where { cpu, cuda };
+
+const char* device_name(where w) { return w == where::cpu ? "cpu" : "cuda"; }
+
+template <class A>
+kvq::dtype dtype_of(const A& a, const char* name) {
+  const nb::dlpack::dtype t = a.dtype();
+  if (t.lanes == 1 && t.code == uint8_t(nb::dlpack::dtype_code::Float) && t.bits == 32) return kvq::dtype::f32;
+  if (t.lanes == 1 && t.code == uint8_t(nb::dlpack::dtype_code::Float) && t.bits == 16) return kvq::dtype::f16;
+  if (t.lanes == 1 && t.code == uint8_t(nb::dlpack::dtype_code::Bfloat) && t.bits == 16) return kvq::dtype::bf16;
+  invalid(std::string(name) + ": dtype must be float32, float16 or bfloat16 (DLPack code " + std::to_string(t.code) +
+          ", " + std::to_string(t.bits) + " bits)");
+}
+
+template <class A>
+std::string shape_text(const A& a) {
+  std::string s = "(";
+  for (size_t i = 0; i < a.ndim(); ++i) s += (i ? ", " : "") + std::to_string(a.shape(i));
+  return s + (a.ndim() == 1 ? ",)" : ")");
+}
+
+template <class A>
+void check_device(const A& a, const char* name, where w, int device_id) {
+  const int type = a.device_type();
+  const bool on_cpu = type == nb::device::cpu::value || type == nb::device::cuda_host::value;
+  if (w == where::cpu && !on_cpu)
+    invalid(std::string(name) + ": the cache is on the cpu, the tensor on DLPack device type " + std::to_string(type) +
+            " (move it with .cpu())");
+  if (w == where::cuda) {
+    if (type != nb::device::cuda::value && type != nb::device::cuda_managed::value)
+      invalid(std::string(name) + ": the cache is on cuda:" + std::to_string(device_id) +
+              ", the tensor is not on a CUDA device");
+    if (a.device_id() != device_id)
+      invalid(std::string(name) + ": the cache is on cuda:" + std::to_string(device_id) + ", the tensor on cuda:" +
+              std::to_string(a.device_id()));
+  }
+}
+
+/// [tokens][heads][head_dim]: heads and channels packed, tokens `token_stride` elements apart.
+template <class View, class A, class Data>
+View token_view(const A& a, const char* name, int heads, int head_dim, where w, int device_id,
+                Data data) {
+  check_device(a, name, w, device_id);
+  const kvq::dtype t = dtype_of(a, name);
+  if (a.ndim() != 3 || a.shape(1) != size_t(heads) || a.shape(2) != size_t(head_dim))
+    invalid(std::string(name) + ": expected shape (tokens, " + std::to_string(heads) + ", " + std::to_string(head_dim) +
+            "), got " + shape_text(a));
+  const int64_t token_stride = a.shape(0) > 1 ? a.stride(0) : int64_t(heads) * head_dim;
+  if ((head_dim > 1 && a.stride(2) != 1) || (heads > 1 && a.stride(1) != head_dim) ||
+      token_stride < int64_t(heads) * head_dim)
+    invalid(std::string(name) + ": heads and channels must be contiguous and tokens at least heads x head_dim "
+            "elements apart (strides " +
+            std::to_string(a.stride(0)) + ", " + std::to_string(a.stride(1)) + ", " + std::to_string(a.stride(2)) +
+            "); pass a .contiguous() tensor");
+  View v;
+  v.data = data;
+  v.type = t;
+  v.tokens = int64_t(a.shape(0));
+  v.heads = heads;
+  v.head_dim = head_dim;
+  v.token_stride = token_stride;
+  return v;
+}
+
+kvq::tensor_view in_view(const in_array& a, const char* name, int heads, int head_dim, where w, int dev) {
+  return token_view<kvq::tensor_view>(a, name, heads, head_dim, w, dev, static_cast<const void*>(a.data()));
+}
+kvq::tensor_mut out_view(const out_array& a, const char* name, int heads, int head_dim, where w, int dev) {
+  return token_view<kvq::tensor_mut>(a, name, heads, head_dim, w, dev, const_cast<void*>(a.data()));
+}
+
+kvq::stream_ref stream_of(std::optional<uintptr_t> s) {
+  return s ? kvq::stream_ref(reinterpret_cast<void*>(*s)) : kvq::stream_ref{};
+}
+
+kvq::role role_of(std::string_view r) {
+  if (r == "k" || r == "K") return kvq::role::k;
+  if (r == "v" || r == "V") return kvq::role::v;
+  invalid("role must be 'k' or 'v', got '" + std::string(r) + "'");
+}
+
+kvq::format_id format_of(std::string_view spec) { return ok(kvq::parse_format(spec)); }
+
+template <class A>
+std::vector<float> host_floats(const A& a, const char* name) {
+  if (a.device_type() != nb::device::cpu::value) invalid(std::string(name) + ": must be a host (cpu) array");
+  if (dtype_of(a, name) != kvq::dtype::f32) invalid(std::string(name) + ": must be float32");
+  size_t n = 1;
+  for (size_t i = 0; i < a.ndim(); ++i) n *= a.shape(i);
+  int64_t expect = 1;
+  for (size_t i = a.ndim(); i-- > 0;) {
+    if (a.shape(i) > 1 && a.stride(i) != expect) invalid(std::string(name) + ": must be contiguous");
+    expect *= int64_t(a.shape(i));
+  }
+  const float* p = static_cast<const float*>(a.data());
+  return std::vector<float>(p, p + n);
+}
+
+nb::ndarray<nb::numpy, float> numpy_floats(std::vector<float>&& values, std::vector<size_t> shape) {
+  auto* owner = new std::vector<float>(std::move(values));
+  nb::capsule free_it(owner, [](void* p) noexcept { delete static_cast<std::vector<float>*>(p); });
+  return nb::ndarray<nb::numpy, float>(owner->data(), shape.size(), shape.data(), free_it);
+}
+
+// ---- the cache ----------------------------------------------------------------------------------
+
+/// A KVCache with what Python needs to check its tensors: where it lives and its shape.
+struct py_cache {
+  std::unique_ptr<kvq::KVCache> cache;
+  std::string config;  // the configuration string it was made from
+  where w = where::cpu;
+  int device_id = 0;
+
+  const kvq::cache_shape& shape() const { return cache->config().shape; }
+  int q_heads() const { return shape().q_heads; }
+  int kv_heads() const { return shape().kv_heads; }
+  int head_dim() const { return shape().head_dim; }
+  kvq::tensor_view kv(const in_array& a, const char* name) const {
+    return in_view(a, name, kv_heads(), head_dim(), w, device_id);
+  }
+  kvq::tensor_view q(const in_array& a, const char* name) const {
+    return in_view(a, name, q_heads(), head_dim(), w, device_id);
+  }
+  kvq::tensor_mut out(const out_array& a, const char* name) const {
+    return out_view(a, name, q_heads(), head_dim(), w, device_id);
+  }
+};
+
+kvq::cache_config make_config(int layers, int q_heads, int kv_heads, int head_dim, std::string_view config,
+                              uint64_t budget_bytes, std::string_view device, int page_tokens, int window,
+                              int recent, int max_sequences, int64_t max_tokens, float softmax_scale,
+                              bool check_values, int cpu_threads, std::optional<uintptr_t> stream, bool& rotated,
+                              std::string_view& spec) {
+  kvq::cache_config cfg;
+  cfg.shape = {layers, q_heads, kv_heads, head_dim, page_tokens, window, recent};
+  cfg.budget_bytes = budget_bytes;
+  if (device == "cpu") {
+    cfg.where = kvq::backend::cpu;
+  } else if (device == "cuda" || device.starts_with("cuda:")) {
+    cfg.where = kvq::backend::cuda;
+  } else {
+    invalid("device must be 'cpu', 'cuda' or 'cuda:<index>', got '" + std::string(device) + "'");
+  }
+  cfg.max_sequences = max_sequences;
+  cfg.max_tokens = max_tokens;
+  cfg.softmax_scale = softmax_scale;
+  cfg.check_values = check_values;
+  cfg.cpu_threads = cpu_threads;
+  cfg.stream = stream ? reinterpret_cast<void*>(*stream) : nullptr;
+  const kvq::cache_suffixes suffixes = ok(kvq::parse_cache_suffixes(config));
+  suffixes.apply(cfg);
+  rotated = suffixes.rotated;
+  spec = suffixes.spec;
+  return cfg;
+}
+
+int cuda_device_of(std::string_view device) {
+  int index = 0;
+  if (device.starts_with("cuda:")) {
+    const std::string digits(device.substr(5));
+    if (digits.empty() || digits.find_first_not_of("0123456789") != std::string::npos)
+      invalid("device '" + std::string(device) + "': the index is not a number");
+    index = std::stoi(digits);
+  }
+#if KVQ_WITH_CUDA
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+    cudaGetLastError();
+    raise({kvq::errc::cuda_error, "device '" + std::string(device) + "': no CUDA device is visible"});
+  }
+  if (index >= count)
+    invalid("device '" + std::string(device) + "': only " + std::to_string(count) + " CUDA devices are visible");
+  if (cudaSetDevice(index) != cudaSuccess) raise({kvq::errc::cuda_error, "cudaSetDevice(" + std::to_string(index) + ") failed"});
+#else
+  raise({kvq::errc::unsupported, "device '" + std::string(device) + "': this kvq was built without CUDA"});
+#endif
+  return index;
+}
+
+py_cache make_cache(int layers, int q_heads, int kv_heads, int head_dim, std::string_view config,
+                    uint64_t budget_bytes, std::string_view device, int page_tokens, int window, int recent,
+                    int max_sequences, int64_t max_tokens, float softmax_scale, bool check_values, int cpu_threads,
+                    std::optional<uintptr_t> stream) {
+  bool rotated = false;
+  std::string_view spec;
+  const kvq::cache_config cfg =
+      make_config(layers, q_heads, kv_heads, head_dim, config, budget_bytes, device, page_tokens, window, recent,
+                  max_sequences, max_tokens, softmax_scale, check_values, cpu_threads, stream, rotated, spec);
+  py_cache c;
+  c.config = std::string(config);
+  if (cfg.where == kvq::backend::cuda) {
+    c.w = where::cuda;
+    c.device_id = cuda_device_of(device);
+  }
+  auto pol = kvq::make_policy(spec, cfg.shape, rotated);
+  if (!pol) raise({pol.error().code(), "configuration '" + std::string(config) + "': " + pol.error().message()});
+  auto made = kvq::KVCache::create(cfg, std::move(pol).value());
+  if (!made) raise({made.error().code(), "configuration '" + std::string(config) + "': " + made.error().message()});
+  c.cache = std::make_unique<kvq::KVCache>(std::move(made).value());
+  return c;
+}
+
+/// A replayable decode step (CUDA) and the cache it belongs to (kept alive by the binding).
+struct py_step {
+  py_cache* cache;
+  kvq::decode_step step;
+};
+
+nb::dict stats_dict(const kvq::cache_stats& s) {
+  nb::dict d;
+  d["budget_bytes"] = s.budget_bytes;
+  d["used_bytes"] = s.used_bytes;
+  d["free_bytes"] = s.free_bytes;
+  d["largest_free_block"] = s.largest_free_block;
+  d["page_bytes"] = s.page_bytes;
+  d["window_bytes"] = s.window_bytes;
+  d["pages"] = s.pages;
+  d["shared_pages"] = s.shared_pages;
+  d["shared_saved_bytes"] = s.shared_saved_bytes;
+  d["sequences"] = s.sequences;
+  d["tokens"] = s.tokens;
+  d["encoded_elements"] = s.encoded_elements;
+  d["page_bits"] = s.page_bits();
+  nb::dict bytes, pages;
+  for (size_t f = 0; f < kvq::format_count; ++f)
+    if (s.pages_by_format[f]) {
+      bytes[kvq::format_name(kvq::format_id(f)).c_str()] = s.bytes_by_format[f];
+      pages[kvq::format_name(kvq::format_id(f)).c_str()] = s.pages_by_format[f];
+    }
+  d["bytes_by_format"] = bytes;
+  d["pages_by_format"] = pages;
+  nb::list map;
+  for (const kvq::format_pair& p : s.format_map) map.append(kvq::format_pair_name(p));
+  d["format_map"] = map;
+  nb::dict over;
+  over["device_tables"] = s.overhead.device_tables;
+  over["device_workspace"] = s.overhead.device_workspace;
+  over["pinned_host"] = s.overhead.pinned_host;
+  d["overhead"] = over;
+  return d;
+}
+
+std::vector<kvq::attend_item> attend_items(const std::vector<int64_t>& seqs, const std::optional<std::vector<int>>& q_lens) {
+  if (q_lens && q_lens->size() != seqs.size())
+    invalid("q_lens has " + std::to_string(q_lens->size()) + " entries, seqs " + std::to_string(seqs.size()));
+  std::vector<kvq::attend_item> items(seqs.size());
+  for (size_t i = 0; i < seqs.size(); ++i) items[i] = {seqs[i], q_lens ? (*q_lens)[i] : 1};
+  return items;
+}
+
+}  // namespace
+
+NB_MODULE(_kvq, m) {
+  m.doc() = "kvq: quantized KV cache (the C++ library's binding; use the kvq package)";
+  register_errors(m);
+  m.attr("version") = std::to_string(KVQ_VERSION_MAJOR) + "." + std::to_string(KVQ_VERSION_MINOR) + "." +
+                      std::to_string(KVQ_VERSION_PATCH);
+#if KVQ_WITH_CUDA
+  m.attr("cuda") = true;
+#else
+  m.attr("cuda") = false;
+#endif
+
+  m.def(
+      "format_name", [](std::string_view spec) { return kvq::format_name(format_of(spec)); }, "spec"_a,
+      "The canonical name of a format spec ('int4' -> 'sym4/g32'); raises InvalidArgument for an unknown one.");
+  m.def(
+      "bits_per_element",
+      [](std::string_view spec, std::string_view r, int page_tokens, int head_dim) {
+        const kvq::format_id f = format_of(spec);
+        ok(kvq::check_shape(f, role_of(r), page_tokens, head_dim));
+        return kvq::bits_per_element(kvq::traits_of(f), role_of(r), page_tokens, head_dim);
+      },
+      "spec"_a, "role"_a = "k", "page_tokens"_a = 64, "head_dim"_a = 128,
+      "Bits per element of a page of this format, scales and zeros included.");
+  m.def(
+      "policies",
+      [] {
+        std::vector<std::tuple<std::string, std::string, std::string>> out;
+        for (const kvq::policy_entry& e : kvq::policy_registry()) out.emplace_back(e.name, e.syntax, e.help);
+        return out;
+      },
+      "Every named policy: (name, syntax, help).");
+
+  nb::class_<py_cache>(m, "_Cache")
+      .def(nb::new_(&make_cache), "layers"_a, "q_heads"_a, "kv_heads"_a, "head_dim"_a, "config"_a = "fp16",
+           "budget_bytes"_a, "device"_a = "cpu", "page_tokens"_a = 64, "window"_a = 128, "recent"_a = 64,
+           "max_sequences"_a = 256, "max_tokens"_a = int64_t(1) << 17, "softmax_scale"_a = 0.f,
+           "check_values"_a = true, "cpu_threads"_a = 1, "stream"_a = nb::none())
+      .def_prop_ro("layers", [](const py_cache& c) { return c.shape().layers; })
+      .def_prop_ro("q_heads", &py_cache::q_heads)
+      .def_prop_ro("kv_heads", &py_cache::kv_heads)
+      .def_prop_ro("head_dim", &py_cache::head_dim)
+      .def_prop_ro("page_tokens", [](const py_cache& c) { return c.shape().page_tokens; })
+      .def_prop_ro("window", [](const py_cache& c) { return c.shape().window; })
+      .def_prop_ro("recent", [](const py_cache& c) { return c.shape().recent; })
+      .def_prop_ro("config", [](const py_cache& c) { return c.config; })
+      .def_prop_ro("device", [](const py_cache& c) {
+        return c.w == where::cpu ? std::string("cpu") : "cuda:" + std::to_string(c.device_id);
+      })
+      .def_prop_ro("policy", [](const py_cache& c) { return c.cache->active_policy().name(); })
+      .def_prop_ro("budget_bytes", [](const py_cache& c) { return c.cache->config().budget_bytes; })
+      .def_prop_ro("softmax_scale", [](const py_cache& c) { return c.cache->config().softmax_scale; })
+      .def_prop_ro("sink_pages", [](const py_cache& c) { return c.cache->config().sink_pages; })
+      .def_prop_ro("max_sequences", [](const py_cache& c) { return c.cache->config().max_sequences; })
+      .def_prop_ro("max_tokens", [](const py_cache& c) { return c.cache->config().max_tokens; })
+      .def_prop_ro("rotated", [](const py_cache& c) { return !c.cache->config().rotation.heads.empty(); })
+      .def(
+          "create_sequence",
+          [](py_cache& c, int64_t id, std::optional<uintptr_t> s) { ok(c.cache->create_sequence(id, stream_of(s))); },
+          "seq"_a, "stream"_a = nb::none())
+      .def(
+          "release_sequence", [](py_cache& c, int64_t id) { ok(c.cache->release_sequence(id)); }, "seq"_a)
+      .def(
+          "has_sequence", [](const py_cache& c, int64_t id) { return c.cache->has_sequence(id); }, "seq"_a)
+      .def(
+          "length",
+          [](const py_cache& c, int64_t id, int layer) {
+            if (!c.cache->has_sequence(id)) raise({kvq::errc::not_found, "unknown sequence " + std::to_string(id)});
+            if (layer < 0 || layer >= c.shape().layers)
+              invalid("layer " + std::to_string(layer) + " is outside [0, " + std::to_string(c.shape().layers) + ")");
+            return c.cache->length(id, layer);
+          },
+          "seq"_a, "layer"_a = 0)
+      .def(
+          "tokens_before_encode",
+          [](const py_cache& c, int64_t id, int layer) {
+            const int64_t n = c.cache->tokens_before_encode(id, layer);
+            if (n < 0) raise({kvq::errc::not_found, "unknown sequence " + std::to_string(id) + " or layer " +
+                                                        std::to_string(layer)});
+            return n;
+          },
+          "seq"_a, "layer"_a = 0)
+      .def(
+          "fork",
+          [](py_cache& c, int64_t src, int64_t dst, std::optional<uintptr_t> s) {
+            ok(c.cache->fork(src, dst, stream_of(s)));
+          },
+          "src"_a, "dst"_a, "stream"_a = nb::none())
+      .def(
+          "truncate",
+          [](py_cache& c, int64_t id, int64_t length, std::optional<uintptr_t> s) {
+            ok(c.cache->truncate(id, length, stream_of(s)));
+          },
+          "seq"_a, "length"_a, "stream"_a = nb::none())
+      .def(
+          "bytes_for",
+          [](const py_cache& c, int64_t tokens, std::optional<int64_t> seq) {
+            return ok(c.cache->bytes_for(tokens, seq));
+          },
+          "tokens"_a, "seq"_a = nb::none())
+      .def(
+          "append",
+          [](py_cache& c, int64_t id, int layer, in_array k, in_array v, std::optional<uintptr_t> s) {
+            ok(c.cache->append(id, layer, c.kv(k, "k"), c.kv(v, "v"), stream_of(s)));
+          },
+          "seq"_a, "layer"_a, "k"_a, "v"_a, "stream"_a = nb::none())
+      .def(
+          "append_batch",
+          [](py_cache& c, const std::vector<int64_t>& seqs, const std::vector<int64_t>& tokens, int layer,
+             in_array k, in_array v, std::optional<uintptr_t> s) {
+            if (tokens.size() != seqs.size())
+              invalid("tokens has " + std::to_string(tokens.size()) + " entries, seqs " + std::to_string(seqs.size()));
+            std::vector<kvq::append_item> items(seqs.size());
+            for (size_t i = 0; i < seqs.size(); ++i) items[i] = {seqs[i], tokens[i]};
+            ok(c.cache->append_batch(items, layer, c.kv(k, "k"), c.kv(v, "v"), stream_of(s)));
+          },
+          "seqs"_a, "tokens"_a, "layer"_a, "k"_a, "v"_a, "stream"_a = nb::none())
+      .def(
+          "attend",
+          [](py_cache& c, const std::vector<int64_t>& seqs, std::optional<std::vector<int>> q_lens, int layer,
+             in_array q, out_array o, std::optional<uintptr_t> s) {
+            const std::vector<kvq::attend_item> items = attend_items(seqs, q_lens);
+            ok(c.cache->attend(items, layer, c.q(q, "q"), c.out(o, "out"), stream_of(s)));
+          },
+          "seqs"_a, "q_lens"_a, "layer"_a, "q"_a, "out"_a, "stream"_a = nb::none())
+      .def(
+          "prefill",
+          [](py_cache& c, int64_t id, int layer, in_array k, in_array v, in_array q, out_array o,
+             std::optional<uintptr_t> s) {
+            ok(c.cache->prefill(id, layer, c.kv(k, "k"), c.kv(v, "v"), c.q(q, "q"), c.out(o, "out"), stream_of(s)));
+          },
+          "seq"_a, "layer"_a, "k"_a, "v"_a, "q"_a, "out"_a, "stream"_a = nb::none())
+      .def(
+          "attend_prefix",
+          [](py_cache& c, int64_t id, int layer, int64_t prefix, in_array q, out_array o, out_array lse,
+             std::optional<uintptr_t> s) {
+            const kvq::tensor_view qv = c.q(q, "q");
+            check_device(lse, "lse", c.w, c.device_id);
+            if (dtype_of(lse, "lse") != kvq::dtype::f32) invalid("lse: must be float32");
+            if (lse.ndim() != 2 || lse.shape(0) != size_t(qv.tokens) || lse.shape(1) != size_t(c.q_heads()) ||
+                (lse.shape(1) > 1 && lse.stride(1) != 1) || (lse.shape(0) > 1 && lse.stride(0) != c.q_heads()))
+              invalid("lse: expected a contiguous float32 tensor of shape (" + std::to_string(qv.tokens) + ", " +
+                      std::to_string(c.q_heads()) + "), got " + shape_text(lse));
+            ok(c.cache->attend_prefix(id, layer, prefix, qv, c.out(o, "out"), static_cast<float*>(lse.data()),
+                                      stream_of(s)));
+          },
+          "seq"_a, "layer"_a, "prefix"_a, "q"_a, "out"_a, "lse"_a, "stream"_a = nb::none())
+      .def(
+          "read",
+          [](const py_cache& c, int64_t id, int layer, std::string_view r, std::optional<uintptr_t> s) {
+            const int64_t n = c.cache->length(id, layer);
+            if (n < 0) raise({kvq::errc::not_found, "unknown sequence " + std::to_string(id)});
+            std::vector<float> out(size_t(n) * c.kv_heads() * c.head_dim());
+            ok(c.cache->read(id, layer, role_of(r), out, stream_of(s)));
+            return numpy_floats(std::move(out), {size_t(n), size_t(c.kv_heads()), size_t(c.head_dim())});
+          },
+          "seq"_a, "layer"_a, "role"_a, "stream"_a = nb::none())
+      .def(
+          "check", [](py_cache& c, std::optional<uintptr_t> s) { ok(c.cache->check(stream_of(s))); },
+          "stream"_a = nb::none())
+      .def(
+          "set_clip_ratios",
+          [](py_cache& c, in_array ratios) { ok(c.cache->set_clip_ratios(host_floats(ratios, "ratios"))); },
+          "ratios"_a)
+      .def(
+          "set_codebook_levels",
+          [](py_cache& c, std::string_view f, in_array levels) {
+            ok(c.cache->set_codebook_levels(format_of(f), host_floats(levels, "levels")));
+          },
+          "format"_a, "levels"_a)
+      .def(
+          "codebook_levels",
+          [](const py_cache& c, std::string_view f) {
+            const kvq::format_id id = format_of(f);
+            std::vector<float> lv = ok(c.cache->codebook_levels(id));
+            const size_t per = size_t(1) << kvq::traits_of(id).bits;
+            return numpy_floats(std::move(lv), {size_t(c.shape().layers), size_t(c.kv_heads()), 2, per});
+          },
+          "format"_a)
+      .def("sync_policy", [](py_cache& c) { ok(c.cache->sync_policy()); })
+      .def("flush_policy", [](py_cache& c) { ok(c.cache->flush_policy()); })
+      .def("stats", [](const py_cache& c) { return stats_dict(c.cache->stats()); });
+
+  nb::class_<py_step>(m, "_DecodeStep")
+      .def(nb::new_([](py_cache& c, int max_batch, int64_t max_tokens) {
+             return py_step{&c, ok(kvq::decode_step::create(*c.cache, max_batch, max_tokens))};
+           }),
+           "cache"_a, "max_batch"_a, "max_tokens"_a, nb::keep_alive<0, 1>())
+      .def(
+          "prepare", [](py_step& st, const std::vector<int64_t>& seqs) { ok(st.step.prepare(seqs)); }, "seqs"_a)
+      .def(
+          "append",
+          [](py_step& st, int layer, in_array k, in_array v) {
+            ok(st.step.append(layer, st.cache->kv(k, "k"), st.cache->kv(v, "v")));
+          },
+          "layer"_a, "k"_a, "v"_a)
+      .def(
+          "attend",
+          [](py_step& st, int layer, in_array q, out_array o) {
+            ok(st.step.attend(layer, st.cache->q(q, "q"), st.cache->out(o, "out")));
+          },
+          "layer"_a, "q"_a, "out"_a)
+      .def_prop_ro("max_batch", [](const py_step& st) { return st.step.max_batch(); })
+      .def_prop_ro("max_tokens", [](const py_step& st) { return st.step.max_tokens(); })
+      .def_prop_ro("batch", [](const py_step& st) { return st.step.batch(); })
+      .def_prop_ro("descriptor_bytes", [](const py_step& st) { return st.step.descriptor_bytes(); });
+}
