@@ -3,7 +3,8 @@
 The package is a thin layer over the C++ library (python/README.md): every call is the C++ call of
 the same name. Tensors (torch, numpy, or any DLPack producer: f32, f16 or bf16, on the cache's
 device) go in without a copy; a CUDA call runs on the stream given, else torch's current stream
-for torch tensors, else the cache's own, and never synchronizes the host (``read``, ``check`` and
+when torch is loaded, else the cache's own (a DecodeStep: always the cache's own), and never
+synchronizes the host (``read``, ``check`` and
 ``sync_policy`` do, as in C++). A failed call raises the exception class of its error code with
 kvq's message, and changes nothing stored.
 
@@ -16,7 +17,9 @@ kvq's message, and changes nothing stored.
 """
 from __future__ import annotations
 
+import itertools
 import sys
+import weakref
 from typing import Any, Optional, Sequence
 
 from . import _kvq
@@ -58,10 +61,27 @@ __all__ = [
 ]
 
 
+# Every live cache by handle: the torch custom ops (kvq.ops) name a cache by this int.
+_handles = itertools.count(1)
+_live: "weakref.WeakValueDictionary[int, Cache]" = weakref.WeakValueDictionary()
+
+
 def _torch_of(t: Any):
     """The torch module when `t` is a torch tensor (torch is never imported by kvq itself)."""
     torch = sys.modules.get("torch")
     return torch if torch is not None and isinstance(t, torch.Tensor) else None
+
+
+def _dl(t: Any) -> Any:
+    """What the binding imports: a torch tensor as its DLPack capsule (torch's C exporter, a
+    fraction of a microsecond, where `Tensor.__dlpack__` costs several), anything else as it is."""
+    torch = _torch_of(t)
+    if torch is None:
+        return t
+    try:
+        return torch._C._to_dlpack(t.detach() if t.requires_grad else t)
+    except (AttributeError, BufferError, RuntimeError, TypeError) as e:
+        raise InvalidArgument(f"a {t.dtype} tensor of shape {tuple(t.shape)} cannot be passed to kvq: {e}") from None
 
 
 def _stream_handle(stream: Any) -> Optional[int]:
@@ -138,6 +158,13 @@ class Cache:
             layers, q_heads, kv_heads, head_dim, config, budget_bytes, str(device), page_tokens, window, recent,
             max_sequences, max_tokens, softmax_scale, check_values, cpu_threads, _stream_handle(stream))
         self._cuda = self._c.device != "cpu"
+        self._device_index = int(self._c.device.split(":")[1]) if self._cuda else -1
+        # For kvq.ops: a handle, and the one-element tensor that orders this cache's ops in a
+        # compiled graph (made here when torch is loaded, so that compiled code only reads it).
+        self._op_handle = next(_handles)
+        _live[self._op_handle] = self
+        torch = sys.modules.get("torch")
+        self._op_state = torch.zeros(1, dtype=torch.int32, device=self.device) if torch is not None else None
 
     # ---- shape and configuration ----
     layers = property(lambda self: self._c.layers)
@@ -161,19 +188,23 @@ class Cache:
         return (f"kvq.Cache(layers={self.layers}, q_heads={self.q_heads}, kv_heads={self.kv_heads}, "
                 f"head_dim={self.head_dim}, config={self.config!r}, device={self.device!r})")
 
-    def _stream(self, stream: Any, t: Any) -> Optional[int]:
+    def _stream(self, stream: Any, t: Any = None) -> Optional[int]:
+        """The stream of a call: the one given, else torch's current stream (of the tensor's
+        device, or the cache's) when torch is loaded, else None (the cache's own)."""
         if stream is not None:
             return _stream_handle(stream)
         if self._cuda:
-            torch = _torch_of(t)
-            if torch is not None and t.is_cuda:
-                return torch.cuda.current_stream(t.device).cuda_stream
+            torch = sys.modules.get("torch")
+            if torch is not None:
+                device = t.get_device() if isinstance(t, torch.Tensor) else self._device_index
+                if device >= 0:  # (a CPU tensor: the binding names the mismatch)
+                    return torch._C._cuda_getCurrentRawStream(device)
         return None
 
     # ---- sequences ----
     def create_sequence(self, seq: int, stream: Any = None) -> None:
         """Starts an empty sequence."""
-        self._c.create_sequence(seq, _stream_handle(stream))
+        self._c.create_sequence(seq, self._stream(stream))
 
     def release_sequence(self, seq: int) -> None:
         """Returns every page and window of the sequence to the budget."""
@@ -192,11 +223,11 @@ class Cache:
 
     def fork(self, src: int, dst: int, stream: Any = None) -> None:
         """Starts `dst` as a copy of `src`: encoded pages shared, FP16 windows copied."""
-        self._c.fork(src, dst, _stream_handle(stream))
+        self._c.fork(src, dst, self._stream(stream))
 
     def truncate(self, seq: int, length: int, stream: Any = None) -> None:
         """Keeps the first `length` tokens of every layer of the sequence (on the device on CUDA)."""
-        self._c.truncate(seq, length, _stream_handle(stream))
+        self._c.truncate(seq, length, self._stream(stream))
 
     def bytes_for(self, tokens: int, seq: Optional[int] = None) -> int:
         """Budget bytes `tokens` more tokens of `seq` (or a new sequence of `tokens`) would take."""
@@ -205,12 +236,12 @@ class Cache:
     # ---- data ----
     def append(self, seq: int, layer: int, k: Any, v: Any, stream: Any = None) -> None:
         """Appends K and V ([tokens, kv_heads, head_dim]) of new tokens of one sequence and layer."""
-        self._c.append(seq, layer, k, v, self._stream(stream, k))
+        self._c.append(seq, layer, _dl(k), _dl(v), self._stream(stream, k))
 
     def append_batch(self, seqs: Sequence[int], tokens: Sequence[int], layer: int, k: Any, v: Any,
                      stream: Any = None) -> None:
         """Appends the new tokens of several sequences of one layer; k, v: [sum tokens, kv_heads, head_dim]."""
-        self._c.append_batch(seqs, tokens, layer, k, v, self._stream(stream, k))
+        self._c.append_batch(seqs, tokens, layer, _dl(k), _dl(v), self._stream(stream, k))
 
     def attend(self, seqs: Sequence[int], layer: int, q: Any, out: Any = None,
                q_lens: Optional[Sequence[int]] = None, stream: Any = None):
@@ -218,14 +249,14 @@ class Cache:
         default). Returns `out` (allocated like q when not given)."""
         if out is None:
             out = _empty_like(q)
-        self._c.attend(seqs, q_lens, layer, q, out, self._stream(stream, q))
+        self._c.attend(seqs, q_lens, layer, _dl(q), _dl(out), self._stream(stream, q))
         return out
 
     def prefill(self, seq: int, layer: int, k: Any, v: Any, q: Any, out: Any = None, stream: Any = None):
         """Appends a chunk of any length and attends its queries causally; returns `out`."""
         if out is None:
             out = _empty_like(q)
-        self._c.prefill(seq, layer, k, v, q, out, self._stream(stream, q))
+        self._c.prefill(seq, layer, _dl(k), _dl(v), _dl(q), _dl(out), self._stream(stream, q))
         return out
 
     def attend_prefix(self, seq: int, layer: int, prefix: int, q: Any, out: Any = None, lse: Any = None,
@@ -236,17 +267,17 @@ class Cache:
             out = _empty_like(q)
         if lse is None:
             lse = _empty_like(q, self.q_heads)
-        self._c.attend_prefix(seq, layer, prefix, q, out, lse, self._stream(stream, q))
+        self._c.attend_prefix(seq, layer, prefix, _dl(q), _dl(out), _dl(lse), self._stream(stream, q))
         return out, lse
 
     def read(self, seq: int, layer: int, role: str, stream: Any = None):
         """What the next step reads for (sequence, layer, role 'k' or 'v'), as a float32 numpy
         array [length, kv_heads, head_dim]. CUDA: synchronizes the stream."""
-        return self._c.read(seq, layer, role, _stream_handle(stream))
+        return self._c.read(seq, layer, role, self._stream(stream))
 
     def check(self, stream: Any = None) -> None:
         """Raises NonFinite for rows the device-side value checks refused (the sequence restored)."""
-        self._c.check(_stream_handle(stream))
+        self._c.check(self._stream(stream))
 
     # ---- policy parameters ----
     def set_clip_ratios(self, ratios: Any) -> None:
@@ -298,7 +329,7 @@ class DecodeStep:
         self._s.prepare(seqs)
 
     def append(self, layer: int, k: Any, v: Any) -> None:
-        self._s.append(layer, k, v)
+        self._s.append(layer, _dl(k), _dl(v))
 
     def attend(self, layer: int, q: Any, out: Any) -> None:
-        self._s.attend(layer, q, out)
+        self._s.attend(layer, _dl(q), _dl(out))

@@ -11,6 +11,7 @@
 #include <nanobind/stl/vector.h>
 
 #include <array>
+#include <chrono>
 #include <cstdint>
 #include <kvq/cache/cache.hpp>
 #include <kvq/cache/decode_step.hpp>
@@ -523,7 +524,22 @@ NB_MODULE(_kvq, m) {
           "format"_a)
       .def("sync_policy", [](py_cache& c) { ok(c.cache->sync_policy()); })
       .def("flush_policy", [](py_cache& c) { ok(c.cache->flush_policy()); })
-      .def("stats", [](const py_cache& c) { return stats_dict(c.cache->stats()); });
+      .def("stats", [](const py_cache& c) { return stats_dict(c.cache->stats()); })
+      .def(
+          "_attend_loop",
+          [](py_cache& c, const std::vector<int64_t>& seqs, std::optional<std::vector<int>> q_lens, int layer,
+             in_array q, out_array o, std::optional<uintptr_t> s, int iters) {
+            // The same attend issued `iters` times from C++ (bench/python_overhead.py compares the
+            // host time per call with the Python calls'): seconds in all, without synchronizing.
+            const std::vector<kvq::attend_item> items = attend_items(seqs, q_lens);
+            const kvq::tensor_view qv = c.q(q, "q");
+            const kvq::tensor_mut ov = c.out(o, "out");
+            nb::gil_scoped_release unlocked;
+            const auto t0 = std::chrono::steady_clock::now();
+            for (int i = 0; i < iters; ++i) ok(c.cache->attend(items, layer, qv, ov, stream_of(s)));
+            return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+          },
+          "seqs"_a, "q_lens"_a, "layer"_a, "q"_a, "out"_a, "stream"_a, "iters"_a);
 
   nb::class_<py_step>(m, "_DecodeStep")
       .def(nb::new_([](py_cache& c, int max_batch, int64_t max_tokens) {
