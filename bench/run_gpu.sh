@@ -115,13 +115,14 @@ PY
       ./.gpu/kvq_bench_canary_cuda --steps 1280 --json "$OUT/canary.json" 2>&1 | tee "$OUT/canary.log" | grep -vE "filled|round"
       rc=$((rc | ${PIPESTATUS[0]})) ;;
     serve)
-      python3 bench/serve/serve.py --lib .gpu/libkvq_serve.so --out "$OUT/serve_smoke" --layers 2 --requests 6 \
+      export PYTHONPATH="${KVQ_PYTHONPATH:-$PWD/build-cuda/python}"  # the kvq package (python/README.md)
+      python3 bench/serve/serve.py --out "$OUT/serve_smoke" --layers 2 --requests 6 \
         --max-steps 8 --context 2048 --kv-gib 1 > "$OUT/serve.log" 2>&1; r=$?
       rm -rf "$OUT/serve_smoke"; echo "serve: smoke run (2 layers) exit $r"; tail -3 "$OUT/serve.log"; rc=$((rc | r))
       if [ $r = 0 ]; then
-        echo "serve: python3 bench/serve/serve.py --lib .gpu/libkvq_serve.so --out $OUT" \
+        echo "serve: python3 bench/serve/serve.py --out $OUT" \
           "${KVQ_SERVE_BACKENDS:+--backends \"$KVQ_SERVE_BACKENDS\"} ${KVQ_SERVE_ARGS:-}" | tee -a "$OUT/serve.log"
-        python3 bench/serve/serve.py --lib .gpu/libkvq_serve.so --out "$OUT" ${KVQ_SERVE_BACKENDS:+--backends "$KVQ_SERVE_BACKENDS"} \
+        python3 bench/serve/serve.py --out "$OUT" ${KVQ_SERVE_BACKENDS:+--backends "$KVQ_SERVE_BACKENDS"} \
           ${KVQ_SERVE_ARGS:-} 2>&1 | tee -a "$OUT/serve.log"
         rc=$((rc | ${PIPESTATUS[0]}))
         python3 bench/serve/report_serve.py "$OUT/serve.json" --md "$OUT/serve.md" --plot "$OUT/serve"; rc=$((rc | $?))

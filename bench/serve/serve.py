@@ -6,8 +6,8 @@ memory, once per attention backend, in one process:
   peer          a BF16 cache (every request's K/V in its own exact range of one buffer per layer)
                 and PyTorch's flash attention over it, one varlen launch per layer for the batch
                 (`--peer-attention sdpa` instead: scaled_dot_product_attention per request)
-  <kvq format>  kvq's CUDA cache (KVCache::append_batch + attend per layer, through
-                libkvq_serve.so) with a static policy: fp16, sym8, kivi4/g32, kivi2/g32, ...
+  <kvq format>  kvq's CUDA cache (KVCache::append_batch + attend per layer, through the kvq
+                Python package) with a static policy: fp16, sym8, kivi4/g32, kivi2/g32, ...
   echokv        kvq with EchoKV (tiers kivi2/4/8 g32, starting at kivi4/g32); its canary is on
                 and off in alternating blocks of steps of the same run (the A/B of its cost)
 
@@ -17,7 +17,7 @@ are random: decode speed does not depend on their values. A request's context is
 the cache synthetically (random K/V, not a prompt pass through the model), timed apart from the
 decode steps. Writes <out>/serve.json (summaries and the run's settings) and <out>/steps.csv.
 
-    python3 bench/serve/serve.py --lib .gpu/libkvq_serve.so --out out/serve \
+    PYTHONPATH=build-cuda/python python3 bench/serve/serve.py --out out/serve \
         [--backends "peer fp16 sym8 kivi4/g32 kivi2/g32 echokv"] [--kv-gib 40] [--requests 96] \
         [--max-steps 400] [--context 32768] [--spread 0.25] [--outputs 128:512] [--layers 32]
 """
@@ -31,8 +31,9 @@ import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import kvq_abi  # noqa: E402
 import serve_sched as ss  # noqa: E402
+
+import kvq  # noqa: E402  (the package: pip install ., or PYTHONPATH=<build>/python)
 
 try:
     import torch
@@ -146,18 +147,24 @@ class Backend:
         return seconds
 
 
-class KvqBackend(Backend):
-    """kvq's CUDA cache through libkvq_serve.so, on torch's current stream."""
+#: The policies serve.py names, as kvq configuration strings: a static spec is itself; echokv runs
+#: its tiers kivi2/4/8 g32 from kivi4/g32 (the middle tier).
+POLICIES = {"echokv": "echokv:init=mid"}
 
-    def __init__(self, name, model, dev, seed, lib, policy, budget, max_batch, max_tokens):
+
+class KvqBackend(Backend):
+    """kvq's CUDA cache through the kvq package, on torch's current stream."""
+
+    def __init__(self, name, model, dev, seed, policy, budget, max_batch, max_tokens):
         super().__init__(name, model, dev, seed)
         c = LLAMA3_8B
-        self.cache = kvq_abi.Cache(lib, policy, cuda=True, layers=model.layers, q_heads=c["q_heads"],
-                                   kv_heads=c["kv_heads"], head_dim=c["head_dim"], budget_bytes=budget,
-                                   max_sequences=max_batch, max_tokens=max_tokens,
-                                   stream=torch.cuda.current_stream().cuda_stream)
+        # no value checks: one launch less per append, as an engine with finite inputs runs it
+        self.cache = kvq.Cache(model.layers, c["q_heads"], c["kv_heads"], c["head_dim"], POLICIES.get(policy, policy),
+                               budget_bytes=budget, device="cuda", max_sequences=max_batch, max_tokens=max_tokens,
+                               check_values=False)
         self.echo = policy == "echokv"
         self.canary_on = True
+        self.seqs, self.ones = [], []
 
     def can_admit(self, req, running):
         return ss.kvq_fits(self.cache, req, running)
@@ -165,19 +172,15 @@ class KvqBackend(Backend):
     def admit(self, req):
         try:
             self.cache.create_sequence(req.rid)
-        except kvq_abi.KvqError as e:
-            if e.code == "out_of_budget":
-                return False
-            raise
+        except kvq.OutOfBudget:
+            return False
         try:
             for layer in range(self.model.layers):
                 for _, n in self.chunks(req.context):
-                    self.cache.append(req.rid, layer, self.fill_k.data_ptr(), self.fill_v.data_ptr(), n)
-        except kvq_abi.KvqError as e:
+                    self.cache.append(req.rid, layer, self.fill_k[:n], self.fill_v[:n])
+        except kvq.OutOfBudget:
             self.cache.release_sequence(req.rid)
-            if e.code == "out_of_budget":
-                return False
-            raise
+            return False
         torch.cuda.synchronize()
         return True
 
@@ -191,17 +194,16 @@ class KvqBackend(Backend):
 
     def set_canary(self, on):
         if on != self.canary_on:
-            self.cache.set_canary(on)
+            self.cache.freeze_policy(not on)
             self.canary_on = on
 
     def prepare(self, running):
-        self.cache.set_batch([r.rid for r in running])
+        self.seqs = [r.rid for r in running]
+        self.ones = [1] * len(self.seqs)
 
     def attend(self, layer, q, k, v):
-        self.cache.append_batch(layer, k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0))
-        o = torch.empty(q.shape, device=self.dev, dtype=q.dtype)
-        self.cache.attend(layer, q.data_ptr(), o.data_ptr(), q.stride(0))
-        return o
+        self.cache.append_batch(self.seqs, self.ones, layer, k, v)
+        return self.cache.attend(self.seqs, layer, q)
 
     def finish_step(self):
         if self.echo:
@@ -209,7 +211,7 @@ class KvqBackend(Backend):
         torch.cuda.synchronize()
 
     def close(self):
-        self.cache.close()
+        self.cache = None
 
 
 class RangeAllocator:
@@ -392,12 +394,12 @@ def peer_kernel_check(dev, batch=8, length=32768):
     return out
 
 
-def run_backend(name, args, model, dev, lib, trace_args, budget, max_request, peer_attention, sdpa_backend):
+def run_backend(name, args, model, dev, trace_args, budget, max_request, peer_attention, sdpa_backend):
     """Runs the trace on one backend; returns its summary and its steps.csv rows."""
     if name == "peer":
         be = PeerBackend(model, dev, args.seed, budget, max_request, peer_attention, sdpa_backend)
     else:
-        be = KvqBackend(name, model, dev, args.seed, lib, name, budget, args.max_batch, max_request + 64)
+        be = KvqBackend(name, model, dev, args.seed, name, budget, args.max_batch, max_request + 64)
     try:
         log = ss.RunLog(name)
         tagger = canary_tagger(be, args.canary_block) if name == "echokv" else None
@@ -456,7 +458,6 @@ def canary_tagger(backend, block):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--lib", default=".gpu/libkvq_serve.so")
     ap.add_argument("--out", default="out/serve")
     ap.add_argument("--backends", default="peer fp16 sym8 kivi4/g32 kivi2/g32 echokv",
                     help="space-separated: peer, echokv, or a kvq format spec (k=kivi4/g32,v=kivi2/g32 too)")
@@ -485,7 +486,6 @@ def main():
     probe = ss.make_trace(**trace_args)
     max_request = max(r.context + r.output for r in probe)
     budget = int(args.kv_gib * (1 << 30))
-    lib = kvq_abi.load(args.lib)
     os.makedirs(args.out, exist_ok=True)
     props = torch.cuda.get_device_properties(0)
     model = Model(args.layers, max_request + 64, args.seed, dev)
@@ -514,7 +514,7 @@ def main():
     results, steps_rows = [], []
     for name in backends:
         try:
-            summary, rows = run_backend(name, args, model, dev, lib, trace_args, budget, max_request, peer_attention,
+            summary, rows = run_backend(name, args, model, dev, trace_args, budget, max_request, peer_attention,
                                         sdpa_backend)
         except Exception as e:  # one backend's failure is reported; the others still run
             print(f"{name:>10}: FAILED: {type(e).__name__}: {e}\n{traceback.format_exc()}", flush=True)

@@ -1,25 +1,23 @@
 #!/usr/bin/env python3
 """CPU-only tests of the serving benchmark's pieces (no torch, no GPU): the trace generator, the
-scheduler and its admission rules with a fake backend, the A/B summary, and the C ABI through
-ctypes on kvq's CPU backend (argument checks, bytes_for against what a fill takes, append_batch +
-attend against a hand computation, failed calls changing nothing).
+scheduler and its admission rules with a fake backend, the A/B summary, and what the kvq backend
+relies on through the kvq package on the CPU backend (bytes_for against what a fill takes,
+admission, append_batch + attend against a hand computation, failed calls changing nothing, the
+EchoKV canary switch).
 
-    python3 bench/serve/test_serve.py --lib build/bench/libkvq_serve.so
+    PYTHONPATH=build/python python3 bench/serve/test_serve.py
 """
-import argparse
-import ctypes
 import os
 import sys
 import unittest
 
+import numpy as np
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import kvq_abi  # noqa: E402
+import kvq  # noqa: E402  (the package: PYTHONPATH=<build>/python)
 import report_serve  # noqa: E402
 import serve  # noqa: E402  (torch-free parts only: torch is imported under a guard)
 import serve_sched as ss  # noqa: E402
-
-LIB = None
-
 
 class FakeBackend:
     """A backend whose cache holds every request exactly (the peer's rule) and whose step takes
@@ -198,58 +196,45 @@ class RangeAllocatorTest(unittest.TestCase):
         self.assertEqual(a.take(60), 0)
 
 
-def f32_buffer(values):
-    buf = (ctypes.c_float * len(values))(*values)
-    return buf, ctypes.addressof(buf)
-
-
-class AbiTest(unittest.TestCase):
+class PackageTest(unittest.TestCase):
+    """What serve.py's kvq backend relies on, through the kvq package on the CPU backend."""
     L, HQ, H, D = 2, 4, 2, 64
 
     def cache(self, policy="fp16", budget=8 << 20):
-        return kvq_abi.Cache(LIB, policy, cuda=False, layers=self.L, q_heads=self.HQ, kv_heads=self.H,
-                             head_dim=self.D, budget_bytes=budget, max_sequences=8, max_tokens=4096)
+        return kvq.Cache(self.L, self.HQ, self.H, self.D, serve.POLICIES.get(policy, policy), budget_bytes=budget,
+                         max_sequences=8, max_tokens=4096, check_values=False)
+
+    def rows(self, tokens, value):
+        return np.full((tokens, self.H, self.D), value, np.float32)
 
     def test_create_errors(self):
-        with self.assertRaises(kvq_abi.KvqError) as e:
+        with self.assertRaises(kvq.InvalidArgument) as e:
             self.cache("kivi5/g32")
-        self.assertEqual(e.exception.code, "invalid_argument")
         self.assertIn("kivi5", str(e.exception))
-        with self.assertRaisesRegex(ValueError, "layers = 0"):
-            kvq_abi.Cache(LIB, "fp16", cuda=False, layers=0, q_heads=4, kv_heads=2, head_dim=64, budget_bytes=1,
-                          max_sequences=1, max_tokens=1)
-        with self.assertRaisesRegex(TypeError, "budget_bytes must be an int"):
-            kvq_abi.Cache(LIB, "fp16", cuda=False, layers=1, q_heads=4, kv_heads=2, head_dim=64,
-                          budget_bytes=1.5, max_sequences=1, max_tokens=1)
-        err = ctypes.create_string_buffer(256)
-        self.assertIsNone(LIB.kvq_serve_create(b"fp16", 2, 1, 4, 2, 64, 1 << 20, 1, 64, None, err, 256))
-        self.assertIn(b"cuda must be 0 or 1", err.value)
 
     def test_bytes_for_is_what_a_fill_takes(self):
+        rng = np.random.default_rng(0)
         for policy in ("fp16", "kivi4/g32", "sym8"):
             c = self.cache(policy)
             tokens = 300
             predicted = c.bytes_for(tokens)
             free0 = c.stats()["free_bytes"]
             c.create_sequence(7)
-            k, kp = f32_buffer([0.01 * (i % 97) for i in range(tokens * self.H * self.D)])
+            k = rng.standard_normal((tokens, self.H, self.D)).astype(np.float32)
             for layer in range(self.L):
-                c.append(7, layer, kp, kp, tokens, dtype="f32")
+                c.append(7, layer, k, k)
             self.assertEqual(free0 - c.stats()["free_bytes"], predicted, policy)
             self.assertEqual(c.stats()["tokens"], tokens * self.L)
-            more = c.bytes_for(200, 7)
-            self.assertGreater(more, 0)
+            self.assertGreater(c.bytes_for(200, 7), 0)
             c.release_sequence(7)
             self.assertEqual(c.stats()["free_bytes"], free0)
-            c.close()
 
     def test_kvq_admission(self):
         def first_request_held(budget):
             c = self.cache("fp16", budget=budget)
             c.create_sequence(1)
-            k, kp = f32_buffer([0.5] * (200 * self.H * self.D))
             for layer in range(self.L):
-                c.append(1, layer, kp, kp, 200, dtype="f32")
+                c.append(1, layer, self.rows(200, 0.5), self.rows(200, 0.5))
             return c
 
         first, second = ss.Request(1, 200, 150), ss.Request(2, 200, 150)
@@ -257,82 +242,45 @@ class AbiTest(unittest.TestCase):
         used, one, reserve = c.stats()["used_bytes"], c.bytes_for(350), c.bytes_for(150, 1)
         self.assertGreater(reserve, 0)
         self.assertFalse(ss.kvq_fits(c, ss.Request(2, 20000, 50), [first]))
-        c.close()
         # the second request fits exactly when its bytes and the first's remaining 150 tokens fit
         for budget, fits in ((used + one + reserve, True), (used + one + reserve - 256, False)):
             c = first_request_held(budget)
             self.assertEqual(c.bytes_for(350), one)
             self.assertEqual(ss.kvq_fits(c, second, [first]), fits, budget)
-            c.close()
 
-    def test_decode_step_and_checks(self):
+    def test_decode_step_as_the_backend_issues_it(self):
         c = self.cache("fp16")
         for s in (3, 5):
             c.create_sequence(s)
-        row = self.H * self.D
         # sequence 3 gets V rows of 1.0 then 3.0, sequence 5 rows of 2.0 then 4.0; K zero, so q
-        # attends uniformly and the output is the mean of the V rows
-        zeros, zp = f32_buffer([0.0] * (2 * row))
-        for step, vals in enumerate(([1.0, 2.0], [3.0, 4.0])):
-            v, vp = f32_buffer([vals[0]] * row + [vals[1]] * row)
-            c.set_batch([3, 5])
+        # attends uniformly and the output is the mean of the V rows; K and V are token-strided
+        # views of one fused buffer, as serve.py's QKV output
+        for vals in ([1.0, 2.0], [3.0, 4.0]):
+            fused = np.zeros((2, 2 * self.H, self.D), np.float32)
+            fused[0, self.H:], fused[1, self.H:] = vals
             for layer in range(self.L):
-                c.append_batch(layer, zp, vp, dtype="f32")
-        q, qp = f32_buffer([0.3] * (2 * self.HQ * self.D))
-        o, op = f32_buffer([0.0] * (2 * self.HQ * self.D))
-        c.attend(1, qp, op, dtype="f32")
-        half = self.HQ * self.D
-        self.assertTrue(all(abs(x - 2.0) < 1e-3 for x in o[:half]), o[0])
-        self.assertTrue(all(abs(x - 3.0) < 1e-3 for x in o[half:]), o[half])
+                c.append_batch([3, 5], [1, 1], layer, fused[:, :self.H], fused[:, self.H:])
+        o = c.attend([3, 5], 1, np.full((2, self.HQ, self.D), 0.3, np.float32))
+        np.testing.assert_allclose(o[0], 2.0, atol=1e-3)
+        np.testing.assert_allclose(o[1], 3.0, atol=1e-3)
         st = c.stats()
         self.assertEqual(st["tokens"], 2 * 2 * self.L)
-        # bad calls: a clear message, nothing changed
-        with self.assertRaises(kvq_abi.KvqError) as e:
-            c.append_batch(self.L, zp, zp, dtype="f32")
-        self.assertIn("layer 2 outside [0, 2)", str(e.exception))
-        with self.assertRaisesRegex(kvq_abi.KvqError, "v_stride 5 below"):
-            c.append_batch(0, zp, zp, v_stride=5, dtype="f32")
-        with self.assertRaisesRegex(kvq_abi.KvqError, "dtype 7"):
-            c._check(LIB.kvq_serve_append_batch(c.h, 0, c._seqs, 2, zp, zp, 0, 0, 7), "append_batch")
-        with self.assertRaisesRegex(kvq_abi.KvqError, "n = 0 outside"):
-            c._check(LIB.kvq_serve_attend(c.h, 0, c._seqs, 0, qp, 0, op, 0), "attend")
-        with self.assertRaisesRegex(kvq_abi.KvqError, "q_stride 3 below"):
-            c.attend(0, qp, op, q_stride=3, dtype="f32")
-        with self.assertRaisesRegex(kvq_abi.KvqError, "k or v is null"):
-            c._check(LIB.kvq_serve_append_batch(c.h, 0, c._seqs, 2, None, zp, 0, 0, 0), "append_batch")
-        c.set_batch([3, 9])
-        with self.assertRaises(kvq_abi.KvqError) as e:
-            c.append_batch(0, zp, zp, dtype="f32")
-        self.assertEqual(e.exception.code, "not_found")
+        with self.assertRaises(kvq.NotFound):
+            c.append_batch([3, 9], [1, 1], 0, self.rows(2, 0.0), self.rows(2, 0.0))
         self.assertEqual(c.stats(), st)
-        with self.assertRaisesRegex(ValueError, "9 sequences outside"):
-            c.set_batch(list(range(9)))
-        with self.assertRaisesRegex(ValueError, "dtype 'f64'"):
-            c.append(3, 0, zp, zp, 1, dtype="f64")
-        with self.assertRaisesRegex(ValueError, "k = 0 outside"):
-            c.append(3, 0, 0, zp, 1, dtype="f32")
-        with self.assertRaises(kvq_abi.KvqError) as e:
-            c.set_canary(True)
-        self.assertEqual(e.exception.code, "unsupported")
-        c.close()
+        with self.assertRaises(kvq.Unsupported):
+            c.freeze_policy(True)
 
     def test_echokv_canary_switch(self):
         c = self.cache("echokv")
-        c.set_canary(False)
-        c.set_canary(True)
+        self.assertIn("echokv", c.policy)
+        c.freeze_policy(True)
+        c.freeze_policy(False)
         c.sync_policy()
-        with self.assertRaisesRegex(kvq_abi.KvqError, "on must be 0 or 1"):
-            c._check(LIB.kvq_serve_set_canary(c.h, 2), "set_canary")
-        c.close()
 
 
 def main():
-    global LIB
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--lib", required=True, help="path of libkvq_serve.so")
-    args, rest = ap.parse_known_args()
-    LIB = kvq_abi.load(args.lib)
-    unittest.main(argv=[sys.argv[0]] + rest, verbosity=2)
+    unittest.main(verbosity=2)
 
 
 if __name__ == "__main__":

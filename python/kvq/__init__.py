@@ -296,6 +296,11 @@ class Cache:
         """Waits for the policy's canaries in flight and feeds them to the policy (EchoKV)."""
         self._c.sync_policy()
 
+    def freeze_policy(self, frozen: bool = True) -> None:
+        """EchoKV: stops (or, with False, resumes) every move and measurement, after landing the
+        measurements in flight; raises Unsupported for other policies."""
+        self._c.freeze_policy(frozen)
+
     def flush_policy(self) -> None:
         """Launches the staged canaries without waiting (CUDA)."""
         self._c.flush_policy()

@@ -16,6 +16,7 @@
 #include <kvq/cache/cache.hpp>
 #include <kvq/cache/decode_step.hpp>
 #include <kvq/format/format.hpp>
+#include <kvq/policy/echokv.hpp>
 #include <kvq/policy/registry.hpp>
 #include <memory>
 #include <optional>
@@ -522,6 +523,20 @@ NB_MODULE(_kvq, m) {
             return numpy_floats(std::move(lv), {size_t(c.shape().layers), size_t(c.kv_heads()), 2, per});
           },
           "format"_a)
+      .def(
+          "freeze_policy",
+          [](py_cache& c, bool frozen) {
+            auto* echo = dynamic_cast<kvq::echokv_policy*>(&c.cache->active_policy());
+            if (!echo)
+              raise({kvq::errc::unsupported,
+                     "freeze_policy needs an echokv policy; this cache's is " + c.cache->active_policy().name()});
+            ok(c.cache->sync_policy());  // the measurements in flight land before the switch
+            if (frozen)
+              echo->freeze();
+            else
+              echo->unfreeze();
+          },
+          "frozen"_a = true)
       .def("sync_policy", [](py_cache& c) { ok(c.cache->sync_policy()); })
       .def("flush_policy", [](py_cache& c) { ok(c.cache->flush_policy()); })
       .def("stats", [](const py_cache& c) { return stats_dict(c.cache->stats()); })
