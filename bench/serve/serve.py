@@ -419,7 +419,8 @@ def run_backend(name, args, model, dev, trace_args, budget, max_request, peer_at
         counted = be.issue_seconds[args.warmup_steps:]
         s["issue_ms_mean"] = 1e3 * sum(counted) / len(counted) if counted else float("nan")
         if isinstance(be, KvqBackend):
-            s["overhead_device_mib"] = be.cache.stats()["overhead_device_bytes"] / 2**20
+            over = be.cache.stats()["overhead"]
+            s["overhead_device_mib"] = (over["device_tables"] + over["device_workspace"]) / 2**20
         rows = [(name, i, b, f"{1e3 * sec:.3f}", tag)
                 for i, (sec, b, tag) in enumerate(zip(log.step_seconds, log.step_batch, log.step_tag))]
         print(f"{name:>10}: {s['tokens_per_s']:.0f} tok/s, TPOT {s['tpot_ms_mean']:.2f} ms (p90 "
