@@ -199,6 +199,37 @@ nb::ndarray<nb::numpy, float> numpy_floats(std::vector<float>&& values, std::vec
 
 // ---- the cache ----------------------------------------------------------------------------------
 
+/// Makes a CUDA cache's device current for one call and restores the caller's after it (torch's
+/// current device may be another GPU): kernels launch and memory is touched where the cache lives.
+/// -1 (a CPU cache) does nothing.
+class device_guard {
+ public:
+  explicit device_guard(int device) {
+#if KVQ_WITH_CUDA
+    if (device >= 0 && cudaGetDevice(&prev_) == cudaSuccess && prev_ != device) set_ = cudaSetDevice(device) == cudaSuccess;
+#endif
+    (void)device;
+  }
+  device_guard(const device_guard&) = delete;
+  device_guard& operator=(const device_guard&) = delete;
+  ~device_guard() {
+#if KVQ_WITH_CUDA
+    if (set_) cudaSetDevice(prev_);
+#endif
+  }
+
+ private:
+  int prev_ = 0;
+  bool set_ = false;
+};
+
+/// The cache of one call, its device current while the expression that uses it lasts.
+struct on_device {
+  device_guard guard;
+  kvq::KVCache& cache;
+  kvq::KVCache* operator->() const { return &cache; }
+};
+
 /// A KVCache with what Python needs to check its tensors: where it lives and its shape.
 struct py_cache {
   std::unique_ptr<kvq::KVCache> cache;
@@ -206,6 +237,9 @@ struct py_cache {
   where w = where::cpu;
   int device_id = 0;
 
+  int device() const { return w == where::cuda ? device_id : -1; }
+  /// `c.use()->append(...)`: the cache with its device current for the call.
+  on_device use() const { return {device_guard(device()), *cache}; }
   const kvq::cache_shape& shape() const { return cache->config().shape; }
   int q_heads() const { return shape().q_heads; }
   int kv_heads() const { return shape().kv_heads; }
@@ -265,7 +299,6 @@ int cuda_device_of(std::string_view device) {
   }
   if (index >= count)
     invalid("device '" + std::string(device) + "': only " + std::to_string(count) + " CUDA devices are visible");
-  if (cudaSetDevice(index) != cudaSuccess) raise({kvq::errc::cuda_error, "cudaSetDevice(" + std::to_string(index) + ") failed"});
 #else
   raise({kvq::errc::unsupported, "device '" + std::string(device) + "': this kvq was built without CUDA"});
 #endif
@@ -289,6 +322,7 @@ py_cache make_cache(int layers, int q_heads, int kv_heads, int head_dim, std::st
   }
   auto pol = kvq::make_policy(spec, cfg.shape, rotated);
   if (!pol) raise({pol.error().code(), "configuration '" + std::string(config) + "': " + pol.error().message()});
+  const device_guard on(c.device());  // the cache allocates on its device
   auto made = kvq::KVCache::create(cfg, std::move(pol).value());
   if (!made) raise({made.error().code(), "configuration '" + std::string(config) + "': " + made.error().message()});
   c.cache = std::make_unique<kvq::KVCache>(std::move(made).value());
@@ -393,34 +427,34 @@ NB_MODULE(_kvq, m) {
       .def_prop_ro("device", [](const py_cache& c) {
         return c.w == where::cpu ? std::string("cpu") : "cuda:" + std::to_string(c.device_id);
       })
-      .def_prop_ro("policy", [](const py_cache& c) { return c.cache->active_policy().name(); })
-      .def_prop_ro("budget_bytes", [](const py_cache& c) { return c.cache->config().budget_bytes; })
-      .def_prop_ro("softmax_scale", [](const py_cache& c) { return c.cache->config().softmax_scale; })
-      .def_prop_ro("sink_pages", [](const py_cache& c) { return c.cache->config().sink_pages; })
-      .def_prop_ro("max_sequences", [](const py_cache& c) { return c.cache->config().max_sequences; })
-      .def_prop_ro("max_tokens", [](const py_cache& c) { return c.cache->config().max_tokens; })
-      .def_prop_ro("rotated", [](const py_cache& c) { return !c.cache->config().rotation.heads.empty(); })
+      .def_prop_ro("policy", [](const py_cache& c) { return c.use()->active_policy().name(); })
+      .def_prop_ro("budget_bytes", [](const py_cache& c) { return c.use()->config().budget_bytes; })
+      .def_prop_ro("softmax_scale", [](const py_cache& c) { return c.use()->config().softmax_scale; })
+      .def_prop_ro("sink_pages", [](const py_cache& c) { return c.use()->config().sink_pages; })
+      .def_prop_ro("max_sequences", [](const py_cache& c) { return c.use()->config().max_sequences; })
+      .def_prop_ro("max_tokens", [](const py_cache& c) { return c.use()->config().max_tokens; })
+      .def_prop_ro("rotated", [](const py_cache& c) { return !c.use()->config().rotation.heads.empty(); })
       .def(
           "create_sequence",
-          [](py_cache& c, int64_t id, std::optional<uintptr_t> s) { ok(c.cache->create_sequence(id, stream_of(s))); },
+          [](py_cache& c, int64_t id, std::optional<uintptr_t> s) { ok(c.use()->create_sequence(id, stream_of(s))); },
           "seq"_a, "stream"_a = nb::none())
       .def(
-          "release_sequence", [](py_cache& c, int64_t id) { ok(c.cache->release_sequence(id)); }, "seq"_a)
+          "release_sequence", [](py_cache& c, int64_t id) { ok(c.use()->release_sequence(id)); }, "seq"_a)
       .def(
-          "has_sequence", [](const py_cache& c, int64_t id) { return c.cache->has_sequence(id); }, "seq"_a)
+          "has_sequence", [](const py_cache& c, int64_t id) { return c.use()->has_sequence(id); }, "seq"_a)
       .def(
           "length",
           [](const py_cache& c, int64_t id, int layer) {
-            if (!c.cache->has_sequence(id)) raise({kvq::errc::not_found, "unknown sequence " + std::to_string(id)});
+            if (!c.use()->has_sequence(id)) raise({kvq::errc::not_found, "unknown sequence " + std::to_string(id)});
             if (layer < 0 || layer >= c.shape().layers)
               invalid("layer " + std::to_string(layer) + " is outside [0, " + std::to_string(c.shape().layers) + ")");
-            return c.cache->length(id, layer);
+            return c.use()->length(id, layer);
           },
           "seq"_a, "layer"_a = 0)
       .def(
           "tokens_before_encode",
           [](const py_cache& c, int64_t id, int layer) {
-            const int64_t n = c.cache->tokens_before_encode(id, layer);
+            const int64_t n = c.use()->tokens_before_encode(id, layer);
             if (n < 0) raise({kvq::errc::not_found, "unknown sequence " + std::to_string(id) + " or layer " +
                                                         std::to_string(layer)});
             return n;
@@ -429,25 +463,25 @@ NB_MODULE(_kvq, m) {
       .def(
           "fork",
           [](py_cache& c, int64_t src, int64_t dst, std::optional<uintptr_t> s) {
-            ok(c.cache->fork(src, dst, stream_of(s)));
+            ok(c.use()->fork(src, dst, stream_of(s)));
           },
           "src"_a, "dst"_a, "stream"_a = nb::none())
       .def(
           "truncate",
           [](py_cache& c, int64_t id, int64_t length, std::optional<uintptr_t> s) {
-            ok(c.cache->truncate(id, length, stream_of(s)));
+            ok(c.use()->truncate(id, length, stream_of(s)));
           },
           "seq"_a, "length"_a, "stream"_a = nb::none())
       .def(
           "bytes_for",
           [](const py_cache& c, int64_t tokens, std::optional<int64_t> seq) {
-            return ok(c.cache->bytes_for(tokens, seq));
+            return ok(c.use()->bytes_for(tokens, seq));
           },
           "tokens"_a, "seq"_a = nb::none())
       .def(
           "append",
           [](py_cache& c, int64_t id, int layer, in_array k, in_array v, std::optional<uintptr_t> s) {
-            ok(c.cache->append(id, layer, c.kv(k, "k"), c.kv(v, "v"), stream_of(s)));
+            ok(c.use()->append(id, layer, c.kv(k, "k"), c.kv(v, "v"), stream_of(s)));
           },
           "seq"_a, "layer"_a, "k"_a, "v"_a, "stream"_a = nb::none())
       .def(
@@ -458,7 +492,7 @@ NB_MODULE(_kvq, m) {
               invalid("tokens has " + std::to_string(tokens.size()) + " entries, seqs " + std::to_string(seqs.size()));
             std::vector<kvq::append_item> items(seqs.size());
             for (size_t i = 0; i < seqs.size(); ++i) items[i] = {seqs[i], tokens[i]};
-            ok(c.cache->append_batch(items, layer, c.kv(k, "k"), c.kv(v, "v"), stream_of(s)));
+            ok(c.use()->append_batch(items, layer, c.kv(k, "k"), c.kv(v, "v"), stream_of(s)));
           },
           "seqs"_a, "tokens"_a, "layer"_a, "k"_a, "v"_a, "stream"_a = nb::none())
       .def(
@@ -466,14 +500,14 @@ NB_MODULE(_kvq, m) {
           [](py_cache& c, const std::vector<int64_t>& seqs, std::optional<std::vector<int>> q_lens, int layer,
              in_array q, out_array o, std::optional<uintptr_t> s) {
             const std::vector<kvq::attend_item> items = attend_items(seqs, q_lens);
-            ok(c.cache->attend(items, layer, c.q(q, "q"), c.out(o, "out"), stream_of(s)));
+            ok(c.use()->attend(items, layer, c.q(q, "q"), c.out(o, "out"), stream_of(s)));
           },
           "seqs"_a, "q_lens"_a, "layer"_a, "q"_a, "out"_a, "stream"_a = nb::none())
       .def(
           "prefill",
           [](py_cache& c, int64_t id, int layer, in_array k, in_array v, in_array q, out_array o,
              std::optional<uintptr_t> s) {
-            ok(c.cache->prefill(id, layer, c.kv(k, "k"), c.kv(v, "v"), c.q(q, "q"), c.out(o, "out"), stream_of(s)));
+            ok(c.use()->prefill(id, layer, c.kv(k, "k"), c.kv(v, "v"), c.q(q, "q"), c.out(o, "out"), stream_of(s)));
           },
           "seq"_a, "layer"_a, "k"_a, "v"_a, "q"_a, "out"_a, "stream"_a = nb::none())
       .def(
@@ -487,38 +521,38 @@ NB_MODULE(_kvq, m) {
                 (lse.shape(1) > 1 && lse.stride(1) != 1) || (lse.shape(0) > 1 && lse.stride(0) != c.q_heads()))
               invalid("lse: expected a contiguous float32 tensor of shape (" + std::to_string(qv.tokens) + ", " +
                       std::to_string(c.q_heads()) + "), got " + shape_text(lse));
-            ok(c.cache->attend_prefix(id, layer, prefix, qv, c.out(o, "out"), static_cast<float*>(lse.data()),
+            ok(c.use()->attend_prefix(id, layer, prefix, qv, c.out(o, "out"), static_cast<float*>(lse.data()),
                                       stream_of(s)));
           },
           "seq"_a, "layer"_a, "prefix"_a, "q"_a, "out"_a, "lse"_a, "stream"_a = nb::none())
       .def(
           "read",
           [](const py_cache& c, int64_t id, int layer, std::string_view r, std::optional<uintptr_t> s) {
-            const int64_t n = c.cache->length(id, layer);
+            const int64_t n = c.use()->length(id, layer);
             if (n < 0) raise({kvq::errc::not_found, "unknown sequence " + std::to_string(id)});
             std::vector<float> out(size_t(n) * c.kv_heads() * c.head_dim());
-            ok(c.cache->read(id, layer, role_of(r), out, stream_of(s)));
+            ok(c.use()->read(id, layer, role_of(r), out, stream_of(s)));
             return numpy_floats(std::move(out), {size_t(n), size_t(c.kv_heads()), size_t(c.head_dim())});
           },
           "seq"_a, "layer"_a, "role"_a, "stream"_a = nb::none())
       .def(
-          "check", [](py_cache& c, std::optional<uintptr_t> s) { ok(c.cache->check(stream_of(s))); },
+          "check", [](py_cache& c, std::optional<uintptr_t> s) { ok(c.use()->check(stream_of(s))); },
           "stream"_a = nb::none())
       .def(
           "set_clip_ratios",
-          [](py_cache& c, in_array ratios) { ok(c.cache->set_clip_ratios(host_floats(ratios, "ratios"))); },
+          [](py_cache& c, in_array ratios) { ok(c.use()->set_clip_ratios(host_floats(ratios, "ratios"))); },
           "ratios"_a)
       .def(
           "set_codebook_levels",
           [](py_cache& c, std::string_view f, in_array levels) {
-            ok(c.cache->set_codebook_levels(format_of(f), host_floats(levels, "levels")));
+            ok(c.use()->set_codebook_levels(format_of(f), host_floats(levels, "levels")));
           },
           "format"_a, "levels"_a)
       .def(
           "codebook_levels",
           [](const py_cache& c, std::string_view f) {
             const kvq::format_id id = format_of(f);
-            std::vector<float> lv = ok(c.cache->codebook_levels(id));
+            std::vector<float> lv = ok(c.use()->codebook_levels(id));
             const size_t per = size_t(1) << kvq::traits_of(id).bits;
             return numpy_floats(std::move(lv), {size_t(c.shape().layers), size_t(c.kv_heads()), 2, per});
           },
@@ -526,20 +560,20 @@ NB_MODULE(_kvq, m) {
       .def(
           "freeze_policy",
           [](py_cache& c, bool frozen) {
-            auto* echo = dynamic_cast<kvq::echokv_policy*>(&c.cache->active_policy());
+            auto* echo = dynamic_cast<kvq::echokv_policy*>(&c.use()->active_policy());
             if (!echo)
               raise({kvq::errc::unsupported,
-                     "freeze_policy needs an echokv policy; this cache's is " + c.cache->active_policy().name()});
-            ok(c.cache->sync_policy());  // the measurements in flight land before the switch
+                     "freeze_policy needs an echokv policy; this cache's is " + c.use()->active_policy().name()});
+            ok(c.use()->sync_policy());  // the measurements in flight land before the switch
             if (frozen)
               echo->freeze();
             else
               echo->unfreeze();
           },
           "frozen"_a = true)
-      .def("sync_policy", [](py_cache& c) { ok(c.cache->sync_policy()); })
-      .def("flush_policy", [](py_cache& c) { ok(c.cache->flush_policy()); })
-      .def("stats", [](const py_cache& c) { return stats_dict(c.cache->stats()); })
+      .def("sync_policy", [](py_cache& c) { ok(c.use()->sync_policy()); })
+      .def("flush_policy", [](py_cache& c) { ok(c.use()->flush_policy()); })
+      .def("stats", [](const py_cache& c) { return stats_dict(c.use()->stats()); })
       .def(
           "_attend_loop",
           [](py_cache& c, const std::vector<int64_t>& seqs, std::optional<std::vector<int>> q_lens, int layer,
@@ -551,27 +585,36 @@ NB_MODULE(_kvq, m) {
             const kvq::tensor_mut ov = c.out(o, "out");
             nb::gil_scoped_release unlocked;
             const auto t0 = std::chrono::steady_clock::now();
-            for (int i = 0; i < iters; ++i) ok(c.cache->attend(items, layer, qv, ov, stream_of(s)));
+            const on_device dev = c.use();
+            for (int i = 0; i < iters; ++i) ok(dev->attend(items, layer, qv, ov, stream_of(s)));
             return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
           },
           "seqs"_a, "q_lens"_a, "layer"_a, "q"_a, "out"_a, "stream"_a, "iters"_a);
 
   nb::class_<py_step>(m, "_DecodeStep")
       .def(nb::new_([](py_cache& c, int max_batch, int64_t max_tokens) {
-             return py_step{&c, ok(kvq::decode_step::create(*c.cache, max_batch, max_tokens))};
+             const on_device dev = c.use();
+             return py_step{&c, ok(kvq::decode_step::create(dev.cache, max_batch, max_tokens))};
            }),
            "cache"_a, "max_batch"_a, "max_tokens"_a, nb::keep_alive<0, 1>())
       .def(
-          "prepare", [](py_step& st, const std::vector<int64_t>& seqs) { ok(st.step.prepare(seqs)); }, "seqs"_a)
+          "prepare",
+          [](py_step& st, const std::vector<int64_t>& seqs) {
+            const on_device dev = st.cache->use();
+            ok(st.step.prepare(seqs));
+          },
+          "seqs"_a)
       .def(
           "append",
           [](py_step& st, int layer, in_array k, in_array v) {
+            const on_device dev = st.cache->use();
             ok(st.step.append(layer, st.cache->kv(k, "k"), st.cache->kv(v, "v")));
           },
           "layer"_a, "k"_a, "v"_a)
       .def(
           "attend",
           [](py_step& st, int layer, in_array q, out_array o) {
+            const on_device dev = st.cache->use();
             ok(st.step.attend(layer, st.cache->q(q, "q"), st.cache->out(o, "out")));
           },
           "layer"_a, "q"_a, "out"_a)
