@@ -1,0 +1,227 @@
+#!/usr/bin/env python3
+"""What a Python user of transformers would measure: decode tokens/s of a Llama-family model
+generating with each KV cache, in one process (issue: kvq from Python).
+
+The model is built from its config with **random weights** (Llama-3-8B's shape by default: 32
+layers, hidden 4096, 32 query / 8 KV heads, head_dim 128, MLP 14336, vocabulary 128256, BF16);
+decode speed does not depend on the weights' values. For each (batch, context) and cache:
+a prompt of `context` random tokens is prefilled (one forward, `logits_to_keep=1`, timed apart),
+then `--new-tokens` greedy decode steps run one forward each (argmax fed back), timed from a
+synchronized start to a synchronized end. Caches:
+  dynamic        transformers' DynamicCache (BF16, torch.cat every step), SDPA attention
+  static         StaticCache (BF16, preallocated), decode step compiled (torch.compile,
+                 mode reduce-overhead, fullgraph), SDPA attention
+  quanto, hqq    QuantizedCache (4 bits, group 64, residual 128) where the backend's package is
+                 installed (else reported as not run)
+  kvq:<config>   kvq.hf.KVQCache with that kvq configuration, attention "kvq"
+Per cache: decode tokens/s, prefill seconds, peak GPU memory (torch's allocator, the weights
+included), KV bytes per token counted with everything the cache stores (pages, scales, windows,
+residuals). `--max-batch-kv-gib G`: also the largest batch of each cache whose KV at the largest
+context fits G GiB (from its measured bytes per token), run at that batch. Writes JSON lines to
+--out and prints a markdown table.
+
+    python3 bench/hf_generate.py --out out/hf/generate.jsonl [--batches 1,8] [--contexts 8192,32768]
+        [--caches "dynamic static quanto hqq kvq:fp16 kvq:kivi4/g32 kvq:kivi2/g32+rot+sink"]
+        [--layers 32] [--new-tokens 256] [--max-batch-kv-gib 40]
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import transformers
+
+import kvq
+import kvq.hf
+
+LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                 head_dim=128, vocab_size=128256, rope_theta=500000.0)
+
+
+def make_model(args, dev):
+    shape = dict(LLAMA3_8B)
+    if args.small:  # a tiny model of the same family, to check the script anywhere
+        shape.update(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=64, vocab_size=2048)
+    cfg = transformers.LlamaConfig(num_hidden_layers=args.layers, max_position_embeddings=max(args.contexts)
+                                   + args.new_tokens + 16, **shape)
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    with torch.device(dev):
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            model = transformers.LlamaForCausalLM(cfg)
+        finally:
+            torch.set_default_dtype(prev)
+    return model.eval()
+
+
+def kv_bytes_per_token(cache, model, tokens):
+    """Bytes the cache holds per token (all layers), everything it stores counted."""
+    if isinstance(cache, kvq.hf.KVQCache):
+        st = cache.kvq.stats()  # pages (scales inside) and windows, over tokens summed over layers
+        return (st["page_bytes"] + st["window_bytes"]) * model.config.num_hidden_layers / max(1, st["tokens"])
+    total = 0
+    for layer in cache.layers:
+        for name, value in vars(layer).items():
+            if isinstance(value, torch.Tensor):
+                total += value.numel() * value.element_size()
+            elif hasattr(value, "__dict__"):  # quantized tensors of quanto / hqq hold their parts
+                for part in vars(value).values():
+                    if isinstance(part, torch.Tensor):
+                        total += part.numel() * part.element_size()
+    return total / tokens
+
+
+def make_cache(name, model, batch, context, args, dev):
+    cfg = model.config
+    if name == "dynamic":
+        return transformers.DynamicCache(config=cfg), "sdpa"
+    if name == "static":
+        return transformers.StaticCache(config=cfg, max_cache_len=context + args.new_tokens), "sdpa"
+    if name in ("quanto", "hqq"):
+        return transformers.QuantizedCache(backend=name, config=cfg, nbits=4, q_group_size=64,
+                                           residual_length=128), "sdpa"
+    if name.startswith("kvq:"):
+        layers, kv, hd = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+        fp16_bytes = batch * (context + args.new_tokens + 256) * layers * kv * hd * 2 * 2
+        return kvq.hf.KVQCache(cfg, name[4:], budget_bytes=fp16_bytes + (256 << 20), device=str(dev),
+                               max_sequences=max(batch, 1), max_tokens=context + args.new_tokens + 256), "kvq"
+    raise SystemExit(f"unknown cache '{name}'")
+
+
+def run_one(name, model, batch, context, args, dev):
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    g = torch.Generator(device="cpu").manual_seed(batch * 1000003 + context)
+    prompt = torch.randint(0, model.config.vocab_size, (batch, context), generator=g).to(dev)
+    cache, attn = make_cache(name, model, batch, context, args, dev)
+    model.set_attn_implementation(attn)
+    forward = model.forward
+    if name == "static":
+        forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    with torch.no_grad():
+        sync()
+        t0 = time.perf_counter()
+        out = model(prompt, past_key_values=cache, logits_to_keep=1, use_cache=True)
+        sync()
+        prefill_s = time.perf_counter() - t0
+        token = out.logits[:, -1].argmax(-1, keepdim=True)
+        pos = context
+
+        def step(tok, p):
+            position = torch.full((batch, 1), p, device=dev, dtype=torch.long)
+            cache_position = torch.tensor([p], device=dev, dtype=torch.long)
+            return forward(input_ids=tok, past_key_values=cache, position_ids=position, cache_position=cache_position,
+                           logits_to_keep=1, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+
+        warm = min(args.warmup, args.new_tokens - 1)
+        for _ in range(warm):  # compiles / captures (static) and warms every cache alike
+            token = step(token, pos)
+            pos += 1
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(args.new_tokens - warm):
+            token = step(token, pos)
+            pos += 1
+        sync()
+        decode_s = time.perf_counter() - t0
+    steps = args.new_tokens - warm
+    row = dict(cache=name, batch=batch, context=context, new_tokens=args.new_tokens, timed_steps=steps,
+               tokens_per_s=batch * steps / decode_s, ms_per_step=1e3 * decode_s / steps, prefill_s=prefill_s,
+               peak_gib=torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else float("nan"),
+               kv_bytes_per_token=kv_bytes_per_token(cache, model, batch * pos))
+    del cache
+    return row
+
+
+def available(name):
+    if name == "quanto":
+        try:
+            import optimum.quanto  # noqa: F401
+        except ImportError:
+            return "optimum-quanto is not installed"
+    if name == "hqq":
+        try:
+            import hqq  # noqa: F401
+        except ImportError:
+            return "hqq is not installed"
+    return None
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="out/hf/generate.jsonl")
+    ap.add_argument("--caches", default="dynamic static quanto hqq kvq:fp16 kvq:kivi4/g32 kvq:kivi2/g32+rot+sink")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--contexts", default="8192,32768")
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--warmup", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--max-batch-kv-gib", type=float, default=0)
+    ap.add_argument("--small", action="store_true", help="a tiny model of the family (to check the script)")
+    args = ap.parse_args()
+    args.batches = [int(x) for x in args.batches.split(",")]
+    args.contexts = [int(x) for x in args.contexts.split(",")]
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    model = make_model(args, dev)
+    name_dev = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
+    print(f"# {name_dev}, torch {torch.__version__}, transformers {transformers.__version__}, kvq {kvq.__version__}; "
+          f"{args.layers} layers{' (small)' if args.small else ''}, random weights", flush=True)
+    rows = []
+    caches = args.caches.split()
+    shapes = [(b, c) for c in args.contexts for b in args.batches]
+    for name in caches:
+        why = available(name)
+        if why:
+            print(f"{name}: not run ({why})", flush=True)
+            rows.append(dict(cache=name, skipped=why))
+            continue
+        for i, (b, c) in enumerate(shapes):
+            print(f"[{i + 1}/{len(shapes)}] {name} B={b} L={c} ...", end=" ", flush=True)
+            try:
+                row = run_one(name, model, b, c, args, dev)
+            except Exception as e:  # one cache's failure is reported; the others still run
+                row = dict(cache=name, batch=b, context=c, error=f"{type(e).__name__}: {e}")
+            print(row.get("error") or f"{row['tokens_per_s']:.0f} tok/s", flush=True)
+            rows.append(row)
+    if args.max_batch_kv_gib:
+        c = max(args.contexts)
+        for name in caches:
+            per = [r for r in rows if r.get("cache") == name and r.get("context") == c and "kv_bytes_per_token" in r]
+            if not per:
+                continue
+            b = int(args.max_batch_kv_gib * 2**30 // (per[0]["kv_bytes_per_token"] * (c + args.new_tokens)))
+            if b < 1:
+                continue
+            print(f"[max batch] {name} B={b} L={c} ...", end=" ", flush=True)
+            try:
+                row = run_one(name, model, b, c, args, dev)
+                row["max_batch_in_gib"] = args.max_batch_kv_gib
+            except Exception as e:
+                row = dict(cache=name, batch=b, context=c, max_batch_in_gib=args.max_batch_kv_gib,
+                           error=f"{type(e).__name__}: {e}")
+            print(row.get("error") or f"{row['tokens_per_s']:.0f} tok/s", flush=True)
+            rows.append(row)
+    with open(args.out, "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    print("| cache | B | context | tokens/s | ms/step | prefill s | peak GiB | KV bytes/token |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        if "tokens_per_s" in r:
+            tag = " (max batch)" if "max_batch_in_gib" in r else ""
+            print(f"| {r['cache']}{tag} | {r['batch']} | {r['context']} | {r['tokens_per_s']:.1f} | {r['ms_per_step']:.2f} | "
+                  f"{r['prefill_s']:.2f} | {r['peak_gib']:.1f} | {r['kv_bytes_per_token']:.0f} |")
+    if any("error" in r for r in rows):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
