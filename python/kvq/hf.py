@@ -21,6 +21,7 @@ Sliding-window layers, cross-attention and attention weights output are refused 
 """
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import Any, List, Optional
 
@@ -62,7 +63,7 @@ class KVQLayer(CacheLayerMixin):
             raise kvq.InvalidArgument(f"kvq.hf: layer {self.layer} was updated twice without attention in between "
                                       f"(is the model's attention implementation '{ATTENTION}'?)")
         self.pending = (key_states, value_states)
-        _active[0] = self._owner
+        _active.cache = self._owner
         return key_states, value_states
 
     def get_seq_length(self) -> int:
@@ -91,9 +92,10 @@ class KVQLayer(CacheLayerMixin):
         pass
 
 
-# The cache whose layer received the step's K/V last (a weak reference): the attention function
-# reads it.
-_active: List[Optional["weakref.ref[KVQCache]"]] = [None]
+# Per thread, the cache whose layer received the step's K/V last (a weak reference): the attention
+# function reads it (transformers does not pass the cache to it). Models running in several
+# threads each find their own.
+_active = threading.local()
 
 
 class KVQCache(Cache):
@@ -204,7 +206,8 @@ def kvq_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tenso
     """The attention function registered as "kvq": query [batch, q_heads, tokens, head_dim], key and
     value the layer's K/V of the step as `update` returned them. Returns ([batch, tokens, q_heads,
     head_dim], None)."""
-    cache = _active[0]() if _active[0] is not None else None
+    ref = getattr(_active, "cache", None)
+    cache = ref() if ref is not None else None
     layer_idx = getattr(module, "layer_idx", None)
     if cache is None or layer_idx is None or cache.layers[layer_idx].pending is None:
         raise kvq.InvalidArgument("kvq.hf: the 'kvq' attention needs a kvq.hf.KVQCache passed as past_key_values "
