@@ -95,8 +95,6 @@ using out_array = nb::ndarray<>;
 
 enum class where { cpu, cuda };
 
-const char* device_name(where w) { return w == where::cpu ? "cpu" : "cuda"; }
-
 template <class A>
 kvq::dtype dtype_of(const A& a, const char* name) {
   const nb::dlpack::dtype t = a.dtype();
@@ -287,7 +285,7 @@ int cuda_device_of(std::string_view device) {
   int index = 0;
   if (device.starts_with("cuda:")) {
     const std::string digits(device.substr(5));
-    if (digits.empty() || digits.find_first_not_of("0123456789") != std::string::npos)
+    if (digits.empty() || digits.size() > 4 || digits.find_first_not_of("0123456789") != std::string::npos)
       invalid("device '" + std::string(device) + "': the index is not a number");
     index = std::stoi(digits);
   }
