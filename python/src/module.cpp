@@ -253,35 +253,11 @@ struct py_cache {
   }
 };
 
-kvq::cache_config make_config(int layers, int q_heads, int kv_heads, int head_dim, std::string_view config,
-                              uint64_t budget_bytes, std::string_view device, int page_tokens, int window,
-                              int recent, int max_sequences, int64_t max_tokens, float softmax_scale,
-                              bool check_values, int cpu_threads, std::optional<uintptr_t> stream, bool& rotated,
-                              std::string_view& spec) {
-  kvq::cache_config cfg;
-  cfg.shape = {layers, q_heads, kv_heads, head_dim, page_tokens, window, recent};
-  cfg.budget_bytes = budget_bytes;
-  if (device == "cpu") {
-    cfg.where = kvq::backend::cpu;
-  } else if (device == "cuda" || device.starts_with("cuda:")) {
-    cfg.where = kvq::backend::cuda;
-  } else {
+/// The CUDA device index a device string names, -1 for "cpu"; refuses anything else by name.
+int device_index(std::string_view device) {
+  if (device == "cpu") return -1;
+  if (device != "cuda" && !device.starts_with("cuda:"))
     invalid("device must be 'cpu', 'cuda' or 'cuda:<index>', got '" + std::string(device) + "'");
-  }
-  cfg.max_sequences = max_sequences;
-  cfg.max_tokens = max_tokens;
-  cfg.softmax_scale = softmax_scale;
-  cfg.check_values = check_values;
-  cfg.cpu_threads = cpu_threads;
-  cfg.stream = stream ? reinterpret_cast<void*>(*stream) : nullptr;
-  const kvq::cache_suffixes suffixes = ok(kvq::parse_cache_suffixes(config));
-  suffixes.apply(cfg);
-  rotated = suffixes.rotated;
-  spec = suffixes.spec;
-  return cfg;
-}
-
-int cuda_device_of(std::string_view device) {
   int index = 0;
   if (device.starts_with("cuda:")) {
     const std::string digits(device.substr(5));
@@ -307,18 +283,26 @@ py_cache make_cache(int layers, int q_heads, int kv_heads, int head_dim, std::st
                     uint64_t budget_bytes, std::string_view device, int page_tokens, int window, int recent,
                     int max_sequences, int64_t max_tokens, float softmax_scale, bool check_values, int cpu_threads,
                     std::optional<uintptr_t> stream) {
-  bool rotated = false;
-  std::string_view spec;
-  const kvq::cache_config cfg =
-      make_config(layers, q_heads, kv_heads, head_dim, config, budget_bytes, device, page_tokens, window, recent,
-                  max_sequences, max_tokens, softmax_scale, check_values, cpu_threads, stream, rotated, spec);
   py_cache c;
   c.config = std::string(config);
-  if (cfg.where == kvq::backend::cuda) {
+  const int index = device_index(device);
+  if (index >= 0) {
     c.w = where::cuda;
-    c.device_id = cuda_device_of(device);
+    c.device_id = index;
   }
-  auto pol = kvq::make_policy(spec, cfg.shape, rotated);
+  kvq::cache_config cfg;
+  cfg.shape = {layers, q_heads, kv_heads, head_dim, page_tokens, window, recent};
+  cfg.budget_bytes = budget_bytes;
+  cfg.where = index >= 0 ? kvq::backend::cuda : kvq::backend::cpu;
+  cfg.max_sequences = max_sequences;
+  cfg.max_tokens = max_tokens;
+  cfg.softmax_scale = softmax_scale;
+  cfg.check_values = check_values;
+  cfg.cpu_threads = cpu_threads;
+  cfg.stream = stream ? reinterpret_cast<void*>(*stream) : nullptr;
+  const kvq::cache_suffixes suffixes = ok(kvq::parse_cache_suffixes(config));
+  suffixes.apply(cfg);
+  auto pol = kvq::make_policy(suffixes.spec, cfg.shape, suffixes.rotated);
   if (!pol) raise({pol.error().code(), "configuration '" + std::string(config) + "': " + pol.error().message()});
   const device_guard on(c.device());  // the cache allocates on its device
   auto made = kvq::KVCache::create(cfg, std::move(pol).value());
@@ -333,7 +317,7 @@ struct py_step {
   kvq::decode_step step;
 };
 
-nb::dict stats_dict(const kvq::cache_stats& s) {
+nb::dict stats_dict(const kvq::cache_stats& s, const kvq::cache_shape& shape) {
   nb::dict d;
   d["budget_bytes"] = s.budget_bytes;
   d["used_bytes"] = s.used_bytes;
@@ -348,6 +332,7 @@ nb::dict stats_dict(const kvq::cache_stats& s) {
   d["tokens"] = s.tokens;
   d["encoded_elements"] = s.encoded_elements;
   d["page_bits"] = s.page_bits();
+  d["total_bits"] = s.total_bits(shape.kv_heads, shape.head_dim);
   nb::dict bytes, pages;
   for (size_t f = 0; f < kvq::format_count; ++f)
     if (s.pages_by_format[f]) {
@@ -558,11 +543,12 @@ NB_MODULE(_kvq, m) {
       .def(
           "freeze_policy",
           [](py_cache& c, bool frozen) {
-            auto* echo = dynamic_cast<kvq::echokv_policy*>(&c.use()->active_policy());
+            const on_device dev = c.use();
+            auto* echo = dynamic_cast<kvq::echokv_policy*>(&dev->active_policy());
             if (!echo)
               raise({kvq::errc::unsupported,
-                     "freeze_policy needs an echokv policy; this cache's is " + c.use()->active_policy().name()});
-            ok(c.use()->sync_policy());  // the measurements in flight land before the switch
+                     "freeze_policy needs an echokv policy; this cache's is " + dev->active_policy().name()});
+            ok(dev->sync_policy());  // the measurements in flight land before the switch
             if (frozen)
               echo->freeze();
             else
@@ -571,7 +557,7 @@ NB_MODULE(_kvq, m) {
           "frozen"_a = true)
       .def("sync_policy", [](py_cache& c) { ok(c.use()->sync_policy()); })
       .def("flush_policy", [](py_cache& c) { ok(c.use()->flush_policy()); })
-      .def("stats", [](const py_cache& c) { return stats_dict(c.use()->stats()); })
+      .def("stats", [](const py_cache& c) { return stats_dict(c.use()->stats(), c.shape()); })
       .def(
           "_attend_loop",
           [](py_cache& c, const std::vector<int64_t>& seqs, std::optional<std::vector<int>> q_lens, int layer,
