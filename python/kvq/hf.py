@@ -121,11 +121,17 @@ class KVQCache(Cache):
         if layer_types and any(t != "full_attention" for t in layer_types):
             raise kvq.Unsupported(f"kvq.hf: layer types {sorted(set(layer_types))}: only full attention is supported")
         super().__init__(layers=[KVQLayer(self, i) for i in range(layers)])
-        device = str(torch.device(device))
+        dev = torch.device(device)
+        if dev.type == "cuda" and cache_args.get("stream") is None:
+            # the cache's own stream: where a DecodeGraph's prepared steps run (eager calls follow
+            # torch's current stream, whatever this is)
+            self._own_stream = torch.cuda.Stream(dev)
+            cache_args["stream"] = self._own_stream
         self.kvq = kvq.Cache(layers, q_heads, kv_heads, head_dim, kvq_config, budget_bytes=budget_bytes,
-                             device=device, **cache_args)
+                             device=str(dev), **cache_args)
         self.rows: List[int] = []  # kvq sequence id of each batch row
         self._next_id = 0
+        self._graph_step: Optional[kvq.DecodeStep] = None  # set while a DecodeGraph runs a step
 
     # ---- rows -------------------------------------------------------------------------------------
     def _new_id(self) -> int:
@@ -229,6 +235,14 @@ def kvq_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tenso
     qt, kt, vt = (x.transpose(1, 2) for x in (query, key, value))
     if tokens > 1:
         qt, kt, vt = qt.contiguous(), kt.contiguous(), vt.contiguous()
+    step = cache._graph_step
+    if step is not None:  # a DecodeGraph's step (eager or being captured): the prepared step's kernels
+        if tokens != 1:
+            raise kvq.InvalidArgument(f"kvq.hf: a DecodeGraph step takes one token per row, got {tokens}")
+        out = torch.empty((batch, q_heads, head_dim), dtype=query.dtype, device=query.device)
+        step.append(layer_idx, kt[:, 0], vt[:, 0])
+        step.attend(layer_idx, qt[:, 0], out)
+        return out.unsqueeze(1), None  # the DecodeGraph counts the step's token (replays run no Python)
     out = torch.zeros((batch, tokens, q_heads, head_dim), dtype=query.dtype, device=query.device)
     if tokens == 1:  # a decode step: the new token of every row is real
         c.append_batch(cache.rows, [1] * batch, layer_idx, kt[:, 0], vt[:, 0])
@@ -242,6 +256,91 @@ def kvq_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tenso
                 out[b, real] = c.prefill(seq, layer_idx, kt[b, real], vt[b, real], qt[b, real])
     layer.seen += tokens
     return out, None
+
+
+class DecodeGraph:
+    """A model's decode forward over a KVQCache, captured once in a CUDA graph and replayed each
+    step: what `torch.compile(mode="reduce-overhead")` gives a StaticCache, for kvq's pages.
+
+        cache = kvq.hf.KVQCache(model.config, "kivi4/g32", budget_bytes=..., device="cuda")
+        model(prompt, past_key_values=cache, attention_mask=mask)      # prefill (eager, any chunks)
+        decode = kvq.hf.DecodeGraph(model, cache)
+        for _ in range(n):
+            logits = decode(tokens, positions)                        # [batch, vocab], one token per row
+
+    Each call runs `kvq.DecodeStep.prepare` on the host (the step's bookkeeping, page allocation and
+    descriptor copy on the cache's stream), copies the inputs into the graph's static buffers and
+    replays the graph on the cache's stream, ordered after torch's current stream and before what
+    follows on it. The first call runs the forward eagerly (lazy initializations, workspaces), the
+    second captures it; both compute their step. `tokens`, `positions`: [batch, 1] (the batch the
+    cache holds: its rows); positions as `DynamicCache` would count them (pads included). Returns
+    the last position's logits in a buffer the next call overwrites. Every row must be real at
+    each step (no attention mask: padded prompts decode through the eager path). What
+    `kvq.DecodeStep` refuses is refused here with its error (EchoKV's canary, a GQA group above 8);
+    the cache's eager calls (prefill, fork, truncate) stay usable between steps, with rows fixed
+    while the graph lives (a new batch needs a new DecodeGraph).
+    """
+
+    def __init__(self, model: torch.nn.Module, cache: KVQCache, max_tokens: Optional[int] = None):
+        if not cache.rows:
+            raise kvq.InvalidArgument("kvq.hf.DecodeGraph: the cache holds no rows yet (prefill the prompts first)")
+        if not cache.kvq.device.startswith("cuda"):
+            raise kvq.Unsupported("kvq.hf.DecodeGraph: a CUDA cache is needed (graphs replay on the GPU)")
+        self.model, self.cache = model, cache
+        self.batch = len(cache.rows)
+        self.rows = list(cache.rows)
+        self.step = kvq.DecodeStep(cache.kvq, max_batch=self.batch, max_tokens=max_tokens or cache.kvq.max_tokens)
+        self.stream = getattr(cache, "_own_stream", None) or torch.cuda.current_stream()
+        self.graph = None
+        self.calls = 0
+        self._in = self._logits = None
+
+    def _forward(self):
+        out = self.model(input_ids=self._in[0], position_ids=self._in[1], cache_position=self._in[2],
+                         past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1]
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        cache = self.cache
+        if cache.rows != self.rows:
+            raise kvq.InvalidArgument("kvq.hf.DecodeGraph: the cache's rows changed since the graph was made "
+                                      "(beam reorder, reset): make a new DecodeGraph")
+        if tuple(tokens.shape) != (self.batch, 1) or tuple(positions.shape) != (self.batch, 1):
+            raise kvq.InvalidArgument(f"kvq.hf.DecodeGraph: tokens and positions must be [{self.batch}, 1], got "
+                                      f"{list(tokens.shape)} and {list(positions.shape)}")
+        self.step.prepare(self.rows)  # validates first: a refused step changes nothing
+        current = torch.cuda.current_stream(tokens.device)
+        self.stream.wait_stream(current)
+        with torch.cuda.stream(self.stream):
+            if self._in is None:
+                self._in = (tokens.clone(), positions.clone(), positions[0].clone())
+            else:
+                self._in[0].copy_(tokens)
+                self._in[1].copy_(positions)
+                self._in[2].copy_(positions[0])
+            if self.graph is not None:
+                self.graph.replay()
+            else:
+                cache._graph_step = self.step
+                try:
+                    with torch.no_grad():
+                        if self.calls == 0:  # eager: lazy initializations and workspaces on this stream
+                            self._logits = self._forward()
+                        else:
+                            graph = torch.cuda.CUDAGraph()
+                            with torch.cuda.graph(graph, stream=self.stream):
+                                self._logits = self._forward()
+                            graph.replay()
+                            self.graph = graph
+                finally:
+                    cache._graph_step = None
+                    for layer in cache.layers:
+                        layer.pending = None
+        current.wait_stream(self.stream)
+        for layer in cache.layers:
+            layer.seen += 1
+        self.calls += 1
+        return self._logits
 
 
 AttentionInterface.register(ATTENTION, kvq_attention)

@@ -104,3 +104,38 @@ def test_padded_batch_rows_equal_rows_alone_and_greedy_equal(head_dim):
     agree = (got == want).float().mean().item()
     print(f"head_dim {head_dim}: greedy agreement with DynamicCache {agree:.3f}")
     assert agree >= 0.95
+
+
+@pytest.mark.parametrize("config", ["fp16", "kivi4/g32+rot"])
+def test_decode_graph_replays_the_eager_steps(config):
+    """kvq.hf.DecodeGraph (the decode forward captured once, replayed per step over a kvq
+    DecodeStep) against the eager kvq path on the same prefilled batch: the same tokens stored
+    (lengths) and logits equal up to the attention's summation order (splits planned for
+    max_tokens); a changed batch is refused by name and a refused step changes nothing."""
+    m = random_llama(128)
+    m.set_attn_implementation("kvq")
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 2048, (3, 300), generator=g).cuda()
+    steps = torch.randint(0, 2048, (3, 40), generator=g).cuda()
+    caches = [kvq.hf.KVQCache(m.config, config, budget_bytes=64 * MB, device="cuda", max_tokens=1024)
+              for _ in range(2)]
+    with torch.no_grad():
+        for c in caches:
+            m(ids, past_key_values=c)
+    graph = kvq.hf.DecodeGraph(m, caches[1])
+    worst = 0.0
+    for t in range(steps.shape[1]):
+        pos = torch.full((3, 1), 300 + t, device="cuda", dtype=torch.long)
+        with torch.no_grad():
+            want = m(steps[:, t:t + 1], past_key_values=caches[0], position_ids=pos).logits[:, -1].float()
+        got = graph(steps[:, t:t + 1], pos).float()
+        worst = max(worst, (got - want).abs().max().item() / want.abs().max().item())
+    print(f"{config}: DecodeGraph vs eager, worst relative logit difference {worst:.2e}")
+    assert worst < 2e-2  # bf16 activations: one summation-order rounding carried through 4 layers
+    assert graph.graph is not None and graph.calls == 40
+    for s0, s1 in zip(*(c.rows for c in caches)):
+        assert caches[1].kvq.length(s1, 3) == caches[0].kvq.length(s0, 3) == 340
+    assert caches[1].get_seq_length() == caches[0].get_seq_length() == 340
+    with pytest.raises(kvq.InvalidArgument, match=r"\[3, 1\]"):
+        graph(steps[:2, :1], pos[:2])
+    assert caches[1].kvq.length(caches[1].rows[0], 0) == 340
