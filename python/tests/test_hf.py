@@ -161,3 +161,11 @@ def test_refusals(model, text_ids):
     m.set_attn_implementation("kvq")
     with torch.no_grad(), pytest.raises(kvq.OutOfBudget):
         m(text_ids[:, :600], past_key_values=small)
+    # DecodeGraph: a cache with no rows yet, and a CPU cache (graphs replay on the GPU)
+    empty = kvq_cache(m)
+    with pytest.raises(kvq.InvalidArgument, match="no rows"):
+        kvq.hf.DecodeGraph(m, empty)
+    with torch.no_grad():
+        m(ids, past_key_values=empty)
+    with pytest.raises(kvq.Unsupported, match="CUDA cache"):
+        kvq.hf.DecodeGraph(m, empty)
