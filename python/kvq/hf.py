@@ -98,6 +98,38 @@ class KVQLayer(CacheLayerMixin):
 _active = threading.local()
 
 
+def attention_shape(config: Any):
+    """(layers, q_heads, kv_heads, head_dim) of a Llama-family decoder's config; refuses layers
+    other than full attention (sliding windows, linear attention) by name."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    q_heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or q_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // q_heads
+    layer_types = getattr(text, "layer_types", None)
+    if layer_types and any(t != "full_attention" for t in layer_types):
+        raise kvq.Unsupported(f"kvq.hf: layer types {sorted(set(layer_types))}: only full attention is supported")
+    return text.num_hidden_layers, q_heads, kv_heads, head_dim
+
+
+def own_stream_args(device: torch.device, cache_args: dict):
+    """`kvq.Cache` arguments with a stream of the cache's own on CUDA (where replayed steps run;
+    eager calls follow torch's current stream), and that stream (None elsewhere or when given)."""
+    if device.type != "cuda" or cache_args.get("stream") is not None:
+        return cache_args, None
+    stream = torch.cuda.Stream(device)
+    return dict(cache_args, stream=stream), stream
+
+
+def check_scale(cache: kvq.Cache, layer: int, head_dim: int, scaling: Optional[float], dropout: float) -> None:
+    """Refuses dropout and a logit scale other than the cache's (both by name)."""
+    if dropout:
+        raise kvq.Unsupported("kvq.hf: attention dropout (training) is not supported")
+    scale = cache.softmax_scale or head_dim ** -0.5
+    if scaling is not None and abs(scaling - scale) > 1e-6 * scale:
+        raise kvq.Unsupported(f"kvq.hf: layer {layer} scales its logits by {scaling}, the kvq cache by {scale} "
+                              "(KVQCache(..., softmax_scale=...))")
+
+
 class KVQCache(Cache):
     """A `transformers.Cache` backed by one `kvq.Cache` (a kvq sequence per batch row).
 
@@ -112,21 +144,10 @@ class KVQCache(Cache):
 
     def __init__(self, config: Any, kvq_config: str = "fp16", *, budget_bytes: int = 256 << 20,
                  device: Any = "cpu", **cache_args):
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        layers = text.num_hidden_layers
-        q_heads = text.num_attention_heads
-        kv_heads = getattr(text, "num_key_value_heads", None) or q_heads
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // q_heads
-        layer_types = getattr(text, "layer_types", None)
-        if layer_types and any(t != "full_attention" for t in layer_types):
-            raise kvq.Unsupported(f"kvq.hf: layer types {sorted(set(layer_types))}: only full attention is supported")
+        layers, q_heads, kv_heads, head_dim = attention_shape(config)
         super().__init__(layers=[KVQLayer(self, i) for i in range(layers)])
         dev = torch.device(device)
-        if dev.type == "cuda" and cache_args.get("stream") is None:
-            # the cache's own stream: where a DecodeGraph's prepared steps run (eager calls follow
-            # torch's current stream, whatever this is)
-            self._own_stream = torch.cuda.Stream(dev)
-            cache_args["stream"] = self._own_stream
+        cache_args, self._own_stream = own_stream_args(dev, cache_args)  # where a DecodeGraph's steps run
         self.kvq = kvq.Cache(layers, q_heads, kv_heads, head_dim, kvq_config, budget_bytes=budget_bytes,
                              device=str(dev), **cache_args)
         self.rows: List[int] = []  # kvq sequence id of each batch row
@@ -223,13 +244,8 @@ def kvq_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tenso
     layer.pending = None
     if k is not key:
         raise kvq.InvalidArgument(f"kvq.hf: layer {layer_idx}: the attention got other keys than the cache's update")
-    if dropout:
-        raise kvq.Unsupported("kvq.hf: attention dropout (training) is not supported")
     batch, q_heads, tokens, head_dim = query.shape
-    scale = cache.kvq.softmax_scale or head_dim ** -0.5
-    if scaling is not None and abs(scaling - scale) > 1e-6 * scale:
-        raise kvq.Unsupported(f"kvq.hf: layer {layer_idx} scales its logits by {scaling}, the kvq cache by {scale} "
-                              "(KVQCache(..., softmax_scale=...))")
+    check_scale(cache.kvq, layer_idx, head_dim, scaling, dropout)
     c = cache.kvq
     # token-major views [batch, tokens, heads, head_dim]; a decode step's are views, a chunk's copies
     qt, kt, vt = (x.transpose(1, 2) for x in (query, key, value))
@@ -290,7 +306,7 @@ class DecodeGraph:
         self.batch = len(cache.rows)
         self.rows = list(cache.rows)
         self.step = kvq.DecodeStep(cache.kvq, max_batch=self.batch, max_tokens=max_tokens or cache.kvq.max_tokens)
-        self.stream = getattr(cache, "_own_stream", None) or torch.cuda.current_stream()
+        self.stream = cache._own_stream or torch.cuda.current_stream()
         self.graph = None
         self.calls = 0
         self._in = self._logits = None

@@ -1,7 +1,7 @@
 """kvq.hf on a real model on the CPU: SmolLM2-135M (the project's GGUF, dequantized by transformers
 through `gguf`) generating with a KVQCache against DynamicCache: greedy tokens, logits, the KL of
 quantized caches against kvq-eval's, padded batches, beam search, prompt-lookup (assisted)
-decoding, and refusals. Skipped, saying why, without torch/transformers or the model file."""
+decoding, transformers' continuous batching (kvq.hf_paged), and refusals. Skipped, saying why, without torch/transformers or the model file."""
 import math
 import os
 from pathlib import Path
@@ -169,3 +169,47 @@ def test_refusals(model, text_ids):
         m(ids, past_key_values=empty)
     with pytest.raises(kvq.Unsupported, match="CUDA cache"):
         kvq.hf.DecodeGraph(m, empty)
+
+
+def test_continuous_batching_generate_batch(model, text_ids, monkeypatch):
+    """transformers' continuous batching with kvq (kvq.hf_paged.generate_batch): prompts of three
+    lengths scheduled together (prefill chunks and decode tokens packed in one forward); with fp16
+    pages each request generates what DynamicCache's greedy generate gives it alone; with
+    kivi4/g32 each request's kvq sequence holds its prompt and generated tokens (nothing padded)
+    and is released with the request; parallel samples fork their request's sequence; the model's
+    attention comes back after the call, and 'paged|kvq' outside it is refused."""
+    import kvq.hf_paged
+    m, _ = model
+    m.set_attn_implementation("sdpa")
+    prompts = [text_ids[0, a:a + n].tolist() for a, n in ((0, 37), (100, 180), (400, 5))]
+    gc = transformers.GenerationConfig(max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+    want = [generate(m, torch.tensor([p]), transformers.DynamicCache(config=m.config), max_new_tokens=12,
+                     eos_token_id=None, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    out = kvq.hf_paged.generate_batch(m, prompts, gc, "fp16", budget_bytes=64 * MB)
+    got = [out[k].generated_tokens for k in sorted(out, key=lambda k: int(k.split("_")[1]))]
+    assert got == want
+    assert m.config._attn_implementation == "sdpa"
+
+    held, made = {}, []
+    free = kvq.hf_paged.KVQPagedCache.free_blocks
+
+    def spy(self, request_id):  # what each request's sequence holds when transformers frees it
+        made.append(self)
+        if request_id in self.seqs:
+            held[request_id] = self.kvq.length(self.seqs[request_id], self.kvq.layers - 1)
+        free(self, request_id)
+
+    monkeypatch.setattr(kvq.hf_paged.KVQPagedCache, "free_blocks", spy)
+    sample = transformers.GenerationConfig(max_new_tokens=6, do_sample=True, num_return_sequences=2,
+                                           eos_token_id=None, pad_token_id=0)
+    kvq.hf_paged.generate_batch(m, prompts, sample, "kivi4/g32", budget_bytes=64 * MB)
+    for i, p in enumerate(prompts):
+        assert held[f"req_{i}"] == len(p) + 5  # the last token is sampled, never fed back
+        assert [v for k, v in held.items() if k.startswith(f"req_{i}__")] == [len(p) + 5]
+    assert made and made[0].kvq.stats()["sequences"] == 0  # every sequence released
+    with torch.no_grad(), pytest.raises(kvq.InvalidArgument, match="generate_batch"):
+        m.set_attn_implementation(kvq.hf_paged.ATTENTION)
+        try:
+            m(torch.tensor([prompts[2]]))
+        finally:
+            m.set_attn_implementation("sdpa")
