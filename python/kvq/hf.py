@@ -348,6 +348,11 @@ class DecodeGraph:
                                 self._logits = self._forward()
                             graph.replay()
                             self.graph = graph
+                except BaseException:
+                    # the prepared step never ran: its token goes back, leaving the cache as it was
+                    for seq in self.rows:
+                        cache.kvq.truncate(seq, cache.kvq.length(seq, 0) - 1)
+                    raise
                 finally:
                     cache._graph_step = None
                     for layer in cache.layers:

@@ -64,7 +64,7 @@ class KVQPagedCache(cb_cache.PagedAttentionCache):
         self.seqs: Dict[str, int] = {}  # request id -> kvq sequence
         self._next = 0
         self._pending: List[Tuple[str, int, int]] = []  # the batch being built: (request, past, query tokens)
-        self._batch: List[Tuple[str, int, int]] = []  # the batch the model runs
+        self._plan = ([], None, [])  # the running forward's decode sequences and rows, and chunks
 
     # ---- the batch builder's calls ----------------------------------------------------------------
     def extend_read_and_write_indices(self, request_id, past_length, query_length, read_index, write_index):
@@ -135,25 +135,28 @@ def kvq_paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     layer = module.layer_idx
     c = cache.kvq
     check_scale(c, layer, query.shape[-1], scaling, dropout)
-    if layer == 0:  # a new forward: the batch the builder described since the last one
-        cache._batch, cache._pending = cache._pending, []
-    batch = cache._batch
+    if layer == 0:  # a new forward: the batch the builder described since the last one, planned once
+        batch, cache._pending = cache._pending, []
+        decode_rows, decode_seqs, chunks, offset = [], [], [], 0
+        for request_id, past, n in batch:
+            seq = cache._seq(request_id, past)
+            if n == 1:
+                decode_rows.append(offset)
+                decode_seqs.append(seq)
+            else:
+                chunks.append((seq, offset, n))
+            offset += n
+        rows = torch.tensor(decode_rows, device=query.device) if decode_seqs else None
+        cache._plan = (decode_seqs, rows, chunks)
+    decode_seqs, rows, chunks = cache._plan
     q = query[0].transpose(0, 1)  # [T, q_heads, head_dim] views
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
-    out = torch.zeros_like(q)
-    decode_rows, decode_seqs, offset = [], [], 0
-    for request_id, past, n in batch:
-        seq = cache._seq(request_id, past) if layer == 0 else cache.seqs[request_id]
-        if n == 1:
-            decode_rows.append(offset)
-            decode_seqs.append(seq)
-        else:
-            out[offset:offset + n] = c.prefill(seq, layer, k[offset:offset + n].contiguous(),
-                                               v[offset:offset + n].contiguous(), q[offset:offset + n].contiguous())
-        offset += n
+    out = torch.zeros_like(q)  # rows of padding tokens (past the batch) stay zero
+    for seq, o, n in chunks:
+        out[o:o + n] = c.prefill(seq, layer, k[o:o + n].contiguous(), v[o:o + n].contiguous(),
+                                 q[o:o + n].contiguous())
     if decode_seqs:
-        rows = torch.tensor(decode_rows, device=q.device)
         kd, vd, qd = k.index_select(0, rows), v.index_select(0, rows), q.index_select(0, rows)
         c.append_batch(decode_seqs, [1] * len(decode_seqs), layer, kd, vd)
         out.index_copy_(0, rows, c.attend(decode_seqs, layer, qd))
