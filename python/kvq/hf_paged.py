@@ -23,6 +23,7 @@ transformers' loop are turned off for kvq (they assume BF16 blocks or a replayab
 from __future__ import annotations
 
 import contextlib
+import copy
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -52,12 +53,16 @@ class KVQPagedCache(cb_cache.PagedAttentionCache):
         cache_args, self._own_stream = own_stream_args(dev, s.get("cache_args", {}))
         self.kvq = kvq.Cache(layers, q_heads, kv_heads, head_dim, s["config"], budget_bytes=s["budget_bytes"],
                              device=str(dev), **cache_args)
-        # Blocks: admission units of block_size tokens, as many as the budget holds at the
-        # configuration's bytes per token over a whole sequence (pages, scales and window).
+        # Blocks: admission units of block_size tokens. A block stands for the page bytes of
+        # block_size tokens (the rate of a long sequence, scales included); a request's first
+        # allocation also takes `window_blocks` more for its FP16 window (the bytes of a sequence
+        # of `window` tokens, a bound on its ring and unencoded tokens). A request of b blocks
+        # then never needs more budget than its blocks stand for.
         bs = continuous_batching_config.block_size
-        per_seq = max(bs, self.kvq.max_tokens // bs * bs)
-        per_block = self.kvq.bytes_for(per_seq) * bs / per_seq
-        continuous_batching_config.num_blocks = max(1, int(s["budget_bytes"] * 0.97 // per_block))
+        t = max(bs, self.kvq.max_tokens // 2 // bs * bs)
+        per_block = (self.kvq.bytes_for(2 * t) - self.kvq.bytes_for(t)) * bs / t
+        self.window_blocks = -(-self.kvq.bytes_for(self.kvq.window) // int(per_block))
+        continuous_batching_config.num_blocks = max(1, int(s["budget_bytes"] * 0.98 // per_block))
         # transformers' block tensors: shapes only (meta), never memory
         super().__init__(config, continuous_batching_config, "meta", distributed_helper, tp_plan, dtype)
         self.device = dev
@@ -70,6 +75,21 @@ class KVQPagedCache(cb_cache.PagedAttentionCache):
     def extend_read_and_write_indices(self, request_id, past_length, query_length, read_index, write_index):
         self._pending.append((request_id, int(past_length), int(query_length)))
         super().extend_read_and_write_indices(request_id, past_length, query_length, read_index, write_index)
+
+    def blocks_needed(self, num_requested_blocks: int, allocated_blocks: int) -> int:
+        extra = self.window_blocks if allocated_blocks == 0 else 0  # a new request's window
+        return super().blocks_needed(num_requested_blocks + extra, allocated_blocks)
+
+    def allocate_blocks(self, n_blocks: int, request_id: str, allocated_blocks: int) -> Optional[int]:
+        """transformers' allocation, plus the window's blocks at a request's first (held in its
+        block table, so freed and forked with it); returns the blocks the scheduler asked for."""
+        extra = self.window_blocks if self.blocks_in_use(request_id) == 0 else 0
+        if super().blocks_needed(n_blocks + extra, allocated_blocks) > self.get_num_free_blocks():
+            return None
+        for cm in self.group_cache_managers:
+            if cm.allocate_blocks(n_blocks + extra, request_id, self._block_manager) is None:
+                raise kvq.OutOfBudget(f"kvq.hf_paged: {n_blocks + extra} blocks for request {request_id}")
+        return n_blocks
 
     def fill_block_table(self, request_id, past_length, query_length, block_table):
         raise kvq.Unsupported("kvq.hf_paged: the block-table decode path reads BF16 blocks (max_blocks_per_request=0)")
@@ -186,7 +206,7 @@ def generate_batch(model, inputs: Sequence[Sequence[int]], generation_config=Non
     cache of `kvq_config` and `budget_bytes` (`kvq.Cache` arguments in `cache_args`). Returns
     transformers' result (request id -> GenerationOutput). The model's attention is switched to
     "paged|kvq" for the call and restored after."""
-    cb = continuous_batching_config or ContinuousBatchingConfig()
+    cb = copy.copy(continuous_batching_config) if continuous_batching_config else ContinuousBatchingConfig()
     cb.max_blocks_per_request = 0  # no block-table decode path: it reads BF16 blocks
     cb.allow_block_sharing = False  # no prefix sharing of BF16 blocks (kvq forks share pages)
     cb.use_cuda_graph = False  # the attention runs host code per step (kvq's bookkeeping)

@@ -213,3 +213,39 @@ def test_continuous_batching_generate_batch(model, text_ids, monkeypatch):
             m(torch.tensor([prompts[2]]))
         finally:
             m.set_attn_implementation("sdpa")
+
+
+def test_continuous_batching_admits_by_kvq_bytes():
+    """transformers' scheduler admits by blocks; KVQPagedCache's blocks stand for kvq's page bytes
+    and every request also takes blocks for its FP16 window, so many short requests and a few long
+    ones in a budget that cannot hold them all at once all finish, kvq never refusing an append
+    for budget (a tiny random Llama, quick)."""
+    import kvq.hf_paged
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                   max_position_embeddings=2048)
+    m = transformers.LlamaForCausalLM(cfg).eval()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in [40] * 12 + [700, 600]]
+    gc = transformers.GenerationConfig(max_new_tokens=20, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    seen = {"held": 0, "used": 0}
+    seq = kvq.hf_paged.KVQPagedCache._seq
+
+    def spy(self, request_id, past):
+        out = seq(self, request_id, past)
+        st = self.kvq.stats()
+        seen["held"] = max(seen["held"], st["sequences"])
+        seen["used"] = max(seen["used"], st["used_bytes"])
+        return out
+
+    kvq.hf_paged.KVQPagedCache._seq = spy
+    try:
+        out = kvq.hf_paged.generate_batch(m, prompts, gc, "kivi4/g32", budget_bytes=600_000,
+                                          continuous_batching_config=transformers.ContinuousBatchingConfig(
+                                              block_size=32, max_batch_tokens=512))
+    finally:
+        kvq.hf_paged.KVQPagedCache._seq = seq
+    assert sorted(len(o.generated_tokens) for o in out.values()) == [20] * len(prompts)
+    assert 1 < seen["held"] < len(prompts)  # the budget held some requests at once, never all
+    assert seen["used"] <= 600_000
