@@ -29,7 +29,7 @@ import kvq
 import kvq.hf_paged
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hf_generate import make_model  # noqa: E402  (the same model, shapes and seed)
+from hf_generate import make_model, peak_gib  # noqa: E402  (the same model, shapes and seed)
 
 
 def cb_config(args, num_blocks=None):
@@ -72,14 +72,10 @@ def run(backend, model, prompts, args, dev):
     sync()
     seconds = time.perf_counter() - t0
     generated = sum(len(o.generated_tokens) for o in out.values())
-    extra = 0
-    if held["cache"] is not None and dev.type == "cuda":
-        st = held["cache"].kvq.stats()
-        extra = st["budget_bytes"] + st["overhead"]["device_tables"] + st["overhead"]["device_workspace"]
     return dict(backend=backend, requests=len(prompts), prompt=args.prompt, new_tokens=args.new_tokens,
                 kv_gib=args.kv_gib, generated=generated, seconds=seconds, tokens_per_s=generated / seconds,
                 max_requests_held=held["max"] or None,
-                peak_gib=(torch.cuda.max_memory_allocated() + extra) / 2**30 if dev.type == "cuda" else float("nan"))
+                peak_gib=peak_gib(held["cache"], dev))
 
 
 def main():

@@ -22,7 +22,7 @@ Per cache: decode tokens/s, prefill seconds, peak GPU memory (torch's allocator,
 included, plus kvq's arena, tables and workspaces, which it allocates itself), KV bytes per token counted with everything the cache stores (pages, scales, windows,
 residuals). `--max-batch-kv-gib G`: also the largest batch of each cache whose KV at the largest
 context fits G GiB (from its measured bytes per token), run at that batch. Writes JSON lines to
---out and prints a markdown table.
+--out and prints the report's table (bench/report_hf_generate.py).
 
     python3 bench/hf_generate.py --out out/hf/generate.jsonl [--batches 1,8] [--contexts 8192,32768]
         [--caches "dynamic static quanto hqq kvq:fp16 kvq:kivi4/g32 kvq:kivi2/g32+rot+sink"]
@@ -44,6 +44,9 @@ import transformers
 
 import kvq
 import kvq.hf
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import report_hf_generate  # noqa: E402  (the table)
 
 LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
                  head_dim=128, vocab_size=128256, rope_theta=500000.0)
@@ -105,13 +108,17 @@ def kv_bytes_per_token(cache, model, tokens):
     return total / tokens
 
 
-def outside_torch(cache):
-    """Device bytes a cache holds outside torch's allocator: kvq's arena (its whole budget) and
-    its tables and workspaces."""
-    if not isinstance(cache, kvq.hf.KVQCache):
-        return 0
-    st = cache.kvq.stats()
-    return st["budget_bytes"] + st["overhead"]["device_tables"] + st["overhead"]["device_workspace"]
+def peak_gib(cache, dev):
+    """Peak device memory of the run: torch's allocator's peak plus what a kvq cache (anything
+    holding a `kvq.Cache` as `.kvq`) allocates itself, its arena (the whole budget), tables and
+    workspaces. NaN on the CPU."""
+    if dev.type != "cuda":
+        return float("nan")
+    outside = 0
+    if isinstance(getattr(cache, "kvq", None), kvq.Cache):
+        st = cache.kvq.stats()
+        outside = st["budget_bytes"] + st["overhead"]["device_tables"] + st["overhead"]["device_workspace"]
+    return (torch.cuda.max_memory_allocated() + outside) / 2**30
 
 
 def make_cache(name, model, batch, context, new_tokens, args, dev):
@@ -125,7 +132,7 @@ def make_cache(name, model, batch, context, new_tokens, args, dev):
                                            residual_length=128), "sdpa"
     if name.startswith(("kvq:", "kvq-graph:")):
         kvq_config = name.split(":", 1)[1]
-        layers, q, kv, hd = cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        layers, q, kv, hd = kvq.hf.attention_shape(cfg)
         tokens = context + new_tokens + 256
         # the budget this batch needs in this configuration (pages, scales, windows), from kvq itself
         probe = kvq.Cache(layers, q, kv, hd, kvq_config, budget_bytes=64 << 20, device="cpu")
@@ -190,8 +197,7 @@ def run_one(name, model, batch, context, args, dev, new_tokens=None):
     steps = new_tokens - warm
     row = dict(cache=name, batch=batch, context=context, new_tokens=new_tokens, prefill_chunk=chunk, timed_steps=steps,
                tokens_per_s=batch * steps / decode_s, ms_per_step=1e3 * decode_s / steps, prefill_s=prefill_s,
-               peak_gib=(torch.cuda.max_memory_allocated() + outside_torch(cache)) / 2**30 if dev.type == "cuda"
-               else float("nan"),
+               peak_gib=peak_gib(cache, dev),
                kv_bytes_per_token=kv_bytes_per_token(cache, model, batch * pos))
     del cache
     return row
@@ -211,6 +217,13 @@ def available(name):
     return None
 
 
+def record(rows, args, row):
+    """Keeps a row and appends it to --out at once: a run cut short keeps what it measured."""
+    rows.append(dict(row, device=args.device_name))
+    with open(args.out, "a") as f:
+        f.write(json.dumps(rows[-1]) + "\n")
+
+
 def run_logged(rows, label, name, model, b, c, args, dev, **extra):
     print(f"{label} {name} B={b} L={c} ...", end=" ", flush=True)
     try:
@@ -219,12 +232,10 @@ def run_logged(rows, label, name, model, b, c, args, dev, **extra):
         row = dict(cache=name, batch=b, context=c, error=f"{type(e).__name__}: {e}")
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-    row.update(extra, device=args.device_name)
-    with open(args.out, "a") as f:  # row by row: a run cut short keeps what it measured
-        f.write(json.dumps(row) + "\n")
+    record(rows, args, dict(row, **extra))
+    row = rows[-1]
     print(row.get("error") or f"{row['tokens_per_s']:.0f} tok/s, {row['ms_per_step']:.1f} ms/step, "
           f"prefill {row['prefill_s']:.1f} s, peak {row['peak_gib']:.1f} GiB", flush=True)
-    rows.append(row)
 
 
 def main():
@@ -267,9 +278,7 @@ def main():
         why = available(name)
         if why:
             print(f"{name}: not run ({why})", flush=True)
-            rows.append(dict(cache=name, skipped=why, device=name_dev))
-            with open(args.out, "a") as f:
-                f.write(json.dumps(rows[-1]) + "\n")
+            record(rows, args, dict(cache=name, skipped=why))
     caches = [n for n in caches if not available(n)]
     if not args.max_batch_only:
         for name in caches:
@@ -290,13 +299,7 @@ def main():
             if b >= 1:
                 run_logged(rows, "[max batch]", name, model, b, c, args, dev, new_tokens=new,
                            max_batch_in_gib=args.max_batch_kv_gib)
-    print("| cache | B | context | tokens/s | ms/step | prefill s | peak GiB | KV bytes/token |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for r in rows:
-        if "tokens_per_s" in r:
-            tag = " (max batch)" if "max_batch_in_gib" in r else ""
-            print(f"| {r['cache']}{tag} | {r['batch']} | {r['context']} | {r['tokens_per_s']:.1f} | {r['ms_per_step']:.2f} | "
-                  f"{r['prefill_s']:.2f} | {r['peak_gib']:.1f} | {r['kv_bytes_per_token']:.0f} |")
+    print("\n".join(report_hf_generate.table(rows)[0]))
     if any("error" in r for r in rows):
         sys.exit(1)
 
