@@ -68,6 +68,7 @@ class cuda_backend final : public cache_backend {
 
   ~cuda_backend() override {
     (void)teardown_.enter(dev_);  // the members free their memory on the cache's device; restored last
+    if (swap_) cudaFreeHost(swap_);
   }
 
   // Binds the cache to the device current at creation.
@@ -81,6 +82,15 @@ class cuda_backend final : public cache_backend {
     head_pair_.assign(size_t(sh.layers) * sh.kv_heads, -1);
     hints_.assign(size_t(sh.layers), decode_hint{2, true, false});
     KVQ_TRY(arena_.allocate(store_.arena().capacity(), "cache arena"));
+    if (cfg_.swap_bytes) {
+      const cudaError_t e = cudaMallocHost(reinterpret_cast<void**>(&swap_), cfg_.swap_bytes);
+      if (e != cudaSuccess) {
+        swap_ = nullptr;
+        return {errc::out_of_budget, fmt::format("cudaMallocHost of the swap space ({} bytes, cache_config.swap_bytes) "
+                                                 "failed: {}",
+                                                 cfg_.swap_bytes, cudaGetErrorString(e))};
+      }
+    }
     const size_t rows = size_t(cfg_.max_sequences) * sh.layers * max_pages_;
     KVQ_TRY(blocks_.allocate(rows, "device page table"));
     KVQ_TRY(fmts_.allocate(rows * sh.kv_heads * 2, "device format table"));
@@ -282,16 +292,18 @@ class cuda_backend final : public cache_backend {
   // `cache_config::sink_pages`) are left out: a decode call gives them a split of their own
   // (`attend_args::sink_pages`), which reads them from global memory, so a layer's plan stays
   // the one of the pages the policy chose.
-  void note_pages(int layer, const append_plan& plan) {
+  void note_pages(int layer, const append_plan& plan) { note_pages(layer, plan.first_page, plan.entries); }
+  // The same for pages `entries` ([pages][kv_heads][2]) from page index `first_page` on.
+  void note_pages(int layer, int64_t first_page, std::span<const page_entry> entries) {
     const int per_page = cfg_.shape.kv_heads * 2;
-    const size_t sinks = size_t(cache_state::sink_pages_among(cfg_, plan.first_page, plan.pages));
-    for (size_t at = sinks * size_t(per_page); at < plan.entries.size(); at += size_t(per_page)) {
+    const int64_t pages = int64_t(entries.size()) / per_page;
+    const size_t sinks = size_t(cache_state::sink_pages_among(cfg_, first_page, pages));
+    for (size_t at = sinks * size_t(per_page); at < entries.size(); at += size_t(per_page)) {
       for (int j = 0; j < per_page; ++j)
         layer_bits_[size_t(layer)] =
-            std::max(layer_bits_[size_t(layer)], uint8_t(kernel_bits(plan.entries[at + size_t(j)].fmt)));
+            std::max(layer_bits_[size_t(layer)], uint8_t(kernel_bits(entries[at + size_t(j)].fmt)));
       for (int h = 0; h < cfg_.shape.kv_heads; ++h) {
-        const int pair =
-            256 * int(plan.entries[at + size_t(2 * h)].fmt) + int(plan.entries[at + size_t(2 * h + 1)].fmt);
+        const int pair = 256 * int(entries[at + size_t(2 * h)].fmt) + int(entries[at + size_t(2 * h + 1)].fmt);
         int16_t& hp = head_pair_[size_t(layer) * cfg_.shape.kv_heads + size_t(h)];
         if (hp == -1)
           hp = int16_t(pair);
@@ -556,7 +568,7 @@ class cuda_backend final : public cache_backend {
                       held_.count + since_.count * sizeof(int32_t) + fault_.count * sizeof(cuda::append_fault);
     o.device_workspace = canary_.staging_bytes();
     for (const auto& b : per_stream_) o.device_workspace += b->workspace.count + b->undo.count * sizeof(uint16_t);
-    o.pinned_host = canary_.pinned_bytes();
+    o.pinned_host = canary_.pinned_bytes() + (swap_ ? cfg_.swap_bytes : 0);
     return o;
   }
 
@@ -651,6 +663,66 @@ class cuda_backend final : public cache_backend {
     return out;
   }
 
+  // Arena <-> host copies on the caller's stream, a 2D copy where rows are strided (a window).
+  status copy_host(std::span<const host_copy> copies, uint8_t* host, bool out) {
+    KVQ_ON_DEVICE();
+    if (out) KVQ_TRY(canary_.flush());  // staged canaries read rings a swap frees
+    const cudaMemcpyKind kind = out ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice;
+    for (const host_copy& c : copies) {
+      uint8_t* dev = arena_.ptr + c.arena;
+      uint8_t* h = host + c.host;
+      const cudaError_t e =
+          c.rows == 1 ? cudaMemcpyAsync(out ? h : dev, out ? dev : h, c.width, kind, stream())
+                      : cudaMemcpy2DAsync(out ? h : dev, out ? c.width : c.pitch, out ? dev : h, out ? c.pitch : c.width,
+                                          c.width, c.rows, kind, stream());
+      KVQ_TRY(cuda_status(e, out ? "cudaMemcpyAsync (sequence out of the arena)" : "cudaMemcpyAsync (sequence into the arena)"));
+    }
+    return {};
+  }
+  status copy_to_host(std::span<const host_copy> copies, uint8_t* host) override { return copy_host(copies, host, true); }
+  status copy_from_host(std::span<const host_copy> copies, const uint8_t* host) override {
+    return copy_host(copies, const_cast<uint8_t*>(host), false);
+  }
+
+  status wait() override {
+    KVQ_ON_DEVICE();
+    return cuda_status(cudaStreamSynchronize(stream()), "cudaStreamSynchronize (sequence copies)");
+  }
+
+  // The page-table rows of a placed sequence ([slot][layers][max_pages] block units, [...][kv_heads]
+  // [2] format ids), two 2D copies on the caller's stream, and the layers' notes of its pages.
+  status on_placed(const sequence_state& s) override {
+    KVQ_ON_DEVICE();
+    const auto& sh = cfg_.shape;
+    const size_t per_page = size_t(sh.kv_heads) * 2;
+    size_t most = 0;
+    for (const layer_state& ls : s.layers) most = std::max(most, ls.pages.size() / per_page);
+    if (most > size_t(max_pages_))
+      return {errc::out_of_budget, fmt::format("sequence {} holds {} pages; the page tables index {} (max_tokens)",
+                                               s.id, most, max_pages_)};
+    for (int l = 0; l < sh.layers; ++l) note_pages(l, 0, s.layers[size_t(l)].pages);
+    if (most == 0) return {};
+    std::vector<uint32_t> blocks(size_t(sh.layers) * most, 0);
+    std::vector<uint8_t> fmts(blocks.size() * per_page, 0);
+    for (int l = 0; l < sh.layers; ++l) {
+      const std::vector<page_entry>& pages = s.layers[size_t(l)].pages;
+      for (size_t i = 0; i < pages.size(); ++i) {
+        if (i % per_page == 0) blocks[size_t(l) * most + i / per_page] = uint32_t(pages[i].offset / block_unit);
+        fmts[size_t(l) * most * per_page + i] = pages[i].fmt;
+      }
+    }
+    const size_t row = size_t(sh.layers) * max_pages_;
+    KVQ_TRY(cuda_status(cudaMemcpy2DAsync(blocks_.ptr + size_t(s.slot) * row, size_t(max_pages_) * 4, blocks.data(),
+                                          most * 4, most * 4, size_t(sh.layers), cudaMemcpyHostToDevice, stream()),
+                        "cudaMemcpy2DAsync (placed sequence: page table)"));
+    return cuda_status(cudaMemcpy2DAsync(fmts_.ptr + size_t(s.slot) * row * per_page, size_t(max_pages_) * per_page,
+                                         fmts.data(), most * per_page, most * per_page, size_t(sh.layers),
+                                         cudaMemcpyHostToDevice, stream()),
+                       "cudaMemcpy2DAsync (placed sequence: format table)");
+  }
+
+  uint8_t* swap_memory() const override { return swap_; }
+
   // One 2D copy on the caller's stream: a row per ring, `slots` slots wide. Staged canaries are
   // launched first: they read rings at their current place, whose lanes a move frees.
   status copy_rings(uint64_t from, uint64_t to, int64_t slots) override {
@@ -730,6 +802,7 @@ class cuda_backend final : public cache_backend {
   int sms_ = 132;
   int max_pages_ = 0;
   device_buffer<uint8_t> arena_;
+  uint8_t* swap_ = nullptr;  // pinned host memory of cache_config::swap_bytes
   device_buffer<uint32_t> blocks_;
   device_buffer<uint8_t> fmts_;
   device_buffer<float> levels_d_;  // cache_state::levels

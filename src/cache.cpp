@@ -123,28 +123,9 @@ result<append_plan> plan_pages(cache_state& st, sequence_state& s, int layer, in
   return plan;
 }
 
-// A call's device work runs on its stream (`stream_ref`); the stream before it is current again
-// after it (a call inside a call keeps the outer one's).
-class call_stream {
- public:
-  call_stream(const cache_backend& b, stream_ref s) : b_(b), prev_(b.current_stream()), error_(b.use_stream(s)) {}
-  call_stream(const call_stream&) = delete;
-  call_stream& operator=(const call_stream&) = delete;
-  ~call_stream() { (void)b_.use_stream(stream_ref(prev_)); }
-  const status& error() const { return error_; }
-
- private:
-  const cache_backend& b_;
-  void* prev_;
-  status error_;
-};
 }  // namespace detail
 using namespace detail;
 
-// The first statement of every call with device work: the call's stream, or the reason it is refused.
-#define KVQ_CALL_STREAM(s)                              \
-  const detail::call_stream call_stream_(*impl_, (s)); \
-  KVQ_TRY(call_stream_.error())
 
 result<KVCache> KVCache::create(const cache_config& cfg, std::shared_ptr<policy> pol) {
   KVQ_TRY(validate_config(cfg));
@@ -176,6 +157,8 @@ KVCache::~KVCache() = default;
 
 status KVCache::create_sequence(seq_id id, stream_ref stream) {
   KVQ_CALL_STREAM(stream);
+  if (state_->swapped.count(id))
+    return {errc::invalid_argument, fmt::format("create_sequence({}): sequence {} already exists (swapped out)", id, id)};
   auto s = state_->store.create(id);
   if (!s) return s.error();
   if (status st = impl_->on_sequence_change(**s, true); !st.ok()) {
@@ -186,14 +169,22 @@ status KVCache::create_sequence(seq_id id, stream_ref stream) {
 }
 
 status KVCache::release_sequence(seq_id id) {
+  if (auto it = state_->swapped.find(id); it != state_->swapped.end()) {
+    state_->swap.free(it->second.host);
+    state_->swapped.erase(it);
+    return {};
+  }
   const sequence_state* s = state_->store.find(id);
-  if (!s) return {errc::not_found, fmt::format("release_sequence: unknown sequence {}", id)};
+  if (!s) return missing_sequence(*state_, "release_sequence", id);
   (void)impl_->on_sequence_change(*s, false);
   return state_->store.release(id);
 }
 
 status KVCache::fork(seq_id src, seq_id dst, stream_ref stream) {
   KVQ_CALL_STREAM(stream);
+  if (state_->swapped.count(src)) return missing_sequence(*state_, "fork", src);
+  if (state_->swapped.count(dst))
+    return {errc::invalid_argument, fmt::format("fork({}, {}): sequence {} already exists (swapped out)", src, dst, dst)};
   auto made = state_->store.fork(src, dst);
   if (!made) return made.error();
   if (status st = impl_->fork(*state_->store.find(src), **made); !st.ok()) {
@@ -206,7 +197,7 @@ status KVCache::fork(seq_id src, seq_id dst, stream_ref stream) {
 status KVCache::truncate(seq_id id, int64_t length, stream_ref stream) {
   KVQ_CALL_STREAM(stream);
   sequence_state* s = state_->store.find(id);
-  if (!s) return {errc::not_found, fmt::format("truncate: unknown sequence {}", id)};
+  if (!s) return missing_sequence(*state_, "truncate", id);
   if (length < 0)
     return {errc::invalid_argument, fmt::format("truncate: sequence {} cannot keep {} tokens (negative)", id, length)};
   for (size_t l = 0; l < s->layers.size(); ++l)
@@ -223,7 +214,7 @@ result<uint64_t> KVCache::bytes_for(int64_t tokens, std::optional<seq_id> seq) c
   const page_store& store = state_->store;
   const sequence_state* s = nullptr;
   if (seq && !(s = store.find(*seq)))
-    return status{errc::not_found, fmt::format("bytes_for: unknown sequence {}", *seq)};
+    return missing_sequence(*state_, "bytes_for", *seq);
   const auto& sh = state_->cfg.shape;
   uint64_t bytes = store.window_bytes_for(s, tokens);
   std::vector<format_pair> pairs(size_t(sh.kv_heads));
@@ -239,17 +230,26 @@ result<uint64_t> KVCache::bytes_for(int64_t tokens, std::optional<seq_id> seq) c
   return bytes;
 }
 
-bool KVCache::has_sequence(seq_id id) const { return state_->store.find(id) != nullptr; }
+bool KVCache::has_sequence(seq_id id) const {
+  return state_->store.find(id) != nullptr || state_->swapped.count(id) != 0;
+}
 
 int64_t KVCache::length(seq_id id, int layer) const {
+  if (layer < 0 || layer >= state_->cfg.shape.layers) return -1;
+  if (auto it = state_->swapped.find(id); it != state_->swapped.end())
+    return it->second.image.sequences[0].layers[size_t(layer)].n;
   const sequence_state* s = state_->store.find(id);
-  if (!s || layer < 0 || layer >= state_->cfg.shape.layers) return -1;
-  return s->layers[size_t(layer)].n;
+  return s ? s->layers[size_t(layer)].n : -1;
 }
 
 int64_t KVCache::tokens_before_encode(seq_id id, int layer) const {
+  if (layer < 0 || layer >= state_->cfg.shape.layers) return -1;
+  if (auto it = state_->swapped.find(id); it != state_->swapped.end()) {
+    const blob_layer& l = it->second.image.sequences[0].layers[size_t(layer)];
+    return state_->store.tokens_before_encode(l.n, l.e);
+  }
   const sequence_state* s = state_->store.find(id);
-  if (!s || layer < 0 || layer >= state_->cfg.shape.layers) return -1;
+  if (!s) return -1;
   const layer_state& ls = s->layers[size_t(layer)];
   return state_->store.tokens_before_encode(ls.n, ls.e);
 }
@@ -257,7 +257,7 @@ int64_t KVCache::tokens_before_encode(seq_id id, int layer) const {
 status KVCache::append(seq_id id, int layer, const tensor_view& k, const tensor_view& v, stream_ref stream) {
   KVQ_CALL_STREAM(stream);
   sequence_state* s = state_->store.find(id);
-  if (!s) return {errc::not_found, fmt::format("append: unknown sequence {}", id)};
+  if (!s) return missing_sequence(*state_, "append", id);
   KVQ_TRY(check_append("append", layer, k, v, state_->cfg.shape));
   KVQ_TRY(check_capacity(state_->cfg, "append", id, layer, s->layers[size_t(layer)].n, k.tokens));
   impl_->poll_policy();  // decisions of finished canaries reach the pages planned now
@@ -287,7 +287,7 @@ status KVCache::append_batch(std::span<const append_item> items, int layer, cons
   int64_t rows = 0;
   for (const auto& it : items) {
     sequence_state* s = state_->store.find(it.seq);
-    if (!s) return {errc::not_found, fmt::format("append_batch: unknown sequence {}", it.seq)};
+    if (!s) return missing_sequence(*state_, "append_batch", it.seq);
     if (it.tokens < 1)
       return {errc::invalid_argument,
               fmt::format("append_batch: sequence {} appends {} tokens; need at least 1", it.seq, it.tokens)};
@@ -346,7 +346,7 @@ status KVCache::attend(std::span<const attend_item> items, int layer, const tens
   int64_t total = 0;
   for (const auto& it : items) {
     const sequence_state* s = state_->store.find(it.seq);
-    if (!s) return {errc::not_found, fmt::format("attend: unknown sequence {}", it.seq)};
+    if (!s) return missing_sequence(*state_, "attend", it.seq);
     const int64_t n = s->layers[size_t(layer)].n;
     if (it.q_len < 1 || it.q_len > n || it.q_len > sh.window)
       return {
@@ -371,7 +371,7 @@ status KVCache::prefill(seq_id id, int layer, const tensor_view& k, const tensor
   KVQ_CALL_STREAM(stream);
   const auto& sh = state_->cfg.shape;
   sequence_state* s = state_->store.find(id);
-  if (!s) return {errc::not_found, fmt::format("prefill: unknown sequence {}", id)};
+  if (!s) return missing_sequence(*state_, "prefill", id);
   KVQ_TRY(check_append("prefill", layer, k, v, sh));
   KVQ_TRY(check_q_o("prefill", q, o, k.tokens, sh));
   if (!impl_->prefill_any_length()) {
@@ -396,7 +396,7 @@ status KVCache::attend_prefix(seq_id id, int layer, int64_t prefix, const tensor
   KVQ_CALL_STREAM(stream);
   const auto& sh = state_->cfg.shape;
   const sequence_state* s = state_->store.find(id);
-  if (!s) return {errc::not_found, fmt::format("attend_prefix: unknown sequence {}", id)};
+  if (!s) return missing_sequence(*state_, "attend_prefix", id);
   if (layer < 0 || layer >= sh.layers)
     return {errc::invalid_argument, fmt::format("attend_prefix: layer {} out of range [0, {})", layer, sh.layers)};
   const int64_t n = s->layers[size_t(layer)].n;
@@ -416,7 +416,7 @@ status KVCache::read(seq_id id, int layer, role r, std::span<float> out, stream_
   KVQ_CALL_STREAM(stream);
   const auto& sh = state_->cfg.shape;
   const sequence_state* s = state_->store.find(id);
-  if (!s) return {errc::not_found, fmt::format("read: unknown sequence {}", id)};
+  if (!s) return missing_sequence(*state_, "read", id);
   if (layer < 0 || layer >= sh.layers)
     return {errc::invalid_argument, fmt::format("read: layer {} out of range", layer)};
   const size_t need = size_t(s->layers[size_t(layer)].n) * sh.kv_heads * sh.head_dim;
@@ -534,6 +534,11 @@ cache_stats KVCache::stats() const {
   for (int l = 0; l < sh.layers; ++l)
     for (int h = 0; h < sh.kv_heads; ++h) out.format_map.push_back(state_->pol->current(l, h));
   out.overhead = impl_->overhead();
+  out.swapped_sequences = int64_t(state_->swapped.size());
+  out.swap_used_bytes = state_->swap.used();
+  out.swap_capacity_bytes = state_->swap.capacity();
+  out.swapped_out_bytes = state_->swapped_out_bytes;
+  out.swapped_in_bytes = state_->swapped_in_bytes;
   return out;
 }
 

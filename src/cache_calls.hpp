@@ -18,5 +18,30 @@ result<append_plan> plan_pages(cache_state& st, sequence_state& s, int layer, in
 /// A planned append that moves the window: copies its rings to the new run and points s there.
 status move_window(const cache_shape& sh, cache_backend& b, sequence_state& s, const append_plan& plan);
 
+/// The error of a call naming sequence `id` that is not resident: swapped out (`swap_in` first)
+/// or unknown.
+status missing_sequence(const cache_state& st, const char* call, seq_id id);
+
+// A call's device work runs on its stream (`stream_ref`); the stream before it is current again
+// after it (a call inside a call keeps the outer one's).
+class call_stream {
+ public:
+  call_stream(const cache_backend& b, stream_ref s) : b_(b), prev_(b.current_stream()), error_(b.use_stream(s)) {}
+  call_stream(const call_stream&) = delete;
+  call_stream& operator=(const call_stream&) = delete;
+  ~call_stream() { (void)b_.use_stream(stream_ref(prev_)); }
+  const status& error() const { return error_; }
+
+ private:
+  const cache_backend& b_;
+  void* prev_;
+  status error_;
+};
 }  // namespace detail
 KVQ_NAMESPACE_END
+
+// The first statement of every call with device work: the call's stream, or the reason it is refused.
+#define KVQ_CALL_STREAM(s)                              \
+  const detail::call_stream call_stream_(*impl_, (s)); \
+  KVQ_TRY(call_stream_.error())
+

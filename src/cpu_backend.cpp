@@ -24,8 +24,8 @@ using cpu::load;
 
 class cpu_backend final : public cache_backend {
  public:
-  cpu_backend(const cache_state& st, std::unique_ptr<uint8_t[]> bytes)
-      : cache_backend(st), bytes_(std::move(bytes)), pool_(st.cfg.cpu_threads) {}
+  cpu_backend(const cache_state& st, std::unique_ptr<uint8_t[]> bytes, std::unique_ptr<uint8_t[]> swap)
+      : cache_backend(st), bytes_(std::move(bytes)), swap_(std::move(swap)), pool_(st.cfg.cpu_threads) {}
 
   uint16_t* ring(const sequence_state& s, int layer, int h, role r) const {
     return reinterpret_cast<uint16_t*>(bytes_.get() + store_.window_offset(s, layer, h, r));
@@ -224,6 +224,22 @@ class cpu_backend final : public cache_backend {
     return copy_rings(src.window_offset, dst.window_offset, int64_t(src.ring_lanes) * cfg_.shape.page_tokens);
   }
 
+  status copy_to_host(std::span<const host_copy> copies, uint8_t* host) override {
+    for (const host_copy& c : copies)
+      for (uint64_t row = 0; row < c.rows; ++row)
+        std::memcpy(host + c.host + row * c.width, bytes_.get() + c.arena + row * c.pitch, size_t(c.width));
+    return {};
+  }
+
+  status copy_from_host(std::span<const host_copy> copies, const uint8_t* host) override {
+    for (const host_copy& c : copies)
+      for (uint64_t row = 0; row < c.rows; ++row)
+        std::memcpy(bytes_.get() + c.arena + row * c.pitch, host + c.host + row * c.width, size_t(c.width));
+    return {};
+  }
+
+  uint8_t* swap_memory() const override { return swap_.get(); }
+
   status copy_rings(uint64_t from, uint64_t to, int64_t slots) override {
     const auto& sh = cfg_.shape;
     const uint64_t pitch = uint64_t(sh.window) * sh.head_dim * 2;
@@ -249,6 +265,7 @@ class cpu_backend final : public cache_backend {
 
  private:
   std::unique_ptr<uint8_t[]> bytes_;
+  std::unique_ptr<uint8_t[]> swap_;  // cache_config::swap_bytes
   cpu::worker_pool pool_;
   std::vector<cpu::attend_task_item> items_;  // the current attend's items (kept: no allocation per call)
   std::vector<float> qf_;                      // the queries handed to the policy
@@ -292,7 +309,12 @@ result<std::unique_ptr<cache_backend>> make_cpu_backend(const cache_state& st) {
   if (!bytes)
     return status{errc::out_of_budget,
                   fmt::format("KVCache::create: cannot allocate the CPU budget of {} bytes in host memory", n)};
-  return std::unique_ptr<cache_backend>(std::make_unique<cpu_backend>(st, std::move(bytes)));
+  const uint64_t w = st.cfg.swap_bytes;
+  std::unique_ptr<uint8_t[]> swap(w == 0 ? nullptr : w <= SIZE_MAX ? new (std::nothrow) uint8_t[size_t(w)] : nullptr);
+  if (w && !swap)
+    return status{errc::out_of_budget,
+                  fmt::format("KVCache::create: cannot allocate the swap space of {} bytes (cache_config.swap_bytes)", w)};
+  return std::unique_ptr<cache_backend>(std::make_unique<cpu_backend>(st, std::move(bytes), std::move(swap)));
 }
 
 }  // namespace detail

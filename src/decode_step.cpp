@@ -64,7 +64,7 @@ status decode_step::prepare(std::span<const seq_id> seqs) {
   ss.reserve(seqs.size());
   for (const seq_id id : seqs) {
     sequence_state* s = st.store.find(id);
-    if (!s) return {errc::not_found, fmt::format("decode_step::prepare: unknown sequence {}", id)};
+    if (!s) return missing_sequence(st, "decode_step::prepare", id);
     for (int l = 0; l < sh.layers; ++l) {
       const int64_t n = s->layers[size_t(l)].n;
       if (n + 1 > max_tokens_)

@@ -131,6 +131,84 @@ result<sequence_state*> page_store::fork(seq_id src, seq_id dst) {
   return &to;
 }
 
+uint64_t page_store::place_bytes(std::span<const blob_block> blocks, const blob_sequence& seq) const {
+  uint64_t b = free_run(seq.lanes) ? 0 : arena_allocator::rounded(window_block_bytes());
+  for (const blob_block& k : blocks) b += arena_allocator::rounded(k.bytes);
+  return b;
+}
+
+result<std::vector<uint64_t>> page_store::place(std::span<const blob_block> blocks, std::span<const blob_sequence> seqs,
+                                                std::span<const seq_id> ids, const std::string& call) {
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (seqs_.count(ids[i]))
+      return status{errc::invalid_argument, fmt::format("{}: sequence {} already exists", call, ids[i])};
+    for (size_t j = 0; j < i; ++j)
+      if (ids[j] == ids[i]) return status{errc::invalid_argument, fmt::format("{}: sequence {} given twice", call, ids[i])};
+  }
+  if (free_slots_.size() < ids.size())
+    return status{errc::out_of_budget, fmt::format("{}: {} sequences need slots; {} of {} are free "
+                                                   "(cache_config.max_sequences)",
+                                                   call, ids.size(), free_slots_.size(), max_sequences_)};
+  std::vector<uint64_t> offsets;
+  std::vector<lane_run> runs;
+  const auto undo = [&] {
+    for (uint64_t o : offsets) arena_.free(o);
+    for (auto it = runs.rbegin(); it != runs.rend(); ++it) give_lanes(*it);
+  };
+  uint64_t need = 0;
+  for (const blob_block& b : blocks) need += arena_allocator::rounded(b.bytes);
+  const auto no_room = [&](const char* what) {
+    undo();
+    return status{errc::out_of_budget,
+                  fmt::format("{}: no room for {}: its {} sequence(s) need {} bytes of page blocks and their FP16 "
+                              "windows; {} of {} budget bytes are free (largest block {}); nothing was stored",
+                              call, what, seqs.size(), need, arena_.free_bytes(), arena_.capacity(),
+                              arena_.largest_free())};
+  };
+  for (const blob_block& b : blocks) {
+    const std::optional<uint64_t> off = arena_.allocate(b.bytes);
+    if (!off) return no_room("a page block");
+    offsets.push_back(*off);
+  }
+  for (const blob_sequence& q : seqs) {
+    const std::optional<lane_run> run = take_lanes(q.lanes);
+    if (!run) return no_room("a window");
+    runs.push_back(*run);
+  }
+  const size_t per_page = size_t(shape_.kv_heads) * 2;
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    sequence_state s;
+    s.id = ids[i];
+    s.ring_block = runs[i].block;
+    s.ring_lane = runs[i].lane;
+    s.ring_lanes = runs[i].lanes;
+    s.window_offset = runs[i].block + uint64_t(runs[i].lane) * lane_bytes();
+    s.slot = free_slots_.back();
+    free_slots_.pop_back();
+    s.layers.resize(size_t(shape_.layers));
+    for (size_t l = 0; l < s.layers.size(); ++l) {
+      const blob_layer& from = seqs[i].layers[l];
+      layer_state& ls = s.layers[l];
+      ls.n = from.n;
+      ls.e = from.e;
+      ls.ring_from = from.ring_from;
+      ls.pages.reserve(from.blocks.size() * per_page);
+      for (uint32_t b : from.blocks) {
+        uint64_t at = offsets[b];
+        for (size_t j = 0; j < per_page; ++j) {
+          const format_id f = blocks[b].formats[j];
+          ls.pages.push_back({at, f});
+          at += page_bytes_of(f, j % 2 == 0 ? role::k : role::v);
+        }
+        ref_block(ls, ls.pages.size() - per_page);
+      }
+      totals_.tokens += ls.n;
+    }
+    seqs_[ids[i]] = std::move(s);
+  }
+  return offsets;
+}
+
 int64_t page_store::kept_encoded(const layer_state& ls, int64_t length) const {
   const int64_t P = shape_.page_tokens;
   const int64_t direct = pages_after(0, 0, length) * P;                       // a direct append's pages

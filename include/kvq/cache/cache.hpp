@@ -36,6 +36,7 @@
 #include <memory>
 #include <optional>
 #include <span>
+#include <string>
 #include <vector>
 
 KVQ_NAMESPACE_BEGIN
@@ -87,6 +88,10 @@ struct cache_config {
   /// key group that holds them loses the most (docs/quality.md, "Attention sinks"). 0 (the
   /// default): every page as the policy chooses. At most max_tokens / page_tokens.
   int sink_pages = 0;
+  /// Host memory for sequences swapped out of the budget (`KVCache::swap_out`), allocated at
+  /// creation: pinned on CUDA, so swaps run asynchronously on the caller's stream. 0 (the default):
+  /// no swap space, and `swap_out` is refused.
+  uint64_t swap_bytes = 0;
 };
 
 /// The cache properties a configuration string names after its policy or format spec, in any
@@ -119,7 +124,8 @@ struct cache_overhead {
   /// the canary's query staging and the value-check flag. They grow to the largest call shape
   /// seen (a batch's size and lengths, not the tokens stored), then never again.
   uint64_t device_workspace = 0;
-  /// Mapped pinned host memory of the device canary's results (EchoKV on CUDA).
+  /// Pinned host memory: the device canary's mapped results (EchoKV on CUDA) and the swap space
+  /// (`cache_config::swap_bytes`, CUDA).
   uint64_t pinned_host = 0;
   uint64_t device_bytes() const { return device_tables + device_workspace; }
 };
@@ -142,6 +148,14 @@ struct cache_stats {
   std::array<uint64_t, format_count> pages_by_format{};
   std::vector<format_pair> format_map;  ///< [layers][kv_heads] current policy decision
   cache_overhead overhead;              ///< memory held outside the budget now
+  /// Swapped-out sequences (`KVCache::swap_out`: not counted in `sequences`, `tokens` or the page
+  /// counters) and the swap space they use of `cache_config::swap_bytes`.
+  int64_t swapped_sequences = 0;
+  uint64_t swap_used_bytes = 0;
+  uint64_t swap_capacity_bytes = 0;
+  /// Bytes copied by every `swap_out` and `swap_in` since creation (the swap traffic).
+  uint64_t swapped_out_bytes = 0;
+  uint64_t swapped_in_bytes = 0;
 
   /// Average bits per element of the pages, scales and zeros included.
   double page_bits() const { return encoded_elements ? 8.0 * page_bytes / double(encoded_elements) : 0.0; }
@@ -307,6 +321,53 @@ class KVQ_EXPORT KVCache {
   /// \param out host [length][kv_heads][head_dim] float
   /// CUDA: synchronizes `stream` (the work that wrote the sequence must be on it or done).
   status read(seq_id id, int layer, role r, std::span<float> out, stream_ref stream = {}) const;
+
+  /// Moving sequences (docs/architecture.md, "Moving sequences"; the blob format:
+  /// cache/sequence_blob.hpp). A blob holds sequences' pages and FP16 windows bit for bit with
+  /// everything needed to read them; a page block that several of them list (a fork) is stored
+  /// once. Import restores them, into this cache or another of the same shape, rotation and sink
+  /// pages, on the CPU or a GPU, with pages identical to the exported ones: attention over them is
+  /// what it was.
+  ///
+  /// Bytes the blob of sequences `ids` takes (`export_sequences`).
+  result<uint64_t> export_bytes(std::span<const seq_id> ids) const;
+  /// Writes the blob of sequences `ids` (distinct, resident) into `out` (at least `export_bytes`
+  /// bytes) and returns its size. CUDA: copies on `stream` and synchronizes it (the blob's
+  /// checksums are computed on the host); pinned memory for `out` copies fastest. The sequences
+  /// stay as they were.
+  result<uint64_t> export_sequences(std::span<const seq_id> ids, std::span<uint8_t> out, stream_ref stream = {}) const;
+  /// The blob of `ids` in a new buffer.
+  result<std::vector<uint8_t>> export_sequences(std::span<const seq_id> ids, stream_ref stream = {}) const;
+  /// Creates sequences `ids` (one per sequence of the blob, in its order; none existing) from a
+  /// blob, with the lengths, pages, windows and sharing the blob holds. Errors, with nothing
+  /// changed: a malformed, truncated or corrupted blob (`inspect_blob`'s message), another
+  /// shape (naming the field), another rotation or sink-page count, a sequence longer than
+  /// `max_tokens` (CUDA), an id that exists, too few slots or budget (`out_of_budget`). CUDA:
+  /// copies on `stream` (the blob must stay valid until that work is done; a pageable blob is
+  /// read before the call returns).
+  status import_sequences(std::span<const uint8_t> blob, std::span<const seq_id> ids, stream_ref stream = {});
+  /// `export_sequences` into a file (written whole, then renamed into place) and
+  /// `import_sequences` from one; errors name the path.
+  status export_file(const std::string& path, std::span<const seq_id> ids, stream_ref stream = {}) const;
+  status import_file(const std::string& path, std::span<const seq_id> ids, stream_ref stream = {});
+
+  /// Moves a sequence's pages and window out of the budget into the swap space
+  /// (`cache_config::swap_bytes`), asynchronously on `stream`: its budget bytes and slot are free
+  /// when the call returns (a later call on the same stream may reuse them; work on other streams
+  /// that reads the sequence must be ordered before, as for `release_sequence`). Pages shared with
+  /// another sequence are copied too and come back as the sequence's own. A swapped-out sequence
+  /// keeps its id and lengths (`has_sequence`, `length`); every other call on it is refused
+  /// naming the swap, except `release_sequence` and `swap_in`. Errors, with nothing changed: an
+  /// unknown or swapped-out sequence, no swap space left (`out_of_budget`).
+  status swap_out(seq_id id, stream_ref stream = {});
+  /// Brings a swapped-out sequence back into the budget, asynchronously on `stream`, bit for bit
+  /// as it was. Errors, with nothing changed (it stays swapped out): no slot or budget
+  /// (`out_of_budget`; `swap_in_bytes` says what it needs).
+  status swap_in(seq_id id, stream_ref stream = {});
+  bool is_swapped(seq_id id) const;
+  /// Budget bytes `swap_in(id)` would allocate now: its page blocks and, unless free lanes serve
+  /// its window, a ring block. Errors: `id` not swapped out.
+  result<uint64_t> swap_in_bytes(seq_id id) const;
 
   /// Reports what the device-side value checks refused (`cache_config::check_values`) and makes
   /// the bookkeeping match what the device holds. CUDA: synchronizes `stream` (default: the

@@ -11,6 +11,7 @@
 #include <kvq/codec/codec.hpp>
 #include <kvq/store/store.hpp>
 #include <memory>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -59,6 +60,15 @@ struct cache_state {
   /// [layers][kv_heads][2][codebook formats][codebook_slot_floats]: the levels each codebook
   /// format encodes with (`KVCache::set_codebook_levels`; Lloyd-Max until set).
   std::vector<float> levels;
+  /// A swapped-out sequence (`KVCache::swap_out`): its image (one sequence; the payload layout of
+  /// its blocks and window) and where that payload lies in the swap space.
+  struct swapped_sequence {
+    blob_info image;
+    uint64_t host = 0;
+  };
+  std::unordered_map<seq_id, swapped_sequence> swapped;
+  arena_allocator swap{cfg.swap_bytes};  ///< offsets into the backend's swap memory
+  uint64_t swapped_out_bytes = 0, swapped_in_bytes = 0;
 };
 
 /// The pages a replayed step's layer can hold, from the policy when the step is made: the widest
@@ -181,6 +191,25 @@ class cache_backend {
   /// Waits for the work on the call's stream and takes (and clears) the refusals of the device's
   /// value checks. Backends that check at the call (the CPU) have none.
   virtual result<refusals> take_refusals() { return refusals{}; }
+  /// A copy between the arena and a host buffer: `rows` rows of `width` bytes, `pitch` bytes apart
+  /// in the arena from offset `arena`, back to back in the host buffer from offset `host`.
+  struct host_copy {
+    uint64_t arena = 0, host = 0, width = 0, rows = 1, pitch = 0;
+  };
+  /// Enqueues arena -> host copies on the call's stream (the host buffer stays valid until they
+  /// ran). Staged canaries are launched first (a swap frees the rings they read).
+  virtual status copy_to_host(std::span<const host_copy> copies, uint8_t* host) = 0;
+  /// Enqueues host -> arena copies on the call's stream.
+  virtual status copy_from_host(std::span<const host_copy> copies, const uint8_t* host) = 0;
+  /// Waits for the call's stream (the CPU's copies are done when they return).
+  virtual status wait() { return {}; }
+  /// After the store created `s` with pages and a window of its own (an import, a swap-in) and
+  /// `copy_from_host` wrote their bytes: the device page tables and the decode plan's notes of its
+  /// pages. On failure the caller releases `s`.
+  virtual status on_placed(const sequence_state& /*s*/) { return {}; }
+  /// The swap space, `cache_config::swap_bytes` bytes of host memory (pinned on CUDA) allocated at
+  /// creation; null when swap_bytes is 0.
+  virtual uint8_t* swap_memory() const = 0;
   /// After the store forked `src` into `dst` (dst lists src's pages): copies src's FP16 windows
   /// into dst's (`copy_rings`) and dst's page-table rows where the backend keeps them. On failure
   /// the caller releases `dst`.

@@ -26,6 +26,7 @@
 /// sequences that list each block and frees the block's bytes when the last one drops it. Pages
 /// are written once, when full, and never change, so sharing needs no copy-on-write of page bytes.
 
+#include <kvq/cache/sequence_blob.hpp>
 #include <kvq/config.hpp>
 #include <kvq/format/format.hpp>
 #include <kvq/core.hpp>
@@ -121,6 +122,16 @@ class KVQ_EXPORT page_store {
   /// of src's lanes (the caller copies the ring bytes). On failure (unknown `src`, existing `dst`,
   /// no slot, no budget for a ring block) nothing changed and the status names the problem.
   result<sequence_state*> fork(seq_id src, seq_id dst);
+  /// Creates sequence `ids[i]` as `seqs[i]` of an image (an import, a swap-in): new page blocks
+  /// for `blocks` (a block several of the sequences list is shared by them, reference-counted),
+  /// each sequence's lanes and slot, its lengths and page lists. All or nothing: on failure (an
+  /// existing or repeated id, no slot, no budget) nothing changed and the status names the
+  /// problem. Returns the arena offset of each block; the caller writes the bytes.
+  result<std::vector<uint64_t>> place(std::span<const blob_block> blocks, std::span<const blob_sequence> seqs,
+                                      std::span<const seq_id> ids, const std::string& call);
+  /// Budget bytes `place` of one sequence would allocate now: its blocks and, unless a free run of
+  /// its lanes exists, a ring block.
+  uint64_t place_bytes(std::span<const blob_block> blocks, const blob_sequence& seq) const;
   /// Every layer of `s` keeps its first `length` tokens (the caller checked length <= n of each
   /// layer) and its first `kept_encoded(layer, length)` tokens encoded: the later pages are
   /// dropped (a page another sequence lists stays for it) and their kept tokens are unencoded
