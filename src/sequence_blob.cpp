@@ -9,6 +9,8 @@
 #include <cmath>
 #include <cstring>
 #include <string>
+#include <thread>
+#include <algorithm>
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <nmmintrin.h>
@@ -121,12 +123,66 @@ uint64_t pages_bytes(const cache_shape& sh, std::span<const format_id> fmts) {
 
 }  // namespace
 
-uint32_t crc32c(std::span<const uint8_t> bytes, uint32_t crc) {
+namespace {
+
+uint32_t crc_one_thread(std::span<const uint8_t> bytes, uint32_t crc) {
   crc = ~crc;
 #ifdef KVQ_CRC_SSE42
   if (cpu_has_sse42()) return ~crc_by_instruction(bytes.data(), bytes.size(), crc);
 #endif
   return ~crc_by_table(bytes.data(), bytes.size(), crc);
+}
+
+// CRC arithmetic over GF(2): a 32x32 bit matrix (a column per word) times a vector, and its square.
+uint32_t gf2_times(const uint32_t* m, uint32_t v) {
+  uint32_t sum = 0;
+  for (; v; v >>= 1, ++m)
+    if (v & 1) sum ^= *m;
+  return sum;
+}
+void gf2_square(uint32_t* out, const uint32_t* m) {
+  for (int i = 0; i < 32; ++i) out[i] = gf2_times(m, m[i]);
+}
+
+// The CRC of A followed by B from crc(A), crc(B) and B's length: crc(A) is carried through
+// len(B) zero bytes (the operator of one zero bit squared up to the length's bits) and xored
+// with crc(B).
+uint32_t crc_combine(uint32_t a, uint32_t b, uint64_t len_b) {
+  if (len_b == 0) return a;
+  uint32_t even[32], odd[32];
+  odd[0] = 0x82F63B78u;  // one zero bit: the reflected polynomial ...
+  for (int i = 1; i < 32; ++i) odd[i] = 1u << (i - 1);  // ... and a shift
+  gf2_square(even, odd);  // two zero bits
+  gf2_square(odd, even);  // four
+  do {  // one zero byte, then doubling
+    gf2_square(even, odd);
+    if (len_b & 1) a = gf2_times(even, a);
+    len_b >>= 1;
+    if (!len_b) break;
+    gf2_square(odd, even);
+    if (len_b & 1) a = gf2_times(odd, a);
+    len_b >>= 1;
+  } while (len_b);
+  return a ^ b;
+}
+
+}  // namespace
+
+uint32_t crc32c(std::span<const uint8_t> bytes, uint32_t crc) {
+  // Large inputs (a sequence's pages) in parallel: a chunk per thread, combined in order.
+  constexpr size_t per_thread = size_t(32) << 20;
+  const size_t threads = std::min<size_t>({bytes.size() / per_thread, std::max(1u, std::thread::hardware_concurrency()), 16});
+  if (threads < 2) return crc_one_thread(bytes, crc);
+  const size_t chunk = (bytes.size() + threads - 1) / threads;
+  std::vector<uint32_t> part(threads);
+  std::vector<std::thread> pool;
+  for (size_t t = 1; t < threads; ++t)
+    pool.emplace_back([&, t] { part[t] = crc_one_thread(bytes.subspan(t * chunk, std::min(chunk, bytes.size() - t * chunk)), 0); });
+  part[0] = crc_one_thread(bytes.first(chunk), crc);
+  for (std::thread& th : pool) th.join();
+  uint32_t out = part[0];
+  for (size_t t = 1; t < threads; ++t) out = crc_combine(out, part[t], std::min(chunk, bytes.size() - t * chunk));
+  return out;
 }
 
 uint64_t blob_info::block_bytes() const {

@@ -11,7 +11,10 @@
 #include <tuple>
 #include <vector>
 
+#include "cache_reads.hpp"
+
 using namespace kvq;
+using kvq::test::attend_all;
 
 namespace {
 
@@ -88,19 +91,6 @@ std::vector<float> read_all(const KVCache& c, seq_id seq) {
   return out;
 }
 
-// Attention of every layer with `q_len` queries (the same seeded queries for every cache).
-std::vector<float> attend_all(KVCache& c, seq_id seq, int q_len) {
-  std::mt19937 rng(7);
-  std::normal_distribution<float> nd(0.f, 1.f);
-  std::vector<float> q(size_t(q_len) * hq * d), o(q.size()), out;
-  for (int l = 0; l < layers; ++l) {
-    for (auto& x : q) x = nd(rng);
-    const attend_item it{seq, q_len};
-    check(c.attend({&it, 1}, l, {q.data(), dtype::f32, q_len, hq, d}, {o.data(), dtype::f32, q_len, hq, d}));
-    out.insert(out.end(), o.begin(), o.end());
-  }
-  return out;
-}
 
 // The same tokens fed to a fresh cache of the same configuration.
 KVCache alone(const std::string& spec, const tokens& t) {

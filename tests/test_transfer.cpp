@@ -16,6 +16,7 @@
 #include "cache_reads.hpp"
 
 using namespace kvq;
+using kvq::test::attend_all;
 using kvq::test::read_all;
 
 namespace {
@@ -58,19 +59,6 @@ void feed(KVCache& c, seq_id seq, int64_t n, unsigned seed) {
   }
 }
 
-// Attention of every layer with `q_len` seeded queries.
-std::vector<float> attend_all(KVCache& c, seq_id seq, int q_len) {
-  std::mt19937 rng(7);
-  std::normal_distribution<float> nd(0.f, 1.f);
-  std::vector<float> q(size_t(q_len) * hq * d), o(q.size()), out;
-  for (int l = 0; l < layers; ++l) {
-    for (auto& x : q) x = nd(rng);
-    const attend_item it{seq, q_len};
-    check(c.attend({&it, 1}, l, {q.data(), dtype::f32, q_len, hq, d}, {o.data(), dtype::f32, q_len, hq, d}));
-    out.insert(out.end(), o.begin(), o.end());
-  }
-  return out;
-}
 
 std::vector<uint8_t> export_of(const KVCache& c, std::vector<seq_id> ids) {
   return c.export_sequences(ids).value_or_throw();
@@ -374,4 +362,22 @@ TEST_CASE("swap_out and swap_in: budget freed and taken back, bit for bit, refus
     CHECK(!tight.has_sequence(1));
     CHECK(tight.stats().swap_used_bytes == 0);
   }
+}
+
+TEST_CASE("crc32c: the Castagnoli check value, continuation, and large inputs in parallel", "[transfer]") {
+  const std::string nine = "123456789";
+  const std::span<const uint8_t> b(reinterpret_cast<const uint8_t*>(nine.data()), nine.size());
+  CHECK(crc32c(b) == 0xE3069283u);
+  CHECK(crc32c(b.subspan(4), crc32c(b.first(4))) == 0xE3069283u);
+  // 100 MiB + 7 bytes: split over threads and combined, equal to the byte-at-a-time continuation
+  std::vector<uint8_t> big((size_t(100) << 20) + 7);
+  std::mt19937 rng(3);
+  for (auto& x : big) x = uint8_t(rng());
+  const uint32_t whole = crc32c(big);
+  uint32_t running = 0;
+  for (size_t at = 0; at < big.size(); at += size_t(3) << 20)
+    running = crc32c(std::span(big).subspan(at, std::min(size_t(3) << 20, big.size() - at)), running);
+  CHECK(whole == running);
+  big[12345678] ^= 1;
+  CHECK(crc32c(big) != whole);
 }

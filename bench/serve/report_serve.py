@@ -2,7 +2,8 @@
 """Table and plot of a serving benchmark run (bench/serve/serve.py's serve.json): a markdown
 table per backend (decode tokens/s and its ratio to the BF16 peer of the same run, time per output
 token mean and p90, largest and mean batch, KV bytes per token, host issue time, fill time), the
-targets, and a bar
+runs with preemption (serve.py --preempt: preemptions, swap traffic and time, recomputed tokens and
+time), the targets, and a bar
 plot of tokens/s with the largest batch (SVG and PNG; matplotlib is optional, the table is not).
 
     python3 bench/serve/report_serve.py out/serve/serve.json [--md out/serve/serve.md] [--plot out/serve/serve]
@@ -14,6 +15,37 @@ import sys
 TARGET_RATIO = 2.5     # a 4-bit cache against the BF16 peer, tokens/s, same memory
 TARGET_CANARY = 0.1    # EchoKV's canary, percent of the time per output token
 FOUR_BIT = ("kivi4/g32", "sym4", "k=kivi4/g32,v=kivi2/g32")
+
+
+def label(r):
+    """A row's name: its backend, with its preemption mode unless off (serve.py's `label`)."""
+    mode = r.get("preempt", "off")
+    return r["backend"] if mode == "off" else f"{r['backend']} [{mode}]"
+
+
+def preemption(rows):
+    """The table of the runs with preemption (rows with a `preempt` mode other than off): tokens/s
+    with and without the preemption time, preemptions, resumptions, swap traffic and time,
+    recomputed tokens and time; empty when there are none."""
+    rows = [r for r in rows if r.get("preempt", "off") != "off"]
+    if not rows:
+        return []
+    out = ["", "Preemption (admission by current need; the newest running request preempted when a step does "
+               "not fit):", "",
+           "| backend | mode | tokens/s | steps alone tokens/s | preempt s (counted) | preemptions (swap fallbacks) "
+           "| resumed | most preempted | swapped out / in GiB | swap out + in s | recomputed tokens | recompute s |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        out.append(f"| {r['backend']} | {r['preempt']} | {r['tokens_per_s']:.0f} | {r['step_tokens_per_s']:.0f} | "
+                   f"{r['preempt_s']:.2f} | {r['preemptions']} ({r['swap_fallbacks']}) | {r['resumes']} | "
+                   f"{r['max_preempted']} | {r['swapped_out_bytes'] / 2**30:.2f} / {r['swapped_in_bytes'] / 2**30:.2f} | "
+                   f"{r['swap_out_s']:.2f} + {r['swap_in_s']:.2f} | {r['recomputed_tokens']} | {r['recompute_s']:.2f} |")
+    out += ["", "- *tokens/s* (here and above) counts the preemptions and resumptions before the counted steps "
+                "(*preempt s*); *steps alone* does not. Swap and recompute seconds, traffic and counts are the "
+                "whole run's (warm-up included); swap traffic from kvq's stats (`swapped_out_bytes`, "
+                "`swapped_in_bytes`). The peer has no swap space: in a swap run it recomputes. A row's */ peer* "
+                "is against the peer's run with the same preemption (a swap row's: the peer's recompute run)."]
+    return out
 
 
 def table(doc):
@@ -33,14 +65,15 @@ def table(doc):
     rows = [r for r in rows if "error" not in r]
     for r in rows:
         ratio = f"{r['ratio_to_peer']:.2f}" if r.get("ratio_to_peer") else "-"
-        out.append(f"| {r['backend']} | {r['tokens_per_s']:.0f} | {ratio} | {r['tpot_ms_mean']:.2f} | "
+        out.append(f"| {label(r)} | {r['tokens_per_s']:.0f} | {ratio} | {r['tpot_ms_mean']:.2f} | "
                    f"{r['tpot_ms_p90']:.2f} | {r['max_batch']} | {r['mean_batch']:.1f} | "
                    f"{r['kv_bytes_per_token'] / 1024:.1f} | {r.get('issue_ms_mean', float('nan')):.2f} | "
                    f"{r['fill_s']:.1f} ({r['filled_tokens']}) |")
+    out += preemption(rows)
     out.append("")
     for r in failed:
-        out.append(f"- {r['backend']} failed: {r['error']}")
-    over = [f"{r['backend']} {r['overhead_device_mib']:.0f} MiB" for r in rows if "overhead_device_mib" in r]
+        out.append(f"- {label(r)} failed: {r['error']}")
+    over = [f"{label(r)} {r['overhead_device_mib']:.0f} MiB" for r in rows if "overhead_device_mib" in r]
     if over:
         out.append("- kvq's device page tables and workspaces, outside the KV memory: " + ", ".join(over) + ".")
     out.append("- *host issue ms*: host time to issue a step's work; near the step time (TPOT), the GPU "
@@ -53,7 +86,7 @@ def table(doc):
     four = [r for r in rows if r["backend"] in FOUR_BIT and r.get("ratio_to_peer")]
     for r in four:
         ok = "met" if r["ratio_to_peer"] >= TARGET_RATIO else "missed"
-        out.append(f"- Target: a 4-bit cache at >= {TARGET_RATIO}x the peer's tokens/s: {r['backend']} "
+        out.append(f"- Target: a 4-bit cache at >= {TARGET_RATIO}x the peer's tokens/s: {label(r)} "
                    f"{r['ratio_to_peer']:.2f}x, {ok}.")
     for r in rows:
         if "ab_pairs" in r:
@@ -83,10 +116,10 @@ def plot(doc, stem):
     rows = [r for r in doc["results"] if "error" not in r]
     if not rows:
         return []
-    names = [r["backend"] for r in rows]
+    names = [label(r) for r in rows]
     tps = [r["tokens_per_s"] for r in rows]
     fig, ax = plt.subplots(figsize=(1.3 * len(rows) + 2, 4))
-    bars = ax.bar(names, tps, color=["#888888" if n == "peer" else "#3a6fb0" for n in names])
+    bars = ax.bar(names, tps, color=["#888888" if r["backend"] == "peer" else "#3a6fb0" for r in rows])
     for b, r in zip(bars, rows):
         label = f"B<={r['max_batch']}"
         if r.get("ratio_to_peer"):

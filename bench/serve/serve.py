@@ -17,9 +17,16 @@ are random: decode speed does not depend on their values. A request's context is
 the cache synthetically (random K/V, not a prompt pass through the model), timed apart from the
 decode steps. Writes <out>/serve.json (summaries and the run's settings) and <out>/steps.csv.
 
+With `--preempt swap` or `recompute` (or both, and `off`: comma-separated, one run each), a request
+is admitted by what it needs now rather than its whole output, and the newest running request is
+preempted when a step does not fit: swapped out to pinned host memory (kvq's swap_out / swap_in,
+`--swap-gib` of swap space) or released and later prefilled again through the model (recompute;
+the peer has no swap, so it recomputes in a swap run). README.md, "Preemption".
+
     PYTHONPATH=build-cuda/python python3 bench/serve/serve.py --out out/serve \
         [--backends "peer fp16 sym8 kivi4/g32 kivi2/g32 echokv"] [--kv-gib 40] [--requests 96] \
-        [--max-steps 400] [--context 32768] [--spread 0.25] [--outputs 128:512] [--layers 32]
+        [--max-steps 400] [--context 32768] [--spread 0.25] [--outputs 128:512] [--layers 32] \
+        [--preempt off|swap|recompute[,...]] [--swap-gib 64] [--recompute-pass model|synthetic]
 """
 import argparse
 import csv
@@ -91,6 +98,12 @@ class Model:
         [B, q_heads, D], where q [B, q_heads, D] and k [B, kv_heads, D] are views of one RoPE output
         and v [B, kv_heads, D] a view of the QKV output (heads and channels contiguous, rows
         strided). Returns the next tokens (argmax) [B]."""
+        return self.forward(tokens, positions, attention)
+
+    def forward(self, tokens, positions, attention, last_only=False):
+        """The model over B rows: one token of each of B sequences (a decode step), or B consecutive
+        tokens of one sequence (a prefill chunk: `attention` is then the chunk's causal attention).
+        last_only: the LM head over the last row alone (a prefill needs only its next token)."""
         c = self.c
         hq, hk, d = c["q_heads"], c["kv_heads"], c["head_dim"]
         B = tokens.shape[0]
@@ -105,25 +118,51 @@ class Model:
             x = x + o.reshape(B, hq * d) @ self.wo[layer]
             gu = self.rms(x) @ self.wgu[layer]
             x = x + (F.silu(gu[:, : c["mlp"]]) * gu[:, c["mlp"]:]) @ self.wdown[layer]
+        if last_only:
+            x = x[-1:]
         return (self.rms(x) @ self.lm_head).argmax(-1)
 
 
 class Backend:
-    """What both caches share: the decode step's tokens and positions, its timing, the fill data."""
+    """What both caches share: the decode step's tokens and positions, its timing, the fill data,
+    the re-prefill of a request preempted by recompute."""
 
-    def __init__(self, name, model, dev, seed):
+    def __init__(self, name, model, dev, seed, preempt_mode="off", recompute_pass="model"):
         self.name, self.model, self.dev = name, model, dev
+        self.preempt_mode, self.recompute_pass = preempt_mode, recompute_pass
         c = LLAMA3_8B
         g = torch.Generator(device=dev).manual_seed(seed + 1)
         shape = (FILL_CHUNK, c["kv_heads"], c["head_dim"])
         self.fill_k = torch.randn(shape, generator=g, device=dev, dtype=torch.bfloat16)
         self.fill_v = torch.randn(shape, generator=g, device=dev, dtype=torch.bfloat16)
+        self.prompt_tokens = torch.ones(FILL_CHUNK, device=dev, dtype=torch.long)  # a re-prefill's token ids
+        self.prefill_at = None  # (request, offset) of the prefill chunk being computed
         self.next_token = {}
         self.issue_seconds = []  # per step: host time to issue the step's work (before its sync)
 
     def chunks(self, tokens):
         """(offset, length) of the fill chunks of a context."""
         return [(o, min(FILL_CHUNK, tokens - o)) for o in range(0, tokens, FILL_CHUNK)]
+
+    def sync(self):
+        torch.cuda.synchronize()
+
+    def refill(self, req):
+        """Recompute's resumption: writes the req.length tokens (its prompt and the tokens it
+        generated) of req's re-created cache entry. "model" (--recompute-pass, the default): a
+        prefill through the model in chunks of FILL_CHUNK tokens, each chunk's attention the
+        backend's causal `prefill_attend` over what the sequence stored before and the chunk, the LM
+        head over the last row only: what an engine pays to recompute (the prompt's token ids are
+        synthetic, as its fill was). "synthetic": written like a context fill, without the model (a
+        lower bound)."""
+        if self.recompute_pass == "synthetic":
+            self.fill(req, req.length)
+            return
+        for o, n in self.chunks(req.length):
+            self.prefill_at = (req, o)
+            pos = torch.arange(o, o + n, device=self.dev)
+            self.model.forward(self.prompt_tokens[:n], pos, self.prefill_attend, last_only=True)
+        self.prefill_at = None
 
     def prepare(self, running):
         """Per-step state of the backend (called before the timed step)."""
@@ -152,16 +191,19 @@ class Backend:
 POLICIES = {"echokv": "echokv:init=mid"}
 
 
-class KvqBackend(Backend):
-    """kvq's CUDA cache through the kvq package, on torch's current stream."""
+class KvqBackend(ss.KvqPreempt, Backend):
+    """kvq's CUDA cache through the kvq package, on torch's current stream. Preemption (fits_now,
+    step_fits, preempt, resume, swap_traffic) is serve_sched.KvqPreempt's: swap_out / swap_in into
+    `swap_bytes` of pinned host memory, or release and `refill`."""
 
-    def __init__(self, name, model, dev, seed, policy, budget, max_batch, max_tokens):
-        super().__init__(name, model, dev, seed)
+    def __init__(self, name, model, dev, seed, policy, budget, max_batch, max_tokens, preempt_mode="off",
+                 recompute_pass="model", swap_bytes=0):
+        Backend.__init__(self, name, model, dev, seed, preempt_mode, recompute_pass)
         c = LLAMA3_8B
         # no value checks: one launch less per append, as an engine with finite inputs runs it
         self.cache = kvq.Cache(model.layers, c["q_heads"], c["kv_heads"], c["head_dim"], POLICIES.get(policy, policy),
                                budget_bytes=budget, device="cuda", max_sequences=max_batch, max_tokens=max_tokens,
-                               check_values=False)
+                               check_values=False, swap_bytes=swap_bytes if preempt_mode == "swap" else 0)
         self.echo = policy == "echokv"
         self.canary_on = True
         self.seqs, self.ones = [], []
@@ -175,14 +217,25 @@ class KvqBackend(Backend):
         except kvq.OutOfBudget:
             return False
         try:
-            for layer in range(self.model.layers):
-                for _, n in self.chunks(req.context):
-                    self.cache.append(req.rid, layer, self.fill_k[:n], self.fill_v[:n])
+            self.fill(req, req.context)
         except kvq.OutOfBudget:
             self.cache.release_sequence(req.rid)
             return False
         torch.cuda.synchronize()
         return True
+
+    def fill(self, req, tokens):
+        """The first `tokens` tokens of req's sequence, synthetic K/V (FILL_CHUNK tokens a call per layer)."""
+        for layer in range(self.model.layers):
+            for _, n in self.chunks(tokens):
+                self.cache.append(req.rid, layer, self.fill_k[:n], self.fill_v[:n])
+
+    def prefill_attend(self, layer, q, k, v):
+        """A re-prefill chunk's attention: `prefill` appends the chunk and attends its queries over
+        the stored tokens and causally within it (contiguous copies: the decode path's strided
+        views are what append_batch and attend take; a chunk's copies cost little beside its GEMMs)."""
+        req, _ = self.prefill_at
+        return self.cache.prefill(req.rid, layer, k.contiguous(), v.contiguous(), q.contiguous())
 
     def release(self, req):
         self.cache.release_sequence(req.rid)
@@ -245,8 +298,9 @@ class PeerBackend(Backend):
     budget; the buffers hold `slack` x the budget plus one request so that first-fit ranges never
     refuse a request the count admits (fragmentation-free: generous to the peer)."""
 
-    def __init__(self, model, dev, seed, budget, max_request, attention, sdpa_backend, slack=1.25):
-        super().__init__("peer", model, dev, seed)
+    def __init__(self, model, dev, seed, budget, max_request, attention, sdpa_backend, slack=1.25,
+                 preempt_mode="off", recompute_pass="model"):
+        super().__init__("peer", model, dev, seed, preempt_mode, recompute_pass)
         c = LLAMA3_8B
         self.bpt = model.layers * 2 * c["kv_heads"] * c["head_dim"] * 2
         self.budget = budget
@@ -268,16 +322,60 @@ class PeerBackend(Backend):
         if s is None:
             return False
         self.start[req.rid] = s
-        for layer in range(self.model.layers):
-            for o, n in self.chunks(req.context):
-                self.k[layer, s + o: s + o + n].copy_(self.fill_k[:n])
-                self.v[layer, s + o: s + o + n].copy_(self.fill_v[:n])
+        self.fill(req, req.context)
         torch.cuda.synchronize()
         return True
+
+    def fill(self, req, tokens):
+        """The first `tokens` rows of req's range, synthetic K/V."""
+        s = self.start[req.rid]
+        for layer in range(self.model.layers):
+            for o, n in self.chunks(tokens):
+                self.k[layer, s + o: s + o + n].copy_(self.fill_k[:n])
+                self.v[layer, s + o: s + o + n].copy_(self.fill_v[:n])
 
     def release(self, req):
         self.ranges.give(self.start.pop(req.rid), req.context + req.output)
         self.next_token.pop(req.rid, None)
+
+    # preemption: recompute only (the peer has no swap space); exact bytes of the tokens held
+    def fits_now(self, req, running):
+        return ss.exact_fits_now(req, running, self.bpt, self.budget)
+
+    def step_fits(self, running):
+        return ss.exact_step_fits(running, self.bpt, self.budget)
+
+    def preempt(self, req):
+        """Gives req's range back (its next token is kept for when it resumes)."""
+        self.ranges.give(self.start.pop(req.rid), req.context + req.output)
+        return "recompute"
+
+    def resume(self, req):
+        """A range again, and its prompt and generated tokens prefilled into it (`refill`)."""
+        s = self.ranges.take(req.context + req.output)
+        if s is None:
+            return False
+        self.start[req.rid] = s
+        self.refill(req)
+        torch.cuda.synchronize()
+        return True
+
+    def prefill_attend(self, layer, q, k, v):
+        """A re-prefill chunk's attention: its K/V written into the request's range after the rows
+        before it, then SDPA of its queries over those rows and the chunk with a lower-right causal
+        mask (query i sees the rows before the chunk and chunk rows 0..i), as bench/peer_prefill.py
+        measures the peer's prefill."""
+        from torch.nn.attention.bias import causal_lower_right
+        req, o0 = self.prefill_at
+        s, n = self.start[req.rid], q.shape[0]
+        kb, vb = self.k[layer], self.v[layer]
+        kb[s + o0: s + o0 + n].copy_(k)
+        vb[s + o0: s + o0 + n].copy_(v)
+        ki = kb[s: s + o0 + n].permute(1, 0, 2).unsqueeze(0)  # [1, kv_heads, rows, D]
+        vi = vb[s: s + o0 + n].permute(1, 0, 2).unsqueeze(0)
+        qi = q.permute(1, 0, 2).unsqueeze(0)                   # [1, q_heads, n, D]
+        o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=causal_lower_right(n, o0 + n), enable_gqa=True)
+        return o[0].permute(1, 0, 2)                           # [n, q_heads, D]
 
     def kv_bytes_per_token(self):
         return float(self.bpt)
@@ -394,12 +492,24 @@ def peer_kernel_check(dev, batch=8, length=32768):
     return out
 
 
-def run_backend(name, args, model, dev, trace_args, budget, max_request, peer_attention, sdpa_backend):
-    """Runs the trace on one backend; returns its summary and its steps.csv rows."""
+#: The peer's preemption in a run of each mode: it has no swap space, so a swap run's peer recomputes.
+PEER_MODE = {"off": "off", "swap": "recompute", "recompute": "recompute"}
+
+
+def label(name, mode):
+    """A result's name: the backend, with its preemption mode unless off."""
+    return name if mode == "off" else f"{name} [{mode}]"
+
+
+def run_backend(name, args, model, dev, trace_args, budget, max_request, peer_attention, sdpa_backend, mode="off"):
+    """Runs the trace on one backend with preemption `mode`; returns its summary and its steps.csv rows."""
     if name == "peer":
-        be = PeerBackend(model, dev, args.seed, budget, max_request, peer_attention, sdpa_backend)
+        be = PeerBackend(model, dev, args.seed, budget, max_request, peer_attention, sdpa_backend,
+                         preempt_mode=mode, recompute_pass=args.recompute_pass)
     else:
-        be = KvqBackend(name, model, dev, args.seed, name, budget, args.max_batch, max_request + 64)
+        be = KvqBackend(name, model, dev, args.seed, name, budget, args.max_batch, max_request + 64,
+                        preempt_mode=mode, recompute_pass=args.recompute_pass, swap_bytes=int(args.swap_gib * 2**30))
+    tag_name = label(name, mode)
     try:
         log = ss.RunLog(name)
         tagger = canary_tagger(be, args.canary_block) if name == "echokv" else None
@@ -409,21 +519,33 @@ def run_backend(name, args, model, dev, trace_args, budget, max_request, peer_at
             s = log.step_seconds[-25:]
             if s and (step % 25 == 0 or time.perf_counter() - t0[0] > 10):
                 t0[0] = time.perf_counter()
-                print(f"{name:>10}: step {step:4d}  batch {len(running):3d}  waiting {len(waiting):3d}  "
-                      f"finished {len(log.finished):3d}  step {1e3 * sum(s) / len(s):7.2f} ms", flush=True)
+                print(f"{tag_name:>10}: step {step:4d}  batch {len(running):3d}  waiting {len(waiting):3d}  "
+                      f"finished {len(log.finished):3d}  step {1e3 * sum(s) / len(s):7.2f} ms"
+                      + (f"  preemptions {log.preemptions}" if mode != "off" else ""), flush=True)
 
         ss.run_trace(be, ss.make_trace(**trace_args), args.max_batch, log,
                      max_steps=args.max_steps + args.warmup_steps, tagger=tagger, progress=progress,
-                     warmup=args.warmup_steps)
+                     warmup=args.warmup_steps, preempt=mode)
         s = ss.summary(log)
         counted = be.issue_seconds[args.warmup_steps:]
         s["issue_ms_mean"] = 1e3 * sum(counted) / len(counted) if counted else float("nan")
         if isinstance(be, KvqBackend):
             over = be.cache.stats()["overhead"]
             s["overhead_device_mib"] = (over["device_tables"] + over["device_workspace"]) / 2**20
-        rows = [(name, i, b, f"{1e3 * sec:.3f}", tag)
-                for i, (sec, b, tag) in enumerate(zip(log.step_seconds, log.step_batch, log.step_tag))]
-        print(f"{name:>10}: {s['tokens_per_s']:.0f} tok/s, TPOT {s['tpot_ms_mean']:.2f} ms (p90 "
+        if mode == "swap":
+            s["swap_capacity_bytes"] = be.cache.stats()["swap_capacity_bytes"]
+        rows = [(name, i, b, f"{1e3 * sec:.3f}", tag, mode, f"{1e3 * moved:.3f}")
+                for i, (sec, b, tag, moved) in enumerate(zip(log.step_seconds, log.step_batch, log.step_tag,
+                                                            log.step_preempt_seconds))]
+        if mode != "off":
+            traffic = (f"swap {s['swapped_out_bytes'] / 2**30:.2f} GiB out, {s['swapped_in_bytes'] / 2**30:.2f} GiB in, "
+                       f"{s['swap_out_s']:.2f} + {s['swap_in_s']:.2f} s" if mode == "swap" else "")
+            if s["recomputed_tokens"] or mode == "recompute":
+                traffic += ((", " if traffic else "") + f"{s['recomputed_tokens']} tokens recomputed in "
+                            f"{s['recompute_s']:.2f} s")
+            print(f"{tag_name:>10}: {s['preemptions']} preemptions ({s['swap_fallbacks']} swap fallbacks), "
+                  f"{s['resumes']} resumed, {traffic}; steps alone {s['step_tokens_per_s']:.0f} tok/s", flush=True)
+        print(f"{tag_name:>10}: {s['tokens_per_s']:.0f} tok/s, TPOT {s['tpot_ms_mean']:.2f} ms (p90 "
               f"{s['tpot_ms_p90']:.2f}), max batch {s['max_batch']}, {s['kv_bytes_per_token'] / 1024:.1f} KiB/token, "
               f"host issue {s['issue_ms_mean']:.2f} ms, fill {s['fill_s']:.1f} s"
               + (f", canary on-off {s['ab_overhead_pct']:+.3f} % (sem {s['ab_overhead_sem_pct']:.3f} %)"
@@ -434,17 +556,21 @@ def run_backend(name, args, model, dev, trace_args, budget, max_request, peer_at
 
 
 def write_results(out, meta, results, steps_rows):
-    """serve.json (the settings and every backend's summary, with its ratio to the peer's tokens/s)
-    and steps.csv (every counted step); rewritten after each backend so a failure keeps the rest."""
-    peer = next((r for r in results if r["backend"] == "peer" and "error" not in r), None)
+    """serve.json (the settings and every backend's summary, with its ratio to the tokens/s of the
+    peer run with the same preemption, PEER_MODE) and steps.csv (every counted step: its preemption
+    mode, and the ms of the preemptions and resumptions before it); rewritten after each backend so a
+    failure keeps the rest."""
     for r in results:
         if "error" not in r:
+            mode = PEER_MODE[r.get("preempt", "off")]
+            peer = next((p for p in results if p["backend"] == "peer" and "error" not in p
+                         and p.get("preempt", "off") == mode), None)
             r["ratio_to_peer"] = r["tokens_per_s"] / peer["tokens_per_s"] if peer and peer["tokens_per_s"] else None
     with open(os.path.join(out, "serve.json"), "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=1)
     with open(os.path.join(out, "steps.csv"), "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["backend", "step", "batch", "ms", "tag"])
+        w.writerow(["backend", "step", "batch", "ms", "tag", "preempt", "preempt_ms"])
         w.writerows(steps_rows)
 
 
@@ -476,7 +602,18 @@ def main():
     ap.add_argument("--sdpa-backend", choices=["cudnn", "flash"], default="flash",
                     help="SDPA backend of --peer-attention sdpa")
     ap.add_argument("--canary-block", type=int, default=8, help="EchoKV: steps per canary on/off block")
+    ap.add_argument("--preempt", default="off",
+                    help="preemption modes, comma-separated, one run each: off (admission reserves the whole "
+                         "output), swap (kvq: swap_out / swap_in; the peer recomputes), recompute")
+    ap.add_argument("--swap-gib", type=float, default=64.0,
+                    help="swap mode: each kvq cache's host swap space (pinned), GiB")
+    ap.add_argument("--recompute-pass", choices=["model", "synthetic"], default="model",
+                    help="recompute: prefill through the model again, or write the K/V synthetically (a lower bound)")
     args = ap.parse_args()
+    modes = list(dict.fromkeys(m for m in args.preempt.replace(",", " ").split()))
+    bad = [m for m in modes if m not in ss.PREEMPT_MODES]
+    if bad or not modes:
+        sys.exit(f"--preempt: {' '.join(bad) or 'nothing'}: expected off, swap or recompute, comma-separated")
     if torch is None or not torch.cuda.is_available():
         sys.exit("serve.py needs torch with a CUDA device")
     dev = torch.device("cuda")
@@ -512,14 +649,23 @@ def main():
           f"{meta['weights_gib']:.1f} GiB; KV memory {args.kv_gib:g} GiB; trace {meta['trace']}", flush=True)
     from torch.nn.attention import SDPBackend
     sdpa_backend = SDPBackend.CUDNN_ATTENTION if args.sdpa_backend == "cudnn" else SDPBackend.FLASH_ATTENTION
+    # every backend once per mode; the peer once per mode of its own (a swap run's is recompute)
+    runs = []
+    for mode in modes:
+        for name in backends:
+            run = (name, PEER_MODE[mode] if name == "peer" else mode)
+            if run not in runs:
+                runs.append(run)
     results, steps_rows = [], []
-    for name in backends:
+    for name, mode in runs:
         try:
             summary, rows = run_backend(name, args, model, dev, trace_args, budget, max_request, peer_attention,
-                                        sdpa_backend)
+                                        sdpa_backend, mode)
         except Exception as e:  # one backend's failure is reported; the others still run
-            print(f"{name:>10}: FAILED: {type(e).__name__}: {e}\n{traceback.format_exc()}", flush=True)
+            print(f"{label(name, mode):>10}: FAILED: {type(e).__name__}: {e}\n{traceback.format_exc()}", flush=True)
             summary, rows = {"backend": name, "error": f"{type(e).__name__}: {e}"}, []
+            if mode != "off":
+                summary["preempt"] = mode
         torch.cuda.empty_cache()
         results.append(summary)
         steps_rows += rows

@@ -3,12 +3,17 @@
 scheduler and its admission rules with a fake backend, the A/B summary, and what the kvq backend
 relies on through the kvq package on the CPU backend (bytes_for against what a fill takes,
 admission, append_batch + attend against a hand computation, failed calls changing nothing, the
-EchoKV canary switch).
+EchoKV canary switch); preemption (swap and recompute) with a fake backend and with kvq's CPU cache
+(every request finishing, preemptions that a run without them shows to be needed, a swapped
+sequence reading after swap_in what it read before, the swap traffic kvq's stats report, the
+tokens recompute prefills again), and its report.
 
     PYTHONPATH=build/python python3 bench/serve/test_serve.py
 """
+import json
 import os
 import sys
+import tempfile
 import unittest
 
 import numpy as np
@@ -45,6 +50,68 @@ class FakeBackend:
 
     def kv_bytes_per_token(self):
         return float(self.bpt)
+
+
+class OverBudget(AssertionError):
+    """The fake cache held more tokens than its budget."""
+
+
+class FakePreemptBackend(FakeBackend):
+    """FakeBackend (1 byte a token) with preemption by exact tokens: it stores each request's
+    tokens, its step adds one to every running request and raises OverBudget past the budget;
+    preempt keeps a swapped request's tokens aside or drops them (recompute), resume brings them
+    back or stores the request's length again. It records the preemptions and resumptions."""
+
+    def __init__(self, budget, mode):
+        super().__init__(budget, 1)
+        self.mode = mode
+        self.swapped = {}
+        self.events = []     # ("preempt" | "resume", rid)
+        self.refilled = 0    # tokens stored again by recompute resumptions
+        self.refuse_at = None  # a batch size at which the next step is refused once (StepRefused)
+
+    def admit(self, req):
+        self.held[req.rid] = req.context
+        assert sum(self.held.values()) <= self.budget, "admitted past the budget"
+        return True
+
+    def fits_now(self, req, running):
+        return ss.exact_fits_now(req, running, 1, self.budget)
+
+    def step_fits(self, running):
+        return ss.exact_step_fits(running, 1, self.budget)
+
+    def step(self, running):
+        if self.refuse_at is not None and len(running) >= self.refuse_at:
+            self.refuse_at = None
+            raise ss.StepRefused("refused once")
+        for r in running:
+            assert self.held[r.rid] == r.length, (r.rid, self.held[r.rid], r.length)
+            self.held[r.rid] += 1
+        if sum(self.held.values()) > self.budget:
+            raise OverBudget(f"{sum(self.held.values())} tokens held, budget {self.budget}")
+        return super().step(running)
+
+    def preempt(self, req):
+        self.events.append(("preempt", req.rid))
+        tokens = self.held.pop(req.rid)
+        if self.mode == "swap":
+            self.swapped[req.rid] = tokens
+            return "swap"
+        return "recompute"
+
+    def resume(self, req):
+        self.events.append(("resume", req.rid))
+        if req.preempted_by == "swap":
+            self.held[req.rid] = self.swapped.pop(req.rid)
+        else:
+            self.held[req.rid] = req.length
+            self.refilled += req.length
+        return True
+
+    def release(self, req):
+        assert self.held[req.rid] == req.context + req.output, "released before its last token"
+        super().release(req)
 
 
 class TraceTest(unittest.TestCase):
@@ -277,6 +344,316 @@ class PackageTest(unittest.TestCase):
         c.freeze_policy(True)
         c.freeze_policy(False)
         c.sync_policy()
+
+
+class PreemptSchedulerTest(unittest.TestCase):
+    """The preemption scheduling with the fake backend: 4 requests of 100 + 50 tokens and one of
+    100 + 20 in 420 tokens. Reserving whole outputs admits two (3 x 150 > 420); by current need all
+    four (4 x 101), until their growth no longer fits: after 5 steps 4 x 106 > 420 (request 3, the
+    newest, preempted), after 40 steps 3 x 141 > 420 (request 2); when 0 and 1 finish (step 50), 2
+    and 3 resume, oldest first, and only then is 4 admitted."""
+
+    @staticmethod
+    def trace():
+        return [ss.Request(i, 100, 50) for i in range(4)] + [ss.Request(4, 100, 20)]
+
+    def run_mode(self, mode, backend=None):
+        be = backend or FakePreemptBackend(420, mode)
+        log = ss.RunLog("fake")
+        running, waiting = ss.run_trace(be, self.trace(), 8, log, preempt=mode)
+        self.assertEqual((running, waiting, log.unfinished), ([], [], []))
+        return be, log
+
+    def test_whole_output_reserved_admits_fewer(self):
+        be = FakePreemptBackend(420, "swap")
+        ss.run_trace(be, self.trace(), 8, ss.RunLog("fake"))
+        self.assertEqual(be.batches[0], [0, 1])
+        self.assertEqual(be.events, [], "no preemption when outputs are reserved")
+
+    def test_admission_by_current_need_alone_overflows(self):
+        # (b): admitted by what they need now, never preempted, the fifth step holds 424 tokens;
+        # the same test is what the preemption runs below pass
+        be = FakePreemptBackend(420, "swap")
+        be.can_admit = be.fits_now
+        with self.assertRaisesRegex(OverBudget, "424 tokens held, budget 420"):
+            ss.run_trace(be, self.trace(), 8, ss.RunLog("fake"))
+        self.assertEqual(len(be.batches), 5)
+
+    def test_swap_and_recompute(self):
+        for mode in ("swap", "recompute"):
+            with self.subTest(mode=mode):
+                be, log = self.run_mode(mode)
+                # (a) every request finished with its tokens (the fake checks each step's lengths)
+                self.assertEqual(sorted((r.rid, r.done) for r in log.finished),
+                                 [(0, 50), (1, 50), (2, 50), (3, 50), (4, 20)])
+                self.assertEqual(be.held, {})
+                self.assertEqual(be.batches[0], [0, 1, 2, 3])
+                # the newest preempted first, the oldest resumed first, 4 admitted after them
+                self.assertEqual(be.events, [("preempt", 3), ("preempt", 2), ("resume", 2), ("resume", 3)])
+                self.assertEqual(be.batches[5], [0, 1, 2])
+                self.assertEqual(be.batches[40], [0, 1])
+                self.assertEqual(be.batches[50], [2, 3, 4])
+                self.assertEqual((log.preemptions, log.resumes, log.max_preempted), (2, 2, 2))
+                self.assertEqual(sum(log.step_batch), 4 * 50 + 20)
+                s = ss.summary(log)
+                self.assertEqual(s["preempt"], mode)
+                self.assertEqual((s["preemptions"], s["resumes"], s["step_retries"]), (2, 2, 0))
+                self.assertEqual(len(log.step_preempt_seconds), len(log.step_seconds))
+                self.assertAlmostEqual(s["tokens_per_s"], s["output_tokens"] / (s["decode_s"] + s["preempt_s"]))
+                self.assertGreaterEqual(s["step_tokens_per_s"], s["tokens_per_s"])
+                if mode == "swap":
+                    self.assertEqual((s["swap_outs"], s["swap_ins"], s["recomputed_tokens"]), (2, 2, 0))
+                else:
+                    # (d) request 2 left at 100 + 40 tokens, request 3 at 100 + 5
+                    self.assertEqual((s["swap_outs"], s["swap_ins"]), (0, 0))
+                    self.assertEqual(s["recomputed_tokens"], 140 + 105)
+                    self.assertEqual(be.refilled, 140 + 105)
+                    self.assertEqual({r.rid: r.recomputed for r in log.finished}, {0: 0, 1: 0, 2: 140, 3: 105, 4: 0})
+
+    def test_refused_step_is_retried_without_the_newest(self):
+        be = FakePreemptBackend(420, "swap")
+        be.refuse_at = 4
+        be, log = self.run_mode("swap", be)
+        self.assertEqual(log.step_retries, 1)
+        self.assertEqual(be.batches[0], [0, 1, 2], "the first step refused with 4, retried with 3")
+        self.assertEqual(be.events[0], ("preempt", 3))
+        self.assertEqual(sorted(r.done for r in log.finished), [20, 50, 50, 50, 50])
+        with self.assertRaises(ss.StepRefused):  # without preemption, a refused step is the run's failure
+            be = FakePreemptBackend(10 ** 6, "swap")
+            be.refuse_at = 1
+            ss.run_trace(be, self.trace(), 8, ss.RunLog("fake"))
+
+    def test_too_big_and_bad_mode(self):
+        with self.assertRaisesRegex(RuntimeError, "does not fit in an empty cache"):
+            ss.run_trace(FakePreemptBackend(100, "swap"), [ss.Request(0, 100, 5)], 4, ss.RunLog("fake"),
+                         preempt="swap")
+        with self.assertRaisesRegex(ValueError, "preempt = 'sometimes'"):
+            ss.run_trace(FakePreemptBackend(100, "swap"), [], 4, ss.RunLog("fake"), preempt="sometimes")
+        self.assertEqual(ss.preempt_summary(ss.RunLog("off")), {})
+
+
+class CpuKvqBackend(ss.KvqPreempt):
+    """serve.py's kvq backend on kvq's CPU cache with numpy rows: the same scheduling calls and the
+    same preemption (serve_sched.KvqPreempt). Token t of request r has K and V values of its own
+    (`rows`), so a re-prefill writes what the sequence held. Records, at each preemption, what the
+    sequence read (every layer's K and V), checks a swapped sequence reads it again after swap_in,
+    and tracks the swap space each swap moves (stats' swap_used_bytes before and after)."""
+    L, HQ, H, D = 2, 4, 2, 64
+
+    def __init__(self, policy, budget, mode, swap_bytes=64 << 20, max_batch=8):
+        self.cache = kvq.Cache(self.L, self.HQ, self.H, self.D, policy, budget_bytes=budget, max_sequences=max_batch,
+                               max_tokens=4096, check_values=False, swap_bytes=swap_bytes)
+        self.preempt_mode = mode
+        self.refilled = 0           # tokens written by refill (recompute's re-prefill)
+        self.left_at = {}           # rid -> its length when last preempted
+        self.reads = {}             # rid -> what it read when last preempted
+        self.swap_checks = 0        # swap_ins whose reads were compared
+        self.moved = [0, 0]         # swap space taken by swap_outs, given back by swap_ins
+
+    def rows(self, rid, start, n, role):
+        pos = np.arange(start, start + n, dtype=np.float32)[:, None, None]
+        ch = np.arange(self.H * self.D, dtype=np.float32).reshape(1, self.H, self.D)
+        return np.sin(0.37 * rid + (1.1 if role == "v" else 0.0) + 0.013 * pos * (1 + ch / 32)).astype(np.float32)
+
+    def read_all(self, rid):
+        return [self.cache.read(rid, layer, role) for layer in range(self.L) for role in "kv"]
+
+    def fill(self, req, tokens):
+        for layer in range(self.L):
+            self.cache.append(req.rid, layer, self.rows(req.rid, 0, tokens, "k"), self.rows(req.rid, 0, tokens, "v"))
+
+    def can_admit(self, req, running):
+        return ss.kvq_fits(self.cache, req, running)
+
+    def admit(self, req):
+        try:
+            self.cache.create_sequence(req.rid)
+        except kvq.OutOfBudget:
+            return False
+        try:
+            self.fill(req, req.context)
+        except kvq.OutOfBudget:
+            self.cache.release_sequence(req.rid)
+            return False
+        return True
+
+    def refill(self, req):
+        self.fill(req, req.length)
+        self.refilled += req.length
+
+    def sync(self):
+        pass
+
+    def step(self, running):
+        k = np.concatenate([self.rows(r.rid, r.length, 1, "k") for r in running])
+        v = np.concatenate([self.rows(r.rid, r.length, 1, "v") for r in running])
+        q = np.full((len(running), self.HQ, self.D), 0.1, np.float32)
+        for layer in range(self.L):
+            self.append_step(running, layer, k, v)
+            self.cache.attend([r.rid for r in running], layer, q)
+        return 1e-3 * len(running)
+
+    def release(self, req):
+        self.cache.release_sequence(req.rid)
+
+    def kv_bytes_per_token(self):
+        st = self.cache.stats()
+        return st["used_bytes"] * self.L / st["tokens"] if st["tokens"] else float("nan")
+
+    def preempt(self, req):
+        self.left_at[req.rid] = req.length
+        self.reads[req.rid] = self.read_all(req.rid)
+        used = self.cache.stats()["swap_used_bytes"]
+        kind = super().preempt(req)
+        self.moved[0] += self.cache.stats()["swap_used_bytes"] - used
+        if kind == "swap":
+            assert self.cache.is_swapped(req.rid)
+            with self_test().assertRaisesRegex(kvq.InvalidArgument, "swapped out"):
+                self.cache.attend([req.rid], 0, np.zeros((1, self.HQ, self.D), np.float32))
+        return kind
+
+    def resume(self, req):
+        used = self.cache.stats()["swap_used_bytes"]
+        swapped = req.preempted_by == "swap"
+        if not super().resume(req):
+            return False
+        self.moved[1] += used - self.cache.stats()["swap_used_bytes"]
+        now = self.read_all(req.rid)
+        self_test().assertEqual([a.shape[0] for a in now], [req.length] * 2 * self.L)
+        if swapped:  # (c): bit for bit what it read before it left
+            for before, after in zip(self.reads[req.rid], now):
+                np.testing.assert_array_equal(before, after)
+            self.swap_checks += 1
+        return True
+
+
+def self_test():
+    """A TestCase for assertions outside a test method."""
+    return unittest.TestCase()
+
+
+class KvqPreemptTest(unittest.TestCase):
+    """Preemption on kvq's CPU cache (serve_sched.KvqPreempt, what serve.py's kvq backend runs): six
+    requests of 100-200 context tokens and 150-300 output tokens in a budget of what the first four
+    need at admission, so that their growth (a page of every layer each 64 tokens) overflows it."""
+    SPECS = [(130, 260), (190, 200), (100, 300), (160, 240), (120, 180), (200, 150)]
+
+    def trace(self):
+        return [ss.Request(i, c, o) for i, (c, o) in enumerate(self.SPECS)]
+
+    def budget(self, policy):
+        probe = CpuKvqBackend(policy, 1 << 30, "swap").cache
+        return sum(probe.bytes_for(r.context + 1) for r in self.trace()[:4])
+
+    def run_mode(self, policy, mode, **kw):
+        be = CpuKvqBackend(policy, self.budget(policy), mode, **kw)
+        log = ss.RunLog(policy)
+        running, waiting = ss.run_trace(be, self.trace(), 8, log, preempt=mode)
+        self.assertEqual((running, waiting, log.unfinished), ([], [], []))
+        # (a) every request finished with its tokens, and the cache is empty again
+        self.assertEqual(sorted((r.rid, r.done) for r in log.finished), [(i, o) for i, (_, o) in enumerate(self.SPECS)])
+        st = be.cache.stats()
+        self.assertEqual((st["sequences"], st["used_bytes"], st["swapped_sequences"], st["swap_used_bytes"]),
+                         (0, 0, 0, 0))
+        return be, log, ss.summary(log)
+
+    def test_needed(self):
+        # (b): admitted by current need (what the first four get) and never preempted, a step is
+        # refused; reserving whole outputs admits two
+        be = CpuKvqBackend("kivi4/g32", self.budget("kivi4/g32"), "swap")
+        be.can_admit = be.fits_now
+        with self.assertRaises(ss.StepRefused):
+            ss.run_trace(be, self.trace(), 8, ss.RunLog("kivi4/g32"))
+        log = ss.RunLog("kivi4/g32")
+        ss.run_trace(CpuKvqBackend("kivi4/g32", self.budget("kivi4/g32"), "swap"), self.trace(), 8, log)
+        self.assertEqual(max(log.step_batch), 2)
+
+    def test_swap(self):
+        be, log, s = self.run_mode("kivi4/g32", "swap")
+        self.assertEqual(log.step_batch[0], 4)
+        self.assertGreaterEqual(s["preemptions"], 2)
+        self.assertEqual((s["swap_outs"], s["swap_ins"], s["resumes"]), (s["preemptions"],) * 3)
+        self.assertEqual((s["swap_fallbacks"], s["recomputed_tokens"], be.refilled), (0, 0, 0))
+        # (c) each swapped sequence read after swap_in what it read before (CpuKvqBackend.resume)
+        self.assertEqual(be.swap_checks, s["swap_ins"])
+        # the swap traffic: the summary's is kvq's stats', and it is the swap space each swap took
+        st = be.cache.stats()
+        self.assertEqual((s["swapped_out_bytes"], s["swapped_in_bytes"]), (st["swapped_out_bytes"], st["swapped_in_bytes"]))
+        self.assertEqual(be.moved, [st["swapped_out_bytes"], st["swapped_in_bytes"]])
+        self.assertGreater(st["swapped_out_bytes"], 0)
+        self.assertEqual(st["swapped_in_bytes"], st["swapped_out_bytes"])
+        self.assertGreater(s["swap_out_s"], 0)
+
+    def test_recompute(self):
+        be, log, s = self.run_mode("kivi4/g32", "recompute")
+        self.assertGreaterEqual(s["preemptions"], 2)
+        self.assertEqual((s["swap_outs"], s["swap_ins"], s["swapped_out_bytes"]), (0, 0, 0))
+        self.assertEqual(s["resumes"], s["preemptions"])
+        # (d) each resumption prefilled the request's context and the tokens it had produced
+        self.assertEqual(s["recomputed_tokens"], be.refilled)
+        self.assertEqual(s["recomputed_tokens"], sum(r.recomputed for r in log.finished))
+        for r in log.finished:
+            if r.preemptions:
+                self.assertEqual(r.recomputed, be.left_at[r.rid] if r.preemptions == 1 else r.recomputed)
+        self.assertEqual(s["recomputed_tokens"], sum(be.left_at.values()) if all(
+            r.preemptions <= 1 for r in log.finished) else s["recomputed_tokens"])
+        self.assertGreater(s["recomputed_tokens"], 0)
+
+    def test_swap_space_full_falls_back_to_recompute(self):
+        # room in the swap space for about one sequence: the others are released and recomputed
+        be, log, s = self.run_mode("kivi4/g32", "swap", swap_bytes=200 << 10)
+        self.assertGreaterEqual(s["swap_fallbacks"], 1)
+        self.assertGreaterEqual(s["swap_outs"], 1)
+        self.assertEqual(s["swap_outs"] + s["swap_fallbacks"], s["preemptions"])
+        self.assertEqual(s["recomputed_tokens"], be.refilled)
+        self.assertGreater(s["recomputed_tokens"], 0)
+        self.assertEqual(be.swap_checks, s["swap_ins"])
+
+    def test_other_formats(self):
+        # fp16 and sym8 pages; in fp16 the arena's free bytes come in pieces too small for a page
+        # block at times (a refused step: the layers before cut back, the newest preempted)
+        for policy in ("fp16", "sym8"):
+            for mode in ("swap", "recompute"):
+                with self.subTest(policy=policy, mode=mode):
+                    be, log, s = self.run_mode(policy, mode)
+                    self.assertGreaterEqual(s["preemptions"], 1)
+                    self.assertEqual(be.swap_checks, s["swap_ins"])
+
+
+class PreemptReportTest(unittest.TestCase):
+    def test_report_and_ratio(self):
+        runs = []
+        for name, mode in (("peer", "recompute"), ("kivi4/g32", "swap"), ("kivi4/g32", "recompute")):
+            be = FakePreemptBackend(420, mode)
+            if name != "peer":
+                be.step = lambda running, be=be, step=be.step: step(running) / 4
+            log = ss.RunLog(name)
+            ss.run_trace(be, PreemptSchedulerTest.trace(), 8, log, preempt=mode)
+            runs.append(ss.summary(log))
+        runs[1]["swapped_out_bytes"] = runs[1]["swapped_in_bytes"] = 3 << 29
+        with tempfile.TemporaryDirectory() as d:
+            serve.write_results(d, {}, runs, [])
+            with open(os.path.join(d, "serve.json")) as f:
+                doc = json.load(f)
+        ratios = [r["ratio_to_peer"] for r in doc["results"]]
+        self.assertAlmostEqual(ratios[0], 1.0)
+        self.assertGreater(ratios[1], 1.0, "a swap run against the peer's recompute run")
+        self.assertEqual(serve.label("kivi4/g32", "swap"), "kivi4/g32 [swap]")
+        self.assertEqual(serve.label("peer", "off"), "peer")
+        meta = {"device": "fake", "sms": 1, "torch": "-", "cuda": "-", "date": "d", "weights_gib": 1.0,
+                "peer_attention": "varlen", "trace": {"requests": 5, "context_min": 100, "context_max": 100,
+                                                      "context_mean": 100, "output_mean": 44},
+                "args": {"layers": 2, "kv_gib": 1, "max_steps": 10, "warmup_steps": 0, "canary_block": 2}}
+        doc["meta"] = meta
+        md = report_serve.table(doc)
+        self.assertIn("| kivi4/g32 [swap] | ", md)
+        self.assertIn("| peer [recompute] | ", md)
+        self.assertIn("| kivi4/g32 | swap | ", md)
+        self.assertIn("| 2 (0) | 2 | 2 | 1.50 / 1.50 |", md)
+        self.assertIn("| kivi4/g32 | recompute | ", md)
+        self.assertIn("| 245 |", md)
+        self.assertEqual(md.count("\n| "), 2 + 3 + 2 + 3, md)  # two tables of three rows
+        self.assertNotIn("Preemption", report_serve.table({"meta": meta, "results": [runs[0] | {"preempt": "off"}]}))
 
 
 def main():

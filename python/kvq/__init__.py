@@ -35,6 +35,7 @@ from ._kvq import (  # noqa: F401  (re-exported)
     Unsupported,
     bits_per_element,
     format_name,
+    inspect_blob,
     policies,
 )
 
@@ -55,6 +56,7 @@ __all__ = [
     "Unsupported",
     "CommError",
     "format_name",
+    "inspect_blob",
     "bits_per_element",
     "policies",
     "cuda",
@@ -153,10 +155,11 @@ class Cache:
         check_values: bool = True,
         cpu_threads: int = 1,
         stream: Any = None,
+        swap_bytes: int = 0,
     ) -> None:
         self._c = _kvq._Cache(
             layers, q_heads, kv_heads, head_dim, config, budget_bytes, str(device), page_tokens, window, recent,
-            max_sequences, max_tokens, softmax_scale, check_values, cpu_threads, _stream_handle(stream))
+            max_sequences, max_tokens, softmax_scale, check_values, cpu_threads, _stream_handle(stream), swap_bytes)
         self._cuda = self._c.device != "cpu"
         self._device_index = int(self._c.device.split(":")[1]) if self._cuda else -1
         # For kvq.ops: a handle, and the one-element tensor that orders this cache's ops in a
@@ -308,6 +311,51 @@ class Cache:
     def stats(self) -> dict:
         """Budget, bytes, pages and formats now (`kvq::cache_stats`) as a dict."""
         return self._c.stats()
+
+    # ---- moving sequences ----
+    def export_sequences(self, seqs: Sequence[int], stream: Any = None) -> bytes:
+        """The sequences' pages and FP16 windows bit for bit, with their formats, rotation and
+        shape, as a checksummed blob (pages a fork shares stored once). CUDA: synchronizes the stream."""
+        return self._c.export_sequences(list(seqs), self._stream(stream))
+
+    def export_bytes(self, seqs: Sequence[int]) -> int:
+        """Bytes the blob of `seqs` takes."""
+        return self._c.export_bytes(list(seqs))
+
+    def export_into(self, seqs: Sequence[int], out: Any, stream: Any = None) -> int:
+        """`export_sequences` into a writable buffer of at least `export_bytes(seqs)` bytes (a
+        bytearray, a uint8 numpy array; a pinned torch tensor's `.numpy()` copies fastest from a
+        GPU); returns the blob's size."""
+        return self._c.export_into(list(seqs), out, self._stream(stream))
+
+    def import_sequences(self, blob: Any, seqs: Sequence[int], stream: Any = None) -> None:
+        """Creates `seqs` (one per sequence of the blob, in order) from a blob of a cache of the
+        same shape, rotation and sink pages. A bad blob or a full budget raises and changes nothing."""
+        self._c.import_sequences(blob, list(seqs), self._stream(stream))
+
+    def export_file(self, path: Any, seqs: Sequence[int], stream: Any = None) -> None:
+        """`export_sequences` into a file (written whole, then renamed into place)."""
+        self._c.export_file(str(path), list(seqs), self._stream(stream))
+
+    def import_file(self, path: Any, seqs: Sequence[int], stream: Any = None) -> None:
+        """`import_sequences` from a file."""
+        self._c.import_file(str(path), list(seqs), self._stream(stream))
+
+    def swap_out(self, seq: int, stream: Any = None) -> None:
+        """Moves the sequence's bytes to the swap space (`swap_bytes`; pinned host memory on CUDA),
+        asynchronously on the stream, and frees its budget; it refuses attention until `swap_in`."""
+        self._c.swap_out(seq, self._stream(stream))
+
+    def swap_in(self, seq: int, stream: Any = None) -> None:
+        """Brings a swapped-out sequence back, bit for bit, asynchronously on the stream."""
+        self._c.swap_in(seq, self._stream(stream))
+
+    def is_swapped(self, seq: int) -> bool:
+        return self._c.is_swapped(seq)
+
+    def swap_in_bytes(self, seq: int) -> int:
+        """Budget bytes `swap_in(seq)` would allocate now."""
+        return self._c.swap_in_bytes(seq)
 
     def total_bits(self) -> float:
         """Bits per stored K/V element of everything held (pages and windows)."""

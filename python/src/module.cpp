@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <kvq/cache/cache.hpp>
 #include <kvq/cache/decode_step.hpp>
+#include <kvq/cache/sequence_blob.hpp>
 #include <kvq/format/format.hpp>
 #include <kvq/policy/echokv.hpp>
 #include <kvq/policy/registry.hpp>
@@ -282,7 +283,7 @@ int device_index(std::string_view device) {
 py_cache make_cache(int layers, int q_heads, int kv_heads, int head_dim, std::string_view config,
                     uint64_t budget_bytes, std::string_view device, int page_tokens, int window, int recent,
                     int max_sequences, int64_t max_tokens, float softmax_scale, bool check_values, int cpu_threads,
-                    std::optional<uintptr_t> stream) {
+                    std::optional<uintptr_t> stream, uint64_t swap_bytes) {
   py_cache c;
   c.config = std::string(config);
   const int index = device_index(device);
@@ -300,6 +301,7 @@ py_cache make_cache(int layers, int q_heads, int kv_heads, int head_dim, std::st
   cfg.check_values = check_values;
   cfg.cpu_threads = cpu_threads;
   cfg.stream = stream ? reinterpret_cast<void*>(*stream) : nullptr;
+  cfg.swap_bytes = swap_bytes;
   const kvq::cache_suffixes suffixes = ok(kvq::parse_cache_suffixes(config));
   suffixes.apply(cfg);
   auto pol = kvq::make_policy(suffixes.spec, cfg.shape, suffixes.rotated);
@@ -349,6 +351,74 @@ nb::dict stats_dict(const kvq::cache_stats& s, const kvq::cache_shape& shape) {
   over["device_workspace"] = s.overhead.device_workspace;
   over["pinned_host"] = s.overhead.pinned_host;
   d["overhead"] = over;
+  d["swapped_sequences"] = s.swapped_sequences;
+  d["swap_used_bytes"] = s.swap_used_bytes;
+  d["swap_capacity_bytes"] = s.swap_capacity_bytes;
+  d["swapped_out_bytes"] = s.swapped_out_bytes;
+  d["swapped_in_bytes"] = s.swapped_in_bytes;
+  return d;
+}
+
+/// A read-only, C-contiguous view of a bytes-like object (bytes, bytearray, memoryview, a numpy
+/// uint8 array): the buffer protocol, released when the view goes.
+class byte_view {
+ public:
+  explicit byte_view(nb::handle obj) {
+    if (PyObject_GetBuffer(obj.ptr(), &view_, PyBUF_C_CONTIGUOUS) != 0) {
+      PyErr_Clear();
+      invalid(std::string("blob: a bytes-like object (bytes, bytearray, memoryview, a contiguous uint8 array) is "
+                          "needed, not ") + nb::inst_name(obj).c_str());
+    }
+  }
+  byte_view(const byte_view&) = delete;
+  byte_view& operator=(const byte_view&) = delete;
+  ~byte_view() { PyBuffer_Release(&view_); }
+  std::span<const uint8_t> bytes() const {
+    return {static_cast<const uint8_t*>(view_.buf), size_t(view_.len)};
+  }
+
+ private:
+  Py_buffer view_{};
+};
+
+nb::dict blob_dict(const kvq::blob_info& b) {
+  nb::dict d;
+  d["version"] = b.version;
+  d["layers"] = b.shape.layers;
+  d["q_heads"] = b.shape.q_heads;
+  d["kv_heads"] = b.shape.kv_heads;
+  d["head_dim"] = b.shape.head_dim;
+  d["page_tokens"] = b.shape.page_tokens;
+  d["window"] = b.shape.window;
+  d["recent"] = b.shape.recent;
+  d["sink_pages"] = b.sink_pages;
+  d["rotated"] = b.rotation.any();
+  d["rotation_seed"] = b.rotation.seed;
+  nb::list seqs;
+  for (const kvq::blob_sequence& s : b.sequences) {
+    nb::dict q;
+    q["id"] = s.id;
+    nb::list n, pages;
+    for (const kvq::blob_layer& l : s.layers) {
+      n.append(l.n);
+      pages.append(l.blocks.size());
+    }
+    q["tokens"] = n;
+    q["pages"] = pages;
+    seqs.append(q);
+  }
+  d["sequences"] = seqs;
+  nb::dict formats;
+  for (const kvq::blob_block& k : b.blocks)
+    for (size_t j = 0; j < k.formats.size(); ++j) {
+      const std::string name = kvq::format_name(k.formats[j]);
+      formats[name.c_str()] = (formats.contains(name.c_str()) ? nb::cast<int64_t>(formats[name.c_str()]) : 0) + 1;
+    }
+  d["pages_by_format"] = formats;
+  d["blocks"] = b.blocks.size();
+  d["block_bytes"] = b.block_bytes();
+  d["window_bytes"] = b.window_bytes();
+  d["total_bytes"] = b.total_bytes();
   return d;
 }
 
@@ -386,6 +456,14 @@ NB_MODULE(_kvq, m) {
       "spec"_a, "role"_a = "k", "page_tokens"_a = 64, "head_dim"_a = 128,
       "Bits per element of a page of this format, scales and zeros included.");
   m.def(
+      "inspect_blob",
+      [](nb::handle blob) {
+        const byte_view view(blob);
+        return blob_dict(ok(kvq::inspect_blob(view.bytes())));
+      },
+      "blob"_a,
+      "Reads and checks a sequence blob (`Cache.export_sequences`); returns its shape, sequences, formats and sizes.");
+  m.def(
       "policies",
       [] {
         std::vector<std::tuple<std::string, std::string, std::string>> out;
@@ -398,7 +476,7 @@ NB_MODULE(_kvq, m) {
       .def(nb::new_(&make_cache), "layers"_a, "q_heads"_a, "kv_heads"_a, "head_dim"_a, "config"_a = "fp16",
            "budget_bytes"_a, "device"_a = "cpu", "page_tokens"_a = 64, "window"_a = 128, "recent"_a = 64,
            "max_sequences"_a = 256, "max_tokens"_a = int64_t(1) << 17, "softmax_scale"_a = 0.f,
-           "check_values"_a = true, "cpu_threads"_a = 1, "stream"_a = nb::none())
+           "check_values"_a = true, "cpu_threads"_a = 1, "stream"_a = nb::none(), "swap_bytes"_a = 0)
       .def_prop_ro("layers", [](const py_cache& c) { return c.shape().layers; })
       .def_prop_ro("q_heads", &py_cache::q_heads)
       .def_prop_ro("kv_heads", &py_cache::kv_heads)
@@ -558,6 +636,81 @@ NB_MODULE(_kvq, m) {
       .def("sync_policy", [](py_cache& c) { ok(c.use()->sync_policy()); })
       .def("flush_policy", [](py_cache& c) { ok(c.use()->flush_policy()); })
       .def("stats", [](const py_cache& c) { return stats_dict(c.use()->stats(), c.shape()); })
+      .def(
+          "export_sequences",
+          [](const py_cache& c, const std::vector<int64_t>& ids, std::optional<uintptr_t> s) {
+            const on_device dev = c.use();
+            std::vector<kvq::seq_id> seqs(ids.begin(), ids.end());
+            const uint64_t size = ok(dev->export_bytes(seqs));
+            // written straight into the bytes object the caller gets
+            PyObject* out = PyBytes_FromStringAndSize(nullptr, Py_ssize_t(size));
+            if (!out) throw nb::python_error();
+            nb::object owned = nb::steal(out);
+            auto* at = reinterpret_cast<uint8_t*>(PyBytes_AsString(out));
+            {
+              nb::gil_scoped_release quiet;
+              ok(dev->export_sequences(seqs, std::span<uint8_t>(at, size_t(size)), stream_of(s)));
+            }
+            return owned;
+          },
+          "seqs"_a, "stream"_a = nb::none())
+      .def(
+          "export_into",
+          [](const py_cache& c, const std::vector<int64_t>& ids, nb::handle out, std::optional<uintptr_t> s) {
+            Py_buffer view{};
+            if (PyObject_GetBuffer(out.ptr(), &view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) != 0) {
+              PyErr_Clear();
+              invalid(std::string("out: a writable, contiguous bytes-like object (bytearray, a uint8 array) is "
+                                  "needed, not ") + nb::inst_name(out).c_str());
+            }
+            const on_device dev = c.use();
+            std::vector<kvq::seq_id> seqs(ids.begin(), ids.end());
+            std::optional<kvq::result<uint64_t>> wrote;
+            {
+              nb::gil_scoped_release quiet;
+              wrote.emplace(dev->export_sequences(seqs, std::span<uint8_t>(static_cast<uint8_t*>(view.buf), size_t(view.len)),
+                                            stream_of(s)));
+            }
+            PyBuffer_Release(&view);
+            return ok(std::move(*wrote));
+          },
+          "seqs"_a, "out"_a, "stream"_a = nb::none())
+      .def("export_bytes",
+           [](const py_cache& c, const std::vector<int64_t>& ids) {
+             return ok(c.use()->export_bytes(std::vector<kvq::seq_id>(ids.begin(), ids.end())));
+           },
+           "seqs"_a)
+      .def(
+          "import_sequences",
+          [](py_cache& c, nb::handle blob, const std::vector<int64_t>& ids, std::optional<uintptr_t> s) {
+            const byte_view view(blob);
+            const on_device dev = c.use();
+            std::vector<kvq::seq_id> seqs(ids.begin(), ids.end());
+            ok(dev->import_sequences(view.bytes(), seqs, stream_of(s)));
+          },
+          "blob"_a, "seqs"_a, "stream"_a = nb::none())
+      .def(
+          "export_file",
+          [](const py_cache& c, std::string path, const std::vector<int64_t>& ids, std::optional<uintptr_t> s) {
+            std::vector<kvq::seq_id> seqs(ids.begin(), ids.end());
+            ok(c.use()->export_file(path, seqs, stream_of(s)));
+          },
+          "path"_a, "seqs"_a, "stream"_a = nb::none())
+      .def(
+          "import_file",
+          [](py_cache& c, std::string path, const std::vector<int64_t>& ids, std::optional<uintptr_t> s) {
+            std::vector<kvq::seq_id> seqs(ids.begin(), ids.end());
+            ok(c.use()->import_file(path, seqs, stream_of(s)));
+          },
+          "path"_a, "seqs"_a, "stream"_a = nb::none())
+      .def(
+          "swap_out", [](py_cache& c, int64_t id, std::optional<uintptr_t> s) { ok(c.use()->swap_out(id, stream_of(s))); },
+          "seq"_a, "stream"_a = nb::none())
+      .def(
+          "swap_in", [](py_cache& c, int64_t id, std::optional<uintptr_t> s) { ok(c.use()->swap_in(id, stream_of(s))); },
+          "seq"_a, "stream"_a = nb::none())
+      .def("is_swapped", [](const py_cache& c, int64_t id) { return c.use()->is_swapped(id); }, "seq"_a)
+      .def("swap_in_bytes", [](const py_cache& c, int64_t id) { return ok(c.use()->swap_in_bytes(id)); }, "seq"_a)
       .def(
           "_attend_loop",
           [](py_cache& c, const std::vector<int64_t>& seqs, std::optional<std::vector<int>> q_lens, int layer,

@@ -336,3 +336,100 @@ def test_decode_step_is_cuda_only():
     c = make()
     with pytest.raises(kvq.Unsupported):
         kvq.DecodeStep(c, 4, 1024)
+
+
+def test_export_import_and_files_bit_for_bit(tmp_path):
+    rng = np.random.default_rng(11)
+    a = make("k=kivi4/g32,v=kivi2/g32+rot+sink")
+    a.create_sequence(1)
+    for layer in range(2):
+        a.append(1, layer, rows(rng, 300, 2), rows(rng, 300, 2))
+    a.fork(1, 2)
+    for layer in range(2):
+        a.append(2, layer, rows(rng, 90, 2), rows(rng, 90, 2))
+    blob = a.export_sequences([1, 2])
+    assert len(blob) == a.export_bytes([1, 2])
+    info = kvq.inspect_blob(blob)
+    assert info["rotated"] and info["sink_pages"] == 1
+    assert [s["tokens"] for s in info["sequences"]] == [[300, 300], [390, 390]]
+    b = make("k=kivi4/g32,v=kivi2/g32+rot+sink")
+    b.import_sequences(bytearray(blob), [10, 20])  # any bytes-like object
+    assert b.stats()["shared_pages"] == a.stats()["shared_pages"] > 0
+    q = rows(rng, 1, 4)
+    for src, dst in ((1, 10), (2, 20)):
+        for r in "kv":
+            np.testing.assert_array_equal(b.read(dst, 1, r), a.read(src, 1, r))
+        np.testing.assert_array_equal(b.attend([dst], 0, q), a.attend([src], 0, q))
+    out = np.zeros(len(blob) + 5, np.uint8)
+    assert a.export_into([1, 2], out) == len(blob) and bytes(out[:len(blob)]) == blob
+    a.export_file(tmp_path / "seq.kvqseq", [1])
+    c = make("k=kivi4/g32,v=kivi2/g32+rot+sink")
+    c.import_file(tmp_path / "seq.kvqseq", [5])
+    np.testing.assert_array_equal(c.attend([5], 1, q), a.attend([1], 1, q))
+
+
+def test_bad_blobs_raise_and_change_nothing(tmp_path):
+    rng = np.random.default_rng(12)
+    a = make("kivi4/g32")
+    a.create_sequence(1)
+    a.append(1, 0, rows(rng, 200, 2), rows(rng, 200, 2))
+    blob = a.export_sequences([1])
+    b = make("kivi4/g32")
+    b.create_sequence(3)
+    b.append(3, 0, rows(rng, 100, 2), rows(rng, 100, 2))
+    before = snapshot(b, [3], 2)
+    corrupt = bytearray(blob)
+    corrupt[len(blob) // 2] ^= 0xFF
+    for bad, words in ((blob[:-1], "truncated"), (bytes(corrupt), "checksum"), (b"x" * 100, "magic"),
+                       (blob[:20], "shorter than")):
+        with pytest.raises(kvq.InvalidArgument, match=words):
+            b.import_sequences(bad, [9])
+        with pytest.raises(kvq.InvalidArgument, match=words):
+            kvq.inspect_blob(bad)
+    with pytest.raises(kvq.InvalidArgument, match="already exists"):
+        b.import_sequences(blob, [3])
+    with pytest.raises(kvq.InvalidArgument, match="head_dim is 64, this cache's 32"):
+        make("kivi4/g32", head_dim=32).import_sequences(blob, [9])
+    with pytest.raises(kvq.OutOfBudget, match="nothing was stored"):
+        make("kivi4/g32", budget=140 * 1024).import_sequences(blob, [9])
+    with pytest.raises(kvq.InvalidArgument, match="bytes-like"):
+        b.import_sequences(12, [9])
+    with pytest.raises(kvq.InvalidArgument, match="writable"):
+        a.export_into([1], blob)
+    with pytest.raises(kvq.InvalidArgument, match="holds"):
+        a.export_into([1], bytearray(10))
+    with pytest.raises(kvq.IOError, match="nonexistent"):
+        b.import_file(tmp_path / "nonexistent.kvqseq", [9])
+    assert_unchanged(b, before, [3], 2)
+
+
+def test_swap_out_and_in():
+    rng = np.random.default_rng(13)
+    c = make("kivi4/g32", swap_bytes=4 * MB)
+    c.create_sequence(1)
+    for layer in range(2):
+        c.append(1, layer, rows(rng, 400, 2), rows(rng, 400, 2))
+    q = rows(rng, 1, 4)
+    before = c.attend([1], 1, q)
+    free = c.stats()["free_bytes"]
+    c.swap_out(1)
+    assert c.is_swapped(1) and c.has_sequence(1) and c.length(1) == 400
+    assert c.stats()["free_bytes"] > free and c.stats()["swapped_sequences"] == 1
+    assert c.swap_in_bytes(1) > 0
+    with pytest.raises(kvq.InvalidArgument, match="swapped out"):
+        c.attend([1], 1, q)
+    with pytest.raises(kvq.InvalidArgument, match="swapped out"):
+        c.append(1, 0, rows(rng, 1, 2), rows(rng, 1, 2))
+    c.swap_in(1)
+    np.testing.assert_array_equal(c.attend([1], 1, q), before)
+    st = c.stats()
+    assert st["swapped_out_bytes"] == st["swapped_in_bytes"] > 0 and st["swap_used_bytes"] == 0
+    with pytest.raises(kvq.Unsupported, match="swap_bytes"):
+        _no_swap_space(rng)
+
+
+def _no_swap_space(rng):
+    c = make("kivi4/g32")
+    c.create_sequence(0)
+    c.append(0, 0, rows(rng, 10, 2), rows(rng, 10, 2))
+    c.swap_out(0)

@@ -208,3 +208,48 @@ def test_ops_compiled_on_cuda():
     for _ in range(20):
         k, v, q = randn(g, 1, 2, 64), randn(g, 1, 2, 64), randn(g, 1, 8, 64)
         torch.testing.assert_close(fn(k, v, q), step(eager, k, v, q), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("config", ["kivi4/g32", "k=kivi4/g32,v=kivi2/g32+rot+sink", "nvfp4"])
+def test_blobs_move_between_gpu_and_cpu_bit_for_bit(config):
+    g = torch.Generator(device="cuda").manual_seed(1)
+    gpu, cpu = pair(config, 128)
+    k, v = randn(g, 500, 2, 128), randn(g, 500, 2, 128)
+    for c, kk, vv in ((gpu, k, v), (cpu, k.cpu(), v.cpu())):
+        c.create_sequence(1)
+        for layer in range(2):
+            c.append(1, layer, kk, vv)
+    blob = gpu.export_sequences([1])
+    assert blob == cpu.export_sequences([1])
+    gpu2, cpu2 = pair(config, 128)
+    cpu2.import_sequences(blob, [7])
+    gpu2.import_sequences(cpu2.export_sequences([7]), [7])
+    again = gpu2.export_sequences([7])
+    assert kvq.inspect_blob(again)["sequences"][0]["id"] == 7 and len(again) == len(blob)
+    for role in "kv":
+        np.testing.assert_array_equal(gpu2.read(7, 1, role), gpu.read(1, 1, role))
+    q = randn(g, 1, 8, 128)
+    assert torch.equal(gpu2.attend([7], 1, q), gpu.attend([1], 1, q))
+
+
+def test_swap_on_a_torch_stream_gives_the_same_attention():
+    g = torch.Generator(device="cuda").manual_seed(2)
+    gpu, _ = pair("kivi4/g32", 128, swap_bytes=16 * MB)
+    gpu.create_sequence(1)
+    for layer in range(2):
+        gpu.append(1, layer, randn(g, 600, 2, 128), randn(g, 600, 2, 128))
+    q = randn(g, 1, 8, 128)
+    before = gpu.attend([1], 0, q).clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        gpu.swap_out(1)
+        assert gpu.is_swapped(1)
+        with pytest.raises(kvq.InvalidArgument, match="swapped out"):
+            gpu.attend([1], 0, q)
+        gpu.swap_in(1)
+        after = gpu.attend([1], 0, q)
+    torch.cuda.current_stream().wait_stream(side)
+    assert torch.equal(after, before)
+    st = gpu.stats()
+    assert st["swapped_out_bytes"] == st["swapped_in_bytes"] > 0
