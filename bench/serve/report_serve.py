@@ -45,6 +45,10 @@ def preemption(rows):
                 "whole run's (warm-up included); swap traffic from kvq's stats (`swapped_out_bytes`, "
                 "`swapped_in_bytes`). The peer has no swap space: in a swap run it recomputes. A row's */ peer* "
                 "is against the peer's run with the same preemption (a swap row's: the peer's recompute run)."]
+    retried = [f"{label(r)} {r['step_retries']}" for r in rows if r.get("step_retries")]
+    if retried:
+        out.append("- Steps the cache refused although the byte count let them in (the arena's free bytes in "
+                   "pieces), retried after preempting the newest: " + ", ".join(retried) + ".")
     return out
 
 
@@ -121,10 +125,10 @@ def plot(doc, stem):
     fig, ax = plt.subplots(figsize=(1.3 * len(rows) + 2, 4))
     bars = ax.bar(names, tps, color=["#888888" if r["backend"] == "peer" else "#3a6fb0" for r in rows])
     for b, r in zip(bars, rows):
-        label = f"B<={r['max_batch']}"
+        text = f"B<={r['max_batch']}"
         if r.get("ratio_to_peer"):
-            label = f"{r['ratio_to_peer']:.2f}x\n" + label
-        ax.annotate(label, (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom", fontsize=8)
+            text = f"{r['ratio_to_peer']:.2f}x\n" + text
+        ax.annotate(text, (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom", fontsize=8)
     ax.set_ylabel("decode tokens/s")
     m = doc["meta"]
     ax.set_title(f"Llama-3-8B shape, {m['args']['kv_gib']:g} GiB KV, contexts ~{m['trace']['context_mean'] / 1024:.0f}K"

@@ -206,7 +206,7 @@ class KvqBackend(ss.KvqPreempt, Backend):
                                check_values=False, swap_bytes=swap_bytes if preempt_mode == "swap" else 0)
         self.echo = policy == "echokv"
         self.canary_on = True
-        self.seqs, self.ones = [], []
+        self.running, self.seqs, self.ones = [], [], []
 
     def can_admit(self, req, running):
         return ss.kvq_fits(self.cache, req, running)
@@ -251,11 +251,15 @@ class KvqBackend(ss.KvqPreempt, Backend):
             self.canary_on = on
 
     def prepare(self, running):
+        self.running = running
         self.seqs = [r.rid for r in running]
         self.ones = [1] * len(self.seqs)
 
     def attend(self, layer, q, k, v):
-        self.cache.append_batch(self.seqs, self.ones, layer, k, v)
+        try:
+            self.cache.append_batch(self.seqs, self.ones, layer, k, v)
+        except kvq.OutOfBudget as e:  # the arena refused what the byte count let in: undone, retried
+            self.refuse_step(self.running, layer, e)
         return self.cache.attend(self.seqs, layer, q)
 
     def finish_step(self):
@@ -364,7 +368,9 @@ class PeerBackend(Backend):
         """A re-prefill chunk's attention: its K/V written into the request's range after the rows
         before it, then SDPA of its queries over those rows and the chunk with a lower-right causal
         mask (query i sees the rows before the chunk and chunk rows 0..i), as bench/peer_prefill.py
-        measures the peer's prefill."""
+        measures the peer's prefill. The math backend is left out: at a 4K chunk over 40K rows its
+        scores alone would take ~20 GiB, so a fused kernel runs or the call fails."""
+        from torch.nn.attention import SDPBackend, sdpa_kernel
         from torch.nn.attention.bias import causal_lower_right
         req, o0 = self.prefill_at
         s, n = self.start[req.rid], q.shape[0]
@@ -374,7 +380,9 @@ class PeerBackend(Backend):
         ki = kb[s: s + o0 + n].permute(1, 0, 2).unsqueeze(0)  # [1, kv_heads, rows, D]
         vi = vb[s: s + o0 + n].permute(1, 0, 2).unsqueeze(0)
         qi = q.permute(1, 0, 2).unsqueeze(0)                   # [1, q_heads, n, D]
-        o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=causal_lower_right(n, o0 + n), enable_gqa=True)
+        fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+        with sdpa_kernel(fused):
+            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=causal_lower_right(n, o0 + n), enable_gqa=True)
         return o[0].permute(1, 0, 2)                           # [n, q_heads, D]
 
     def kv_bytes_per_token(self):

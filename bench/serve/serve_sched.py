@@ -85,7 +85,7 @@ class RunLog:
     filled_tokens: int = 0
     kv_bytes_per_token: list = field(default_factory=list)  # samples, one per admission round
     finished: list = field(default_factory=list)    # Requests, in finishing order
-    refused: int = 0                                # admissions that passed can_admit but failed
+    refused: int = 0                                # admissions (resumptions) that passed can_admit (fits_now) but failed
     unfinished: list = field(default_factory=list)  # Requests still running (or preempted) when the run stopped
     # preemption (run_trace's `preempt`; all zero when it is "off")
     preempt: str = "off"
@@ -220,19 +220,15 @@ class KvqPreempt:
         st = self.cache.stats()
         return st["swapped_out_bytes"], st["swapped_in_bytes"]
 
-    def append_step(self, running, layer, k, v):
-        """A decode step's append of one layer (one token of every running sequence). kvq_step_fits
-        counts bytes, not the arena's free ranges: when the append is refused all the same
-        (OutOfBudget, nothing stored by it), the layers before it are cut back to the sequences'
-        lengths before the step (`truncate`) and StepRefused raised."""
-        import kvq
-        try:
-            self.cache.append_batch([r.rid for r in running], [1] * len(running), layer, k, v)
-        except kvq.OutOfBudget as e:
-            if layer > 0:
-                for r in running:
-                    self.cache.truncate(r.rid, r.length)
-            raise StepRefused(f"layer {layer}: {e}") from e
+    def refuse_step(self, running, layer, error):
+        """A decode step's append of `layer` refused (`error`, kvq.OutOfBudget: nothing of that call
+        stored) although kvq_step_fits counted the bytes free: kvq's byte count does not see the
+        arena's free ranges. Cuts the layers before it back to the sequences' lengths before the
+        step (`truncate`) and raises StepRefused."""
+        if layer > 0:
+            for r in running:
+                self.cache.truncate(r.rid, r.length)
+        raise StepRefused(f"layer {layer}: {error}") from error
 
 
 def p90(xs):
@@ -286,7 +282,8 @@ def run_trace(backend, trace, max_batch, log, max_steps=None, tagger=None, progr
             log.swap_outs += 1
             log.swap_out_seconds += seconds
         else:
-            log.swap_fallbacks += preempt == "swap"
+            if preempt == "swap":  # the swap space was full
+                log.swap_fallbacks += 1
             log.recompute_seconds += seconds
         log.preemptions += 1
         r.preemptions += 1
