@@ -293,6 +293,7 @@ status KVCache::export_file(const std::string& path, std::span<const seq_id> ids
 }
 
 status KVCache::import_file(const std::string& path, std::span<const seq_id> ids, stream_ref stream) {
+  KVQ_CALL_STREAM(stream);
   std::ifstream f(path, std::ios::binary | std::ios::ate);
   if (!f) return {errc::io_error, fmt::format("import_file: cannot open '{}'", path)};
   const std::streamoff size = f.tellg();
@@ -303,8 +304,7 @@ status KVCache::import_file(const std::string& path, std::span<const seq_id> ids
     return {errc::io_error, fmt::format("import_file: cannot read '{}'", path)};
   status s = import_sequences(blob, ids, stream);
   if (!s.ok()) return {s.code(), fmt::format("{} (file '{}')", s.message(), path)};
-  // the copies from a pageable buffer are done when the call returns (CUDA stages them)
-  return {};
+  return impl_->wait();  // the copies read `blob`, which goes now
 }
 
 status KVCache::swap_out(seq_id id, stream_ref stream) {

@@ -330,7 +330,8 @@ class Cache:
 
     def import_sequences(self, blob: Any, seqs: Sequence[int], stream: Any = None) -> None:
         """Creates `seqs` (one per sequence of the blob, in order) from a blob of a cache of the
-        same shape, rotation and sink pages. A bad blob or a full budget raises and changes nothing."""
+        same shape, rotation and sink pages. A bad blob or a full budget raises and changes nothing.
+        CUDA: returns once the copies have read the blob (the stream is synchronized)."""
         self._c.import_sequences(blob, list(seqs), self._stream(stream))
 
     def export_file(self, path: Any, seqs: Sequence[int], stream: Any = None) -> None:

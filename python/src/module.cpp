@@ -687,6 +687,15 @@ NB_MODULE(_kvq, m) {
             const on_device dev = c.use();
             std::vector<kvq::seq_id> seqs(ids.begin(), ids.end());
             ok(dev->import_sequences(view.bytes(), seqs, stream_of(s)));
+#if KVQ_WITH_CUDA
+            // the copies read the caller's buffer, which Python may free or reuse once this returns
+            if (c.w == where::cuda) {
+              void* st = s ? reinterpret_cast<void*>(*s) : dev->config().stream;
+              if (cudaStreamSynchronize(static_cast<cudaStream_t>(st)) != cudaSuccess)
+                raise({kvq::errc::cuda_error, std::string("import_sequences: cudaStreamSynchronize: ") +
+                                                  cudaGetErrorString(cudaGetLastError())});
+            }
+#endif
           },
           "blob"_a, "seqs"_a, "stream"_a = nb::none())
       .def(

@@ -347,7 +347,7 @@ class KVQ_EXPORT KVCache {
   /// read before the call returns).
   status import_sequences(std::span<const uint8_t> blob, std::span<const seq_id> ids, stream_ref stream = {});
   /// `export_sequences` into a file (written whole, then renamed into place) and
-  /// `import_sequences` from one; errors name the path.
+  /// `import_sequences` from one (CUDA: it synchronizes the stream); errors name the path.
   status export_file(const std::string& path, std::span<const seq_id> ids, stream_ref stream = {}) const;
   status import_file(const std::string& path, std::span<const seq_id> ids, stream_ref stream = {});
 
