@@ -8,6 +8,7 @@
 #include <kvq/cache/cache.hpp>
 #include <kvq/detail/backend.hpp>
 #include <kvq/format/spec.hpp>
+#include <kvq/policy/static_policy.hpp>
 
 #include "cache_calls.hpp"
 
@@ -17,23 +18,27 @@ namespace detail {
 status validate_config(const cache_config& c) {
   const auto& s = c.shape;
   auto bad = [](std::string m) { return status{errc::invalid_argument, "cache_config: " + m}; };
-  if (s.layers <= 0) return bad(fmt::format("layers must be positive, got {}", s.layers));
-  if (s.kv_heads <= 0 || s.q_heads <= 0)
-    return bad(fmt::format("q_heads {} and kv_heads {} must be positive", s.q_heads, s.kv_heads));
+  // Every size has an upper bound, so that no allocation made from it can fail as anything but
+  // a status (the bounds are far above any model's).
+  if (s.layers <= 0 || s.layers > 4096) return bad(fmt::format("layers {} must be in [1, 4096]", s.layers));
+  if (s.kv_heads <= 0 || s.q_heads <= 0 || s.kv_heads > 256 || s.q_heads > 2048)
+    return bad(fmt::format("q_heads {} and kv_heads {} must be in [1, 2048] and [1, 256]", s.q_heads, s.kv_heads));
   if (s.q_heads % s.kv_heads != 0)
     return bad(
         fmt::format("q_heads {} is not a multiple of kv_heads {} (GQA groups must be whole)", s.q_heads, s.kv_heads));
   if (s.head_dim <= 0 || s.head_dim % 8 != 0 || s.head_dim > 256)
     return bad(fmt::format("head_dim {} must be a multiple of 8 in [8, 256]", s.head_dim));
-  if (s.page_tokens <= 0 || s.page_tokens % 32 != 0)
-    return bad(fmt::format("page_tokens {} must be a positive multiple of 32", s.page_tokens));
+  if (s.page_tokens <= 0 || s.page_tokens % 32 != 0 || s.page_tokens > 4096)
+    return bad(fmt::format("page_tokens {} must be a multiple of 32 in [32, 4096]", s.page_tokens));
   if (s.recent < 0) return bad(fmt::format("recent {} must be >= 0", s.recent));
+  if (s.window > 65536) return bad(fmt::format("window {} must be at most 65536", s.window));
   if (s.window < s.page_tokens + s.recent || s.window % s.page_tokens != 0)
     return bad(fmt::format("window {} must be a multiple of page_tokens {} and >= page_tokens + recent ({})", s.window,
                            s.page_tokens, s.page_tokens + s.recent));
   if (c.cpu_threads < 1 || c.cpu_threads > 256)
     return bad(fmt::format("cpu_threads {} must be in [1, 256]", c.cpu_threads));
-  if (c.max_sequences <= 0) return bad(fmt::format("max_sequences {} must be positive", c.max_sequences));
+  if (c.max_sequences <= 0 || c.max_sequences > (1 << 20))
+    return bad(fmt::format("max_sequences {} must be in [1, 2^20]", c.max_sequences));
   if (c.where == backend::cuda && (c.max_tokens <= 0 || c.max_tokens > (int64_t(1) << 30)))
     return bad(fmt::format("max_tokens {} must be in [1, 2^30]", c.max_tokens));
   if (!(c.softmax_scale >= 0.f) || !std::isfinite(c.softmax_scale))
@@ -41,6 +46,17 @@ status validate_config(const cache_config& c) {
   if (c.sink_pages < 0 || int64_t(c.sink_pages) * s.page_tokens > c.max_tokens)
     return bad(fmt::format("sink_pages {} must be in [0, max_tokens / page_tokens = {}]", c.sink_pages,
                            c.max_tokens / s.page_tokens));
+  if (c.where == backend::cuda) {  // the page tables, allocated at creation: a size that overflows is refused here
+    const double pages = std::ceil(double(c.max_tokens) / s.page_tokens);
+    const double bytes = double(c.max_sequences) * s.layers * pages * (4.0 + 2.0 * s.kv_heads);
+    if (bytes > double(uint64_t(1) << 48))
+      return bad(fmt::format("the CUDA page tables of max_sequences {} x layers {} x max_tokens {} would take {:.3g} "
+                             "bytes",
+                             c.max_sequences, s.layers, c.max_tokens, bytes));
+  }
+  if (c.where == backend::cuda && c.rotation.any() && s.kv_heads > 32)
+    return bad(fmt::format("rotation on CUDA takes at most 32 kv heads (a bit mask per layer); kv_heads is {}",
+                           s.kv_heads));
   return c.rotation.validate(s);
 }
 
@@ -127,7 +143,7 @@ result<append_plan> plan_pages(cache_state& st, sequence_state& s, int layer, in
 using namespace detail;
 
 
-result<KVCache> KVCache::create(const cache_config& cfg, std::shared_ptr<policy> pol) {
+result<KVCache> KVCache::create(const cache_config& cfg, std::shared_ptr<policy> pol) try {
   KVQ_TRY(validate_config(cfg));
   if (!pol) return status{errc::invalid_argument, "KVCache::create: policy is null"};
   if (status s = pol->bind(cfg.shape); !s.ok()) return s;
@@ -140,6 +156,11 @@ result<KVCache> KVCache::create(const cache_config& cfg, std::shared_ptr<policy>
   auto b = detail::make_cuda_backend(*st);
   if (!b) return b.error();
   return KVCache(std::move(st), std::move(b).value());
+} catch (const std::bad_alloc&) {
+  return status{errc::out_of_budget,
+                fmt::format("KVCache::create: host memory ran out allocating the bookkeeping of {} layers x {} kv heads x "
+                            "{} sequences",
+                            cfg.shape.layers, cfg.shape.kv_heads, cfg.max_sequences)};
 }
 
 result<cache_overhead> KVCache::overhead(const cache_config& cfg) {
@@ -169,6 +190,7 @@ status KVCache::create_sequence(seq_id id, stream_ref stream) {
 }
 
 status KVCache::release_sequence(seq_id id) {
+  KVQ_LIVE();
   if (auto it = state_->swapped.find(id); it != state_->swapped.end()) {
     state_->swap.free(it->second.host);
     state_->swapped.erase(it);
@@ -210,6 +232,7 @@ status KVCache::truncate(seq_id id, int64_t length, stream_ref stream) {
 }
 
 result<uint64_t> KVCache::bytes_for(int64_t tokens, std::optional<seq_id> seq) const {
+  KVQ_LIVE();
   if (tokens < 0) return status{errc::invalid_argument, fmt::format("bytes_for: {} tokens (negative)", tokens)};
   const page_store& store = state_->store;
   const sequence_state* s = nullptr;
@@ -231,11 +254,12 @@ result<uint64_t> KVCache::bytes_for(int64_t tokens, std::optional<seq_id> seq) c
 }
 
 bool KVCache::has_sequence(seq_id id) const {
+  if (!state_) return false;
   return state_->store.find(id) != nullptr || state_->swapped.count(id) != 0;
 }
 
 int64_t KVCache::length(seq_id id, int layer) const {
-  if (layer < 0 || layer >= state_->cfg.shape.layers) return -1;
+  if (!state_ || layer < 0 || layer >= state_->cfg.shape.layers) return -1;
   if (auto it = state_->swapped.find(id); it != state_->swapped.end())
     return it->second.image.sequences[0].layers[size_t(layer)].n;
   const sequence_state* s = state_->store.find(id);
@@ -243,7 +267,7 @@ int64_t KVCache::length(seq_id id, int layer) const {
 }
 
 int64_t KVCache::tokens_before_encode(seq_id id, int layer) const {
-  if (layer < 0 || layer >= state_->cfg.shape.layers) return -1;
+  if (!state_ || layer < 0 || layer >= state_->cfg.shape.layers) return -1;
   if (auto it = state_->swapped.find(id); it != state_->swapped.end()) {
     const blob_layer& l = it->second.image.sequences[0].layers[size_t(layer)];
     return state_->store.tokens_before_encode(l.n, l.e);
@@ -426,6 +450,7 @@ status KVCache::read(seq_id id, int layer, role r, std::span<float> out, stream_
 }
 
 status KVCache::set_clip_ratios(std::span<const float> ratios) {
+  KVQ_LIVE();
   const auto& sh = state_->cfg.shape;
   const size_t need = size_t(sh.layers) * sh.kv_heads * 2;
   if (ratios.size() != need)
@@ -441,6 +466,7 @@ status KVCache::set_clip_ratios(std::span<const float> ratios) {
 }
 
 status KVCache::set_codebook_levels(format_id f, std::span<const float> levels) {
+  KVQ_LIVE();
   const auto& sh = state_->cfg.shape;
   if (!codec::is_codebook_format(f))
     return {errc::invalid_argument,
@@ -468,6 +494,7 @@ status KVCache::set_codebook_levels(format_id f, std::span<const float> levels) 
 }
 
 result<std::vector<float>> KVCache::codebook_levels(format_id f) const {
+  KVQ_LIVE();
   const auto& sh = state_->cfg.shape;
   if (!codec::is_codebook_format(f))
     return status{errc::invalid_argument, fmt::format("codebook_levels: format {} is not a codebook format",
@@ -507,11 +534,18 @@ status KVCache::check(stream_ref stream) {
                                                      fmt::join(restored, ", ")))};
 }
 
-status KVCache::sync_policy() { return impl_->sync_policy(); }
+status KVCache::sync_policy() {
+  KVQ_LIVE();
+  return impl_->sync_policy();
+}
 
-status KVCache::flush_policy() { return impl_->flush_policy(); }
+status KVCache::flush_policy() {
+  KVQ_LIVE();
+  return impl_->flush_policy();
+}
 
 cache_stats KVCache::stats() const {
+  if (!state_) return {};
   const auto& st = state_->store;
   const auto& t = st.totals();
   cache_stats out;
@@ -542,8 +576,14 @@ cache_stats KVCache::stats() const {
   return out;
 }
 
-const cache_config& KVCache::config() const { return state_->cfg; }
-policy& KVCache::active_policy() const { return *state_->pol; }
+const cache_config& KVCache::config() const {
+  static const cache_config none;
+  return state_ ? state_->cfg : none;
+}
+policy& KVCache::active_policy() const {
+  static static_policy none;  // a moved-from cache's: FP16, binds to nothing
+  return state_ ? *state_->pol : none;
+}
 
 result<cache_suffixes> parse_cache_suffixes(std::string_view config) {
   cache_suffixes c{config};

@@ -3,6 +3,8 @@
 // the replayable decode step (src/decode_step.cpp).
 #include <kvq/detail/backend.hpp>
 
+#include <string>
+
 KVQ_NAMESPACE_BEGIN
 namespace detail {
 
@@ -17,6 +19,11 @@ status check_capacity(const cache_config& cfg, const char* call, seq_id id, int 
 result<append_plan> plan_pages(cache_state& st, sequence_state& s, int layer, int64_t m);
 /// A planned append that moves the window: copies its rings to the new run and points s there.
 status move_window(const cache_shape& sh, cache_backend& b, sequence_state& s, const append_plan& plan);
+
+/// The error of a call on a moved-from cache (its state went with the move).
+inline status moved_from(const char* call) {
+  return {errc::invalid_argument, std::string(call) + ": this KVCache was moved from (it holds no cache any more)"};
+}
 
 /// The error of a call naming sequence `id` that is not resident: swapped out (`swap_in` first)
 /// or unknown.
@@ -42,6 +49,10 @@ KVQ_NAMESPACE_END
 
 // The first statement of every call with device work: the call's stream, or the reason it is refused.
 #define KVQ_CALL_STREAM(s)                              \
+  if (!impl_) return detail::moved_from(__func__);      \
   const detail::call_stream call_stream_(*impl_, (s)); \
   KVQ_TRY(call_stream_.error())
+// The first statement of every other call that returns a status: refused on a moved-from cache.
+#define KVQ_LIVE() \
+  if (!state_) return detail::moved_from(__func__)
 

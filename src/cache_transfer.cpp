@@ -228,6 +228,7 @@ status missing_sequence(const cache_state& st, const char* call, seq_id id) {
 using namespace detail;
 
 result<uint64_t> KVCache::export_bytes(std::span<const seq_id> ids) const {
+  KVQ_LIVE();
   KVQ_TRY(check_resident(*state_, "export_bytes", ids));
   return image_of(*state_, ids).info.total_bytes();
 }
@@ -273,6 +274,7 @@ status KVCache::import_sequences(std::span<const uint8_t> blob, std::span<const 
 }
 
 status KVCache::export_file(const std::string& path, std::span<const seq_id> ids, stream_ref stream) const {
+  KVQ_LIVE();
   auto blob = export_sequences(ids, stream);
   if (!blob) return blob.error();
   const std::string part = path + ".part";
@@ -349,9 +351,10 @@ status KVCache::swap_in(seq_id id, stream_ref stream) {
   return {};
 }
 
-bool KVCache::is_swapped(seq_id id) const { return state_->swapped.count(id) != 0; }
+bool KVCache::is_swapped(seq_id id) const { return state_ && state_->swapped.count(id) != 0; }
 
 result<uint64_t> KVCache::swap_in_bytes(seq_id id) const {
+  KVQ_LIVE();
   auto it = state_->swapped.find(id);
   if (it == state_->swapped.end())
     return status{errc::invalid_argument, fmt::format("swap_in_bytes: sequence {} is not swapped out", id)};

@@ -15,6 +15,7 @@
 KVQ_NAMESPACE_BEGIN
 
 result<decode_step> decode_step::create(KVCache& cache, int max_batch, int64_t max_tokens) {
+  if (!cache.state_) return detail::moved_from("decode_step::create");
   const detail::cache_state& st = *cache.state_;
   if (max_batch < 1) return status{errc::invalid_argument, fmt::format("decode_step: max_batch {} (need >= 1)", max_batch)};
   if (st.cfg.where == backend::cuda && max_tokens > st.cfg.max_tokens)
@@ -55,6 +56,7 @@ decode_step& decode_step::operator=(decode_step&&) noexcept = default;
 decode_step::~decode_step() = default;
 
 status decode_step::prepare(std::span<const seq_id> seqs) {
+  if (!impl_ || !cache_ || !cache_->state_) return detail::moved_from("decode_step::prepare (the step or its cache)");
   detail::cache_state& st = *cache_->state_;
   const cache_shape& sh = st.cfg.shape;
   if (seqs.empty() || seqs.size() > size_t(max_batch_))
@@ -147,9 +149,10 @@ status decode_step::prepare(std::span<const seq_id> seqs) {
   return {};
 }
 
-size_t decode_step::descriptor_bytes() const { return impl_->descriptor_bytes(); }
+size_t decode_step::descriptor_bytes() const { return impl_ ? impl_->descriptor_bytes() : 0; }
 
 status decode_step::append(int layer, const tensor_view& k, const tensor_view& v) {
+  if (!impl_ || !cache_ || !cache_->state_) return detail::moved_from("decode_step::append (the step or its cache)");
   const cache_shape& sh = cache_->state_->cfg.shape;
   if (batch_ == 0) return {errc::invalid_argument, "decode_step::append: no step prepared (call prepare first)"};
   if (layer < 0 || layer >= sh.layers)
@@ -163,6 +166,7 @@ status decode_step::append(int layer, const tensor_view& k, const tensor_view& v
 }
 
 status decode_step::attend(int layer, const tensor_view& q, const tensor_mut& o) {
+  if (!impl_ || !cache_ || !cache_->state_) return detail::moved_from("decode_step::attend (the step or its cache)");
   const cache_shape& sh = cache_->state_->cfg.shape;
   if (batch_ == 0) return {errc::invalid_argument, "decode_step::attend: no step prepared (call prepare first)"};
   if (layer < 0 || layer >= sh.layers)

@@ -35,6 +35,12 @@ result<static_policy> static_policy::parse(std::string_view spec) {
                       fmt::format("static policy clause '{}': '{}' is not <layer> or <layer>.<head>", clause, where)};
       auto p = parse_format_pair(clause.substr(eq + 1));
       if (!p) return status{errc::invalid_argument, fmt::format("static policy clause '{}': {}", clause, p.error().message())};
+      // a second clause for the same place would silently replace the first
+      if (head < 0 ? out.layer_.count(layer) != 0 : out.head_.count({layer, head}) != 0)
+        return status{errc::invalid_argument,
+                      fmt::format("static policy '{}': {} is named twice (clause '{}')", spec,
+                                  head < 0 ? fmt::format("layer {}", layer) : fmt::format("layer {} head {}", layer, head),
+                                  clause)};
       if (head < 0)
         out.set_layer(layer, *p);
       else

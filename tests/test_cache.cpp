@@ -3,6 +3,7 @@
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <kvq/cache/cache.hpp>
+#include <kvq/cache/decode_step.hpp>
 #include <kvq/codec/codec.hpp>
 #include <kvq/format/numeric.hpp>
 #include <kvq/policy/static_policy.hpp>
@@ -520,6 +521,79 @@ TEST_CASE("a budget the host cannot allocate is an out_of_budget status naming t
   CHECK_THAT(r.error().message(), Catch::Contains(std::to_string(1ull << 60) + " bytes"));
   cfg.budget_bytes = 1 << 20;  // the same configuration with a budget that fits
   CHECK(KVCache::create(cfg, pol).ok());
+}
+
+TEST_CASE("every size of a configuration is bounded: a huge one is a status, never an exception", "[cache][errors]") {
+  auto pol = std::make_shared<static_policy>(*parse_format_pair("kivi4/g32"));
+  const auto refused = [&](const cache_config& cfg, const std::string& part) {
+    result<KVCache> r = KVCache::create(cfg, pol);  // an exception escaping fails the test case
+    REQUIRE_FALSE(r.ok());
+    CHECK(r.error().code() == errc::invalid_argument);
+    CHECK_THAT(r.error().message(), Catch::Contains(part));
+  };
+  cache_config cfg;
+  cfg.shape = {2, 8, 2, 64, 64, 128, 32};
+  cfg.budget_bytes = 1 << 20;
+  cache_config c = cfg;
+  c.shape.layers = 1 << 30;
+  refused(c, "layers 1073741824");
+  c = cfg;
+  c.shape.kv_heads = 1 << 20;
+  c.shape.q_heads = 1 << 20;
+  refused(c, "kv_heads 1048576");
+  c = cfg;
+  c.max_sequences = 1 << 30;
+  refused(c, "max_sequences 1073741824");
+  c = cfg;
+  c.shape.window = 1 << 24;
+  refused(c, "window 16777216");
+  c = cfg;
+  c.shape.page_tokens = 1 << 20;
+  refused(c, "page_tokens 1048576");
+  // CUDA's page tables: refused before any device is touched (KVCache::overhead validates too)
+  c = cfg;
+  c.where = backend::cuda;
+  c.max_sequences = 1 << 20;
+  c.shape.layers = 4096;
+  c.max_tokens = 1 << 30;
+  CHECK_THAT(KVCache::overhead(c).error().message(), Catch::Contains("CUDA page tables"));
+  c = cfg;
+  c.where = backend::cuda;
+  c.shape = {2, 64, 64, 64, 64, 128, 32};
+  c.rotation = rotation_config::all(c.shape);
+  CHECK_THAT(KVCache::overhead(c).error().message(), Catch::Contains("at most 32 kv heads"));
+}
+
+TEST_CASE("a moved-from cache answers every call with a status", "[cache][errors]") {
+  auto [c, pol] = make("kivi4/g32");
+  constexpr int hq = 8, kvh = 2, d = 64;
+  check(c.create_sequence(1));
+  KVCache moved = std::move(c);
+  CHECK(moved.has_sequence(1));
+  std::vector<float> x(size_t(hq) * d), out(x.size());
+  const attend_item it{1, 1};
+  const append_item ap{1, 1};
+  const std::vector<seq_id> one{1};
+  const std::vector<status> answers = {
+      c.create_sequence(2), c.release_sequence(1), c.fork(1, 2), c.truncate(1, 0),
+      c.append(1, 0, {x.data(), dtype::f32, 1, kvh, d}, {x.data(), dtype::f32, 1, kvh, d}),
+      c.append_batch({&ap, 1}, 0, {x.data(), dtype::f32, 1, kvh, d}, {x.data(), dtype::f32, 1, kvh, d}),
+      c.attend({&it, 1}, 0, {x.data(), dtype::f32, 1, hq, d}, {out.data(), dtype::f32, 1, hq, d}),
+      c.read(1, 0, role::k, out), c.check(), c.sync_policy(), c.flush_policy(), c.set_clip_ratios({}),
+      c.import_sequences({}, one), c.swap_out(1), c.swap_in(1), c.export_file("/tmp/x", one),
+      c.bytes_for(1).error(), c.export_bytes(one).error(), c.export_sequences(one).error(),
+      c.codebook_levels(format_id(0)).error(), c.swap_in_bytes(1).error(), decode_step::create(c, 1, 64).error()};
+  for (const status& s : answers) {
+    CAPTURE(s.message());
+    CHECK(s.code() == errc::invalid_argument);
+    CHECK_THAT(s.message(), Catch::Contains("moved from"));
+  }
+  CHECK_FALSE(c.has_sequence(1));
+  CHECK(c.length(1, 0) == -1);
+  CHECK(c.stats().sequences == 0);
+  CHECK_FALSE(c.is_swapped(1));
+  CHECK(c.config().shape.layers == 0);
+  CHECK(moved.stats().sequences == 1);  // the cache went with the move
 }
 
 TEST_CASE("soak: 100,000 random appends and releases leak no bytes", "[cache][soak]") {

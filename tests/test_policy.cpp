@@ -21,6 +21,12 @@ TEST_CASE("static policy errors name the clause", "[policy]") {
   CHECK_THAT(static_policy::parse("kivi4;x=fp16").error().message(), Catch::Contains("'x' is not <layer>"));
   CHECK_THAT(static_policy::parse("kivi4;2").error().message(), Catch::Contains("needs <layer>[.<head>]=<formats>"));
   CHECK_THAT(static_policy::parse("kivi4;2=kivi5").error().message(), Catch::Contains("clause '2=kivi5'"));
+  // a layer or head named twice is an error, not the last clause winning
+  CHECK_THAT(static_policy::parse("kivi4;2=fp16;1=sym8;2=kivi2").error().message(),
+             Catch::Contains("layer 2 is named twice (clause '2=kivi2')"));
+  CHECK_THAT(static_policy::parse("kivi4;2.1=fp16;2.1=fp8").error().message(),
+             Catch::Contains("layer 2 head 1 is named twice"));
+  CHECK(static_policy::parse("kivi4;2=fp16;2.1=fp8").ok());  // a head inside a named layer is not a repeat
   auto p = static_policy::parse("kivi4;9=fp16").value_or_throw();
   CHECK_THAT(p.bind({4, 8, 2, 64, 64, 128, 32}).message(), Catch::Contains("layer 9, the cache has 4 layers"));
   auto q = static_policy::parse("kivi4;1.5=fp16").value_or_throw();

@@ -11,7 +11,7 @@
 // A codebook page's levels, an nvfp4 page's tensor scale and the per-token scales are read from
 // the page itself (the loads of one row hit L1 after the first).
 // NOTE: one path for every such format, chosen per page, and not in the decode kernels' narrower
-// instances (docs/decisions.md, "The CUDA kernels read the 3-bit, codebook and nvfp4 formats by element").
+// instances (docs/decisions.md, "The CUDA decode kernels read the 3-bit formats by element").
 #include <kvq/codec/unit.hpp>
 #include <kvq/format/codebook.hpp>
 #include <kvq/format/kivi.hpp>
