@@ -358,7 +358,10 @@ class KVQ_EXPORT KVCache {
   /// another sequence are copied too and come back as the sequence's own. A swapped-out sequence
   /// keeps its id and lengths (`has_sequence`, `length`); every other call on it is refused
   /// naming the swap, except `release_sequence` and `swap_in`. Errors, with nothing changed: an
-  /// unknown or swapped-out sequence, no swap space left (`out_of_budget`).
+  /// unknown or swapped-out sequence, no swap space left (`out_of_budget`). CUDA with
+  /// `check_values`: call `check()` first (where the engine synchronizes anyway), so that a
+  /// sequence whose appends the device refused is restored before it moves; the same holds for
+  /// `export_sequences`.
   status swap_out(seq_id id, stream_ref stream = {});
   /// Brings a swapped-out sequence back into the budget, asynchronously on `stream`, bit for bit
   /// as it was. Errors, with nothing changed (it stays swapped out): no slot or budget
