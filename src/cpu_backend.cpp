@@ -225,17 +225,23 @@ class cpu_backend final : public cache_backend {
   }
 
   status copy_to_host(std::span<const host_copy> copies, uint8_t* host) override {
-    for (const host_copy& c : copies)
-      for (uint64_t row = 0; row < c.rows; ++row)
-        std::memcpy(host + c.host + row * c.width, bytes_.get() + c.arena + row * c.pitch, size_t(c.width));
+    copy_host(copies, host, true);
     return {};
   }
 
   status copy_from_host(std::span<const host_copy> copies, const uint8_t* host) override {
-    for (const host_copy& c : copies)
-      for (uint64_t row = 0; row < c.rows; ++row)
-        std::memcpy(bytes_.get() + c.arena + row * c.pitch, host + c.host + row * c.width, size_t(c.width));
+    copy_host(copies, const_cast<uint8_t*>(host), false);
     return {};
+  }
+
+  // Arena <-> host copies, a row at a time (rows `pitch` apart in the arena, back to back on the host).
+  void copy_host(std::span<const host_copy> copies, uint8_t* host, bool out) {
+    for (const host_copy& c : copies)
+      for (uint64_t row = 0; row < c.rows; ++row) {
+        uint8_t* arena = bytes_.get() + c.arena + row * c.pitch;
+        uint8_t* h = host + c.host + row * c.width;
+        std::memcpy(out ? h : arena, out ? arena : h, size_t(c.width));
+      }
   }
 
   uint8_t* swap_memory() const override { return swap_.get(); }

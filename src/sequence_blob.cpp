@@ -198,7 +198,7 @@ uint64_t blob_info::window_bytes() const {
 
 namespace detail {
 
-std::vector<uint8_t> plan_blob(blob_info& info) {
+void lay_out_blob(blob_info& info) {
   const cache_shape& sh = info.shape;
   uint64_t at = 0;
   for (blob_block& b : info.blocks) {
@@ -212,7 +212,11 @@ std::vector<uint8_t> plan_blob(blob_info& info) {
     at += s.window_bytes;
   }
   info.payload_bytes = at;
+}
 
+std::vector<uint8_t> plan_blob(blob_info& info) {
+  lay_out_blob(info);
+  const cache_shape& sh = info.shape;
   // The blob's format table: the formats of its blocks, in order of first use.
   std::vector<format_id> table;
   std::array<int, format_count> index_of;
@@ -446,16 +450,11 @@ result<blob_info> inspect_blob(std::span<const uint8_t> blob) {
   for (uint32_t b = 0; b < blocks; ++b)
     if (!listed[b]) return bad(fmt::format("block {} is listed by no sequence", b));
   // The payload's layout follows from the meta; it must be the size the header says.
-  blob_info laid = info;
-  (void)detail::plan_blob(laid);
-  if (laid.payload_bytes != info.payload_bytes)
-    return bad(fmt::format("the blocks and windows take {} payload bytes; the header says {}", laid.payload_bytes,
-                           info.payload_bytes));
-  for (size_t b = 0; b < info.blocks.size(); ++b) info.blocks[b] = laid.blocks[b];
-  for (size_t s = 0; s < info.sequences.size(); ++s) {
-    info.sequences[s].window_at = laid.sequences[s].window_at;
-    info.sequences[s].window_bytes = laid.sequences[s].window_bytes;
-  }
+  const uint64_t stated = info.payload_bytes;
+  detail::lay_out_blob(info);
+  if (info.payload_bytes != stated)
+    return bad(fmt::format("the blocks and windows take {} payload bytes; the header says {}", info.payload_bytes,
+                           stated));
   return info;
 }
 

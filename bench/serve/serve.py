@@ -208,22 +208,6 @@ class KvqBackend(ss.KvqPreempt, Backend):
         self.canary_on = True
         self.running, self.seqs, self.ones = [], [], []
 
-    def can_admit(self, req, running):
-        return ss.kvq_fits(self.cache, req, running)
-
-    def admit(self, req):
-        try:
-            self.cache.create_sequence(req.rid)
-        except kvq.OutOfBudget:
-            return False
-        try:
-            self.fill(req, req.context)
-        except kvq.OutOfBudget:
-            self.cache.release_sequence(req.rid)
-            return False
-        torch.cuda.synchronize()
-        return True
-
     def fill(self, req, tokens):
         """The first `tokens` tokens of req's sequence, synthetic K/V (FILL_CHUNK tokens a call per layer)."""
         for layer in range(self.model.layers):

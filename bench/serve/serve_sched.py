@@ -168,8 +168,28 @@ class KvqPreempt:
     """The kvq half of a backend with preemption (bench/serve/README.md, "Preemption"), torch-free:
     serve.py's KvqBackend (CUDA, torch tensors) and test_serve.py's CPU backend (numpy) share it.
     The class it is mixed into provides `cache` (a kvq.Cache), `preempt_mode` ("swap" or
-    "recompute"), `refill(req)` (writes the req.length tokens of its re-created sequence: the
-    recompute prefill) and `sync()` (waits for the cache's stream: swaps are asynchronous on it)."""
+    "recompute"), `fill(req, tokens)` (writes a new sequence's first `tokens` tokens), `refill(req)`
+    (writes the req.length tokens of its re-created sequence: the recompute prefill) and `sync()`
+    (waits for the cache's stream: swaps and fills are asynchronous on it)."""
+
+    def can_admit(self, req, running):
+        return kvq_fits(self.cache, req, running)
+
+    def admit(self, req):
+        """A new sequence with the request's context; False, with nothing held, when the cache
+        refuses it (OutOfBudget)."""
+        import kvq
+        try:
+            self.cache.create_sequence(req.rid)
+        except kvq.OutOfBudget:
+            return False
+        try:
+            self.fill(req, req.context)
+        except kvq.OutOfBudget:
+            self.cache.release_sequence(req.rid)
+            return False
+        self.sync()
+        return True
 
     def fits_now(self, req, running):
         return kvq_fits_now(self.cache, req, running)

@@ -467,21 +467,6 @@ class CpuKvqBackend(ss.KvqPreempt):
         for layer in range(self.L):
             self.cache.append(req.rid, layer, self.rows(req.rid, 0, tokens, "k"), self.rows(req.rid, 0, tokens, "v"))
 
-    def can_admit(self, req, running):
-        return ss.kvq_fits(self.cache, req, running)
-
-    def admit(self, req):
-        try:
-            self.cache.create_sequence(req.rid)
-        except kvq.OutOfBudget:
-            return False
-        try:
-            self.fill(req, req.context)
-        except kvq.OutOfBudget:
-            self.cache.release_sequence(req.rid)
-            return False
-        return True
-
     def refill(self, req):
         self.fill(req, req.length)
         self.refilled += req.length

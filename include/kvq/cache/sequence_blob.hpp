@@ -113,8 +113,10 @@ KVQ_EXPORT result<blob_info> inspect_blob(std::span<const uint8_t> blob);
 KVQ_EXPORT uint32_t crc32c(std::span<const uint8_t> bytes, uint32_t crc = 0);
 
 namespace detail {
-/// Lays out the payload of `info` (each block's and window's offset, `payload_bytes`) and
-/// returns its meta section (`meta_bytes` set).
+/// Lays out the payload of `info`: each block's offset and page bytes, each window's offset and
+/// bytes, `payload_bytes`.
+void lay_out_blob(blob_info& info);
+/// Lays out the payload of `info` (`lay_out_blob`) and returns its meta section (`meta_bytes` set).
 std::vector<uint8_t> plan_blob(blob_info& info);
 /// Writes the header and the meta section into `blob` (at least `info.total_bytes()` bytes, the
 /// payload already in place) and its checksums.
