@@ -11,6 +11,7 @@
 // docs/architecture.md "Rotation"), beside the same format unrotated, shape by shape;
 // KVQ_BENCH_ROTATED=0 leaves the rotated runs out, =only runs just them.
 #include <kvq/cache/cache.hpp>
+#include <kvq/cache/config_string.hpp>
 #include <kvq/format/numeric.hpp>
 #include <kvq/policy/static_policy.hpp>
 

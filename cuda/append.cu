@@ -8,7 +8,7 @@
 #include <cstddef>
 #include <kvq/codec/codec.hpp>
 #include <kvq/cuda/paged_attention.hpp>
-#include <kvq/format/kinds.hpp>
+#include <kvq/cuda/read_plan.hpp>
 #include <kvq/format/nvfp4.hpp>
 #include <kvq/store/window_layout.hpp>
 
@@ -268,7 +268,7 @@ status fill_table(const append_args& a, int first_row, bool check_rows, append_t
   if (kv.kv_heads > max_kv_heads)
     return {errc::unsupported, msg("append: kv_heads ", kv.kv_heads, " above ", max_kv_heads)};
   int pages = 0;
-  KVQ_TRY(detail::check_append(a, check_rows, true, pages, max_m));
+  KVQ_TRY(detail::check_append(a, check_rows, &kernels_read, pages, max_m));
   t.n_items = int(a.items.size());
   t.pages = pages;
   int row = first_row, page = 0;

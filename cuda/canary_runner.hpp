@@ -5,7 +5,9 @@
 #include <cuda_runtime.h>
 
 #include <deque>
-#include <kvq/cache/cache.hpp>
+#include <kvq/cache/cache_config.hpp>
+#include <kvq/cache/types.hpp>
+#include <kvq/policy/policy.hpp>
 #include <kvq/cuda/canary.hpp>
 #include <kvq/cuda/paged_attention.hpp>
 #include <kvq/store/store.hpp>

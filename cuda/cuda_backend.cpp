@@ -7,7 +7,7 @@
 #include <kvq/cuda/canary.hpp>
 #include <kvq/cuda/paged_attention.hpp>
 #include <kvq/detail/backend.hpp>
-#include <kvq/format/kinds.hpp>
+#include <kvq/cuda/read_plan.hpp>
 #include <kvq/rotation/rotation.hpp>
 #include <kvq/store/window_layout.hpp>
 #include <vector>
@@ -172,10 +172,13 @@ class cuda_backend final : public cache_backend {
     return levels_changed_here();
   }
 
+  bool reads(format_id f) const override { return cuda::kernels_read(f); }
+  int plan_bits(format_id f) const override { return cuda::kernel_bits(f); }
+
   // Pages of a format the attention kernels do not read are refused before any launch.
   static status check_readable(const append_plan& plan) {
     for (const page_entry& pe : plan.entries)
-      if (!kernels_read(pe.fmt))
+      if (!cuda::kernels_read(pe.fmt))
         return {errc::unsupported,
                 fmt::format("format {} is not read by the CUDA attention kernels (the CPU backend reads it)",
                             format_name(pe.fmt))};
@@ -301,7 +304,7 @@ class cuda_backend final : public cache_backend {
     for (size_t at = sinks * size_t(per_page); at < entries.size(); at += size_t(per_page)) {
       for (int j = 0; j < per_page; ++j)
         layer_bits_[size_t(layer)] =
-            std::max(layer_bits_[size_t(layer)], uint8_t(kernel_bits(entries[at + size_t(j)].fmt)));
+            std::max(layer_bits_[size_t(layer)], uint8_t(cuda::kernel_bits(entries[at + size_t(j)].fmt)));
       for (int h = 0; h < cfg_.shape.kv_heads; ++h) {
         const int pair = 256 * int(entries[at + size_t(2 * h)].fmt) + int(entries[at + size_t(2 * h + 1)].fmt);
         int16_t& hp = head_pair_[size_t(layer) * cfg_.shape.kv_heads + size_t(h)];
@@ -316,7 +319,7 @@ class cuda_backend final : public cache_backend {
       const int16_t hp = head_pair_[size_t(layer) * cfg_.shape.kv_heads + size_t(i)];
       if (hp == -2) h.one_pair = false;
       if (hp < 0) continue;
-      const int bits = head_kernel_bits(format_id(hp >> 8), format_id(hp & 255));
+      const int bits = cuda::head_kernel_bits(format_id(hp >> 8), format_id(hp & 255));
       h.bits = uint8_t(std::max(int(h.bits), bits));
       h.three = h.three || bits == 3;
     }

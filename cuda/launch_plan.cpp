@@ -3,7 +3,7 @@
 // `attend_workspace_bytes`.
 #include "launch_plan.hpp"
 
-#include <kvq/format/kinds.hpp>
+#include <kvq/cuda/read_plan.hpp>
 
 #include "attention/attend_launch.hpp"
 #include "attention/layout.hpp"

@@ -3,6 +3,7 @@
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <kvq/cache/cache.hpp>
+#include <kvq/cache/config_string.hpp>
 #include <kvq/cache/decode_step.hpp>
 #include <kvq/codec/codec.hpp>
 #include <kvq/format/numeric.hpp>

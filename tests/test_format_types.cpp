@@ -3,7 +3,7 @@
 // it from its own list.
 #include <kvq/codec/codec.hpp>
 #include <kvq/format/format.hpp>
-#include <kvq/format/kinds.hpp>
+#include <kvq/cuda/read_plan.hpp>
 #include <kvq/format/spec.hpp>
 
 #include <catch2/catch.hpp>
@@ -13,6 +13,7 @@
 #include <vector>
 
 using namespace kvq;
+using namespace kvq::cuda;  // the read plan: kinds and what the CUDA kernels read
 
 TEMPLATE_LIST_TEST_CASE("each format type is its list entry", "[format]", format_list) {
   using F = TestType;
@@ -127,15 +128,13 @@ TEST_CASE(
     }
   CHECK(whole == 8);
   CHECK_FALSE(has_whole_units(-1));
-  // the pair dispatch calls the loop compiled for the page's pair, and nothing for other pairs
-  int called = -1;
-  const auto loop = [&]<int KK, int KV>() { called = kind_pair(KK, KV); };
-  CHECK(visit_kind_pair(whole_unit_pairs{}, kind_pair(kivi4, kivi2), loop));
-  CHECK(called == kind_pair(kivi4, kivi2));
-  CHECK_FALSE(visit_kind_pair(whole_unit_pairs{}, kind_pair(kivi2, kivi4), loop));
-  CHECK(visit_kind_pair(eight_bit_pairs{}, kind_pair(fp8, fp8), loop));
-  CHECK(called == kind_pair(fp8, fp8));
-  CHECK_FALSE(visit_kind_pair(eight_bit_pairs{}, kind_pair(kivi8, sym8), loop));
+  // every kind is in the pair list of its width (the kernels' generated switches: cuda/attention/kinds.cuh)
+  STATIC_REQUIRE(pair_lists_cover_kinds());
+  CHECK(in_kind_pairs(whole_unit_pairs{}, kind_pair(kivi4, kivi2)));
+  CHECK_FALSE(in_kind_pairs(whole_unit_pairs{}, kind_pair(kivi2, kivi4)));
+  CHECK(in_kind_pairs(eight_bit_pairs{}, kind_pair(fp8, fp8)));
+  CHECK_FALSE(in_kind_pairs(eight_bit_pairs{}, kind_pair(kivi8, sym8)));
+  CHECK(in_kind_pairs(three_bit_pairs{}, kind_pair(kivi3, kivi3)));
   CHECK(in_kind_pairs(eight_bit_pairs{}, kind_pair(sym8, sym8)));
 }
 
@@ -144,22 +143,13 @@ namespace {
 // A family defined outside the library: fp16 values truncated to their top byte (sign, 5
 // exponent bits, 2 mantissa bits), no parameters; one unit per token. Its own `family` value,
 // spec name, layout and codec: nothing else to write for it to join a list.
-struct trunc8 {
-  using codec_type = trunc8;
-  static constexpr family fam = family(40);
-  static constexpr int bits = 8, group = 1;
+struct trunc8 : format_base<family(40), 8, 1, trunc8> {
   static constexpr const char* spec = "trunc8";
   static constexpr const char* spec_alias = "e5m2t";
   static constexpr bool named_by_bits = false;
-  static constexpr int default_group = 1;
-  static constexpr bool staged = false;
-  static constexpr family decode_as = fam;
 
   static constexpr page_layout layout(const format_traits&, role, int page_tokens, int head_dim) {
     return {uint32_t(page_tokens * head_dim), 0, 0};
-  }
-  static constexpr page_layout page(role r, int page_tokens, int head_dim) {
-    return layout({fam, bits, group}, r, page_tokens, head_dim);
   }
   static void encode_unit(const codec::page_geom& g, const uint16_t* src, int src_stride, int u, uint8_t* page, float) {
     for (int c = 0; c < g.head_dim; ++c) page[u * g.row_bytes() + c] = uint8_t(src[u * src_stride + c] >> 8);
@@ -169,6 +159,17 @@ struct trunc8 {
   }
 };
 static_assert(trunc8::page(role::k, 64, 128).total() == 64 * 128);
+// the protocol: trunc8 states four members and takes the other defaults; a type short of a member
+// (or whose codec is short of one) is not a format type, and a list holding it does not build
+static_assert(format_type<trunc8> && codec::unit_codec<trunc8> && trunc8::default_group == 1 && trunc8::decode_as == family(40));
+struct no_spec : format_base<family(41), 8, 1, trunc8> {};
+struct no_codec {
+  using codec_type = int;
+  static constexpr family fam = family(42);
+  static constexpr int bits = 8, group = 1;
+  static constexpr const char* spec = "x";
+};
+static_assert(!format_type<no_spec> && !format_type<no_codec> && !codec::unit_codec<int>);
 
 // The library's types and the new one, in one list.
 using test_list = type_list<fp16, kivi<4, 32>, trunc8, sym<2, 0>>;

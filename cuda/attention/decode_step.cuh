@@ -48,20 +48,21 @@ __device__ __forceinline__ void staged_start(const attend_params& p, const decod
 // `chunk_section`) and arms the stage's barrier with their bytes. KIVI key scales and zeros are
 // copied only when the warp enters their token group (`first`: the warp's first slab).
 template <int D>
-__device__ __forceinline__ void issue_chunk(const attend_params& p, const page_table_cache& pc, const uint4 (*sect)[2][3], int j,
+__device__ __forceinline__ void issue_chunk(const attend_params& p, const page_table_cache& pc, const section_copy (*sect)[2][3], int j,
                                             bool first, int lane, uint32_t stage, uint32_t bar) {
   const int P = p.kv.page_tokens;
   const int tok0 = j * slab, e = (tok0 >> log2i(P)) - pc.first_page;
   const uint32_t row0 = uint32_t(tok0 & (P - 1));
   const bool is_v = lane >= 3;
-  const uint4 d = sect[is_v ? pc.vid[e] : pc.kid[e]][is_v][lane % 3];
-  const uint32_t shift = (d.y >> 16) & 0xffu;
-  uint32_t bytes = lane < 6 ? d.z : 0u;
-  if ((d.y >> 24) && !first && (row0 & ((1u << shift) - 1u))) bytes = 0;
+  const section_copy d = sect[is_v ? pc.vid[e] : pc.kid[e]][is_v][lane % 3];
+  const uint32_t shift = d.row_shift();
+  uint32_t bytes = lane < 6 ? d.bytes : 0u;
+  // (a KIVI key group's scales and zeros: once per group, when the warp enters it)
+  if (d.key_group() && !first && (row0 & ((1u << shift) - 1u))) bytes = 0;
   const uint32_t total = __reduce_add_sync(0xffffffffu, bytes);
   if (bytes) {
-    const uint8_t* src = p.pages + size_t(pc.page16[e]) * 16 + (is_v ? pc.v_offset[e] : 0u) + d.x + (row0 >> shift) * (d.y & 0xffffu);
-    bulk_copy(stage + (is_v ? stage_k_bytes(D, p.stage_cap) : 0u) + d.w, src, bytes, bar);
+    const uint8_t* src = p.pages + size_t(pc.page16[e]) * 16 + (is_v ? pc.v_offset[e] : 0u) + d.offset + (row0 >> shift) * d.row_bytes();
+    bulk_copy(stage + (is_v ? stage_k_bytes(D, p.stage_cap) : 0u) + d.stage_offset, src, bytes, bar);
   }
   if (lane == 0) mbar_expect_tx(bar, total);
 }
@@ -78,6 +79,7 @@ __device__ __forceinline__ void scores_kind(const slab_ref& sk, uint16_t group, 
                                             int valid, float2 init = make_float2(0.f, 0.f)) {
   static_assert(!Sub || (Fam == family::kivi && Bits <= 4), "subnormal codes: 4- and 2-bit KIVI keys");
   static_assert(!HeadScale || Fam == family::codebook, "whole-head scales on the scores: codebook keys");
+  static_assert(staged_family<Fam>, "a kind of a decode family with no staged code here: add its K path");
   constexpr bool Cb = Fam == family::codebook;
   const format_traits f{Fam, uint8_t(Bits), group};
   constexpr bool F4 = Fam == family::nvfp4;
@@ -155,6 +157,7 @@ __device__ __forceinline__ void values_kind(const slab_ref& sk, uint16_t group, 
                                             float (&pv)[4 * S], int valid, float (&acc)[D / 16][4],
                                             float* fold = nullptr) {
   static_assert(!HeadScale || Fam == family::codebook, "whole-head scales on P: codebook values");
+  static_assert(staged_family<Fam>, "a kind of a decode family with no staged code here: add its V path");
   constexpr bool Cb = Fam == family::codebook;
   const format_traits f{Fam, uint8_t(Bits), group};
   constexpr bool F4 = Fam == family::nvfp4;
@@ -211,7 +214,7 @@ __device__ __forceinline__ void values_kind(const slab_ref& sk, uint16_t group, 
 }
 
 // The K part and the V part of a step of S staged slabs of one page, compiled per kind of format:
-// the kind `Kind` (not `kind::dispatch`: a block whose pages are all of one kind), or a switch over the page's.
+// the kind `Kind` (not `kind::dispatch`: a block whose pages are all of one kind), or the page's.
 template <int D, int Cap, int S, int Kind = kind::dispatch>
 __device__ __forceinline__ void scores_staged(format_traits fk, const slab_ref& sk, int rows, int window, int g, int t,
                                               const uint32_t (&qb)[D / 8], float (&sc)[4 * S], float (&rs)[2 * S], int valid) {
@@ -219,18 +222,8 @@ __device__ __forceinline__ void scores_staged(format_traits fk, const slab_ref& 
     scores_kind<D, Cap, kind_family(Kind), kind_bits(Kind), S>(sk, fk.group, rows, window, g, t, qb, sc, rs, valid);
     return;
   }
-  switch (sk.kk) {
-    case kind::kivi8: scores_staged<D, Cap, S, kind::kivi8>(fk, sk, rows, window, g, t, qb, sc, rs, valid); break;
-    case kind::kivi4: scores_staged<D, Cap, S, kind::kivi4>(fk, sk, rows, window, g, t, qb, sc, rs, valid); break;
-    case kind::kivi2: scores_staged<D, Cap, S, kind::kivi2>(fk, sk, rows, window, g, t, qb, sc, rs, valid); break;
-    case kind::sym8: scores_staged<D, Cap, S, kind::sym8>(fk, sk, rows, window, g, t, qb, sc, rs, valid); break;
-    case kind::sym4: scores_staged<D, Cap, S, kind::sym4>(fk, sk, rows, window, g, t, qb, sc, rs, valid); break;
-    case kind::sym2: scores_staged<D, Cap, S, kind::sym2>(fk, sk, rows, window, g, t, qb, sc, rs, valid); break;
-    case kind::cb4: scores_staged<D, Cap, S, kind::cb4>(fk, sk, rows, window, g, t, qb, sc, rs, valid); break;
-    case kind::cb2: scores_staged<D, Cap, S, kind::cb2>(fk, sk, rows, window, g, t, qb, sc, rs, valid); break;
-    case kind::fp4: scores_staged<D, Cap, S, kind::fp4>(fk, sk, rows, window, g, t, qb, sc, rs, valid); break;
-    default: scores_staged<D, Cap, S, kind::fp8>(fk, sk, rows, window, g, t, qb, sc, rs, valid); break;
-  }
+  // (the page table gives a staged page its kind; every kind has its case: `switch_kind`)
+  switch_kind(sk.kk, [&]<int K>() { scores_staged<D, Cap, S, K>(fk, sk, rows, window, g, t, qb, sc, rs, valid); });
 }
 template <int D, int Cap, int S, int Kind = kind::dispatch>
 __device__ __forceinline__ void values_staged(format_traits fv, const slab_ref& sk, int rows, int window, int g, int t,
@@ -239,18 +232,8 @@ __device__ __forceinline__ void values_staged(format_traits fv, const slab_ref& 
     values_kind<D, Cap, kind_family(Kind), kind_bits(Kind), S>(sk, fv.group, rows, window, g, t, pv, valid, acc);
     return;
   }
-  switch (sk.kv) {
-    case kind::kivi8: values_staged<D, Cap, S, kind::kivi8>(fv, sk, rows, window, g, t, pv, valid, acc); break;
-    case kind::kivi4: values_staged<D, Cap, S, kind::kivi4>(fv, sk, rows, window, g, t, pv, valid, acc); break;
-    case kind::kivi2: values_staged<D, Cap, S, kind::kivi2>(fv, sk, rows, window, g, t, pv, valid, acc); break;
-    case kind::sym8: values_staged<D, Cap, S, kind::sym8>(fv, sk, rows, window, g, t, pv, valid, acc); break;
-    case kind::sym4: values_staged<D, Cap, S, kind::sym4>(fv, sk, rows, window, g, t, pv, valid, acc); break;
-    case kind::sym2: values_staged<D, Cap, S, kind::sym2>(fv, sk, rows, window, g, t, pv, valid, acc); break;
-    case kind::cb4: values_staged<D, Cap, S, kind::cb4>(fv, sk, rows, window, g, t, pv, valid, acc); break;
-    case kind::cb2: values_staged<D, Cap, S, kind::cb2>(fv, sk, rows, window, g, t, pv, valid, acc); break;
-    case kind::fp4: values_staged<D, Cap, S, kind::fp4>(fv, sk, rows, window, g, t, pv, valid, acc); break;
-    default: values_staged<D, Cap, S, kind::fp8>(fv, sk, rows, window, g, t, pv, valid, acc); break;
-  }
+  // (the page table gives a staged page its kind; every kind has its case: `switch_kind`)
+  switch_kind(sk.kv, [&]<int K>() { values_staged<D, Cap, S, K>(fv, sk, rows, window, g, t, pv, valid, acc); });
 }
 
 // 16-bit formats (fp16, bf16) in a stage: S slabs' scores or P V, read from shared memory.

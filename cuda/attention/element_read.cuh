@@ -1,18 +1,18 @@
 #pragma once
-// Pages read element by element: the 3-bit formats (`kvq::read_by_element`; the block-staged
+// Pages read element by element: the 3-bit formats (`read_by_element`; the block-staged
 // decode kernel's Whole instance reads 3-bit sym and KIVI pages staged in blocks of one 3-bit
 // kind pair, kinds kivi3 and sym3, and the 16-bit instances give them kind -1), and in the tile
-// kernel also the 4- and 2-bit codebooks and nvfp4 (`kvq::tile_reads_by_element`; the decode
+// kernel also the 4- and 2-bit codebooks and nvfp4 (`tile_reads_by_element`; the decode
 // kernels stage those: kinds cb4, cb2, fp4).
 // Their pages are not staged:
 // the staged decode kernels' 16-bit instances (the kernels of any layer that holds one:
-// `kvq::kernel_bits`) and the tile kernel read them from global memory where they are used, each element through its format's
+// `kernel_bits`) and the tile kernel read them from global memory where they are used, each element through its format's
 // codec (`decode_element`, the CPU reference's own decode), rounded to fp16 for the tensor cores.
 // A codebook page's levels, an nvfp4 page's tensor scale and the per-token scales are read from
 // the page itself (the loads of one row hit L1 after the first).
 // NOTE: one path for every such format, chosen per page, and not in the decode kernels' narrower
 // instances (docs/decisions.md, "The CUDA decode kernels read the 3-bit formats by element").
-#include <kvq/codec/unit.hpp>
+#include <kvq/format/unit_codec.hpp>
 #include <kvq/format/codebook.hpp>
 #include <kvq/format/kivi.hpp>
 #include <kvq/format/nvfp4.hpp>
@@ -33,16 +33,37 @@ __device__ __forceinline__ codec::page_geom element_geom(format_traits f, role r
   return codec::page_geom{f, r, P, D, formats::layout_of(f, r, P, D)};
 }
 
+// True when family `fam` encodes with `Codec` (`Hs`: the first type of each family).
+template <class Codec, class... Hs>
+__device__ __forceinline__ constexpr bool family_uses(family fam, type_list<Hs...>) {
+  return (false || ... || (Hs::fam == fam && std::is_same_v<typename Hs::codec_type, Codec>));
+}
+// True when a format read by element encodes with `Codec`.
+template <class Codec, class... Hs>
+constexpr bool codec_read_by_element(type_list<Hs...>) {
+  return (false || ... || (std::is_same_v<typename Hs::codec_type, Codec> && family_read_by_element(Hs::fam)));
+}
+
 // Calls `fn.template operator()<Codec>()` with the codec of a format read by element (outside the
-// loops over elements, so that each loop is compiled for one codec).
+// loops over elements, so that each loop is compiled for one codec). Generated from the format
+// list: one case per codec of a format read by element (kivi's serves rolealign too).
+template <class F, class... Cs>
+__device__ __forceinline__ void with_element_codec(family fam, F&& fn, type_list<Cs...>) {
+  using heads = typename family_heads<format_list>::type;
+  const auto one = [&]<class C>() {
+    if constexpr (codec_read_by_element<C>(heads{})) {
+      if (!family_uses<C>(fam, heads{})) return false;
+      fn.template operator()<C>();
+      return true;
+    } else {
+      return false;
+    }
+  };
+  (void)(false || ... || one.template operator()<typename Cs::codec_type>());
+}
 template <class F>
 __device__ __forceinline__ void with_element_codec(family fam, F&& fn) {
-  switch (fam) {
-    case family::sym: fn.template operator()<sym_codec>(); break;
-    case family::codebook: fn.template operator()<codebook_codec>(); break;
-    case family::nvfp4: fn.template operator()<nvfp4_codec>(); break;
-    default: fn.template operator()<kivi_codec>(); break;  // kivi, rolealign
-  }
+  with_element_codec(fam, fn, typename codec_heads<format_list>::type{});
 }
 
 // Channels [c0, c0 + 2 N) of token row `tok` of a page as N half2 words (channel pairs in order).

@@ -286,31 +286,32 @@ __device__ __forceinline__ slab_range block_slabs(const attend_params& p, const 
   return r;
 }
 
-// The bulk copy of one section (0 codes, 1 scales, 2 zeros or a codebook's levels) of a format's page in one role, for
-// one slab (16 rows): x = offset in the page's role block of row 0 (group 0), y = bytes per row
-// (low 16 bits) | row shift (bits 16-23: rows >> shift) | "KIVI key group" flag (bit 24), z = bytes
-// (0: nothing to copy, or a format wider than the stages), w = offset in the stage's role region.
-__device__ __forceinline__ uint4 chunk_section(format_id f, int r, int part, uint32_t D, uint32_t P, int cap) {
+// The bulk copy of one section (0 codes, 1 scales, 2 zeros or a codebook's levels) of a format's
+// page in one role, for one slab (16 rows) (`section_copy`, cuda/attention/layout.hpp); all zero:
+// nothing to copy (a section the format has not, or a format the stages do not hold).
+__device__ __forceinline__ section_copy chunk_section(format_id f, int r, int part, uint32_t D, uint32_t P, int cap) {
   constexpr uint32_t rows = slab;
   const format_traits t = traits_of(f);
-  if (!stages_hold(f, cap)) return make_uint4(0, 0, 0, 0);  // (pages read by element: from memory)
+  const section_copy none{};
+  if (!stages_hold(f, cap)) return none;  // (pages read by element: from memory)
   const uint32_t rb = D * t.bits / 8, code = P * rb;
-  if (part == 0) return make_uint4(0, rb, rows * rb, 0);
-  if (t.fam == family::fp8_e4m3) return part == 1 ? make_uint4(code, 4, rows * 4, rows * rb) : make_uint4(0, 0, 0, 0);
+  if (part == 0) return section_copy::make(0, rb, 0, false, rows * rb, 0);
+  if (t.fam == family::fp8_e4m3) return part == 1 ? section_copy::make(code, 4, 0, false, rows * 4, rows * rb) : none;
   if (r == 0 && t.has_zero()) {  // KIVI keys: the chunk's token group, scales then zeros
-    const uint32_t lg = uint32_t(log2i(t.group)), y = D * 2 | lg << 16 | 1u << 24;
-    return part == 1 ? make_uint4(code, y, D * 2, rows * rb) : make_uint4(code + (P >> lg) * D * 2, y, D * 2, rows * rb + D * 2);
+    const uint32_t lg = uint32_t(log2i(t.group));
+    return part == 1 ? section_copy::make(code, D * 2, lg, true, D * 2, rows * rb)
+                     : section_copy::make(code + (P >> lg) * D * 2, D * 2, lg, true, D * 2, rows * rb + D * 2);
   }
   if (t.fam == family::nvfp4)  // per-row e4m3 block scales, then the page's tensor scale (16 bytes)
-    return part == 1 ? make_uint4(code, D / 16, rows * (D / 16), rows * rb)
-                     : make_uint4(code + P * (D / 16), 0, 16, rows * rb + rows * (D / 16));
+    return part == 1 ? section_copy::make(code, D / 16, 0, false, rows * (D / 16), rows * rb)
+                     : section_copy::make(code + P * (D / 16), 0, 0, false, 16, rows * rb + rows * (D / 16));
   const uint32_t ng = D >> log2i(group_of(t, int(D)));  // per-row scales (and zeros)
   if (t.fam == family::codebook)  // per-row scales, then the page's levels (after the stage's scales: a 16-row page)
-    return part == 1 ? make_uint4(code, ng * 2, rows * ng * 2, rows * rb)
-                     : make_uint4(code + P * ng * 2, 0, (4u << t.bits), rows * rb + rows * ng * 2);
-  if (!t.is_integer() || (part == 2 && !t.has_zero())) return make_uint4(0, 0, 0, 0);
-  return part == 1 ? make_uint4(code, ng * 2, rows * ng * 2, rows * rb)
-                   : make_uint4(code + P * ng * 2, ng * 2, rows * ng * 2, rows * rb + rows * ng * 2);
+    return part == 1 ? section_copy::make(code, ng * 2, 0, false, rows * ng * 2, rows * rb)
+                     : section_copy::make(code + P * ng * 2, 0, 0, false, (4u << t.bits), rows * rb + rows * ng * 2);
+  if (!t.is_integer() || (part == 2 && !t.has_zero())) return none;
+  return part == 1 ? section_copy::make(code, ng * 2, 0, false, rows * ng * 2, rows * rb)
+                   : section_copy::make(code + P * ng * 2, ng * 2, 0, false, rows * ng * 2, rows * rb + rows * ng * 2);
 }
 
 }  // namespace cuda::detail

@@ -14,6 +14,7 @@
 #include <chrono>
 #include <cstdint>
 #include <kvq/cache/cache.hpp>
+#include <kvq/cache/config_string.hpp>
 #include <kvq/cache/decode_step.hpp>
 #include <kvq/cache/sequence_blob.hpp>
 #include <kvq/format/format.hpp>

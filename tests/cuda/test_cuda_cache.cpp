@@ -9,7 +9,7 @@
 #include <cstdlib>
 #include <kvq/cache/cache.hpp>
 #include <kvq/codec/codec.hpp>
-#include <kvq/format/kinds.hpp>
+#include <kvq/cuda/read_plan.hpp>
 #include <kvq/format/numeric.hpp>
 #include <kvq/policy/static_policy.hpp>
 #include <random>
@@ -37,8 +37,8 @@ constexpr double nmse_bound_one_query = 2e-4;
 // The spec's formats store pages of this shape and the CUDA kernels read them.
 bool supported(const std::string& spec, int d, int page = 64) {
   const auto p = parse_format_pair(spec).value_or_throw();
-  return check_shape(p.k, role::k, page, d).ok() && check_shape(p.v, role::v, page, d).ok() && kernels_read(p.k) &&
-         kernels_read(p.v);
+  return check_shape(p.k, role::k, page, d).ok() && check_shape(p.v, role::v, page, d).ok() && cuda::kernels_read(p.k) &&
+         cuda::kernels_read(p.v);
 }
 
 struct pair_of_caches {

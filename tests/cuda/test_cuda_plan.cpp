@@ -10,7 +10,7 @@
 
 #include <kvq/cuda/canary.hpp>
 #include <kvq/cuda/paged_attention.hpp>
-#include <kvq/format/kinds.hpp>
+#include <kvq/cuda/read_plan.hpp>
 
 #include <tuple>
 #include <vector>
@@ -208,7 +208,7 @@ TEST_CASE("append_run refuses inconsistent items and unusable page formats befor
   CHECK_THAT(f.message(), Catch::Contains("format id " + std::to_string(format_count)));
   for (int f = 0; f < int(format_count); ++f) {  // every format is read: none is refused as unread
     CAPTURE(format_name(format_id(f)));
-    CHECK(kernels_read(format_id(f)));
+    CHECK(cuda::kernels_read(format_id(f)));
   }
   cuda::append_args wrong_layer = args(one);
   wrong_layer.layer = 1;

@@ -4,7 +4,7 @@
 // merge's inverse within the NMSE bound of the unrotated tests, an FP16 rotated cache against the
 // unrotated one to fp16 rounding, and EchoKV's device canary in the rotated space.
 #include <kvq/cache/cache.hpp>
-#include <kvq/format/kinds.hpp>
+#include <kvq/cuda/read_plan.hpp>
 #include <kvq/format/numeric.hpp>
 #include <kvq/policy/echokv.hpp>
 #include <kvq/policy/static_policy.hpp>
@@ -88,7 +88,7 @@ TEST_CASE("gpu rotation: rotated appends store what the CPU stores, every format
   const int d = GENERATE(64, 128, 256);
   const std::string spec = format_name(format_id(fi));
   if (!check_shape(format_id(fi), role::k, 64, d).ok() || !check_shape(format_id(fi), role::v, 64, d).ok()) return;
-  if (!kernels_read(format_id(fi))) return;  // refused before anything is stored (test_cuda_cache.cpp)
+  if (!cuda::kernels_read(format_id(fi))) return;  // refused before anything is stored (test_cuda_cache.cpp)
   CAPTURE(spec, d);
   twin t = make_static(spec, d);
   std::mt19937 rng(uint32_t(fi * 7 + d));

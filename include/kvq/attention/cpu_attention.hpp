@@ -1,7 +1,7 @@
 #pragma once
 /// \file
-/// The CPU backend's attention over quantized pages (src/cpu_attention.cpp,
-/// src/cpu_page_decode.cpp): a page at a time is decoded into a float tile, shared by every query
+/// The CPU backend's attention over quantized pages (src/attention/cpu_attention.cpp,
+/// src/attention/cpu_page_decode.cpp): a page at a time is decoded into a float tile, shared by every query
 /// of the kv head's GQA group, and folded into an online (flash-style) softmax in fp32. Work is
 /// split into tasks of one (sequence, kv head) or one (kv head, query tile), run on a
 /// `worker_pool`. `kvq::ref::attend` over `detail::gather` is the plain reference these are
@@ -9,7 +9,7 @@
 ///
 /// Internal to the library; exported so that tests and benchmarks can reach the pieces.
 
-#include <kvq/codec/unit.hpp>
+#include <kvq/format/unit_codec.hpp>
 #include <kvq/config.hpp>
 #include <kvq/core.hpp>
 #include <kvq/format/numeric.hpp>

@@ -27,6 +27,8 @@
 
 #include <array>
 #include <cstdint>
+#include <kvq/cache/cache_config.hpp>
+#include <kvq/cache/types.hpp>
 #include <kvq/config.hpp>
 #include <kvq/format/format.hpp>
 #include <kvq/policy/policy.hpp>
@@ -40,144 +42,6 @@
 #include <vector>
 
 KVQ_NAMESPACE_BEGIN
-
-/// The CUDA stream one call runs on: a `cudaStream_t` (converts implicitly; `nullptr` is the
-/// legacy default stream), or, when not given, the cache's own (`cache_config::stream`). The CPU
-/// backend ignores it. Ordering across streams: docs/architecture.md, "Streams".
-struct stream_ref {
-  stream_ref() = default;
-  stream_ref(void* s) : stream(s), given(true) {}  // NOLINT: implicit, from cudaStream_t
-  void* stream = nullptr;
-  bool given = false;
-};
-
-/// Where the cache's bytes live and where its attention runs.
-enum class backend : uint8_t { cpu, cuda };
-
-/// Everything fixed at cache creation.
-struct cache_config {
-  cache_shape shape;          ///< layers, heads, head_dim, page_tokens, window R, recent r
-  uint64_t budget_bytes = 0;  ///< one budget for pages of every format and the windows
-  backend where = backend::cpu;
-  float softmax_scale = 0.f;     ///< 0: 1/sqrt(head_dim)
-  int max_sequences = 256;       ///< live sequences at most (and rows of the CUDA page tables)
-  int64_t max_tokens = 1 << 17;  ///< CUDA: tokens per sequence the device page tables can index
-  /// CUDA: the stream of calls that name none (`stream_ref`); nullptr = the legacy default stream.
-  void* stream = nullptr;
-  /// Check appended K/V for NaN, Inf and values beyond the fp16 range. CPU: at the call, which
-  /// then fails and stores nothing. CUDA: on the device, without a synchronization: a sequence
-  /// with a bad row is *held* (nothing of that append or any later one is written for it) and
-  /// `check()` reports it and restores it to its state before its first refused append
-  /// (docs/architecture.md, "Value checks on the device"). Off: bad values are stored as they come
-  /// (CUDA: one launch less per append).
-  bool check_values = true;
-  /// CPU: threads of the attention (the calling thread included), split over (sequence, kv head)
-  /// in `attend` and over (kv head, tile of 64 queries) in `prefill` and `attend_prefix`, on a
-  /// pool the cache keeps for its lifetime. 1 (the default) runs everything on the caller; an
-  /// application that runs several caches concurrently (kvq-eval) keeps 1.
-  int cpu_threads = 1;
-  /// The rotated (layer, kv head)s (docs/architecture.md, "Rotation"): their pages of every
-  /// format and their FP16 window hold K and V rotated by a randomized Hadamard transform, q is
-  /// rotated at attend and the output rotated back, so attention and `read` see the same values
-  /// as unrotated up to rounding. Empty (the default): nothing rotated. Needs head_dim a power of
-  /// two when any head is rotated.
-  rotation_config rotation;
-  /// Attention sinks: the first `sink_pages` pages of every sequence (its tokens
-  /// [0, sink_pages x page_tokens) in every layer, kv head and role) are written FP16 whatever
-  /// the policy chooses. The first tokens draw a large share of every query's attention; a KIVI
-  /// key group that holds them loses the most (docs/quality.md, "Attention sinks"). 0 (the
-  /// default): every page as the policy chooses. At most max_tokens / page_tokens.
-  int sink_pages = 0;
-  /// Host memory for sequences swapped out of the budget (`KVCache::swap_out`), allocated at
-  /// creation: pinned on CUDA, so swaps run asynchronously on the caller's stream. 0 (the default):
-  /// no swap space, and `swap_out` is refused.
-  uint64_t swap_bytes = 0;
-};
-
-/// The cache properties a configuration string names after its policy or format spec, in any
-/// order: `+rot` (every (layer, kv head) rotated, `cache_config::rotation`) and `+sink` /
-/// `+sink<N>` (the first page, or N pages, of every sequence FP16, `cache_config::sink_pages`).
-/// `kivi4/g32+rot+sink` is the spec `kivi4/g32`, rotated, one sink page. The spelling kvq-eval
-/// and the decode benchmark take.
-struct cache_suffixes {
-  std::string_view spec;  ///< what precedes the suffixes (a view into the parsed string)
-  bool rotated = false;
-  int sink_pages = 0;
-  /// Sets `cfg.rotation` (every kv head of `cfg.shape`, which must be set, or none) and
-  /// `cfg.sink_pages` to what the suffixes name.
-  KVQ_EXPORT void apply(cache_config& cfg) const;
-};
-
-/// Takes the suffixes off the end of `config`. A '+' followed by anything else ends them (it
-/// belongs to the spec); a repeated suffix, `+sink0` or `+sink` followed by other than a number
-/// in [1, 1024] is an error naming the configuration.
-KVQ_EXPORT result<cache_suffixes> parse_cache_suffixes(std::string_view config);
-
-/// Memory a cache holds outside `budget_bytes`: the CUDA backend's page tables, workspaces and
-/// canary buffers (all zero on the CPU, whose only memory is the budget's arena). `budget_bytes`
-/// is what the KV data may take; a cache takes `budget_bytes` plus these in all.
-struct cache_overhead {
-  /// Device page tables, fixed at creation: a block offset per (slot, layer, page) and a format id
-  /// per (slot, layer, page, kv head, role), for `max_sequences` slots of `max_tokens` tokens.
-  uint64_t device_tables = 0;
-  /// Device workspaces: the attention's split partials, the undo record of multi-launch appends,
-  /// the canary's query staging and the value-check flag. They grow to the largest call shape
-  /// seen (a batch's size and lengths, not the tokens stored), then never again.
-  uint64_t device_workspace = 0;
-  /// Pinned host memory: the device canary's mapped results (EchoKV on CUDA) and the swap space
-  /// (`cache_config::swap_bytes`, CUDA).
-  uint64_t pinned_host = 0;
-  uint64_t device_bytes() const { return device_tables + device_workspace; }
-};
-
-/// Statistics at any moment.
-struct cache_stats {
-  uint64_t budget_bytes = 0;
-  uint64_t used_bytes = 0;          ///< pages + windows, as allocated (256-byte aligned blocks)
-  uint64_t free_bytes = 0;          ///< budget bytes not allocated (budget_bytes - used_bytes)
-  uint64_t largest_free_block = 0;  ///< the largest block one allocation can take now (a window needs one)
-  uint64_t page_bytes = 0;          ///< bytes of live pages (their layout sizes), a shared page once
-  uint64_t window_bytes = 0;        ///< bytes of the FP16 recent windows
-  uint64_t pages = 0;               ///< live pages (per kv head and role), a shared page once
-  uint64_t shared_pages = 0;        ///< pages listed by more than one sequence (`fork`)
-  uint64_t shared_saved_bytes = 0;  ///< page bytes the extra listings of shared pages would take unshared
-  int64_t sequences = 0;
-  int64_t tokens = 0;             ///< tokens held, summed over sequences and layers
-  uint64_t encoded_elements = 0;  ///< K and V elements held in pages
-  std::array<uint64_t, format_count> bytes_by_format{};
-  std::array<uint64_t, format_count> pages_by_format{};
-  std::vector<format_pair> format_map;  ///< [layers][kv_heads] current policy decision
-  cache_overhead overhead;              ///< memory held outside the budget now
-  /// Swapped-out sequences (`KVCache::swap_out`: not counted in `sequences`, `tokens` or the page
-  /// counters) and the swap space they use of `cache_config::swap_bytes`.
-  int64_t swapped_sequences = 0;
-  uint64_t swap_used_bytes = 0;
-  uint64_t swap_capacity_bytes = 0;
-  /// Bytes copied by every `swap_out` and `swap_in` since creation (the swap traffic).
-  uint64_t swapped_out_bytes = 0;
-  uint64_t swapped_in_bytes = 0;
-
-  /// Average bits per element of the pages, scales and zeros included.
-  double page_bits() const { return encoded_elements ? 8.0 * page_bytes / double(encoded_elements) : 0.0; }
-  /// Bits per element of everything held (pages + windows) over the K and V elements of all
-  /// tokens: what the cache really costs per stored value.
-  double total_bits(int kv_heads, int head_dim) const {
-    const double elems = double(tokens) * kv_heads * head_dim * 2;
-    return elems > 0 ? 8.0 * double(page_bytes + window_bytes) / elems : 0.0;
-  }
-};
-
-/// One sequence's part of an attention batch.
-struct attend_item {
-  seq_id seq;
-  int q_len = 1;
-};
-
-/// One sequence's part of a batched append.
-struct append_item {
-  seq_id seq;
-  int64_t tokens = 1;
-};
 
 namespace detail {
 struct cache_state;

@@ -7,11 +7,11 @@
 /// `format_list` (format/registry.hpp).
 ///
 /// All quantization math is float32 with every step correctly rounded; on the device through the
-/// `__f*_rn` intrinsics so that no fused multiply-add changes a bit (codec/unit.hpp). Inputs are
+/// `__f*_rn` intrinsics so that no fused multiply-add changes a bit (format/unit_codec.hpp). Inputs are
 /// fp16 (the recent window's precision) and finite: callers validate before encoding.
 
 #include <cstdint>
-#include <kvq/codec/unit.hpp>
+#include <kvq/format/unit_codec.hpp>
 #include <kvq/config.hpp>
 #include <kvq/format/format.hpp>
 

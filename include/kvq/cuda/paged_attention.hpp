@@ -220,7 +220,7 @@ struct attend_args {
   /// is always correct; 8 or less lets decode stage pages in narrower stages (more stages in
   /// flight) and run the kernel instances that have no code for 16-bit pages. A 16-bit page under
   /// a smaller hint is still read correctly, slower. A page of a format read by element (3-bit:
-  /// `kvq::read_by_element`) counts as 16 bits (`kvq::kernel_bits`): only the
+  /// `cuda::read_by_element`) counts as 16 bits (`cuda::kernel_bits`, include/kvq/cuda/read_plan.hpp): only the
   /// decode kernels' 16-bit instances read it, so a layer that may hold one needs a hint of 16.
   int max_page_bits = 16;
   /// True if the caller knows that every page of each kv head of the layer has one K format and

@@ -7,8 +7,11 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
-#include <kvq/cache/cache.hpp>
+#include <kvq/cache/cache_config.hpp>
+#include <kvq/cache/types.hpp>
 #include <kvq/codec/codec.hpp>
+#include <kvq/policy/policy.hpp>
+#include <kvq/tensor.hpp>
 #include <kvq/store/store.hpp>
 #include <memory>
 #include <unordered_map>
@@ -124,6 +127,13 @@ class cache_backend {
   /// keeps a copy (the CUDA one, on the device) refreshes it. On failure the cache restores the
   /// previous levels and calls it again.
   virtual status levels_changed() { return {}; }
+  /// True when this backend's attention reads pages of format `f` (the CPU reads every format;
+  /// CUDA: `cuda::kernels_read`). Appends and imports of other formats are refused.
+  virtual bool reads(format_id /*f*/) const { return true; }
+  /// The code width a page of format `f` counts as in the choice of this backend's decode kernels,
+  /// which a replayed decode step plans each layer for (CUDA: `cuda::kernel_bits`, 16 for a format
+  /// read by element; the CPU: the format's bits).
+  virtual int plan_bits(format_id f) const { return traits_of(f).bits; }
 
   /// Converts, validates (finite, within fp16 range) and stores m tokens; encodes the planned
   /// pages. With `check_values`, values are rejected before anything is stored: at the call

@@ -4,7 +4,6 @@
 // by the CUDA calls and their CPU counterparts over host memory (kvq/cpu_pool.hpp); not public API.
 #include <algorithm>
 #include <kvq/cuda/paged_attention.hpp>
-#include <kvq/format/kinds.hpp>
 #include <kvq/rotation/hadamard.hpp>
 #include <kvq/store/window_layout.hpp>
 #include <sstream>
@@ -139,10 +138,11 @@ inline status check_prefill_range(const prefill_args& a) {
   return check_item_indices(kv, "prefill", 0, a.slot, a.window_unit, a.prefix);
 }
 
-/// The checks of an append call (`append_run`, and `cpu::pool_append` with `cuda_kernels` false):
-/// the items' indices, page count, rows (`check_rows`: the items' m sum to K's and V's tokens),
-/// rotation, formats and new blocks. `pages`: its new pages; `max_m`: its longest item.
-inline status check_append(const append_args& a, bool check_rows, bool cuda_kernels, int& pages, int& max_m) {
+/// The checks of an append call (`append_run`, and `cpu::pool_append`): the items' indices, page
+/// count, rows (`check_rows`: the items' m sum to K's and V's tokens), rotation, formats (`reads`:
+/// the formats the caller's attention reads, `cuda::kernels_read`; nullptr: every format) and new
+/// blocks. `pages`: its new pages; `max_m`: its longest item.
+inline status check_append(const append_args& a, bool check_rows, bool (*reads)(format_id), int& pages, int& max_m) {
   const auto& kv = a.kv;
   if (a.items.size() > size_t(max_append_items))
     return {errc::invalid_argument,
@@ -181,7 +181,7 @@ inline status check_append(const append_args& a, bool check_rows, bool cuda_kern
     if (a.page_fmts[i] >= format_count || (i % 2 == 0 ? kv.k_page_bytes : kv.v_page_bytes)[a.page_fmts[i]] == 0)
       return {errc::invalid_argument, msg("append: new page ", i / (kv.kv_heads * 2), " has format id ",
                                           int(a.page_fmts[i]), ", which the paged view cannot store")};
-    if (cuda_kernels && !kernels_read(a.page_fmts[i]))
+    if (reads && !reads(a.page_fmts[i]))
       return {errc::unsupported, msg("append: format ", format_name(a.page_fmts[i]),
                                      " is not read by the CUDA attention kernels (the CPU backend reads it)")};
   }

@@ -24,9 +24,10 @@
 /// Codes are packed along channels as for `sym` (format/sym.hpp). The sections are 16-byte
 /// aligned when P*(d/g) is a multiple of 8 (and P*d of 128 for 3 bits; `check_shape`).
 
-#include <kvq/codec/unit.hpp>
+#include <kvq/format/unit_codec.hpp>
 #include <kvq/config.hpp>
 #include <kvq/format/numeric.hpp>
+#include <kvq/format/protocol.hpp>
 #include <kvq/format/traits.hpp>
 #include <kvq/status.hpp>
 
@@ -146,24 +147,12 @@ struct codebook_codec {
 /// `Bits`-bit codebook codes (2^Bits levels), one rms scale per `Group` channels of a token
 /// (0: the whole head).
 template <int Bits, int Group>
-struct codebook {
+struct codebook : format_base<family::codebook, Bits, Group, codebook_codec> {
   static_assert(Bits >= 2 && Bits <= 4, "codebooks of 4, 8 or 16 levels");
   static_assert(Group == 0 || (Group >= 32 && (Group & (Group - 1)) == 0), "channel groups are powers of two >= 32");
-  using codec_type = codebook_codec;
-  static constexpr family fam = family::codebook;
-  static constexpr int bits = Bits, group = Group;
   static constexpr const char* spec = "cb";
   static constexpr const char* spec_alias = "codebook";
-  static constexpr bool named_by_bits = true;
   static constexpr int default_group = 0;  ///< `cb4` scales by the rms of the whole head
-  /// 4- and 2-bit codebooks have kernel kinds (cb4, cb2; format/kinds.hpp); the CUDA decode
-  /// kernels read 3-bit ones by element (eight levels: no byte-permute lookup of two words), the
-  /// tile kernels every codebook.
-  static constexpr bool staged = Bits != 3;
-  static constexpr family decode_as = family::codebook;
-  static constexpr page_layout page(role r, int page_tokens, int head_dim) {
-    return codec_type::layout({fam, bits, group}, r, page_tokens, head_dim);
-  }
 };
 
 // cb4 at 64 tokens x 128 channels, whole-head scale: codes + 64 fp16 scales + 16 fp32 levels

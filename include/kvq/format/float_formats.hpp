@@ -11,9 +11,10 @@
 /// | fp8_e4m3    | 0      | P*d    | [P][d] e4m3 codes             |
 /// |             | P*d    | P*4    | [P] fp32 scales (absmax/448)  |
 
-#include <kvq/codec/unit.hpp>
+#include <kvq/format/unit_codec.hpp>
 #include <kvq/config.hpp>
 #include <kvq/format/numeric.hpp>
+#include <kvq/format/protocol.hpp>
 #include <kvq/format/traits.hpp>
 
 #include <cstdint>
@@ -43,21 +44,11 @@ struct float16_codec {
 
 /// A 16-bit float format: fp16 or bf16.
 template <family Fam>
-struct float16_format {
+struct float16_format : format_base<Fam, 16, 1, float16_codec> {
   static_assert(Fam == family::fp16 || Fam == family::bf16);
-  using codec_type = float16_codec;
-  static constexpr family fam = Fam;
-  static constexpr int bits = 16, group = 1;
-  static constexpr const char* spec = Fam == family::fp16 ? "fp16" : "bf16";  ///< spec name
+  static constexpr const char* spec = Fam == family::fp16 ? "fp16" : "bf16";
   static constexpr const char* spec_alias = Fam == family::fp16 ? "f16" : nullptr;
   static constexpr bool named_by_bits = false;  ///< the spec name carries no bit width
-  static constexpr int default_group = 1;
-  /// Decoded by the kernels' unstaged path (no kernel kind).
-  static constexpr bool staged = false;
-  static constexpr family decode_as = Fam;
-  static constexpr page_layout page(role r, int page_tokens, int head_dim) {
-    return codec_type::layout({fam, bits, group}, r, page_tokens, head_dim);
-  }
 };
 
 /// IEEE fp16 values.
@@ -67,22 +58,13 @@ struct bf16 : float16_format<family::bf16> {};
 
 /// OCP fp8 e4m3 codes with one fp32 scale per token: s = absmax/448, code = e4m3(x/s),
 /// x^ = e4m3(code) * s; a zero scale stores code 0.
-struct fp8_e4m3 {
-  using codec_type = fp8_e4m3;
-  static constexpr family fam = family::fp8_e4m3;
-  static constexpr int bits = 8, group = 1;
+struct fp8_e4m3 : format_base<family::fp8_e4m3, 8, 1, fp8_e4m3> {
   static constexpr const char* spec = "fp8";
   static constexpr const char* spec_alias = "fp8_e4m3";
   static constexpr bool named_by_bits = false;
-  static constexpr int default_group = 1;
-  static constexpr bool staged = true;
-  static constexpr family decode_as = family::fp8_e4m3;
 
   KVQ_HOST_DEVICE static constexpr page_layout layout(const format_traits&, role, int page_tokens, int head_dim) {
     return {uint32_t(page_tokens) * uint32_t(head_dim), uint32_t(page_tokens) * 4, 0};
-  }
-  static constexpr page_layout page(role r, int page_tokens, int head_dim) {
-    return layout({fam, bits, group}, r, page_tokens, head_dim);
   }
   /// Encodes token `u` (source row u, fp16 bits).
   KVQ_HOST_DEVICE static void encode_unit(const codec::page_geom& g, const uint16_t* src, int src_stride, int u,

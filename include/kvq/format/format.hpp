@@ -8,8 +8,9 @@
 /// its unit codec, its page layout (the byte table beside it) and its spec name. `format_list`
 /// below is the one list of the formats kvq supports; a format's id is its index there, stored in
 /// every page. From the list come the descriptor table `format_table`, `traits_of`, the spec
-/// parser's names, the codec dispatch (codec/codec.hpp) and the decode kernels' kinds
-/// (format/kinds.hpp). Adding a format is adding its type to the list (at the end: ids are stored).
+/// parser's names, the codec dispatch (format/registry.hpp, codec/codec.hpp) and the CUDA
+/// kernels' read plan (include/kvq/cuda/read_plan.hpp). Adding a format is adding a
+/// `format_type` (format/protocol.hpp) to the list (at the end: ids are stored).
 ///
 /// Grouping (docs/architecture.md): keys have outlier channels, so `kivi`/`rolealign` K groups
 /// run along tokens (one scale and zero per channel per G tokens); V groups, and all groups of

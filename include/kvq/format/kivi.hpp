@@ -25,9 +25,10 @@
 ///
 /// Codes are packed along channels as for `sym`, 3-bit codes in its two planes (format/sym.hpp).
 
-#include <kvq/codec/unit.hpp>
+#include <kvq/format/unit_codec.hpp>
 #include <kvq/config.hpp>
 #include <kvq/format/numeric.hpp>
+#include <kvq/format/protocol.hpp>
 #include <kvq/format/traits.hpp>
 
 #include <cstdint>
@@ -97,23 +98,14 @@ struct kivi_codec {
 
 /// A format of kivi's layout: kivi or rolealign.
 template <family Fam, int Bits, int Group>
-struct kivi_layout_format {
+struct kivi_layout_format : format_base<Fam, Bits, Group, kivi_codec> {
   static_assert(Fam == family::kivi || Fam == family::rolealign);
   static_assert(Bits == 2 || Bits == 3 || Bits == 4 || Bits == 8, "codes pack whole bytes (3 bits: two planes)");
   static_assert(Group >= 32 && (Group & (Group - 1)) == 0, "groups are powers of two >= 32");
-  using codec_type = kivi_codec;
-  static constexpr family fam = Fam;
-  static constexpr int bits = Bits, group = Group;
   static constexpr const char* spec = Fam == family::kivi ? "kivi" : "ra";
   static constexpr const char* spec_alias = Fam == family::kivi ? nullptr : "rolealign";
-  static constexpr bool named_by_bits = true;
   static constexpr int default_group = 32;
-  /// Every width has a kernel kind (kivi8, kivi4, kivi3, kivi2; format/kinds.hpp).
-  static constexpr bool staged = true;
   static constexpr family decode_as = family::kivi;  ///< rolealign decodes as kivi
-  static constexpr page_layout page(role r, int page_tokens, int head_dim) {
-    return codec_type::layout({fam, bits, group}, r, page_tokens, head_dim);
-  }
 };
 
 /// KIVI: `Bits`-bit asymmetric codes; K per channel over `Group` tokens, V per token over

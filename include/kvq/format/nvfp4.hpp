@@ -24,9 +24,10 @@
 /// that keeps one tensor scale per (layer, kv head) applies each page's own. Sections are 16-byte
 /// aligned when P*d is a multiple of 256 (`check_shape`).
 
-#include <kvq/codec/unit.hpp>
+#include <kvq/format/unit_codec.hpp>
 #include <kvq/config.hpp>
 #include <kvq/format/numeric.hpp>
+#include <kvq/format/protocol.hpp>
 #include <kvq/format/traits.hpp>
 #include <kvq/status.hpp>
 
@@ -124,21 +125,10 @@ struct nvfp4_codec {
 };
 
 /// NVFP4: e2m1 codes, an e4m3 scale per 16 channels, an fp32 tensor scale per page.
-struct nvfp4 {
-  using codec_type = nvfp4_codec;
-  static constexpr family fam = family::nvfp4;
-  static constexpr int bits = 4, group = 16;
+struct nvfp4 : format_base<family::nvfp4, 4, 16, nvfp4_codec> {
   static constexpr const char* spec = "nvfp4";
   static constexpr const char* spec_alias = "fp4";
   static constexpr bool named_by_bits = false;
-  static constexpr int default_group = 16;
-  /// Kernel kind fp4 (format/kinds.hpp): the CUDA decode kernels stage its pages; the tile
-  /// kernels read them by element.
-  static constexpr bool staged = true;
-  static constexpr family decode_as = family::nvfp4;
-  static constexpr page_layout page(role r, int page_tokens, int head_dim) {
-    return codec_type::layout({fam, bits, group}, r, page_tokens, head_dim);
-  }
 };
 
 // 64 tokens x 128 channels: 4096 code bytes, 512 block scales, 16 bytes of tensor scale: 4.52 bits

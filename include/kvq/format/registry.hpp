@@ -4,17 +4,13 @@
 /// format/format.hpp; a test may build its own): the descriptor table, `traits_of` for device
 /// code, lookup by traits, the page layout of a runtime format and the codec dispatch.
 ///
-/// A format type `F` provides (see format/sym.hpp for an example):
-/// - `F::fam`, `F::bits`, `F::group`: its traits; `F::spec`, `F::spec_alias`, `F::named_by_bits`,
-///   `F::default_group`: its spec name (format/spec.hpp);
-/// - `F::staged`, `F::decode_as`: how the decode kernels read it (format/kinds.hpp);
-/// - `F::codec_type`: the type whose static `layout(traits, role, page_tokens, head_dim)`,
-///   `encode_unit(geom, ...)` and `decode_element(geom, ...)` are its page layout and unit codec.
-///   A codec reads the family, bit width and group from its arguments, so that the formats of a
-///   family (and families of one layout, as kivi and rolealign) share one compiled codec: the
-///   dispatch branches once per codec, not once per format.
+/// Every type of a list is a `format_type` (format/protocol.hpp). A codec reads the family, bit
+/// width and group from its arguments, so that the formats of a family (and families of one
+/// layout, as kivi and rolealign) share one compiled codec: the dispatch branches once per codec,
+/// not once per format.
 
-#include <kvq/codec/unit.hpp>
+#include <kvq/format/protocol.hpp>
+#include <kvq/format/unit_codec.hpp>
 #include <kvq/config.hpp>
 #include <kvq/format/traits.hpp>
 #include <kvq/format/type_list.hpp>
@@ -87,6 +83,7 @@ struct format_registry<type_list<Ts...>> {
   using codecs = typename codec_heads<list>::type;
   static constexpr size_t count = sizeof...(Ts);
   static_assert(count > 0 && count < 256, "format_id is one byte");
+  static_assert((format_type<Ts> && ...), "every type of a format list is a `format_type`");
 
   /// The descriptor table: entry i holds the traits of the list's type i.
   static constexpr std::array<format_traits, count> table = {format_traits{Ts::fam, uint8_t(Ts::bits), uint16_t(Ts::group)}...};

@@ -3,7 +3,7 @@
 /// Spec names of a list of format types, host only: the name of each format and the parser of
 /// one role's spec, both generated from the types' `spec`, `spec_alias`, `named_by_bits` and
 /// `default_group` (format/registry.hpp). kvq's grammar is documented at `parse_format`
-/// (format/format.hpp); src/format.cpp binds these to kvq's list.
+/// (format/format.hpp); src/format/format.cpp binds these to kvq's list.
 
 #include <kvq/format/registry.hpp>
 #include <kvq/status.hpp>

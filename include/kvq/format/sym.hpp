@@ -26,9 +26,10 @@
 /// 2-bit unpack plus one masked bit. The sections stay 16-byte aligned when P*d is a multiple
 /// of 128 (`check_shape`).
 
-#include <kvq/codec/unit.hpp>
+#include <kvq/format/unit_codec.hpp>
 #include <kvq/config.hpp>
 #include <kvq/format/numeric.hpp>
+#include <kvq/format/protocol.hpp>
 #include <kvq/format/traits.hpp>
 
 #include <cstdint>
@@ -67,22 +68,11 @@ struct sym_codec {
 
 /// Symmetric `Bits`-bit codes, one scale per `Group` channels of a token (0: the whole head).
 template <int Bits, int Group>
-struct sym {
+struct sym : format_base<family::sym, Bits, Group, sym_codec> {
   static_assert(Bits == 2 || Bits == 3 || Bits == 4 || Bits == 8, "codes pack whole bytes (3 bits: two planes)");
   static_assert(Group == 0 || (Group >= 32 && (Group & (Group - 1)) == 0), "channel groups are powers of two >= 32");
-  using codec_type = sym_codec;
-  static constexpr family fam = family::sym;
-  static constexpr int bits = Bits, group = Group;
   static constexpr const char* spec = "sym";
-  static constexpr const char* spec_alias = nullptr;
-  static constexpr bool named_by_bits = true;
   static constexpr int default_group = 0;  ///< `sym4` is the whole-head group
-  /// Every width has a kernel kind (sym8, sym4, sym3, sym2; format/kinds.hpp).
-  static constexpr bool staged = true;
-  static constexpr family decode_as = family::sym;
-  static constexpr page_layout page(role r, int page_tokens, int head_dim) {
-    return codec_type::layout({fam, bits, group}, r, page_tokens, head_dim);
-  }
 };
 
 static_assert(sym<4, 32>::page(role::k, 64, 128).total() == 64 * 128 / 2 + 64 * 4 * 2);

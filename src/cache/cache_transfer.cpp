@@ -10,7 +10,6 @@
 #include <kvq/cache/cache.hpp>
 #include <kvq/cache/sequence_blob.hpp>
 #include <kvq/detail/backend.hpp>
-#include <kvq/format/kinds.hpp>
 
 #include "cache_calls.hpp"
 
@@ -149,8 +148,9 @@ status check_resident(const cache_state& st, const char* call, std::span<const s
 }
 
 // A blob this cache can hold: its shape, rotation and sink pages, its lengths (CUDA's page
-// tables) and formats (the CUDA kernels') are this cache's.
-status check_compatible(const cache_config& cfg, const blob_info& b, const char* call) {
+// tables) and formats (those its attention reads) are this cache's.
+status check_compatible(const cache_config& cfg, const detail::cache_backend& impl, const blob_info& b,
+                        const char* call) {
   const cache_shape &mine = cfg.shape, &theirs = b.shape;
   const std::pair<const char*, std::pair<int, int>> fields[] = {
       {"layers", {theirs.layers, mine.layers}},
@@ -184,13 +184,13 @@ status check_compatible(const cache_config& cfg, const blob_info& b, const char*
           return {errc::out_of_budget, fmt::format("{}: sequence {} holds {} tokens, above this cache's max_tokens {}; "
                                                    "nothing was imported",
                                                    call, s.id, l.n, cfg.max_tokens)};
-    for (const blob_block& k : b.blocks)
-      for (format_id f : k.formats)
-        if (!kernels_read(f))
-          return {errc::unsupported, fmt::format("{}: format {} is not read by the CUDA attention kernels; nothing was "
-                                                 "imported",
-                                                 call, format_name(f))};
   }
+  for (const blob_block& k : b.blocks)
+    for (format_id f : k.formats)
+      if (!impl.reads(f))
+        return {errc::unsupported, fmt::format("{}: format {} is not read by {}; nothing was imported",
+                                               call, format_name(f),
+                                               cfg.where == backend::cuda ? "the CUDA attention kernels" : "the CPU attention")};
   return {};
 }
 
@@ -269,7 +269,7 @@ status KVCache::import_sequences(std::span<const uint8_t> blob, std::span<const 
   for (seq_id id : ids)
     if (state_->swapped.count(id))
       return {errc::invalid_argument, fmt::format("import_sequences: sequence {} already exists (swapped out)", id)};
-  KVQ_TRY(check_compatible(state_->cfg, *info, "import_sequences"));
+  KVQ_TRY(check_compatible(state_->cfg, *impl_, *info, "import_sequences"));
   return place_image(*state_, *impl_, *info, ids, blob.data() + info->payload_offset(), "import_sequences");
 }
 

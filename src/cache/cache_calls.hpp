@@ -1,6 +1,6 @@
 #pragma once
-// The request checks and the bookkeeping steps of KVCache's calls (src/cache.cpp), shared with
-// the replayable decode step (src/decode_step.cpp).
+// The request checks and the bookkeeping steps of KVCache's calls (src/cache/cache.cpp), shared with
+// the replayable decode step (src/cache/decode_step.cpp).
 #include <kvq/detail/backend.hpp>
 
 #include <string>

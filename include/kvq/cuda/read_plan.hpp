@@ -1,23 +1,37 @@
 #pragma once
 /// \file
-/// Kernel kinds: the decode kernels compile their inner loop once per *kind*, a (decode family,
-/// bits) pair of the staged formats (8 bits or fewer), and store each page's kind in their page
-/// table so that a step's dispatch is a byte load. rolealign decodes as kivi, so they share kinds.
+/// How the CUDA attention kernels read each format: the one read plan of the CUDA backend, its
+/// kernels and the engine-owned API (include/kvq/cuda/paged_attention.hpp), generated from the
+/// format list (`format_list`: each type's `decode_as` and bits, `staged_type`). The formats know
+/// nothing of it; the CPU backend reads every format.
 ///
-/// Generated from `format_list` (each type declares `staged` and `decode_as`): kinds are the
-/// distinct (decode_as, bits) pairs of its staged types, the 3-bit ones last; within each part
-/// numbered kivi before sym before fp8 before codebook before nvfp4, wider before narrower:
+/// - Per format: its *kind* (`kind_of`), a (decode family, bits) pair of the staged formats that
+///   the decode kernels compile their inner loops for, or -1; whether the kernels read it at all
+///   (`kernels_read`), by element through its codec (`read_by_element`, `tile_reads_by_element`),
+///   and in which stage widths (`stages_hold`, `staged_kind`).
+/// - Per layer: the code width the decode kernel is chosen for (`kernel_bits`, `head_kernel_bits`:
+///   the hint `attend_args::max_page_bits`), computed by the CUDA backend as pages are written and
+///   by an engine for its own pages, and passed down to the launch plan (cuda/launch_plan.cpp),
+///   which fixes the stage width from which the page table gives each page its kind.
+/// - The kernels' dispatch over kinds and (K, V) kind pairs is generated from the kinds and the
+///   pair lists (`switch_kind`, `switch_kind_pairs` in cuda/attention/kinds.cuh), and every kind
+///   must be in the pair list of its width (`pair_lists_cover_kinds`), so that a new format gets
+///   its kind's code or fails to build, never a silent fallback.
+///
+/// Kinds are the distinct (decode_as, bits) pairs of the staged types, the 3-bit ones last; within
+/// each part numbered kivi before sym before fp8 before codebook before nvfp4, wider before
+/// narrower. rolealign decodes as kivi, so they share kinds:
 ///
 /// | kind | 0     | 1     | 2     | 3    | 4    | 5    | 6   | 7   | 8   | 9   | 10    | 11   |
 /// |------|-------|-------|-------|------|------|------|-----|-----|-----|-----|-------|------|
 /// |      | kivi8 | kivi4 | kivi2 | sym8 | sym4 | sym2 | fp8 | cb4 | cb2 | fp4 | kivi3 | sym3 |
 ///
 /// 16-bit formats have kind -1 (the unstaged path). The 3-bit codebooks have no kind either: the
-/// decode kernels read them by element (`read_by_element`). The 3-bit kinds (kivi3, sym3) are
-/// read only by the chunk loops that the block-staged kernel's Whole instance compiles for a
-/// block whose pages all hold one pair kivi3/kivi3 or sym3/sym3 (`three_bit_pairs`), never by the
-/// per-page dispatch; everywhere else a 3-bit page is read by element. (Numbered last, they leave
-/// the other kinds' numbers, and so the dispatch's code, as they were without them.)
+/// decode kernels read them by element. The 3-bit kinds (kivi3, sym3) are read only by the chunk
+/// loops that the block-staged kernel's Whole instance compiles for a block whose pages all hold
+/// one pair kivi3/kivi3 or sym3/sym3 (`three_bit_pairs`), never by the per-page dispatch;
+/// everywhere else a 3-bit page is read by element. (Numbered last, they leave the other kinds'
+/// numbers, and so the dispatch's code, as they were without them.)
 
 #include <kvq/config.hpp>
 #include <kvq/format/format.hpp>
@@ -29,6 +43,13 @@
 #include <utility>
 
 KVQ_NAMESPACE_BEGIN
+namespace cuda {
+
+/// True for the format types whose pages the decode kernels stage (and so have a kind): every one
+/// narrower than 16 bits but the 3-bit codebooks (eight levels: no byte-permute lookup of two
+/// words), which they read by element.
+template <class F>
+inline constexpr bool staged_type = F::bits < 16 && !(F::decode_as == family::codebook && F::bits == 3);
 
 /// How a decode kernel reads a staged format: its decode family and bit width.
 struct decode_class {
@@ -47,7 +68,7 @@ struct kernel_kinds<type_list<Ts...>> {
     std::array<decode_class, sizeof...(Ts)> k{};
     size_t n = 0;
     const decode_class all[] = {decode_class{Ts::decode_as, Ts::bits}...};
-    const bool is_staged[] = {Ts::staged...};
+    const bool is_staged[] = {staged_type<Ts>...};
     for (size_t i = 0; i < sizeof...(Ts); ++i) {
       bool seen = !is_staged[i];
       for (size_t j = 0; j < n && !seen; ++j) seen = k[j].fam == all[i].fam && k[j].bits == all[i].bits;
@@ -102,7 +123,7 @@ struct kernel_kinds<type_list<Ts...>> {
   KVQ_HOST_DEVICE static constexpr int kind_bits(int k) { return bits_of(k, std::make_integer_sequence<int, count>{}); }
   /// Kind of format type F, or -1.
   template <class F>
-  static constexpr int kind_of_type = F::staged ? find(F::decode_as, F::bits, std::make_integer_sequence<int, count>{}) : -1;
+  static constexpr int kind_of_type = staged_type<F> ? find(F::decode_as, F::bits, std::make_integer_sequence<int, count>{}) : -1;
 
  private:
   template <int... Ks>
@@ -211,14 +232,6 @@ using whole_unit_pairs =
 using eight_bit_pairs = type_list<kv_types<kivi<8, 32>, kivi<8, 32>>, kv_types<sym<8, 32>, sym<8, 32>>,
                                   kv_types<fp8_e4m3, fp8_e4m3>>;
 
-/// Calls `f.template operator()<KK, KV>()` for the pair of `Pairs` (a `type_list` of `kv_types`)
-/// whose `kind_pair` is `combo` and returns true; returns false (calling nothing) when none is.
-template <class... K, class... V, class F>
-KVQ_HOST_DEVICE constexpr bool visit_kind_pair(type_list<kv_types<K, V>...>, int combo, F&& f) {
-  return ((combo == kind_pair(kind_v<K>, kind_v<V>) ? (f.template operator()<kind_v<K>, kind_v<V>>(), true) : false) ||
-          ...);
-}
-
 /// True when the (K kind, V kind) pair `combo` (`kind_pair`) is one of `Pairs`.
 template <class... K, class... V>
 KVQ_HOST_DEVICE constexpr bool in_kind_pairs(type_list<kv_types<K, V>...>, int combo) {
@@ -241,6 +254,29 @@ using three_bit_pairs = type_list<kv_types<kivi<3, 32>, kivi<3, 32>>, kv_types<s
 KVQ_HOST_DEVICE constexpr int head_kernel_bits(format_id k, format_id v) {
   if (in_kind_pairs(three_bit_pairs{}, kind_pair(kind_of(k), kind_of(v)))) return 3;
   return kernel_bits(k) > kernel_bits(v) ? kernel_bits(k) : kernel_bits(v);
+}
+
+/// Every kind has the loops of its code width: its (K, K) pair is in `whole_unit_pairs` (4 and 2
+/// bits), `eight_bit_pairs` (8 bits) or `three_bit_pairs` (3 bits). A new staged format whose kind
+/// is in none fails this check instead of falling into the per-page dispatch's slower loops.
+constexpr bool pair_lists_cover_kinds() {
+  for (int k = 0; k < kind_count; ++k) {
+    const int b = kind_bits(k), c = kind_pair(k, k);
+    const bool listed = b == 8   ? in_kind_pairs(eight_bit_pairs{}, c)
+                        : b == 3 ? in_kind_pairs(three_bit_pairs{}, c)
+                                 : in_kind_pairs(whole_unit_pairs{}, c);
+    if (!listed || (b != 4 && b != 2 && b != 8 && b != 3)) return false;
+  }
+  return true;
+}
+static_assert(pair_lists_cover_kinds(), "a kind without the loops of its width: add its (K, K) pair to the list of its bits");
+
+/// True when some format of family `fam` is read by element by the decode or tile kernels (the
+/// families whose codec `cuda::detail::with_element_codec` compiles).
+KVQ_HOST_DEVICE constexpr bool family_read_by_element(family fam) {
+  for (size_t i = 0; i < format_count; ++i)
+    if (traits_of(format_id(i)).fam == fam && tile_reads_by_element(traits_of(format_id(i)))) return true;
+  return false;
 }
 
 static_assert(kind_count == 12 && kernel_kind::kivi8 == 0 && kernel_kind::kivi2 == 2 && kernel_kind::sym8 == 3 &&
@@ -286,4 +322,5 @@ static_assert(head_kernel_bits(format_id_v<kivi<3, 32>>, format_id_v<kivi<3, 128
                   staged_kind(traits_of(format_id_v<kivi<4, 32>>), 16) == 1,
               "3-bit kinds: staged in stages of 3, 4 and 8 bits only, read by element in 16-bit ones");
 
+}  // namespace cuda
 KVQ_NAMESPACE_END

@@ -3,7 +3,6 @@
 // descriptors and launches are the backend's (`detail::step_backend`).
 #include <kvq/cache/decode_step.hpp>
 #include <kvq/detail/backend.hpp>
-#include <kvq/format/kinds.hpp>
 
 #include "cache_calls.hpp"
 
@@ -35,8 +34,8 @@ result<decode_step> decode_step::create(KVCache& cache, int max_batch, int64_t m
     sl = {0, true};  // (a map gives each head one pair; the backend adds the pages the layer holds)
     for (int h = 0; h < sh.kv_heads; ++h) {
       const format_pair f = st.pol->current(l, h);
-      // the bits the kernels plan for: a format read by element counts as 16 (`kernel_bits`)
-      sl.max_bits = std::max({sl.max_bits, kernel_bits(f.k), kernel_bits(f.v)});
+      // the bits the backend's kernels plan for (`cache_backend::plan_bits`)
+      sl.max_bits = std::max({sl.max_bits, cache.impl_->plan_bits(f.k), cache.impl_->plan_bits(f.v)});
     }
   }
   auto impl = cache.impl_->make_step(max_batch, max_tokens, layers);
@@ -95,12 +94,12 @@ status decode_step::prepare(std::span<const seq_id> seqs) {
             const format_id f = st.page_format({s->id, l, h, r, first});
             (r == role::k ? pairs[size_t(h)].k : pairs[size_t(h)].v) = f;
             // (a sink page's FP16 is read from global memory under any plan)
-            if (first >= st.sink_tokens() && kernel_bits(f) > layers_[size_t(l)].max_bits)
+            if (first >= st.sink_tokens() && cache_->impl_->plan_bits(f) > layers_[size_t(l)].max_bits)
               return {errc::unsupported,
                       fmt::format("decode_step::prepare: layer {} kv head {}: policy {} chose {} ({} bits) for a new "
                                   "page of sequence {}; the step was planned for at most {} kernel bits in this layer (make "
                                   "a new decode_step); nothing was changed",
-                                  l, h, st.pol->name(), format_name(f), kernel_bits(f), s->id,
+                                  l, h, st.pol->name(), format_name(f), cache_->impl_->plan_bits(f), s->id,
                                   layers_[size_t(l)].max_bits)};
           }
         need += st.store.block_bytes(pairs);

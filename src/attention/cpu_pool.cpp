@@ -65,7 +65,7 @@ float scale_of(float scale, int head_dim) { return scale > 0.f ? scale : 1.f / s
 
 status pool_append(const cuda::append_args& a) {
   int pages = 0, max_m = 0;
-  KVQ_TRY(cuda::detail::check_append(a, true, false, pages, max_m));
+  KVQ_TRY(cuda::detail::check_append(a, true, nullptr, pages, max_m));
   KVQ_TRY(cpu_supports(a.rotation, a.kv, -1, "pool_append"));
   const cuda::paged_view& kv = a.kv;
   const int d = kv.head_dim, H = kv.kv_heads, P = kv.page_tokens, R = kv.window;

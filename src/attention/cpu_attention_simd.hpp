@@ -1,6 +1,6 @@
 #pragma once
-// The vector building blocks of the CPU attention (src/cpu_attention.cpp,
-// src/cpu_page_decode.cpp): plain loops written so that the compiler vectorizes them, and the
+// The vector building blocks of the CPU attention (src/attention/cpu_attention.cpp,
+// src/attention/cpu_page_decode.cpp): plain loops written so that the compiler vectorizes them, and the
 // attribute that compiles each kernel entry point twice.
 //
 // NOTE: runtime choice by GCC/Clang function multiversioning (`target_clones`): the library is

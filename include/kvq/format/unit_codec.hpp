@@ -1,14 +1,16 @@
 #pragma once
 /// \file
-/// What every format's codec is built from: correctly rounded float steps that give the same
-/// bits on host and device, packed code access, and `page_geom`, the geometry a codec reads.
-/// The codecs themselves live beside their formats (`format/*.hpp`); `codec/codec.hpp`
-/// dispatches to them.
+/// The unit-codec protocol (`unit_codec`) and what every format's codec is built from: correctly
+/// rounded float steps that give the same bits on host and device, packed code access, and
+/// `page_geom`, the geometry a codec reads. The codecs themselves live beside their formats
+/// (`format/*.hpp`); `codec/codec.hpp` encodes and decodes whole pages through them (codec/
+/// depends on format/, never the other way).
 
 #include <kvq/config.hpp>
 #include <kvq/format/numeric.hpp>
 #include <kvq/format/traits.hpp>
 
+#include <concepts>
 #include <cstdint>
 
 KVQ_NAMESPACE_BEGIN
@@ -150,6 +152,18 @@ KVQ_HOST_DEVICE uint32_t kivi_code(float x, float s, float z, int bits) {
   const float q = round_even(div_rn(num, s));
   return uint32_t(fmin_(fmax_(q, 0.f), float((1 << bits) - 1)));
 }
+
+/// A unit codec: the page layout of a format of its family and the encode of one unit and decode
+/// of one element, host and device, bit-identical (format/registry.hpp dispatches to them).
+/// `encode_unit(geom, src, src_stride, u, page, clip)` writes unit `u` of the page (units:
+/// `page_geom::unit_count`) from fp16 rows `src`; `clip` is rolealign's clipping (others ignore it).
+template <class C>
+concept unit_codec = requires(const format_traits& t, const page_geom& g, const uint16_t* src, uint8_t* page,
+                              const uint8_t* cpage) {
+  { C::layout(t, role::k, 64, 64) } -> std::same_as<page_layout>;
+  C::encode_unit(g, src, 64, 0, page, 1.f);
+  { C::decode_element(g, cpage, 0, 0) } -> std::same_as<float>;
+};
 
 }  // namespace codec
 KVQ_NAMESPACE_END
