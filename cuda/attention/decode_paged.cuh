@@ -268,31 +268,55 @@ __global__ void __launch_bounds__(dec_warps * 32, (decode_blocks<D, Wide>))
     if (uniform_kinds() == wide_pair) chunks.template operator()<kind::staged16, kind::staged16>();
     else chunks.template operator()<kind::dispatch, kind::dispatch>();
   } else if constexpr (Whole) {
-    // A switch generated from the pair lists (`switch_kind_pairs`): whole units for
-    // `whole_unit_pairs` (codebook pairs of whole-head scales: their HeadScale units), the chunk
-    // loops of `three_bit_pairs`, else the per-page dispatch (a block of mixed pages: the hint was
-    // wrong).
-    switch_kind_pairs(
-        whole || in_kind_pairs(three_bit_pairs{}, kinds) ? kinds : no_combo, whole_unit_pairs{},
-        [&]<int KK, int KV>() {
-          if constexpr (kind_family(KK) == family::codebook && kind_family(KV) == family::codebook) {
-            if (head_scales()) pages.template operator()<KK, KV, true>();
-            else pages.template operator()<KK, KV>();
-          } else {
-            pages.template operator()<KK, KV>();
-          }
-        },
-        three_bit_pairs{}, [&]<int KK, int KV>() { chunks.template operator()<KK, KV>(); },
-        [&]() { chunks.template operator()<kind::dispatch, kind::dispatch>(); });
+    // (every pair of `whole_unit_pairs` and `three_bit_pairs` has its case: `listed_pair`)
+    static_assert(whole_unit_pairs::size == 8 && three_bit_pairs::size == 2, "a pair without its case here");
+    switch (whole || in_kind_pairs(three_bit_pairs{}, kinds) ? kinds : no_combo) {
+      case listed_pair<whole_unit_pairs, kind::kivi4, kind::kivi4>: pages.template operator()<kind::kivi4, kind::kivi4>(); break;
+      case listed_pair<whole_unit_pairs, kind::kivi2, kind::kivi2>: pages.template operator()<kind::kivi2, kind::kivi2>(); break;
+      case listed_pair<whole_unit_pairs, kind::kivi4, kind::kivi2>: pages.template operator()<kind::kivi4, kind::kivi2>(); break;
+      case listed_pair<whole_unit_pairs, kind::sym4, kind::sym4>: pages.template operator()<kind::sym4, kind::sym4>(); break;
+      case listed_pair<whole_unit_pairs, kind::sym2, kind::sym2>: pages.template operator()<kind::sym2, kind::sym2>(); break;
+      case listed_pair<whole_unit_pairs, kind::cb4, kind::cb4>:
+        if (head_scales()) pages.template operator()<kind::cb4, kind::cb4, true>();
+        else pages.template operator()<kind::cb4, kind::cb4>();
+        break;
+      case listed_pair<whole_unit_pairs, kind::cb2, kind::cb2>:
+        if (head_scales()) pages.template operator()<kind::cb2, kind::cb2, true>();
+        else pages.template operator()<kind::cb2, kind::cb2>();
+        break;
+      case listed_pair<whole_unit_pairs, kind::fp4, kind::fp4>: pages.template operator()<kind::fp4, kind::fp4>(); break;
+      // (3-bit pairs: no whole units, their chunk loops)
+      case listed_pair<three_bit_pairs, kind::kivi3, kind::kivi3>: chunks.template operator()<kind::kivi3, kind::kivi3>(); break;
+      case listed_pair<three_bit_pairs, kind::sym3, kind::sym3>: chunks.template operator()<kind::sym3, kind::sym3>(); break;
+      default: chunks.template operator()<kind::dispatch, kind::dispatch>(); break;  // (a block of mixed pages: the hint was wrong)
+    }
   } else {
     // A block whose pages all have the same staged K and V kinds runs the chunk loop compiled for
-    // them (no dispatch per step): the 8-bit pairs in the two-full-barrier ring, the 4- and 2-bit
-    // ones otherwise (`eight_bit_pairs`, `whole_unit_pairs`).
+    // them (no dispatch per step): the pairs of `eight_bit_pairs` in the two-full-barrier ring,
+    // those of `whole_unit_pairs` otherwise.
     kinds = uniform_kinds();
-    const auto fixed = [&]<int KK, int KV>() { chunks.template operator()<KK, KV>(); };
-    const auto per_page = [&]() { chunks.template operator()<kind::dispatch, kind::dispatch>(); };
-    if constexpr (TwoFull) switch_kind_pairs(kinds, eight_bit_pairs{}, fixed, per_page);
-    else switch_kind_pairs(kinds, whole_unit_pairs{}, fixed, per_page);
+    if constexpr (TwoFull) {
+      static_assert(eight_bit_pairs::size == 3, "a pair without its case here");
+      switch (kinds) {
+        case listed_pair<eight_bit_pairs, kind::kivi8, kind::kivi8>: chunks.template operator()<kind::kivi8, kind::kivi8>(); break;
+        case listed_pair<eight_bit_pairs, kind::sym8, kind::sym8>: chunks.template operator()<kind::sym8, kind::sym8>(); break;
+        case listed_pair<eight_bit_pairs, kind::fp8, kind::fp8>: chunks.template operator()<kind::fp8, kind::fp8>(); break;
+        default: chunks.template operator()<kind::dispatch, kind::dispatch>(); break;
+      }
+    } else {
+      static_assert(whole_unit_pairs::size == 8, "a pair without its case here");
+      switch (kinds) {
+        case listed_pair<whole_unit_pairs, kind::kivi4, kind::kivi4>: chunks.template operator()<kind::kivi4, kind::kivi4>(); break;
+        case listed_pair<whole_unit_pairs, kind::kivi2, kind::kivi2>: chunks.template operator()<kind::kivi2, kind::kivi2>(); break;
+        case listed_pair<whole_unit_pairs, kind::kivi4, kind::kivi2>: chunks.template operator()<kind::kivi4, kind::kivi2>(); break;
+        case listed_pair<whole_unit_pairs, kind::sym4, kind::sym4>: chunks.template operator()<kind::sym4, kind::sym4>(); break;
+        case listed_pair<whole_unit_pairs, kind::sym2, kind::sym2>: chunks.template operator()<kind::sym2, kind::sym2>(); break;
+        case listed_pair<whole_unit_pairs, kind::cb4, kind::cb4>: chunks.template operator()<kind::cb4, kind::cb4>(); break;
+        case listed_pair<whole_unit_pairs, kind::cb2, kind::cb2>: chunks.template operator()<kind::cb2, kind::cb2>(); break;
+        case listed_pair<whole_unit_pairs, kind::fp4, kind::fp4>: chunks.template operator()<kind::fp4, kind::fp4>(); break;
+        default: chunks.template operator()<kind::dispatch, kind::dispatch>(); break;
+      }
+    }
   }
   for (int j = max(c0, page_slabs) + warp; j < rg.c1; j += dec_warps) {  // the FP16 ring
     const slab_ref cur = locate_slab<D>(p, item, h, j, page_slabs, sm.pages);

@@ -56,13 +56,13 @@ __device__ __forceinline__ void issue_chunk(const attend_params& p, const page_t
   const bool is_v = lane >= 3;
   const section_copy d = sect[is_v ? pc.vid[e] : pc.kid[e]][is_v][lane % 3];
   const uint32_t shift = d.row_shift();
-  uint32_t bytes = lane < 6 ? d.bytes : 0u;
+  uint32_t bytes = lane < 6 ? d.bytes() : 0u;
   // (a KIVI key group's scales and zeros: once per group, when the warp enters it)
   if (d.key_group() && !first && (row0 & ((1u << shift) - 1u))) bytes = 0;
   const uint32_t total = __reduce_add_sync(0xffffffffu, bytes);
   if (bytes) {
-    const uint8_t* src = p.pages + size_t(pc.page16[e]) * 16 + (is_v ? pc.v_offset[e] : 0u) + d.offset + (row0 >> shift) * d.row_bytes();
-    bulk_copy(stage + (is_v ? stage_k_bytes(D, p.stage_cap) : 0u) + d.stage_offset, src, bytes, bar);
+    const uint8_t* src = p.pages + size_t(pc.page16[e]) * 16 + (is_v ? pc.v_offset[e] : 0u) + d.offset() + (row0 >> shift) * d.row_bytes();
+    bulk_copy(stage + (is_v ? stage_k_bytes(D, p.stage_cap) : 0u) + d.stage_offset(), src, bytes, bar);
   }
   if (lane == 0) mbar_expect_tx(bar, total);
 }
@@ -222,8 +222,21 @@ __device__ __forceinline__ void scores_staged(format_traits fk, const slab_ref& 
     scores_kind<D, Cap, kind_family(Kind), kind_bits(Kind), S>(sk, fk.group, rows, window, g, t, qb, sc, rs, valid);
     return;
   }
-  // (the page table gives a staged page its kind; every kind has its case: `switch_kind`)
-  switch_kind(sk.kk, [&]<int K>() { scores_staged<D, Cap, S, K>(fk, sk, rows, window, g, t, qb, sc, rs, valid); });
+  // (the page table gives a staged page its kind; every kind of the per-page dispatch has its case)
+  static_assert(page_kind_count == 10, "a kind without its case here");
+  switch (sk.kk) {
+    case listed_kind<kind::kivi8>: scores_staged<D, Cap, S, kind::kivi8>(fk, sk, rows, window, g, t, qb, sc, rs, valid); break;
+    case listed_kind<kind::kivi4>: scores_staged<D, Cap, S, kind::kivi4>(fk, sk, rows, window, g, t, qb, sc, rs, valid); break;
+    case listed_kind<kind::kivi2>: scores_staged<D, Cap, S, kind::kivi2>(fk, sk, rows, window, g, t, qb, sc, rs, valid); break;
+    case listed_kind<kind::sym8>: scores_staged<D, Cap, S, kind::sym8>(fk, sk, rows, window, g, t, qb, sc, rs, valid); break;
+    case listed_kind<kind::sym4>: scores_staged<D, Cap, S, kind::sym4>(fk, sk, rows, window, g, t, qb, sc, rs, valid); break;
+    case listed_kind<kind::sym2>: scores_staged<D, Cap, S, kind::sym2>(fk, sk, rows, window, g, t, qb, sc, rs, valid); break;
+    case listed_kind<kind::cb4>: scores_staged<D, Cap, S, kind::cb4>(fk, sk, rows, window, g, t, qb, sc, rs, valid); break;
+    case listed_kind<kind::cb2>: scores_staged<D, Cap, S, kind::cb2>(fk, sk, rows, window, g, t, qb, sc, rs, valid); break;
+    case listed_kind<kind::fp4>: scores_staged<D, Cap, S, kind::fp4>(fk, sk, rows, window, g, t, qb, sc, rs, valid); break;
+    case listed_kind<kind::fp8>:
+    default: scores_staged<D, Cap, S, kind::fp8>(fk, sk, rows, window, g, t, qb, sc, rs, valid); break;
+  }
 }
 template <int D, int Cap, int S, int Kind = kind::dispatch>
 __device__ __forceinline__ void values_staged(format_traits fv, const slab_ref& sk, int rows, int window, int g, int t,
@@ -232,8 +245,21 @@ __device__ __forceinline__ void values_staged(format_traits fv, const slab_ref& 
     values_kind<D, Cap, kind_family(Kind), kind_bits(Kind), S>(sk, fv.group, rows, window, g, t, pv, valid, acc);
     return;
   }
-  // (the page table gives a staged page its kind; every kind has its case: `switch_kind`)
-  switch_kind(sk.kv, [&]<int K>() { values_staged<D, Cap, S, K>(fv, sk, rows, window, g, t, pv, valid, acc); });
+  // (the page table gives a staged page its kind; every kind of the per-page dispatch has its case)
+  static_assert(page_kind_count == 10, "a kind without its case here");
+  switch (sk.kv) {
+    case listed_kind<kind::kivi8>: values_staged<D, Cap, S, kind::kivi8>(fv, sk, rows, window, g, t, pv, valid, acc); break;
+    case listed_kind<kind::kivi4>: values_staged<D, Cap, S, kind::kivi4>(fv, sk, rows, window, g, t, pv, valid, acc); break;
+    case listed_kind<kind::kivi2>: values_staged<D, Cap, S, kind::kivi2>(fv, sk, rows, window, g, t, pv, valid, acc); break;
+    case listed_kind<kind::sym8>: values_staged<D, Cap, S, kind::sym8>(fv, sk, rows, window, g, t, pv, valid, acc); break;
+    case listed_kind<kind::sym4>: values_staged<D, Cap, S, kind::sym4>(fv, sk, rows, window, g, t, pv, valid, acc); break;
+    case listed_kind<kind::sym2>: values_staged<D, Cap, S, kind::sym2>(fv, sk, rows, window, g, t, pv, valid, acc); break;
+    case listed_kind<kind::cb4>: values_staged<D, Cap, S, kind::cb4>(fv, sk, rows, window, g, t, pv, valid, acc); break;
+    case listed_kind<kind::cb2>: values_staged<D, Cap, S, kind::cb2>(fv, sk, rows, window, g, t, pv, valid, acc); break;
+    case listed_kind<kind::fp4>: values_staged<D, Cap, S, kind::fp4>(fv, sk, rows, window, g, t, pv, valid, acc); break;
+    case listed_kind<kind::fp8>:
+    default: values_staged<D, Cap, S, kind::fp8>(fv, sk, rows, window, g, t, pv, valid, acc); break;
+  }
 }
 
 // 16-bit formats (fp16, bf16) in a stage: S slabs' scores or P V, read from shared memory.

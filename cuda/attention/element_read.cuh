@@ -33,37 +33,30 @@ __device__ __forceinline__ codec::page_geom element_geom(format_traits f, role r
   return codec::page_geom{f, r, P, D, formats::layout_of(f, r, P, D)};
 }
 
-// True when family `fam` encodes with `Codec` (`Hs`: the first type of each family).
-template <class Codec, class... Hs>
-__device__ __forceinline__ constexpr bool family_uses(family fam, type_list<Hs...>) {
-  return (false || ... || (Hs::fam == fam && std::is_same_v<typename Hs::codec_type, Codec>));
+// The families whose codecs `with_element_codec` has a case for: every family with a format read
+// by element must be one (checked below), so that a new one fails to build until it has its case.
+__host__ __device__ constexpr bool element_case(family f) {
+  return f == family::sym || f == family::codebook || f == family::nvfp4 || f == family::kivi || f == family::rolealign;
 }
-// True when a format read by element encodes with `Codec`.
-template <class Codec, class... Hs>
-constexpr bool codec_read_by_element(type_list<Hs...>) {
-  return (false || ... || (std::is_same_v<typename Hs::codec_type, Codec> && family_read_by_element(Hs::fam)));
+template <class... Hs>
+constexpr bool element_cases_cover(type_list<Hs...>) {
+  return (true && ... && (!family_read_by_element(Hs::fam) || element_case(Hs::fam)));
 }
+static_assert(element_cases_cover(family_heads<format_list>::type{}),
+              "a family read by element without its case in with_element_codec");
 
 // Calls `fn.template operator()<Codec>()` with the codec of a format read by element (outside the
-// loops over elements, so that each loop is compiled for one codec). Generated from the format
-// list: one case per codec of a format read by element (kivi's serves rolealign too).
-template <class F, class... Cs>
-__device__ __forceinline__ void with_element_codec(family fam, F&& fn, type_list<Cs...>) {
-  using heads = typename family_heads<format_list>::type;
-  const auto one = [&]<class C>() {
-    if constexpr (codec_read_by_element<C>(heads{})) {
-      if (!family_uses<C>(fam, heads{})) return false;
-      fn.template operator()<C>();
-      return true;
-    } else {
-      return false;
-    }
-  };
-  (void)(false || ... || one.template operator()<typename Cs::codec_type>());
-}
+// loops over elements, so that each loop is compiled for one codec).
 template <class F>
 __device__ __forceinline__ void with_element_codec(family fam, F&& fn) {
-  with_element_codec(fam, fn, typename codec_heads<format_list>::type{});
+  switch (fam) {
+    case family::sym: fn.template operator()<sym_codec>(); break;
+    case family::codebook: fn.template operator()<codebook_codec>(); break;
+    case family::nvfp4: fn.template operator()<nvfp4_codec>(); break;
+    case family::kivi:
+    case family::rolealign:
+    default: fn.template operator()<kivi_codec>(); break;
+  }
 }
 
 // Channels [c0, c0 + 2 N) of token row `tok` of a page as N half2 words (channel pairs in order).

@@ -96,21 +96,24 @@ struct merge_area {
   float wml[dec_warps][8][2];  // [warp][column] running max and sum
 };
 
-// One bulk copy of a page section into a per-warp stage, for one slab (16 rows): 16 bytes, read
-// by a lane as one vector load (`issue_chunk`; made by `chunk_section`).
-struct alignas(16) section_copy {
-  uint32_t offset;        // of row 0 (group 0) in the page's role block
-  uint32_t row;           // bytes per row (bits 0-15) | row shift (16-23: rows >> shift per row) | KIVI key group (24)
-  uint32_t bytes;         // to copy: 0 for nothing
-  uint32_t stage_offset;  // in the stage's role region
+// One bulk copy of a page section into a per-warp stage, for one slab (16 rows), as the 16 bytes
+// a lane reads in one vector load (`issue_chunk`; made by `chunk_section`):
+//   x: offset of row 0 (group 0) in the page's role block;
+//   y: bytes per row (bits 0-15) | row shift (16-23: rows >> shift per row) | KIVI key group (24);
+//   z: bytes to copy (0: nothing); w: offset in the stage's role region.
+struct section_copy {
+  uint4 w;
   __host__ __device__ static constexpr section_copy make(uint32_t offset, uint32_t row_bytes, uint32_t row_shift,
                                                           bool key_group, uint32_t bytes, uint32_t stage_offset) {
-    return {offset, row_bytes | row_shift << 16 | uint32_t(key_group) << 24, bytes, stage_offset};
+    return {{offset, row_bytes | row_shift << 16 | uint32_t(key_group) << 24, bytes, stage_offset}};
   }
-  __host__ __device__ constexpr uint32_t row_bytes() const { return row & 0xffffu; }
-  __host__ __device__ constexpr uint32_t row_shift() const { return (row >> 16) & 0xffu; }
+  __host__ __device__ constexpr uint32_t offset() const { return w.x; }
+  __host__ __device__ constexpr uint32_t row_bytes() const { return w.y & 0xffffu; }
+  __host__ __device__ constexpr uint32_t row_shift() const { return (w.y >> 16) & 0xffu; }
   // Scales and zeros of a KIVI key token group: copied once per group (rows >> row_shift per row).
-  __host__ __device__ constexpr bool key_group() const { return (row >> 24) != 0; }
+  __host__ __device__ constexpr bool key_group() const { return (w.y >> 24) != 0; }
+  __host__ __device__ constexpr uint32_t bytes() const { return w.z; }
+  __host__ __device__ constexpr uint32_t stage_offset() const { return w.w; }
 };
 static_assert(sizeof(section_copy) == 16, "one vector load");
 
