@@ -72,31 +72,31 @@ constexpr int query_tile = 64;  // queries per prefill / prefix task
 constexpr int key_tile = 64;    // tokens per block read from the ring or the chunk
 constexpr int chunk_tile = 32;  // queries per task of `causal_attention`
 
-// Online-softmax step of one row over its block scores s[0, valid) (valid > 0): the running max
-// m and sum l move on, s becomes the weights exp(s - m) (zero from `valid` to `zero_to`, so that
-// a V pass may run over more keys than the row sees); returns the factor that rescales the
-// row's earlier accumulator. Scores past `valid` are ignored (they may be anything finite).
+// Online-softmax step of one row over its block scores s[0, valid) (valid > 0; s readable and
+// writable up to `valid` rounded up to 8, what lies past `valid` ignored): the running max m and
+// sum l move on, s becomes the weights exp(s - m), zero from `valid` up to the larger of
+// `zero_to` and `valid` rounded up to 8 (so that a V pass may run over more keys than the row
+// sees); returns the factor that rescales the row's earlier accumulator. Whole vectors, the last
+// one masked.
 KVQ_CPU_INLINE float softmax_block(float* s, int valid, int zero_to, float& m, float& l) {
-  const int whole = valid & ~7;
-  float mx = m;
-  if (whole > 0) {
-    f8 vm = load8(s);
-    for (int j = 8; j < whole; j += 8) vm = max8(vm, load8(s + j));
-    mx = std::max(mx, hmax8(vm));
-  }
-  for (int j = whole; j < valid; ++j) mx = std::max(mx, s[j]);
+  const int n8 = (valid + 7) & ~7;
+  const f8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
+  const f8 none = splat8(-std::numeric_limits<float>::infinity());
+  f8 vm = splat8(m);
+  for (int j = 0; j < n8; j += 8) vm = max8(vm, lane < float(valid - j) ? load8(s + j) : none);
+  const float mx = hmax8(vm);
   const f8 mv = splat8(mx);
   f8 vs = {};
-  for (int j = 0; j < whole; j += 8) {
-    const f8 e = exp8_nonpositive(load8(s + j) - mv);
-    store8(s + j, e);
-    vs += e;
+  for (int j = 0; j < n8; j += 8) {
+    const auto seen = lane < float(valid - j);  // all ones on the keys the row sees
+    const f8 e = exp8_nonpositive(seen ? load8(s + j) - mv : none);
+    const f8 w = seen ? e : f8{};
+    store8(s + j, w);
+    vs += w;
   }
-  float total = hsum8(vs);
-  for (int j = whole; j < valid; ++j) total += (s[j] = exp_nonpositive(s[j] - mx));
-  std::fill(s + valid, s + zero_to, 0.f);
+  for (int j = n8; j < zero_to; ++j) s[j] = 0.f;
   const float corr = exp_nonpositive(m - mx);
-  l = l * corr + total;
+  l = l * corr + hsum8(vs);
   m = mx;
   return corr;
 }

@@ -5,8 +5,8 @@
 #include <cmath>
 #include <functional>
 #include <kvq/attention/cpu_attention.hpp>
+#include <kvq/attention/reference.hpp>
 #include <kvq/policy/static_policy.hpp>
-#include <limits>
 #include <numeric>
 #include <llama/model.hpp>
 
@@ -546,11 +546,10 @@ status llama_model::forward_reference(reference_kv& kv, std::span<const token_id
     return {errc::invalid_argument,
             fmt::format("forward_reference: reference_kv has {} layers, the model {}", kv.k.size(), hp_.n_layer)};
   const int64_t T = int64_t(tokens.size()), pos0 = kv.length;
-  const int hd = hp_.head_dim, H = hp_.n_head, Hkv = hp_.n_head_kv, group = H / Hkv;
-  const int64_t Dkv = int64_t(Hkv) * hd;
+  const int hd = hp_.head_dim, H = hp_.n_head, Hkv = hp_.n_head_kv;
   const float scale = 1.f / std::sqrt(float(hd));
 
-  std::vector<float> x, q, k, v, o(size_t(T) * H * hd), scores;
+  std::vector<float> x, q, k, v, o(size_t(T) * H * hd);
   const std::vector<int64_t> pos = consecutive(pos0, T);
   embed(tokens, x);
   for (int l = 0; l < hp_.n_layer; ++l) {
@@ -564,31 +563,7 @@ status llama_model::forward_reference(reference_kv& kv, std::span<const token_id
     auto& Vs = kv.v[size_t(l)];
     K.insert(K.end(), k.begin(), k.end());
     Vs.insert(Vs.end(), v.begin(), v.end());
-    for (int64_t t = 0; t < T; ++t) {
-      const int64_t n_ctx = pos0 + t + 1;  // causal: positions 0..pos0+t
-      scores.resize(size_t(n_ctx));
-      for (int h = 0; h < H; ++h) {
-        const float* qh = q.data() + (t * H + h) * hd;
-        const int kvh = h / group;
-        float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < n_ctx; ++j) {
-          const float* kj = K.data() + j * Dkv + int64_t(kvh) * hd;
-          float dot = 0.f;
-          for (int c = 0; c < hd; ++c) dot += qh[c] * kj[c];
-          scores[size_t(j)] = dot * scale;
-          mx = std::max(mx, scores[size_t(j)]);
-        }
-        float sum = 0.f;
-        for (auto& s : scores) sum += (s = std::exp(s - mx));
-        float* oh = o.data() + (t * H + h) * hd;
-        std::fill_n(oh, hd, 0.f);
-        for (int64_t j = 0; j < n_ctx; ++j) {
-          const float w = scores[size_t(j)] / sum;
-          const float* vj = Vs.data() + j * Dkv + int64_t(kvh) * hd;
-          for (int c = 0; c < hd; ++c) oh[c] += w * vj[c];
-        }
-      }
-    }
+    kvq::ref::attend(K.data(), Vs.data(), pos0 + T, q.data(), int(T), H, Hkv, hd, scale, o.data());
     attention_output_and_ffn(l, x, o, T);
   }
   kv.length += T;

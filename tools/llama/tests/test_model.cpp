@@ -280,8 +280,8 @@ TEST_CASE("prefill_shared: one prompt into two caches, as the FP16 reference com
             << sum / double(got.size()) << "\n";
   // The blocked attention sums in another order than the reference's plain loop (both within
   // 1e-5 of double, tests/test_cpu_attention.cpp's causal_attention case); on random tokens
-  // stories260K carries that float noise to about 0.02 in the logits by position 600 (with the
-  // reference's own loop in place of kvq::cpu::causal_attention the logits are equal bit for bit).
+  // stories260K carries that float noise to about 0.02 in the logits by position 600 (with
+  // kvq::ref::attend in place of kvq::cpu::causal_attention the logits are equal bit for bit).
   CHECK(worst < 5e-2);
   CHECK(sum / double(got.size()) < 2e-3);
   // the last-token mode gives the last row of mode all

@@ -178,7 +178,8 @@ class llama_model {
   static constexpr int64_t shared_chunk = 512;
 
   /// The same computation with attention recomputed from scratch in plain float over `kv` (no
-  /// cache, no chunk limit). Positions start at `kv.length`.
+  /// cache, no chunk limit; the library's reference attention, `kvq::ref::attend`). Positions
+  /// start at `kv.length`.
   status forward_reference(reference_kv& kv, std::span<const token_id> tokens, std::span<float> logits,
                            logits_mode mode = logits_mode::last, const layer_observer& observer = {}) const;
 
