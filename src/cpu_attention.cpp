@@ -79,19 +79,24 @@ constexpr int chunk_tile = 32;  // queries per task of `causal_attention`
 // sees); returns the factor that rescales the row's earlier accumulator. Whole vectors, the last
 // one masked.
 KVQ_CPU_INLINE float softmax_block(float* s, int valid, int zero_to, float& m, float& l) {
-  const int n8 = (valid + 7) & ~7;
+  const int whole = valid & ~7, n8 = (valid + 7) & ~7;
   const f8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
   const f8 none = splat8(-std::numeric_limits<float>::infinity());
+  const auto seen = lane < float(valid - whole);  // all ones on the last vector's keys the row sees
   f8 vm = splat8(m);
-  for (int j = 0; j < n8; j += 8) vm = max8(vm, lane < float(valid - j) ? load8(s + j) : none);
+  for (int j = 0; j < whole; j += 8) vm = max8(vm, load8(s + j));
+  if (whole < valid) vm = max8(vm, seen ? load8(s + whole) : none);
   const float mx = hmax8(vm);
   const f8 mv = splat8(mx);
   f8 vs = {};
-  for (int j = 0; j < n8; j += 8) {
-    const auto seen = lane < float(valid - j);  // all ones on the keys the row sees
-    const f8 e = exp8_nonpositive(seen ? load8(s + j) - mv : none);
-    const f8 w = seen ? e : f8{};
-    store8(s + j, w);
+  for (int j = 0; j < whole; j += 8) {
+    const f8 e = exp8_nonpositive(load8(s + j) - mv);
+    store8(s + j, e);
+    vs += e;
+  }
+  if (whole < valid) {
+    const f8 e = exp8_nonpositive(seen ? load8(s + whole) - mv : none), w = seen ? e : f8{};
+    store8(s + whole, w);
     vs += w;
   }
   for (int j = n8; j < zero_to; ++j) s[j] = 0.f;
