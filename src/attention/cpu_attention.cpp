@@ -70,6 +70,205 @@ namespace {
 
 constexpr int query_tile = 64;  // queries per prefill / prefix task
 constexpr int key_tile = 64;    // tokens per block read from the ring or the chunk
+constexpr int chunk_tile = 32;  // queries per task of `causal_attention`
+
+// Online-softmax step of one row over its block scores s[0, valid) (valid > 0; s readable and
+// writable up to `valid` rounded up to 8, what lies past `valid` ignored): the running max m and
+// sum l move on, s becomes the weights exp(s - m), zero from `valid` up to the larger of
+// `zero_to` and `valid` rounded up to 8 (so that a V pass may run over more keys than the row
+// sees); returns the factor that rescales the row's earlier accumulator. Whole vectors, the last
+// one masked.
+KVQ_CPU_INLINE float softmax_block(float* s, int valid, int zero_to, float& m, float& l) {
+  const int whole = valid & ~7, n8 = (valid + 7) & ~7;
+  const f8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
+  const f8 none = splat8(-std::numeric_limits<float>::infinity());
+  const auto seen = lane < float(valid - whole);  // all ones on the last vector's keys the row sees
+  f8 vm = splat8(m);
+  for (int j = 0; j < whole; j += 8) vm = max8(vm, load8(s + j));
+  if (whole < valid) vm = max8(vm, seen ? load8(s + whole) : none);
+  const float mx = hmax8(vm);
+  const f8 mv = splat8(mx);
+  f8 vs = {};
+  for (int j = 0; j < whole; j += 8) {
+    const f8 e = exp8_nonpositive(load8(s + j) - mv);
+    store8(s + j, e);
+    vs += e;
+  }
+  if (whole < valid) {
+    const f8 e = exp8_nonpositive(seen ? load8(s + whole) - mv : none), w = seen ? e : f8{};
+    store8(s + whole, w);
+    vs += w;
+  }
+  for (int j = n8; j < zero_to; ++j) s[j] = 0.f;
+  const float corr = exp_nonpositive(m - mx);
+  l = l * corr + hsum8(vs);
+  m = mx;
+  return corr;
+}
+
+// a_u += x w_u and b_u += y w_u for u = 0..3: eight independent vector sums (the accumulators
+// are named, not an array, so that they stay in registers).
+KVQ_CPU_INLINE void fma_pair(f8& a0, f8& a1, f8& a2, f8& a3, f8& b0, f8& b1, f8& b2, f8& b3, float x, float y, f8 w0,
+                             f8 w1, f8 w2, f8 w3) {
+  a0 += x * w0;
+  a1 += x * w1;
+  a2 += x * w2;
+  a3 += x * w3;
+  b0 += y * w0;
+  b1 += y * w1;
+  b2 += y * w2;
+  b3 += y * w3;
+}
+KVQ_CPU_INLINE void store4(float* p, f8 w0, f8 w1, f8 w2, f8 w3) {
+  store8(p, w0);
+  store8(p + 8, w1);
+  store8(p + 16, w2);
+  store8(p + 24, w3);
+}
+
+// Rows of one kv head over a contiguous chunk of keys and values (`chunk_fold`).
+struct chunk_rows {
+  const float* kt;  // the head's keys packed per block of key_tile, transposed: [blocks][d][key_tile], zero past the last key
+  const float* v;   // the head's values: key j at v + j * ldv
+  int64_t ldv;
+  int d, group, rows;
+  int64_t first;  // position of row 0's token; row r's token is first + r / group
+  const float* q;  // [rows][d], scaled by the softmax scale
+  float* acc;      // [rows][d] unnormalized output
+  float* m;        // [rows] running max
+  float* l;        // [rows] running sum
+  float* s;        // scratch [2 key_tile]
+};
+
+// Packs keys 0..n-1 of one kv head (key j at k + j * ldk, d floats) as `chunk_rows::kt` wants
+// them; `kt` [ldt / key_tile][d][key_tile] must be zero beforehand.
+void pack_keys(const float* k, int64_t ldk, int64_t n, int d, float* kt) {
+  for (int64_t j = 0; j < n; ++j) {
+    const float* kr = k + j * ldk;
+    float* panel = kt + j / key_tile * key_tile * d + j % key_tile;
+    for (int c = 0; c < d; ++c) panel[c * key_tile] = kr[c];
+  }
+}
+
+// Causal attention of the rows over the chunk: row r sees keys 0..first + r / group; leaves
+// acc, m and l (every row sees key 0: l > 0). Rows go in pairs: each packed key vector (and, in
+// the V pass, each V vector) is loaded once for two rows, eight independent vector sums in
+// flight, a row's scores over 8 keys in one register across d (d a multiple of 8 for the
+// vector V pass; other head sizes take plain loops).
+template <bool in_registers>
+KVQ_CPU_INLINE void chunk_fold_body(const chunk_rows& a) {
+  constexpr int B = key_tile, L = 8;
+  // Four vectors loaded once for both rows of a pair. GCC's AVX2 build keeps them in registers
+  // (an empty asm that needs each in one register): otherwise GCC folds each load into both
+  // rows' FMAs, twice the loads, and the loops are bound by loads. (Clang refuses a 32-byte
+  // register operand in a file compiled without AVX, even in an AVX2 function: no pin there.)
+  auto pin = [](f8& w0, f8& w1, f8& w2, f8& w3) {
+#if defined(__GNUC__) && !defined(__clang__)
+    if constexpr (in_registers) asm("" : "+x"(w0), "+x"(w1), "+x"(w2), "+x"(w3));
+#else
+    (void)w0, (void)w1, (void)w2, (void)w3;
+#endif
+  };
+  const int d = a.d, rows = a.rows, group = a.group;
+  const bool lanes = d % L == 0;
+  float* s0 = a.s;
+  float* s1 = s0 + B;
+  std::fill(a.m, a.m + rows, -std::numeric_limits<float>::infinity());
+  std::fill(a.l, a.l + rows, 0.f);
+  std::fill(a.acc, a.acc + int64_t(rows) * d, 0.f);
+  const int64_t kend = a.first + (rows - 1) / group + 1;  // keys the last row reads
+  for (int64_t j0 = 0; j0 < kend; j0 += B) {
+    const int64_t nb = std::min<int64_t>(B, kend - j0);
+    const float* kt = a.kt + j0 * d;  // channel c of key j0 + j at kt[c * B + j]
+    for (int r0 = 0; r0 < rows; r0 += 2) {
+      // rows r0 and r1 (r1 = r0 for a last lone row); r1's token is r0's or the next one
+      const bool pair = r0 + 1 < rows;
+      const int r1 = pair ? r0 + 1 : r0;
+      const int valid0 = int(std::min<int64_t>(nb, a.first + r0 / group + 1 - j0));  // causal
+      const int valid1 = int(std::min<int64_t>(nb, a.first + r1 / group + 1 - j0));
+      if (valid1 <= 0) continue;
+      const float* qa = a.q + int64_t(r0) * d;
+      const float* qb = a.q + int64_t(r1) * d;
+      // scores of both rows over 32 keys at a time (keys past a row's `valid` are finite: the
+      // padding or this block's own later keys; the softmax leaves them out)
+      for (int jv = 0; jv < valid1; jv += 4 * L) {
+        f8 a0 = {}, a1 = {}, a2 = {}, a3 = {}, b0 = {}, b1 = {}, b2 = {}, b3 = {};
+        for (int c = 0; c < d; ++c) {
+          const float* kc = kt + c * B + jv;
+          f8 w0 = load8(kc), w1 = load8(kc + L), w2 = load8(kc + 2 * L), w3 = load8(kc + 3 * L);
+          pin(w0, w1, w2, w3);
+          fma_pair(a0, a1, a2, a3, b0, b1, b2, b3, qa[c], qb[c], w0, w1, w2, w3);
+        }
+        store4(s0 + jv, a0, a1, a2, a3);
+        store4(s1 + jv, b0, b1, b2, b3);
+      }
+      const float corr0 = valid0 > 0 ? softmax_block(s0, valid0, valid1, a.m[r0], a.l[r0]) : 1.f;
+      if (valid0 <= 0) std::fill(s0, s0 + valid1, 0.f);
+      const float corr1 = pair ? softmax_block(s1, valid1, valid1, a.m[r1], a.l[r1]) : corr0;
+      if (!pair) std::copy(s0, s0 + valid1, s1);
+      float* aa = a.acc + int64_t(r0) * d;
+      float* ab = a.acc + int64_t(r1) * d;
+      const float* vb = a.v + j0 * a.ldv;
+      if (lanes) {
+        // four channel blocks of 8 for both rows: eight independent vector sums across the keys
+        // (a lone row writes the same values twice)
+        int c0 = 0;
+        for (; c0 + 4 * L <= d; c0 += 4 * L) {
+          float* ea = aa + c0;
+          float* fb = ab + c0;
+          f8 e0 = load8(ea) * corr0, e1 = load8(ea + L) * corr0, e2 = load8(ea + 2 * L) * corr0,
+             e3 = load8(ea + 3 * L) * corr0;
+          f8 f0 = load8(fb) * corr1, f1 = load8(fb + L) * corr1, f2 = load8(fb + 2 * L) * corr1,
+             f3 = load8(fb + 3 * L) * corr1;
+          for (int j = 0; j < valid1; ++j) {
+            const float* vr = vb + j * a.ldv + c0;
+            f8 w0 = load8(vr), w1 = load8(vr + L), w2 = load8(vr + 2 * L), w3 = load8(vr + 3 * L);
+            pin(w0, w1, w2, w3);
+            fma_pair(e0, e1, e2, e3, f0, f1, f2, f3, s0[j], s1[j], w0, w1, w2, w3);
+          }
+          store4(ea, e0, e1, e2, e3);
+          store4(fb, f0, f1, f2, f3);
+        }
+        for (; c0 < d; c0 += L) {
+          f8 e = load8(aa + c0) * corr0, f = load8(ab + c0) * corr1;
+          for (int j = 0; j < valid1; ++j) {
+            const f8 w = load8(vb + j * a.ldv + c0);
+            e += s0[j] * w;
+            f += s1[j] * w;
+          }
+          store8(aa + c0, e);
+          store8(ab + c0, f);
+        }
+      } else {
+        for (int c = 0; c < d; ++c) aa[c] *= corr0;
+        for (int j = 0; j < valid1; ++j)
+          for (int c = 0; c < d; ++c) aa[c] += s0[j] * vb[j * a.ldv + c];
+        if (pair) {
+          for (int c = 0; c < d; ++c) ab[c] *= corr1;
+          for (int j = 0; j < valid1; ++j)
+            for (int c = 0; c < d; ++c) ab[c] += s1[j] * vb[j * a.ldv + c];
+        }
+      }
+    }
+  }
+}
+
+// NOTE: two explicit builds, not `target_clones`: the AVX2 one pins vectors in registers (an asm
+// operand the baseline build cannot have), chosen once by CPU features.
+void chunk_fold_baseline(const chunk_rows& a) { chunk_fold_body<false>(a); }
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(KVQ_NO_TARGET_CLONES)
+__attribute__((target("avx2,fma"))) void chunk_fold_avx2(const chunk_rows& a) { chunk_fold_body<true>(a); }
+#endif
+
+void chunk_fold(const chunk_rows& a) {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(KVQ_NO_TARGET_CLONES)
+  static const auto fold = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? &chunk_fold_avx2
+                                                                                           : &chunk_fold_baseline;
+  fold(a);
+#else
+  chunk_fold_baseline(a);
+#endif
+}
 
 // Online softmax of `rows` query rows of one kv head: running max m, sum l and unnormalized
 // output acc, in fp32. Row r sees the positions <= last[r].
@@ -96,8 +295,6 @@ struct softmax_rows {
   // scratch [rows].
   KVQ_CPU_INLINE void absorb(const float* k, const float* v, int tokens, int64_t pos0, float* p, float* corr) {
     const int stride = (tokens + 7) & ~7;
-    const f8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
-    const f8 none = splat8(-std::numeric_limits<float>::infinity());
     // the scores of each row, eight keys at a time, then its softmax weights (0 past what it sees)
     for (int r = 0; r < rows; ++r) {
       float* pr = p + int64_t(r) * stride;
@@ -108,27 +305,8 @@ struct softmax_rows {
         continue;
       }
       const float* qr = q + int64_t(r) * d;
-      const int vis8 = (vis + 7) & ~7;
-      f8 mx = splat8(m[r]);
-      for (int t = 0; t < vis8; t += 8) {
-        f8 sc = dot8(qr, k + int64_t(t) * d, d);
-        sc = lane < float(vis - t) ? sc : none;  // keys the row does not see
-        mx = max8(mx, sc);
-        store8(pr + t, sc);
-      }
-      const float m_new = hmax8(mx);
-      const f8 mv = splat8(m_new);
-      f8 sum = {};
-      for (int t = 0; t < vis8; t += 8) {
-        const f8 e = exp8_nonpositive(load8(pr + t) - mv);
-        const f8 w = lane < float(vis - t) ? e : f8{};
-        sum += w;
-        store8(pr + t, w);
-      }
-      for (int t = vis8; t < stride; ++t) pr[t] = 0.f;
-      corr[r] = exp_nonpositive(m[r] - m_new);
-      l[r] = l[r] * corr[r] + hsum8(sum);
-      m[r] = m_new;
+      for (int t = 0; t < vis; t += 8) store8(pr + t, dot8(qr, k + int64_t(t) * d, d));
+      corr[r] = softmax_block(pr, vis, stride, m[r], l[r]);
     }
     // acc = acc * corr + p V, up to four rows at a time sharing each load of V
     int r0 = 0;
@@ -187,9 +365,10 @@ struct softmax_rows {
 
 // Per-thread scratch, grown as needed and kept between calls (no allocation in steady state).
 struct scratch {
-  std::vector<float> k, v, p, corr, q, m, l, acc, o, lse, o2, lse2;
+  std::vector<float> k, v, p, corr, q, m, l, acc, o, lse, o2, lse2, s;
   std::vector<int64_t> last;
   void size_for(int rows, int d, int tile_tokens) {
+    s.resize(2 * key_tile);
     const size_t rd = size_t(rows) * d;
     for (auto* x : {&q, &acc, &o, &o2}) x->resize(rd);
     for (auto* x : {&m, &l, &corr, &lse, &lse2}) x->resize(size_t(rows));
@@ -313,21 +492,16 @@ KVQ_CPU_CLONES void prefix_part(const stored_layer& kv, int64_t prefix, int h, c
 }
 
 // The chunk part of queries [i0, i0 + count) of kv head h: query i sees chunk tokens 0..i of
-// ck/cv ([kv_heads][T][d], fp16-rounded). Leaves the outputs in sc.o2 and the lse in sc.lse2.
-// Expects sc.q to hold the tile's scaled queries (prefix_part loads them).
-KVQ_CPU_CLONES void chunk_part(const cache_shape& sh, const float* ck, const float* cv, int64_t T, int h, int i0,
-                               int count) {
+// kt (packed, `chunk_rows::kt`, ldt keys a head) and cv ([kv_heads][T][d]), fp16-rounded.
+// Leaves the outputs in sc.o2 and the lse in sc.lse2. Expects sc.q to hold the tile's scaled
+// queries (prefix_part loads them).
+void chunk_part(const cache_shape& sh, const float* kt, int64_t ldt, const float* cv, int64_t T, int h, int i0,
+                int count) {
   const int d = sh.head_dim, group = sh.q_heads / sh.kv_heads, rows = count * group;
   scratch& sc = local_scratch();
-  for (int r = 0; r < rows; ++r) sc.last[size_t(r)] = i0 + r / group;
-  softmax_rows st = sc.state(rows, d);
-  st.reset();
-  const float* kh = ck + int64_t(h) * T * d;
-  const float* vh = cv + int64_t(h) * T * d;
-  for (int64_t j = 0; j < i0 + count; j += key_tile) {
-    const int tokens = int(std::min<int64_t>(key_tile, i0 + count - j));
-    st.absorb(kh + j * d, vh + j * d, tokens, j, sc.p.data(), sc.corr.data());
-  }
+  chunk_fold({kt + int64_t(h) * d * ldt, cv + int64_t(h) * T * d, d, d, group, rows, i0, sc.q.data(), sc.acc.data(),
+              sc.m.data(), sc.l.data(), sc.s.data()});
+  const softmax_rows st = sc.state(rows, d);
   for (int r = 0; r < rows; ++r) sc.lse2[size_t(r)] = st.finish(r, sc.o2.data() + int64_t(r) * d);
 }
 
@@ -361,23 +535,54 @@ void prefill(worker_pool& pool, const stored_layer& kv, int64_t prefix, const te
   const cache_shape& sh = *kv.shape;
   const int H = sh.kv_heads, d = sh.head_dim, group = sh.q_heads / H, tiles = query_tiles(q.tokens);
   const int64_t T = k.tokens;
-  // The chunk's K and V as the ring would hold them (fp16), per kv head: [kv_heads][T][d], and 8
-  // rows of zeros after the last head's (`absorb` reads keys in eights).
-  std::vector<float> ck(size_t(H) * T * d + 8 * size_t(d)), cv(ck.size());
+  // The chunk's K and V as the ring would hold them (fp16), per kv head: K packed for
+  // `chunk_fold` ([kv_heads][ldt / key_tile][d][key_tile], zero past the last key), V [kv_heads][T][d].
+  const int64_t ldt = (T + key_tile - 1) / key_tile * key_tile;
+  std::vector<float> kt(size_t(H) * d * size_t(ldt), 0.f), cv(size_t(H) * T * d);
   for (int64_t i = 0; i < T; ++i)
-    for (int h = 0; h < H; ++h)
+    for (int h = 0; h < H; ++h) {
+      float* panel = kt.data() + (int64_t(h) * ldt + i / key_tile * key_tile) * d + i % key_tile;
       for (int c = 0; c < d; ++c) {
-        const size_t dst = (size_t(h) * T + i) * d + c;
-        ck[dst] = half_to_float(float_to_half(load(k.data, k.type, i * k.stride() + h * d + c)));
-        cv[dst] = half_to_float(float_to_half(load(v.data, v.type, i * v.stride() + h * d + c)));
+        panel[c * key_tile] = half_to_float(float_to_half(load(k.data, k.type, i * k.stride() + h * d + c)));
+        cv[(size_t(h) * T + i) * d + c] = half_to_float(float_to_half(load(v.data, v.type, i * v.stride() + h * d + c)));
       }
+    }
   pool.run(tiles * H, [&](int t) {
     const int h = t % H, i0 = (t / H) * query_tile, count = int(std::min<int64_t>(query_tile, T - i0));
     prefix_part(kv, prefix, h, q, i0, count, scale);
-    chunk_part(sh, ck.data(), cv.data(), T, h, i0, count);
+    chunk_part(sh, kt.data(), ldt, cv.data(), T, h, i0, count);
     scratch& sc = local_scratch();
     merge_attention(sc.o.data(), sc.lse.data(), sc.o2.data(), sc.lse2.data(), int64_t(count) * group, d);
     store_rows(o, 0, i0, count, h, group, d, sc.o.data());
+  });
+}
+
+void causal_attention(const task_runner& run, const float* q, const float* k, const float* v, float* o, int64_t T,
+                      int64_t pos0, int q_heads, int kv_heads, int head_dim, float scale) {
+  const int group = q_heads / kv_heads, d = head_dim, tiles = int((T + chunk_tile - 1) / chunk_tile);
+  const int64_t n = pos0 + T, ldt = (n + key_tile - 1) / key_tile * key_tile, ld = int64_t(kv_heads) * d;
+  // K packed once per call for every tile (`chunk_rows::kt`)
+  thread_local std::vector<float> kt;  // the caller's; the tasks see it through kt_all only
+  kt.assign(size_t(kv_heads) * size_t(d) * size_t(ldt), 0.f);
+  float* const kt_all = kt.data();
+  run(kv_heads, [&](int h) { pack_keys(k + int64_t(h) * d, ld, n, d, kt_all + int64_t(h) * d * ldt); });
+  run(tiles * kv_heads, [&](int task) {
+    const int h = task % kv_heads;
+    const int64_t t0 = int64_t(task / kv_heads) * chunk_tile, t1 = std::min<int64_t>(T, t0 + chunk_tile);
+    const int rows = int(t1 - t0) * group;
+    scratch& sc = local_scratch();
+    sc.size_for(rows, d, key_tile);
+    for (int r = 0; r < rows; ++r) {
+      const float* src = q + ((t0 + r / group) * q_heads + int64_t(h) * group + r % group) * d;
+      for (int c = 0; c < d; ++c) sc.q[size_t(r) * d + c] = src[c] * scale;
+    }
+    chunk_fold({kt_all + int64_t(h) * d * ldt, v + int64_t(h) * d, ld, d, group, rows, pos0 + t0, sc.q.data(),
+                sc.acc.data(), sc.m.data(), sc.l.data(), sc.s.data()});
+    for (int r = 0; r < rows; ++r) {
+      float* dst = o + ((t0 + r / group) * q_heads + int64_t(h) * group + r % group) * d;
+      const float inv = 1.f / sc.l[size_t(r)];
+      for (int c = 0; c < d; ++c) dst[c] = sc.acc[size_t(r) * d + c] * inv;
+    }
   });
 }
 

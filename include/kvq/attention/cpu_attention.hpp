@@ -132,5 +132,22 @@ KVQ_EXPORT void attend_prefix(worker_pool& pool, const stored_layer& kv, int64_t
 KVQ_EXPORT void prefill(worker_pool& pool, const stored_layer& kv, int64_t prefix, const tensor_view& k,
                         const tensor_view& v, const tensor_view& q, const tensor_mut& o, float scale);
 
+/// Runs fn(0) .. fn(tasks - 1), in any order and on any threads, and returns when every call
+/// has returned: `worker_pool::run`, or a caller's own pool.
+using task_runner = std::function<void(int tasks, const std::function<void(int)>& fn)>;
+
+/// Causal GQA attention of a chunk of T queries at positions pos0 .. pos0 + T - 1 over contiguous
+/// float keys and values of positions 0 .. pos0 + T - 1 (query i sees keys 0..pos0 + i; query
+/// head h reads kv head h / (q_heads / kv_heads)), in fp32: the model runner's attention of a
+/// prompt (tools/llama, `prefill_shared`). The same tile kernel as the chunk part of `prefill`:
+/// K packed once per call in transposed blocks of 64 keys, query rows in pairs sharing each K
+/// and V load, the online softmax of `attend`. Tasks: (kv head, tile of 32 queries), on `run`.
+/// \param q [T][q_heads][head_dim]
+/// \param k [pos0 + T][kv_heads][head_dim]
+/// \param v same shape as k
+/// \param o [T][q_heads][head_dim] output
+KVQ_EXPORT void causal_attention(const task_runner& run, const float* q, const float* k, const float* v, float* o,
+                                 int64_t T, int64_t pos0, int q_heads, int kv_heads, int head_dim, float scale);
+
 }  // namespace cpu
 KVQ_NAMESPACE_END

@@ -1,12 +1,12 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <bit>
 #include <chrono>
 #include <cmath>
-#include <cstring>
+#include <functional>
+#include <kvq/attention/cpu_attention.hpp>
+#include <kvq/attention/reference.hpp>
 #include <kvq/policy/static_policy.hpp>
-#include <limits>
 #include <numeric>
 #include <llama/model.hpp>
 
@@ -30,257 +30,6 @@ void rms_norm(const float* x, int64_t T, int64_t n, const std::vector<float>& w,
 float round_f16(float f) { return half_to_float(float_to_half(f)); }
 
 constexpr int64_t max_dim = 1 << 20;  // sanity bound on every hyper-parameter read from a file
-
-#if defined(__GNUC__) || defined(__clang__)
-#define KVQ_LLAMA_INLINE inline __attribute__((always_inline))
-#else
-#define KVQ_LLAMA_INLINE inline
-#endif
-
-
-/// Query tokens per tile, keys per block and the vector width (floats) of `chunk_attention`.
-constexpr int64_t attention_tile = 32, attention_block = 64, attention_lanes = 8;
-static_assert(attention_block % (4 * attention_lanes) == 0, "the score loop reads keys in 32s");
-
-/// Eight floats / int32s (GCC/Clang vector extension: one AVX2 register in the AVX2 build of the
-/// tile, two SSE registers in the portable one).
-using v8 = float __attribute__((vector_size(32)));
-using v8i = int32_t __attribute__((vector_size(32)));
-static_assert(attention_lanes == 8, "v8 holds one lane group");
-KVQ_LLAMA_INLINE v8 load_v8(const float* p) {
-  v8 x;
-  std::memcpy(&x, p, sizeof x);
-  return x;
-}
-KVQ_LLAMA_INLINE void store_v8(float* p, v8 x) { std::memcpy(p, &x, sizeof x); }
-/// Lane-wise `mask ? a : b` for a comparison's mask (all ones or zero per lane).
-KVQ_LLAMA_INLINE v8 select_v8(v8i mask, v8 a, v8 b) {
-  v8i ia, ib;
-  std::memcpy(&ia, &a, sizeof a);
-  std::memcpy(&ib, &b, sizeof b);
-  const v8i r = (mask & ia) | (~mask & ib);
-  v8 x;
-  std::memcpy(&x, &r, sizeof x);
-  return x;
-}
-/// 2^x for x <= 0 (below -126 it gives 2^-126), relative error below 1e-7: x = n + f with n an
-/// integer and |f| <= 1/2, e^(f ln 2) from its degree-7 Taylor polynomial (remainder < 6e-9),
-/// 2^n from the exponent bits. Branch-free, lane by lane.
-KVQ_LLAMA_INLINE v8 exp2_nonpositive(v8 x) {
-  const v8 lowest = v8{} - 126.f;
-  x = select_v8(x < lowest, lowest, x);
-  const v8 n = (x + 12582912.f) - 12582912.f;
-  const v8 f = (x - n) * 0.693147181f;
-  v8 p = v8{} + 1.f / 5040.f;
-  p = p * f + 1.f / 720.f;
-  p = p * f + 1.f / 120.f;
-  p = p * f + 1.f / 24.f;
-  p = p * f + 1.f / 6.f;
-  p = p * f + 0.5f;
-  p = p * f + 1.f;
-  p = p * f + 1.f;
-  const v8i bits = (__builtin_convertvector(n, v8i) + 127) << 23;
-  v8 scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
-/// One lane of it (the softmax's rescale factor and tails).
-KVQ_LLAMA_INLINE float exp2_nonpositive(float x) { return exp2_nonpositive(v8{} + x)[0]; }
-
-/// Online-softmax step of one row over its block scores s[0, valid): the running max `mx` and
-/// sum `sum` move on, s becomes the base-2 exponentials (zero from `valid` to `zero_to`, so that
-/// a row pair's V pass can run over the longer row's keys); returns the factor that rescales
-/// the row's earlier accumulator.
-KVQ_LLAMA_INLINE float softmax_block(float* s, int64_t valid, int64_t zero_to, float& mx, float& sum) {
-  constexpr int64_t L = attention_lanes;
-  const int64_t whole = valid / L * L;
-  float m = mx;
-  if (whole > 0) {
-    v8 vm = load_v8(s);
-    for (int64_t j = L; j < whole; j += L) {
-      const v8 x = load_v8(s + j);
-      vm = select_v8(x > vm, x, vm);
-    }
-    for (int64_t u = 0; u < L; ++u) m = std::max(m, vm[u]);
-  }
-  for (int64_t j = whole; j < valid; ++j) m = std::max(m, s[j]);
-  const float corr = exp2_nonpositive(mx - m);
-  v8 vs = {};
-  for (int64_t j = 0; j < whole; j += L) {
-    const v8 e = exp2_nonpositive(load_v8(s + j) - m);
-    store_v8(s + j, e);
-    vs += e;
-  }
-  float total = 0.f;
-  for (int64_t u = 0; u < L; ++u) total += vs[u];
-  for (int64_t j = whole; j < valid; ++j) {
-    s[j] = exp2_nonpositive(s[j] - m);
-    total += s[j];
-  }
-  std::fill(s + valid, s + zero_to, 0.f);
-  sum = sum * corr + total;
-  mx = m;
-  return corr;
-}
-
-/// a_u += x w_u and b_u += y w_u for u = 0..3: eight independent vector sums (the accumulators
-/// are named, not an array, so that they stay in registers).
-KVQ_LLAMA_INLINE void fma_pair(v8& a0, v8& a1, v8& a2, v8& a3, v8& b0, v8& b1, v8& b2, v8& b3, float x, float y,
-                               v8 w0, v8 w1, v8 w2, v8 w3) {
-  a0 += x * w0;
-  a1 += x * w1;
-  a2 += x * w2;
-  a3 += x * w3;
-  b0 += y * w0;
-  b1 += y * w1;
-  b2 += y * w2;
-  b3 += y * w3;
-}
-KVQ_LLAMA_INLINE void store4(float* p, v8 w0, v8 w1, v8 w2, v8 w3) {
-  store_v8(p, w0);
-  store_v8(p + attention_lanes, w1);
-  store_v8(p + 2 * attention_lanes, w2);
-  store_v8(p + 3 * attention_lanes, w3);
-}
-
-/// One (kv head, query tile) of `chunk_attention`: the tile's rows = tokens x group query rows
-/// (row r: token t0 + r / group, query head kvh * group + r % group) against key blocks of
-/// `attention_block`, online softmax in base 2 (queries pre-scaled by log2(e) / sqrt(head_dim)).
-/// K comes packed per key block, transposed (`kt`: [kv_heads][ldt / block][hd][block], zero past
-/// the last key), so that a row's scores over 8 keys stay in one vector register across head_dim
-/// and a block's panel is contiguous. Rows go in pairs: each packed key vector (and, in the V pass, each
-/// V vector) is loaded once for two rows, eight independent vector sums in flight (head_dim a
-/// multiple of 8 for the vector V pass; other head sizes take plain loops). `scratch` holds
-/// rows * (2 hd + 2) + 2 block floats.
-template <bool in_registers>
-KVQ_LLAMA_INLINE void attention_tile_body(const float* q, const float* kt_all, int64_t ldt, const float* v, float* o, int64_t t0,
-                                          int64_t t1, int64_t pos0, int kvh, int group, int q_heads, int kv_heads,
-                                          int hd, float qscale, float* scratch) {
-  constexpr int64_t B = attention_block, L = attention_lanes;
-  // Four vectors loaded once for both rows of a pair. GCC's AVX2 build keeps them in registers
-  // (an empty asm that needs each in one register): otherwise GCC folds each load into both
-  // rows' FMAs, twice the loads, and the loops are bound by loads. (Clang refuses a 32-byte
-  // register operand in a file compiled without AVX, even in an AVX2 function: no pin there.)
-  auto pin = [](v8& w0, v8& w1, v8& w2, v8& w3) {
-#if defined(__GNUC__) && !defined(__clang__)
-    if constexpr (in_registers) asm("" : "+x"(w0), "+x"(w1), "+x"(w2), "+x"(w3));
-#else
-    (void)w0, (void)w1, (void)w2, (void)w3;
-#endif
-  };
-  const int64_t rows = (t1 - t0) * group, ld = int64_t(kv_heads) * hd;
-  const bool lanes = hd % L == 0;
-  float* qs = scratch;
-  float* acc = qs + rows * hd;
-  float* mx = acc + rows * hd;
-  float* sum = mx + rows;
-  float* s0 = sum + rows;
-  const float* kt_head = kt_all + int64_t(kvh) * hd * ldt;
-  float* s1 = s0 + B;
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* src = q + ((t0 + r / group) * q_heads + int64_t(kvh) * group + r % group) * hd;
-    for (int c = 0; c < hd; ++c) qs[r * hd + c] = src[c] * qscale;
-    std::fill_n(acc + r * hd, hd, 0.f);
-    mx[r] = -std::numeric_limits<float>::infinity();
-    sum[r] = 0.f;
-  }
-  const int64_t kend = pos0 + t1;  // keys the tile's last query reads
-  for (int64_t j0 = 0; j0 < kend; j0 += B) {
-    const int64_t nb = std::min(B, kend - j0);
-    const float* kt = kt_head + j0 * hd;  // channel c of key j0 + j at kt[c * B + j]
-    for (int64_t r0 = 0; r0 < rows; r0 += 2) {
-      // rows r0 and r1 (r1 = r0 for a last lone row); r1's token is r0's or the next one
-      const bool pair = r0 + 1 < rows;
-      const int64_t r1 = pair ? r0 + 1 : r0;
-      const int64_t valid0 = std::min(nb, pos0 + t0 + r0 / group + 1 - j0);  // causal
-      const int64_t valid1 = std::min(nb, pos0 + t0 + r1 / group + 1 - j0);
-      if (valid1 <= 0) continue;
-      const float* qa = qs + r0 * hd;
-      const float* qb = qs + r1 * hd;
-      // scores of both rows over 32 keys at a time (keys past a row's `valid` are finite: the
-      // padding or this block's own later keys; the softmax leaves them out)
-      for (int64_t jv = 0; jv < valid1; jv += 4 * L) {
-        v8 a0 = {}, a1 = {}, a2 = {}, a3 = {}, b0 = {}, b1 = {}, b2 = {}, b3 = {};
-        for (int c = 0; c < hd; ++c) {
-          const float* kc = kt + c * B + jv;
-          v8 w0 = load_v8(kc), w1 = load_v8(kc + L), w2 = load_v8(kc + 2 * L), w3 = load_v8(kc + 3 * L);
-          pin(w0, w1, w2, w3);
-          fma_pair(a0, a1, a2, a3, b0, b1, b2, b3, qa[c], qb[c], w0, w1, w2, w3);
-        }
-        store4(s0 + jv, a0, a1, a2, a3);
-        store4(s1 + jv, b0, b1, b2, b3);
-      }
-      const float corr0 = valid0 > 0 ? softmax_block(s0, valid0, valid1, mx[r0], sum[r0]) : 1.f;
-      if (valid0 <= 0) std::fill(s0, s0 + valid1, 0.f);
-      const float corr1 = pair ? softmax_block(s1, valid1, valid1, mx[r1], sum[r1]) : corr0;
-      if (!pair) std::copy(s0, s0 + valid1, s1);
-      float* aa = acc + r0 * hd;
-      float* ab = acc + r1 * hd;
-      const float* vb = v + j0 * ld + int64_t(kvh) * hd;
-      if (lanes) {
-        // four channel blocks of 8 for both rows: eight independent vector sums across the keys
-        // (a lone row writes the same values twice)
-        int c0 = 0;
-        for (; c0 + 4 * int(L) <= hd; c0 += 4 * int(L)) {
-          float* ea = aa + c0;
-          float* fb = ab + c0;
-          v8 e0 = load_v8(ea) * corr0, e1 = load_v8(ea + L) * corr0, e2 = load_v8(ea + 2 * L) * corr0,
-             e3 = load_v8(ea + 3 * L) * corr0;
-          v8 f0 = load_v8(fb) * corr1, f1 = load_v8(fb + L) * corr1, f2 = load_v8(fb + 2 * L) * corr1,
-             f3 = load_v8(fb + 3 * L) * corr1;
-          for (int64_t j = 0; j < valid1; ++j) {
-            const float* vr = vb + j * ld + c0;
-            v8 w0 = load_v8(vr), w1 = load_v8(vr + L), w2 = load_v8(vr + 2 * L), w3 = load_v8(vr + 3 * L);
-            pin(w0, w1, w2, w3);
-            fma_pair(e0, e1, e2, e3, f0, f1, f2, f3, s0[j], s1[j], w0, w1, w2, w3);
-          }
-          store4(ea, e0, e1, e2, e3);
-          store4(fb, f0, f1, f2, f3);
-        }
-        for (; c0 < hd; c0 += int(L)) {
-          v8 e = load_v8(aa + c0) * corr0, f = load_v8(ab + c0) * corr1;
-          for (int64_t j = 0; j < valid1; ++j) {
-            const v8 w = load_v8(vb + j * ld + c0);
-            e += s0[j] * w;
-            f += s1[j] * w;
-          }
-          store_v8(aa + c0, e);
-          store_v8(ab + c0, f);
-        }
-      } else {
-        for (int c = 0; c < hd; ++c) aa[c] *= corr0;
-        for (int64_t j = 0; j < valid1; ++j)
-          for (int c = 0; c < hd; ++c) aa[c] += s0[j] * vb[j * ld + c];
-        if (pair) {
-          for (int c = 0; c < hd; ++c) ab[c] *= corr1;
-          for (int64_t j = 0; j < valid1; ++j)
-            for (int c = 0; c < hd; ++c) ab[c] += s1[j] * vb[j * ld + c];
-        }
-      }
-    }
-  }
-  for (int64_t r = 0; r < rows; ++r) {
-    float* dst = o + ((t0 + r / group) * q_heads + int64_t(kvh) * group + r % group) * hd;
-    const float inv = 1.f / sum[r];
-    for (int c = 0; c < hd; ++c) dst[c] = acc[r * hd + c] * inv;
-  }
-}
-
-#define KVQ_LLAMA_TILE_ARGS                                                                                         \
-  const float *q, const float *kt, int64_t ldt, const float *v, float *o, int64_t t0, int64_t t1, int64_t pos0, int kvh, int group, \
-      int q_heads, int kv_heads, int hd, float qscale, float *scratch
-#define KVQ_LLAMA_TILE_CALL q, kt, ldt, v, o, t0, t1, pos0, kvh, group, q_heads, kv_heads, hd, qscale, scratch
-
-void attention_tile_portable(KVQ_LLAMA_TILE_ARGS) { attention_tile_body<false>(KVQ_LLAMA_TILE_CALL); }
-
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define KVQ_LLAMA_HAVE_AVX2_TILE 1
-/// The same loops compiled for AVX2 + FMA (8-float vectors); called only when `cpu_isa::avx2` is
-/// available.
-__attribute__((target("avx2,fma"))) void attention_tile_avx2(KVQ_LLAMA_TILE_ARGS) {
-  attention_tile_body<true>(KVQ_LLAMA_TILE_CALL);
-}
-#endif
 
 }  // namespace
 
@@ -747,6 +496,9 @@ status llama_model::prefill_shared(std::span<kvq::KVCache* const> caches, std::s
   // K and V of every position so far, rounded to fp16 as every cache's ring holds them.
   std::vector<std::vector<float>> K(size_t(hp_.n_layer)), Vs(size_t(hp_.n_layer));
   std::vector<float> x, q, k, v, o;
+  const kvq::cpu::task_runner run_tasks = [this](int n, const std::function<void(int)>& fn) {
+    pool_->run(n, [&](int64_t i) { fn(int(i)); });
+  };
   for (int64_t start = 0; start < N; start += shared_chunk) {
     const int64_t T = std::min(shared_chunk, N - start);
     embed(tokens.subspan(size_t(start), size_t(T)), x);
@@ -768,7 +520,8 @@ status llama_model::prefill_shared(std::span<kvq::KVCache* const> caches, std::s
       auto& Vl = Vs[size_t(l)];
       Kl.insert(Kl.end(), k.begin(), k.end());
       Vl.insert(Vl.end(), v.begin(), v.end());
-      chunk_attention(q.data(), Kl.data(), Vl.data(), o.data(), T, start, H, Hkv, hd, *pool_, isa_);
+      kvq::cpu::causal_attention(run_tasks, q.data(), Kl.data(), Vl.data(), o.data(), T, start, H, Hkv, hd,
+                                 1.f / std::sqrt(float(hd)));
       attention_output_and_ffn(l, x, o, T);
     }
     if (mode == logits_mode::all)
@@ -793,11 +546,10 @@ status llama_model::forward_reference(reference_kv& kv, std::span<const token_id
     return {errc::invalid_argument,
             fmt::format("forward_reference: reference_kv has {} layers, the model {}", kv.k.size(), hp_.n_layer)};
   const int64_t T = int64_t(tokens.size()), pos0 = kv.length;
-  const int hd = hp_.head_dim, H = hp_.n_head, Hkv = hp_.n_head_kv, group = H / Hkv;
-  const int64_t Dkv = int64_t(Hkv) * hd;
+  const int hd = hp_.head_dim, H = hp_.n_head, Hkv = hp_.n_head_kv;
   const float scale = 1.f / std::sqrt(float(hd));
 
-  std::vector<float> x, q, k, v, o(size_t(T) * H * hd), scores;
+  std::vector<float> x, q, k, v, o(size_t(T) * H * hd);
   const std::vector<int64_t> pos = consecutive(pos0, T);
   embed(tokens, x);
   for (int l = 0; l < hp_.n_layer; ++l) {
@@ -811,31 +563,7 @@ status llama_model::forward_reference(reference_kv& kv, std::span<const token_id
     auto& Vs = kv.v[size_t(l)];
     K.insert(K.end(), k.begin(), k.end());
     Vs.insert(Vs.end(), v.begin(), v.end());
-    for (int64_t t = 0; t < T; ++t) {
-      const int64_t n_ctx = pos0 + t + 1;  // causal: positions 0..pos0+t
-      scores.resize(size_t(n_ctx));
-      for (int h = 0; h < H; ++h) {
-        const float* qh = q.data() + (t * H + h) * hd;
-        const int kvh = h / group;
-        float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < n_ctx; ++j) {
-          const float* kj = K.data() + j * Dkv + int64_t(kvh) * hd;
-          float dot = 0.f;
-          for (int c = 0; c < hd; ++c) dot += qh[c] * kj[c];
-          scores[size_t(j)] = dot * scale;
-          mx = std::max(mx, scores[size_t(j)]);
-        }
-        float sum = 0.f;
-        for (auto& s : scores) sum += (s = std::exp(s - mx));
-        float* oh = o.data() + (t * H + h) * hd;
-        std::fill_n(oh, hd, 0.f);
-        for (int64_t j = 0; j < n_ctx; ++j) {
-          const float w = scores[size_t(j)] / sum;
-          const float* vj = Vs.data() + j * Dkv + int64_t(kvh) * hd;
-          for (int c = 0; c < hd; ++c) oh[c] += w * vj[c];
-        }
-      }
-    }
+    kvq::ref::attend(K.data(), Vs.data(), pos0 + T, q.data(), int(T), H, Hkv, hd, scale, o.data());
     attention_output_and_ffn(l, x, o, T);
   }
   kv.length += T;
@@ -844,40 +572,6 @@ status llama_model::forward_reference(reference_kv& kv, std::span<const token_id
 }
 
 // ---- helpers ------------------------------------------------------------------------------------
-
-void chunk_attention(const float* q, const float* k, const float* v, float* o, int64_t T, int64_t pos0, int q_heads,
-                     int kv_heads, int head_dim, thread_pool& pool, cpu_isa isa) {
-  const int group = q_heads / kv_heads;
-  const int64_t tiles = (T + attention_tile - 1) / attention_tile;
-  const float qscale = float(1.4426950408889634 / std::sqrt(double(head_dim)));  // log2(e) / sqrt(head_dim)
-  const int64_t rows = attention_tile * group;
-  const size_t scratch = size_t(rows * (2 * int64_t(head_dim) + 2) + 2 * attention_block);
-  auto* tile = &attention_tile_portable;
-#ifdef KVQ_LLAMA_HAVE_AVX2_TILE
-  if (isa == cpu_isa::avx2 && isa_available(cpu_isa::avx2)) tile = &attention_tile_avx2;
-#endif
-  // K packed once per call for every tile: [kv_heads][ldt / block][head_dim][block], zero-padded
-  // to whole key blocks (finite scores past the last key, which the softmax leaves out)
-  const int64_t n = pos0 + T, ldt = (n + attention_block - 1) / attention_block * attention_block;
-  thread_local std::vector<float> kt;  // the caller's; the tasks see it through kt_all only
-  kt.assign(size_t(kv_heads) * size_t(head_dim) * size_t(ldt), 0.f);
-  float* const kt_all = kt.data();
-  pool.run(kv_heads, [&](int64_t h) {
-    float* dst = kt_all + h * head_dim * ldt;
-    for (int64_t j = 0; j < n; ++j) {
-      const float* kr = k + (j * kv_heads + h) * head_dim;
-      float* panel = dst + j / attention_block * attention_block * head_dim + j % attention_block;
-      for (int c = 0; c < head_dim; ++c) panel[c * attention_block] = kr[c];
-    }
-  });
-  pool.run(tiles * kv_heads, [&](int64_t task) {
-    thread_local std::vector<float> buf;
-    if (buf.size() < scratch) buf.resize(scratch);
-    const int kvh = int(task % kv_heads);
-    const int64_t t0 = (task / kv_heads) * attention_tile, t1 = std::min(T, t0 + attention_tile);
-    tile(q, kt_all, ldt, v, o, t0, t1, pos0, kvh, group, q_heads, kv_heads, head_dim, qscale, buf.data());
-  });
-}
 
 token_id argmax(std::span<const float> logits) {
   if (logits.empty()) return -1;

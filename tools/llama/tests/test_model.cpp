@@ -243,53 +243,6 @@ TEST_CASE("forward through the FP16 cache equals the no-cache forward", "[model]
   CHECK(d32 < 5e-2);
 }
 
-TEST_CASE("chunk_attention equals the plain causal softmax in double", "[model]") {
-  thread_pool pool(2);
-  const uint64_t seed = 11;
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> nd(0.f, 1.f);
-  struct shape {
-    int q_heads, kv_heads, head_dim;
-  };
-  for (const cpu_isa isa : {cpu_isa::scalar, cpu_isa::avx2})
-  for (const shape sh : {shape{9, 3, 64}, shape{8, 4, 8}, shape{4, 2, 12}, shape{8, 2, 16}, shape{3, 3, 16},
-                             shape{5, 1, 8}})
-    for (int64_t T : {1, 3, 17, 65, 130})
-      for (int64_t pos0 : {0, 5, 70}) {
-        if (!isa_available(isa)) continue;
-        CAPTURE(seed, isa_name(isa), sh.q_heads, sh.kv_heads, sh.head_dim, T, pos0);
-        const int64_t n = pos0 + T, hd = sh.head_dim;
-        std::vector<float> q(size_t(T * sh.q_heads * hd)), k(size_t(n * sh.kv_heads * hd)), v(k.size());
-        for (auto& x : q) x = 2.f * nd(rng);
-        for (auto& x : k) x = 2.f * nd(rng);
-        for (auto& x : v) x = nd(rng);
-        std::vector<float> o(q.size());
-        chunk_attention(q.data(), k.data(), v.data(), o.data(), T, pos0, sh.q_heads, sh.kv_heads, sh.head_dim, pool, isa);
-        double worst = 0;
-        const int group = sh.q_heads / sh.kv_heads;
-        for (int64_t t = 0; t < T; ++t)
-          for (int h = 0; h < sh.q_heads; ++h) {
-            const int kvh = h / group;
-            std::vector<double> w(size_t(pos0 + t + 1));
-            double mx = -1e300, sum = 0;
-            for (int64_t j = 0; j <= pos0 + t; ++j) {
-              double d = 0;
-              for (int64_t c = 0; c < hd; ++c)
-                d += double(q[size_t((t * sh.q_heads + h) * hd + c)]) * k[size_t((j * sh.kv_heads + kvh) * hd + c)];
-              w[size_t(j)] = d / std::sqrt(double(hd));
-              mx = std::max(mx, w[size_t(j)]);
-            }
-            for (auto& x : w) sum += (x = std::exp(x - mx));
-            for (int64_t c = 0; c < hd; ++c) {
-              double want = 0;
-              for (int64_t j = 0; j <= pos0 + t; ++j) want += w[size_t(j)] / sum * v[size_t((j * sh.kv_heads + kvh) * hd + c)];
-              worst = std::max(worst, std::fabs(want - o[size_t((t * sh.q_heads + h) * hd + c)]));
-            }
-          }
-        CHECK(worst < 2e-5);  // measured below 1e-5, as far as a plain float loop is
-      }
-}
-
 TEST_CASE("prefill_shared: one prompt into two caches, as the FP16 reference computes it", "[model]") {
   const llama_model& m = stories();
   const auto& hp = m.hparams();
@@ -326,9 +279,9 @@ TEST_CASE("prefill_shared: one prompt into two caches, as the FP16 reference com
   std::cerr << "prefill_shared vs fp16-rounded reference over 600 positions: max |dlogit| " << worst << ", mean "
             << sum / double(got.size()) << "\n";
   // The blocked attention sums in another order than the reference's plain loop (both within
-  // 1e-5 of double, see the chunk_attention case); on random tokens stories260K carries that
-  // float noise to about 0.02 in the logits by position 600 (with the reference's own loop in
-  // place of chunk_attention the logits are equal bit for bit).
+  // 1e-5 of double, tests/test_cpu_attention.cpp's causal_attention case); on random tokens
+  // stories260K carries that float noise to about 0.02 in the logits by position 600 (with
+  // kvq::ref::attend in place of kvq::cpu::causal_attention the logits are equal bit for bit).
   CHECK(worst < 5e-2);
   CHECK(sum / double(got.size()) < 2e-3);
   // the last-token mode gives the last row of mode all

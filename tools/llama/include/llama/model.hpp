@@ -161,7 +161,8 @@ class llama_model {
 
   /// Prefills `tokens` (any number, at least one) into `seqs[i]` of `*caches[i]` for every i,
   /// computing the model once: each layer's K and V are appended to every cache, the prompt's
-  /// causal attention is computed once in float over K and V rounded to fp16 (`chunk_attention`),
+  /// causal attention is computed once in float over K and V rounded to fp16 (the library's
+  /// `kvq::cpu::causal_attention`, on the model's threads),
   /// in chunks of `shared_chunk` tokens. Positions start at 0. Logits as in `forward`, over all
   /// of `tokens` for mode all.
   /// Errors (before anything is appended): invalid_argument (no cache, caches and seqs of
@@ -177,7 +178,8 @@ class llama_model {
   static constexpr int64_t shared_chunk = 512;
 
   /// The same computation with attention recomputed from scratch in plain float over `kv` (no
-  /// cache, no chunk limit). Positions start at `kv.length`.
+  /// cache, no chunk limit; the library's reference attention, `kvq::ref::attend`). Positions
+  /// start at `kv.length`.
   status forward_reference(reference_kv& kv, std::span<const token_id> tokens, std::span<float> logits,
                            logits_mode mode = logits_mode::last, const layer_observer& observer = {}) const;
 
@@ -221,18 +223,6 @@ class llama_model {
   std::shared_ptr<thread_pool> pool_ = std::make_shared<thread_pool>();
   cpu_isa isa_ = best_isa();
 };
-
-/// Causal attention of a chunk of T queries at positions pos0 .. pos0 + T - 1 over the keys and
-/// values of positions 0 .. pos0 + T - 1, in float, with GQA (query head h reads kv head
-/// h / (q_heads / kv_heads)) and softmax scale 1 / sqrt(head_dim). Blocked over keys with an
-/// online softmax; query tiles of one kv head run as tasks on `pool`; `isa` avx2 runs the loops
-/// compiled for AVX2 + FMA (when the CPU has them), scalar the portable build.
-/// \param q [T][q_heads][head_dim]
-/// \param k [pos0 + T][kv_heads][head_dim] (all positions so far, the chunk's last)
-/// \param v same shape as k
-/// \param o [T][q_heads][head_dim] output
-void chunk_attention(const float* q, const float* k, const float* v, float* o, int64_t T, int64_t pos0, int q_heads,
-                     int kv_heads, int head_dim, thread_pool& pool, cpu_isa isa = best_isa());
 
 /// Index of the largest logit (the first on ties); -1 for an empty span.
 token_id argmax(std::span<const float> logits);
