@@ -482,6 +482,15 @@ int main(int argc, char** argv) {
                                clips[(size_t(l) * hp.n_head_kv + h) * 2 + 1]);
     std::cout << "\n";
   }
+  // how many units clip, per role, unrotated and (with --rotated) rotated
+  for (const bool rot : {false, true}) {
+    if (rot && !opt.rotated) continue;
+    const auto table = cal.clip_percentiles(rot);
+    int below[2] = {0, 0};
+    for (size_t i = 0; i < table.size(); ++i) below[i % 2] += table[i] < kvq::codec::no_clip;
+    std::cout << fmt::format("{}clip percentile below 100: K {} and V {} of {} (layer, kv head) units\n",
+                             rot ? "rotated heads: " : "", below[0], below[1], table.size() / 2);
+  }
   if (!art.output_kl.empty()) {
     // Does the one-pass measure rank the units as the output KL does?
     std::cout << fmt::format("output KL (nats, mean over {} positions) per unit, Spearman over {} units:\n",
