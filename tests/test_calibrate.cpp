@@ -324,10 +324,12 @@ TEST_CASE("calibrator: clip percentiles", "[calibrate]") {
       CHECK(at995 != at100);
       CHECK(std::fabs(at995 - at100) < std::fabs(at96 - at100));  // a slight clip moves little
       // the outlier carries the attention (K) and the output (V): clamping it to the bulk costs
-      // far more than rounding the bulk to the group minimum, so 100 is chosen
+      // far more than rounding the bulk to the group minimum, so at most a slight clip is chosen
       CHECK(at96 > 10 * at100);
       CHECK(at995 > at100);
-      CHECK(clips[r == role::k ? 0 : 1] == 100.f);
+      const float chosen = clips[r == role::k ? 0 : 1];
+      CHECK(chosen >= 99.9f);
+      CHECK(c.damage(0, 0, r, ra2, chosen).value_or_throw() <= at100);
     }
   }
 
