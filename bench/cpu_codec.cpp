@@ -34,7 +34,8 @@ void bm_encode(benchmark::State& state, kvq::format_id f, kvq::role r) {
   for (auto _ : state) {
     for (int p = 0; p < pages; ++p)
       for (int u = 0; u < g.unit_count(); ++u)
-        kvq::codec::encode_unit(g, src.data() + size_t(p) * P * d, d, u, dst.data() + size_t(p) * g.lay.total(), 1.0f);
+        kvq::codec::encode_unit(g, src.data() + size_t(p) * P * d, d, u, dst.data() + size_t(p) * g.lay.total(),
+                                kvq::codec::no_clip);
     benchmark::DoNotOptimize(dst.data());
   }
   state.SetBytesProcessed(int64_t(state.iterations()) * pages * P * d * 2);
@@ -47,7 +48,8 @@ void bm_decode(benchmark::State& state, kvq::format_id f, kvq::role r) {
   std::vector<uint8_t> bytes(size_t(pages) * g.lay.total());
   for (int p = 0; p < pages; ++p)
     for (int u = 0; u < g.unit_count(); ++u)
-      kvq::codec::encode_unit(g, src.data() + size_t(p) * P * d, d, u, bytes.data() + size_t(p) * g.lay.total(), 1.0f);
+      kvq::codec::encode_unit(g, src.data() + size_t(p) * P * d, d, u, bytes.data() + size_t(p) * g.lay.total(),
+                              kvq::codec::no_clip);
   std::vector<float> out(size_t(P) * d);
   for (auto _ : state) {
     for (int p = 0; p < pages; ++p)

@@ -295,7 +295,7 @@ void set_layer(const append_args& a, append_params& p) {
   p.kv = a.kv;
   p.layer = a.layer;
   detail::set_kv_rows(a.k, a.v, p);
-  for (int j = 0; j < a.kv.kv_heads * 2; ++j) p.clip[j] = a.clip ? a.clip[j] : 1.0f;
+  for (int j = 0; j < a.kv.kv_heads * 2; ++j) p.clip[j] = a.clip ? a.clip[j] : codec::no_clip;
   p.levels = a.levels;
   p.rot = a.rotation;
   p.guard = a.guard;

@@ -148,7 +148,8 @@ __global__ void __launch_bounds__(threads) canary_kernel(const __grid_constant__
         const int units = g.unit_count();
         for (int ua = threadIdx.x; ua < kc * units; ua += threads) {
           const int ch = ua / units;
-          codec::encode_unit(g, kbase + size_t(ch) * A * kstride, kstride, ua % units, page + size_t(ch) * cs, 1.0f);
+          codec::encode_unit(g, kbase + size_t(ch) * A * kstride, kstride, ua % units, page + size_t(ch) * cs,
+                             codec::no_clip);
         }
         __syncthreads();
         for (int idx = threadIdx.x; idx < kn * d; idx += threads) {

@@ -39,7 +39,8 @@ artifact make_artifact() {
   for (auto& v : a.sensitivity.values) v = std::pow(10.0, -8.0 * u(rng)) * u(rng);  // 17 digits, wide range
   a.sensitivity.values[3] = 0.0;
   a.sensitivity.values[4] = 1e-300;
-  a.clip_ratios = {1.0f, 0.9f, 0.75f, 0.123456789f, 0.5f, 1e-3f, 0.999f, 0.3f};
+  // [l][h][K, V]: k = [[100, 97.25], [90, 99.999]], v = [[99.5, 93.123456789], [95.5, 92]]
+  a.clip_percentiles = {100.f, 99.5f, 97.25f, 93.123456789f, 90.f, 95.5f, 99.999f, 92.f};
   return a;
 }
 
@@ -105,18 +106,20 @@ TEST_CASE("artifact round trip through a file is exact", "[artifact]") {
   const std::string path = dir.file("sens.json");
   REQUIRE(a.save(path).ok());
   const std::string text = read_text(path);
-  CHECK_THAT(text, Catch::Contains("\"version\": 3"));
+  CHECK_THAT(text, Catch::Contains("\"version\": 4"));
   CHECK_THAT(text, Catch::Contains("\"kind\": \"kvq.calibration\""));
-  CHECK_THAT(text, Catch::Contains("0.9,"));  // floats written as their shortest decimal
+  CHECK_THAT(text, Catch::Contains("99.5,"));  // floats written as their shortest decimal
+  CHECK_THAT(text, Catch::Contains("\"clip_percentiles\"") && !Catch::Contains("clip_ratios"));
   auto b = artifact::load(path, tiny).value_or_throw();
-  CHECK(b.version == 3);
+  CHECK(b.version == 4);
   CHECK(b.model_name == a.model_name);
   CHECK(b.shape == a.shape);
   CHECK(b.text_hash == a.text_hash);
   CHECK(b.calibration_tokens == 4096);
   CHECK(b.sensitivity.formats == a.sensitivity.formats);
   CHECK(b.sensitivity.values == a.sensitivity.values);  // bit-exact doubles
-  CHECK(b.clip_ratios == a.clip_ratios);                // bit-exact floats
+  CHECK(b.clip_percentiles == a.clip_percentiles);      // bit-exact floats
+  CHECK(b.rotated_clip_percentiles.empty());            // optional, absent
   CHECK(b.output_kl.empty());                           // optional, absent
   CHECK_THAT(text, !Catch::Contains("output_kl"));
   // the loaded profile drives a policy like any other
@@ -125,6 +128,43 @@ TEST_CASE("artifact round trip through a file is exact", "[artifact]") {
   // and saving what was loaded gives the same file
   REQUIRE(b.save(dir.file("again.json")).ok());
   CHECK(read_text(dir.file("again.json")) == text);
+}
+
+TEST_CASE("artifact: rotated clip percentiles, and versions 1-3 load as no clipping", "[artifact]") {
+  artifact a = make_artifact();
+  a.rotated_clip_percentiles = {93.f, 100.f, 99.f, 90.f, 95.f, 96.f, 97.f, 98.f};
+  const std::string text = a.to_json().value_or_throw();
+  CHECK_THAT(text, Catch::Contains("\"rotated_clip_percentiles\""));
+  const artifact b = artifact::parse(text, "rot", tiny).value_or_throw();
+  CHECK(b.rotated_clip_percentiles == a.rotated_clip_percentiles);
+  // a cache's table: each (layer, kv head) from its space's percentiles
+  const std::vector<uint8_t> rotated_heads = {1, 0, 0, 1};  // [layer][kv head]
+  const auto mixed = b.clip_percentiles_for(rotated_heads).value_or_throw();
+  CHECK(mixed == std::vector<float>{93.f, 100.f, 97.25f, 93.123456789f, 90.f, 95.5f, 97.f, 98.f});
+  CHECK(b.clip_percentiles_for({}).value_or_throw() == b.clip_percentiles);
+  CHECK_THAT(b.clip_percentiles_for({1, 0}).error().message(), Catch::Contains("2 rotated-head flags"));
+  // without a rotated table a rotated head gets 100: no clipping
+  CHECK(make_artifact().clip_percentiles_for(rotated_heads).value_or_throw() ==
+        std::vector<float>{100.f, 100.f, 97.25f, 93.123456789f, 90.f, 95.5f, 100.f, 100.f});
+
+  // version 3: clip ratios (the former rule) are checked, then read as percentile 100
+  artifact old = make_artifact();
+  old.version = 3;
+  old.clip_percentiles.assign(8, 100.f);
+  std::string v3 = old.to_json().value_or_throw();
+  CHECK_THAT(v3, Catch::Contains("\"clip_ratios\"") && !Catch::Contains("clip_percentiles"));
+  v3 = edit(v3, "\"clip_ratios\": {\n  \"k\": [\n   [\n    1.0,", "\"clip_ratios\": {\n  \"k\": [\n   [\n    0.95,");
+  const artifact c = artifact::parse(v3, "v3", tiny).value_or_throw();
+  CHECK(c.version == 3);
+  CHECK(c.clip_percentiles == std::vector<float>(8, 100.f));  // 0.95 is not a percentile: no clipping
+  CHECK(c.rotated_clip_percentiles.empty());
+  CHECK_THAT(artifact::parse(edit(v3, "    0.95,", "    1.5,"), "v3bad", tiny).error().message(),
+             Catch::Contains("'clip_ratios.k[0][0]' is 1.5, must be in (0, 1]"));
+  // a field of the other version is refused
+  CHECK_THAT(artifact::parse(edit(text, "\"version\": 4", "\"version\": 3"), "v3pct", tiny).error().message(),
+             Catch::Contains("field 'clip_ratios' is missing"));
+  CHECK_THAT(artifact::parse(edit(v3, "\"version\": 3", "\"version\": 4"), "v4ratio", tiny).error().message(),
+             Catch::Contains("field 'clip_percentiles' is missing"));
 }
 
 TEST_CASE("artifact round trip with the optional output_kl", "[artifact]") {
@@ -200,8 +240,14 @@ TEST_CASE("artifact round trip with fitted codebook levels; a cache's levels per
   // an older version without codebooks still loads; a version 2 file with them does not
   artifact old = make_artifact();
   old.version = 2;
-  REQUIRE(artifact::parse(old.to_json().value_or_throw(), "v2", tiny).value_or_throw().codebooks.empty());
-  CHECK_THAT(artifact::parse(edit(text, "\"version\": 3", "\"version\": 2"), "v2cb", tiny).error().message(),
+  old.clip_percentiles.assign(8, 100.f);  // versions 1-3 hold clip ratios: no percentiles
+  const std::string v2 = old.to_json().value_or_throw();
+  REQUIRE(artifact::parse(v2, "v2", tiny).value_or_throw().codebooks.empty());
+  old.version = 3;
+  old.codebooks = b.codebooks;
+  CHECK_THAT(artifact::parse(edit(old.to_json().value_or_throw(), "\"version\": 3", "\"version\": 2"), "v2cb", tiny)
+                 .error()
+                 .message(),
              Catch::Contains("'codebooks' needs version 3, the file is version 2"));
 }
 
@@ -286,7 +332,7 @@ TEST_CASE("artifact load rejects a malformed output_kl, naming the field", "[art
   artifact one_layer = a;
   one_layer.shape.layers = 1;
   one_layer.sensitivity = sensitivity_profile::make(1, 2, a.sensitivity.formats).value_or_throw();
-  one_layer.clip_ratios.resize(4);
+  one_layer.clip_percentiles.resize(4);
   one_layer.output_kl = calib::output_kl_table::make(1, 2, a.output_kl.formats, 96);
   auto short_text = one_layer.to_json().value_or_throw();
   const size_t okl = short_text.find("\"output_kl\"");
@@ -338,15 +384,15 @@ TEST_CASE("artifact load rejects bad files, naming the file and the field", "[ar
                Catch::Contains("field 'calibration.text_hash' is missing"));
     CHECK_THAT(load_text(edit(good, "\"v_output_perturbation\"", "\"v_perturbation\"")),
                Catch::Contains("field 'sensitivity.v_output_perturbation' is missing"));
-    CHECK_THAT(load_text(edit(good, "\"clip_ratios\"", "\"clips\"")),
-               Catch::Contains("field 'clip_ratios' is missing"));
+    CHECK_THAT(load_text(edit(good, "\"clip_percentiles\"", "\"clips\"")),
+               Catch::Contains("field 'clip_percentiles' is missing"));
   }
   SECTION("wrong kind or version") {
-    CHECK_THAT(load_text(edit(good, "\"version\": 3", "\"version\": 4")),
-               Catch::Contains("field 'version' is 4, this build reads versions 1 to 3"));
-    CHECK_THAT(load_text(edit(good, "\"version\": 3", "\"version\": 0")),
-               Catch::Contains("field 'version' is 0, this build reads versions 1 to 3"));
-    CHECK_THAT(load_text(edit(good, "\"version\": 3", "\"version\": \"1\"")),
+    CHECK_THAT(load_text(edit(good, "\"version\": 4", "\"version\": 5")),
+               Catch::Contains("field 'version' is 5, this build reads versions 1 to 4"));
+    CHECK_THAT(load_text(edit(good, "\"version\": 4", "\"version\": 0")),
+               Catch::Contains("field 'version' is 0, this build reads versions 1 to 4"));
+    CHECK_THAT(load_text(edit(good, "\"version\": 4", "\"version\": \"1\"")),
                Catch::Contains("field 'version' must be an integer"));
     CHECK_THAT(load_text(edit(good, "kvq.calibration", "kvq.something")), Catch::Contains("is 'kvq.something'"));
   }
@@ -359,13 +405,17 @@ TEST_CASE("artifact load rejects bad files, naming the file and the field", "[ar
     CHECK_THAT(artifact::load(good_path, {2, 4, 2, 128}).error().message(), Catch::Contains("'model.head_dim' is 64"));
   }
   SECTION("arrays of the wrong size, bad formats, numbers out of range") {
-    // drop the last kv head of layer 1's V clip ratios ([l][h][K, V] = ..., l1: K 0.5, 0.999; V 0.001, 0.3)
-    const std::string tail = "   [\n    0.001,\n    0.3\n   ]\n  ]\n }";
-    CHECK_THAT(load_text(edit(good, tail, "   [\n    0.001\n   ]\n  ]\n }")),
-               Catch::Contains("field 'clip_ratios.v[1]' has 1 entries, needs 2 (model.kv_heads)"));
-    CHECK_THAT(load_text(edit(good, "    0.999\n", "    1.5\n")),
-               Catch::Contains("'clip_ratios.k[1][1]' is 1.5, must be in (0, 1]"));
-    CHECK_THAT(load_text(edit(good, "    0.999\n", "    0\n")), Catch::Contains("'clip_ratios.k[1][1]' is 0"));
+    // drop the last kv head of layer 1's V clip percentiles (l1: K 90, 99.999; V 95.5, 92)
+    const std::string tail = "   [\n    95.5,\n    92.0\n   ]\n  ]\n }";
+    CHECK_THAT(load_text(edit(good, tail, "   [\n    95.5\n   ]\n  ]\n }")),
+               Catch::Contains("field 'clip_percentiles.v[1]' has 1 entries, needs 2 (model.kv_heads)"));
+    CHECK_THAT(
+        load_text(edit(good, "    99.999\n", "    101\n")),
+        Catch::Contains("'clip_percentiles.k[1][1]' (layer 1, head 1, K): clip percentile 101 is not in [50, 100]"));
+    CHECK_THAT(load_text(edit(good, "    99.999\n", "    0.9\n")),  // a former clip ratio
+               Catch::Contains("'clip_percentiles.k[1][1]' (layer 1, head 1, K): clip percentile 0.9 is not in"));
+    CHECK_THAT(load_text(edit(good, "    99.999\n", "    70\n")),
+               Catch::Contains("clip percentile 70 needs the") && Catch::Contains("keeps at most 16"));
     CHECK_THAT(load_text(edit(good, "\"kivi4/g32\"", "\"kivi5/g32\"")),
                Catch::Contains("field 'formats[1]' bad format 'kivi5/g32'"));
     CHECK_THAT(load_text(edit(good, "\"kivi4/g32\"", "\"kivi2/g32\"")),
@@ -392,14 +442,23 @@ TEST_CASE("artifact save validates first and never writes NaN", "[artifact]") {
   CHECK_THAT(s.message(), Catch::Contains(p) && Catch::Contains("must be finite"));
   CHECK_FALSE(std::filesystem::exists(p));
   a = make_artifact();
-  a.clip_ratios[2] = 0.f;
-  CHECK_THAT(a.save(p).message(), Catch::Contains("clip ratio of layer 0 head 1 K is 0"));
+  a.clip_percentiles[2] = 0.f;
+  CHECK_THAT(a.save(p).message(),
+             Catch::Contains("clip percentiles: layer 0 head 1 K: clip percentile 0 is not in [50, 100]"));
   a = make_artifact();
-  a.clip_ratios.pop_back();
-  CHECK_THAT(a.save(p).message(), Catch::Contains("7 clip ratios, the model needs 8"));
+  a.clip_percentiles.pop_back();
+  CHECK_THAT(a.save(p).message(), Catch::Contains("7 clip percentiles, the model needs 8"));
   a = make_artifact();
-  a.version = 4;
-  CHECK_THAT(a.save(p).message(), Catch::Contains("version 4"));
+  a.rotated_clip_percentiles.assign(8, 100.f);
+  a.rotated_clip_percentiles[7] = 49.f;
+  CHECK_THAT(a.save(p).message(),
+             Catch::Contains("rotated clip percentiles: layer 1 head 1 V: clip percentile 49 is not in [50, 100]"));
+  a = make_artifact();
+  a.version = 3;  // versions 1-3 hold no percentiles: only 100 everywhere can be written as one
+  CHECK_THAT(a.save(p).message(), Catch::Contains("clip percentiles: layer 0 head 0 V: needs version 4"));
+  a = make_artifact();
+  a.version = 5;
+  CHECK_THAT(a.save(p).message(), Catch::Contains("version 5"));
   a = make_artifact_with_output_kl();
   a.output_kl.kl[5] = NAN;
   CHECK_THAT(a.save(p).message(), Catch::Contains("output_kl of layer 1 head 0 format kivi2/g32 is nan"));
@@ -427,12 +486,12 @@ TEST_CASE("artifact parse turns every JSON library exception into a status namin
   };
   // numbers the library cannot hold (out_of_range.406 from the parser)
   CHECK_THAT(parse_error(edit(good, "\"tokens\": 96", "\"tokens\": 1e400")), Catch::Contains("1e400"));
-  CHECK_THAT(parse_error(edit(good, "\"version\": 3", "\"version\": -1e400")), Catch::Contains("-1e400"));
+  CHECK_THAT(parse_error(edit(good, "\"version\": 4", "\"version\": -1e400")), Catch::Contains("-1e400"));
   CHECK_THAT(parse_error("{\"kind\": 1e999999999999}"), Catch::Contains("malformed JSON"));
   // integers past 64 bits parse as doubles: a type error naming the field
   CHECK_THAT(parse_error(edit(good, "\"tokens\": 4096", "\"tokens\": 18446744073709551616")),
              Catch::Contains("'calibration.tokens' must be an integer"));
-  CHECK_THAT(parse_error(edit(good, "\"version\": 3", "\"version\": 1.5")),
+  CHECK_THAT(parse_error(edit(good, "\"version\": 4", "\"version\": 1.5")),
              Catch::Contains("'version' must be an integer"));
   // wrong types where objects and arrays are expected
   CHECK_THAT(parse_error(edit(good, "\"model\": {", "\"model\": 3, \"x\": {")),

@@ -383,8 +383,14 @@ TEST_CASE("bad input is a clear error and leaves the cache unchanged", "[cache][
          errc::not_found, "unknown sequence 9");
   expect(c.release_sequence(4), errc::not_found, "unknown sequence 4");
   expect(c.create_sequence(1), errc::invalid_argument, "already exists");
-  std::vector<float> bad_ratios(a.layers * H * 2, 1.5f);
-  expect(c.set_clip_ratios(bad_ratios), errc::invalid_argument, "not in (0, 1]");
+  std::vector<float> bad_pcts(a.layers * H * 2, 100.f);
+  bad_pcts[3] = 0.95f;  // a former clip ratio: layer 0, head 1, V
+  expect(c.set_clip_percentiles(bad_pcts), errc::invalid_argument,
+         "layer 0, head 1, V: clip percentile 0.95 is not in [50, 100]");
+  bad_pcts[3] = 80.f;  // 26 order statistics of a 128-value group
+  expect(c.set_clip_percentiles(bad_pcts), errc::invalid_argument, "clip percentile 80 needs the");
+  bad_pcts[3] = 90.f;
+  check(c.set_clip_percentiles(bad_pcts));
   // and the cache still works afterwards
   check(c.append(1, 0, view(k, 10, H, d), view(v, 10, H, d)));
   REQUIRE(c.length(1, 0) == 160);
@@ -580,7 +586,7 @@ TEST_CASE("a moved-from cache answers every call with a status", "[cache][errors
       c.append(1, 0, {x.data(), dtype::f32, 1, kvh, d}, {x.data(), dtype::f32, 1, kvh, d}),
       c.append_batch({&ap, 1}, 0, {x.data(), dtype::f32, 1, kvh, d}, {x.data(), dtype::f32, 1, kvh, d}),
       c.attend({&it, 1}, 0, {x.data(), dtype::f32, 1, hq, d}, {out.data(), dtype::f32, 1, hq, d}),
-      c.read(1, 0, role::k, out), c.check(), c.sync_policy(), c.flush_policy(), c.set_clip_ratios({}),
+      c.read(1, 0, role::k, out), c.check(), c.sync_policy(), c.flush_policy(), c.set_clip_percentiles({}),
       c.import_sequences({}, one), c.swap_out(1), c.swap_in(1), c.export_file("/tmp/x", one),
       c.bytes_for(1).error(), c.export_bytes(one).error(), c.export_sequences(one).error(),
       c.codebook_levels(format_id(0)).error(), c.swap_in_bytes(1).error(), decode_step::create(c, 1, 64).error()};

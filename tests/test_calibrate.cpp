@@ -1,7 +1,8 @@
 // The calibrator on hand-made inputs whose answer is known: K and V exactly representable at 4
 // bits give zero damage for kivi4; fp16 gives zero; damage grows as bits fall; the KL and the V
 // perturbation equal a brute-force double-precision evaluation of their definitions (through
-// the codec); clip ratios < 1 win on Gaussian groups at 2 bits and lose on a one-sided outlier;
+// the codec); clip percentiles < 100 win on Gaussian groups at 2 bits, and 100 keeps a one-value
+// outlier that a percentile below drops; rotated percentiles are chosen on rotated heads;
 // the artifact it fills round-trips; bad inputs give errors naming the problem.
 #include <unistd.h>
 
@@ -77,10 +78,10 @@ std::vector<double> round_trip(const tensor3& x, int h, format_id f, role r, int
   }
   return out;
 }
-brute brute_force(const tensor3& q, const tensor3& k, const tensor3& v, int h, format_id f, int P, float clip = 1.f) {
+brute brute_force(const tensor3& q, const tensor3& k, const tensor3& v, int h, format_id f, int P, float clip = 100.f) {
   const int T = q.T, d = q.d, group = q.heads / k.heads;
-  const auto K = round_trip(k, h, fp16_format, role::k, P, 1.f), Kq = round_trip(k, h, f, role::k, P, clip);
-  const auto V = round_trip(v, h, fp16_format, role::v, P, 1.f), Vq = round_trip(v, h, f, role::v, P, clip);
+  const auto K = round_trip(k, h, fp16_format, role::k, P, 100.f), Kq = round_trip(k, h, f, role::k, P, clip);
+  const auto V = round_trip(v, h, fp16_format, role::v, P, 100.f), Vq = round_trip(v, h, f, role::v, P, clip);
   double kl = 0, num = 0, den = 0;
   for (int t = 0; t < T; ++t)
     for (int g = 0; g < group; ++g) {
@@ -147,10 +148,10 @@ TEST_CASE("calibrator: K and V exactly representable at 4 bits cost kivi4 nothin
       CHECK(c.damage(0, h, r, fp16_format).value_or_throw() == 0.0);
       CHECK(c.damage(0, h, r, fmt_of("kivi4/g32")).value_or_throw() == 0.0);
       CHECK(c.damage(0, h, r, fmt_of("kivi2/g32")).value_or_throw() > 0.0);
-      // clip 1 is kivi4 exactly, so the clip ratio chosen for ra4 (grid includes 1) is 1 or no worse
-      CHECK(c.damage(0, h, r, fmt_of("ra4/g32"), 1.f).value_or_throw() == 0.0);
+      // p = 100 is kivi4 exactly, so the percentile chosen for ra4 (grid includes 100) is 100 or no worse
+      CHECK(c.damage(0, h, r, fmt_of("ra4/g32"), 100.f).value_or_throw() == 0.0);
     }
-  const auto clips = c.clip_ratios();
+  const auto clips = c.clip_percentiles();
   REQUIRE(clips.size() == 4);
   const auto prof = c.result().value_or_throw();
   for (int h = 0; h < 2; ++h) {
@@ -199,13 +200,13 @@ TEST_CASE("calibrator: KL and V perturbation equal a brute-force evaluation", "[
   calibrator_options opt;
   opt.formats = {fmt_of("kivi8/g32"), fmt_of("kivi4/g32"), fmt_of("kivi2/g32"),
                  fmt_of("sym4/g32"),  fmt_of("fp8"),       fmt_of("ra2/g32")};
-  opt.clip_grid = {1.f, 0.8f};
+  opt.clip_percentile_grid = {100.f, 90.f};
   auto c = calibrator::create(make_shape(1, 4, 2, d, P), opt).value_or_throw();
   REQUIRE(c.observe(0, q.view(), k.view(), v.view()).ok());
   for (int h = 0; h < 2; ++h)
     for (format_id f : opt.formats)
-      for (float clip : {1.f, 0.8f}) {
-        if (clip != 1.f && traits_of(f).fam != family::rolealign) continue;
+      for (float clip : {100.f, 90.f}) {
+        if (clip != 100.f && traits_of(f).fam != family::rolealign) continue;
         CAPTURE(h, format_name(f), clip);
         const brute b = brute_force(q, k, v, h, f, P, clip);
         const double kl = c.damage(0, h, role::k, f, clip).value_or_throw();
@@ -242,7 +243,7 @@ TEST_CASE("calibrator: f16 and strided inputs measure the same as packed f32", "
               .ok());
   const auto pa = a.result().value_or_throw(), pb = b.result().value_or_throw();
   CHECK(pa.values == pb.values);
-  CHECK(a.clip_ratios() == b.clip_ratios());
+  CHECK(a.clip_percentiles() == b.clip_percentiles());
 }
 
 TEST_CASE("calibrator: accumulates over chunks", "[calibrate]") {
@@ -267,41 +268,43 @@ TEST_CASE("calibrator: accumulates over chunks", "[calibrate]") {
   CHECK(one.damage(0, 0, role::k, k4).value_or_throw() == Approx((a + b) / 2).epsilon(1e-12));
 }
 
-TEST_CASE("calibrator: clip ratios", "[calibrate]") {
+TEST_CASE("calibrator: clip percentiles", "[calibrate]") {
   const int d = 64, T = 256;
   calibrator_options opt;
   opt.formats = {fmt_of("kivi2/g32"), fmt_of("ra2/g32")};
   opt.clip_formats = {fmt_of("ra2/g32")};
+  const auto ra2 = fmt_of("ra2/g32");
 
-  SECTION("Gaussian groups at 2 bits: a ratio < 1 wins for K and V") {
+  SECTION("Gaussian groups at 2 bits: a percentile < 100 wins for K and V") {
     const tensor3 q = gaussian(T, 2, d, 51, 2.f), k = gaussian(T, 1, d, 52), v = gaussian(T, 1, d, 53);
     auto c = calibrator::create(make_shape(1, 2, 1, d), opt).value_or_throw();
     REQUIRE(c.observe(0, q.view(), k.view(), v.view()).ok());
-    const auto clips = c.clip_ratios();
+    const auto clips = c.clip_percentiles();
     REQUIRE(clips.size() == 2);
+    CHECK(c.clip_percentiles(true) == std::vector<float>{100.f, 100.f});  // rotation not measured
     for (role r : {role::k, role::v}) {
       CAPTURE(role_name(r));
       const float chosen = clips[r == role::k ? 0 : 1];
-      CHECK(chosen < 1.f);
-      const double at1 = c.damage(0, 0, r, fmt_of("ra2/g32"), 1.f).value_or_throw();
-      const double atc = c.damage(0, 0, r, fmt_of("ra2/g32"), chosen).value_or_throw();
-      CHECK(atc < at1);
-      for (float g : opt.clip_grid) CHECK(atc <= c.damage(0, 0, r, fmt_of("ra2/g32"), g).value_or_throw());
-      // the profile reports ra2 at the chosen ratio, kivi2 at none
+      CHECK(chosen < 100.f);
+      const double at100 = c.damage(0, 0, r, ra2, 100.f).value_or_throw();
+      const double atc = c.damage(0, 0, r, ra2, chosen).value_or_throw();
+      CHECK(at100 == c.damage(0, 0, r, fmt_of("kivi2/g32")).value_or_throw());  // p = 100 is kivi
+      CHECK(atc < at100);
+      for (float g : opt.clip_percentile_grid) CHECK(atc <= c.damage(0, 0, r, ra2, g).value_or_throw());
+      // the profile reports ra2 at the chosen percentile, kivi2 at none
       const auto prof = c.result().value_or_throw();
       CHECK(prof.at(0, 0, r, 1) == atc);
-      CHECK(prof.at(0, 0, r, 0) == at1);
+      CHECK(prof.at(0, 0, r, 0) == at100);
     }
   }
 
-  SECTION("one huge outlier per group: a slight clip wins, a heavy one loses") {
+  SECTION("one huge outlier per group: 100 keeps it, a percentile below drops it, which costs") {
     // The bulk ~N(0, 0.3²), one value of +40 in every 32-token group of every channel (K) and
-    // every 32-channel group of every token (V). At 2 bits the levels of [-1, 40] are 13.7 apart,
-    // so the whole bulk decodes to the group minimum (about -0.8). Ratio 0.95 narrows the range
-    // by 1 at each end: the lowest level moves to about 0, the middle of the bulk, and the
-    // outlier loses 1 of 40: less damage. Ratio 0.7 lifts the lowest level to about 5, above the
-    // whole bulk: far more damage. (Clipping about the midpoint trades the outlier's error
-    // against where the bulk's level lands.)
+    // every 32-channel group of every token (V). At p = 100 (kivi) the 2-bit levels of [-1, 40]
+    // are 13.7 apart and the whole bulk decodes to the group minimum; at p = 99.5 the top end
+    // moves 85 % of the way from the bulk's largest value to 40 (position 30.845 of 31), which
+    // changes that little; at p <= 96 (position < 30) the outlier is out of the range and clamps
+    // to the bulk's top (about 0.6), and the bulk gets the levels.
     tensor3 k = gaussian(T, 1, d, 61, 0.3f), v = gaussian(T, 1, d, 62, 0.3f);
     for (int t = 0; t < T; ++t)
       for (int c = 0; c < d; ++c) {
@@ -311,23 +314,53 @@ TEST_CASE("calibrator: clip ratios", "[calibrate]") {
     const tensor3 q = gaussian(T, 2, d, 63, 1.f);
     auto c = calibrator::create(make_shape(1, 2, 1, d), opt).value_or_throw();
     REQUIRE(c.observe(0, q.view(), k.view(), v.view()).ok());
-    const auto clips = c.clip_ratios();
+    const auto clips = c.clip_percentiles();
     for (role r : {role::k, role::v}) {
       CAPTURE(role_name(r));
+      const double at100 = c.damage(0, 0, r, ra2, 100.f).value_or_throw();
+      const double at995 = c.damage(0, 0, r, ra2, 99.5f).value_or_throw();
+      const double at96 = c.damage(0, 0, r, ra2, 96.f).value_or_throw();
+      CAPTURE(at100, at995, at96, clips[r == role::k ? 0 : 1]);
+      CHECK(at995 != at100);
+      CHECK(std::fabs(at995 - at100) < std::fabs(at96 - at100));  // a slight clip moves little
+      // the outlier carries the attention (K) and the output (V): clamping it to the bulk costs
+      // far more than rounding the bulk to the group minimum, so at most a slight clip is chosen
+      CHECK(at96 > 10 * at100);
+      CHECK(at995 > at100);
       const float chosen = clips[r == role::k ? 0 : 1];
-      CHECK(chosen == 0.95f);
-      const double at1 = c.damage(0, 0, r, fmt_of("ra2/g32"), 1.f).value_or_throw();
-      CHECK(c.damage(0, 0, r, fmt_of("ra2/g32"), chosen).value_or_throw() < at1);
-      CHECK(c.damage(0, 0, r, fmt_of("ra2/g32"), 0.7f).value_or_throw() > at1);
+      CHECK(chosen >= 99.9f);
+      CHECK(c.damage(0, 0, r, ra2, chosen).value_or_throw() <= at100);
     }
   }
 
-  SECTION("no damage at ratio 1: the ratio stays 1") {
+  SECTION("no damage at 100: the percentile stays 100") {
     tensor3 k(T, 1, d), v(T, 1, d);  // all zero: every format is exact
     const tensor3 q = gaussian(T, 2, d, 71);
     auto c = calibrator::create(make_shape(1, 2, 1, d), opt).value_or_throw();
     REQUIRE(c.observe(0, q.view(), k.view(), v.view()).ok());
-    CHECK(c.clip_ratios() == std::vector<float>{1.f, 1.f});
+    CHECK(c.clip_percentiles() == std::vector<float>{100.f, 100.f});
+  }
+
+  SECTION("rotated: percentiles chosen on the rotated heads, in the artifact") {
+    opt.rotated = true;
+    const tensor3 q = gaussian(T, 2, d, 81, 2.f), k = gaussian(T, 1, d, 82), v = gaussian(T, 1, d, 83);
+    auto c = calibrator::create(make_shape(1, 2, 1, d), opt).value_or_throw();
+    REQUIRE(c.observe(0, q.view(), k.view(), v.view()).ok());
+    const auto rot = c.clip_percentiles(true);
+    REQUIRE(rot.size() == 2);
+    for (role r : {role::k, role::v}) {
+      CAPTURE(role_name(r));
+      const float chosen = rot[r == role::k ? 0 : 1];
+      const double atc = c.damage(0, 0, r, ra2, chosen, true).value_or_throw();
+      CHECK(c.damage(0, 0, r, ra2, 100.f, true).value_or_throw() ==
+            c.damage(0, 0, r, fmt_of("kivi2/g32"), 100.f, true).value_or_throw());
+      for (float g : opt.clip_percentile_grid) CHECK(atc <= c.damage(0, 0, r, ra2, g, true).value_or_throw());
+      CHECK(c.rotated_result().value_or_throw().at(0, 0, r, 1) == atc);
+    }
+    calib::artifact a;
+    REQUIRE(c.result(&a, "text").ok());
+    CHECK(a.clip_percentiles == c.clip_percentiles());
+    CHECK(a.rotated_clip_percentiles == rot);
   }
 }
 
@@ -356,14 +389,15 @@ TEST_CASE("calibrator: fills a valid artifact that round-trips", "[calibrate]") 
   CHECK(a.shape == calib::model_shape{L, 4, 2, d});
   CHECK(a.sensitivity.values == prof.values);
   CHECK(a.sensitivity.formats == calib::default_candidates());
-  CHECK(a.clip_ratios == c.clip_ratios());
+  CHECK(a.clip_percentiles == c.clip_percentiles());
+  CHECK(a.rotated_clip_percentiles.empty());
   const auto path =
       (std::filesystem::temp_directory_path() / ("kvq_calib_test_" + std::to_string(::getpid()) + ".json")).string();
   REQUIRE(a.save(path).ok());
   const auto back = calib::artifact::load(path, a.shape).value_or_throw();
   std::filesystem::remove(path);
   CHECK(back.sensitivity.values == a.sensitivity.values);
-  CHECK(back.clip_ratios == a.clip_ratios);
+  CHECK(back.clip_percentiles == a.clip_percentiles);
   // larger K spread (layer 2) -> larger K KL at the same q
   CHECK(prof.at(2, 0, role::k, 1) > prof.at(0, 0, role::k, 1));
 }
@@ -383,10 +417,15 @@ TEST_CASE("calibrator: errors name the problem", "[calibrate]") {
     REQUIRE_FALSE(e.ok());
     CHECK(e.error().message().find("kivi4/g32 is listed twice") != std::string::npos);
     o = {};
-    o.clip_grid = {1.f, 0.f};
+    o.clip_percentile_grid = {100.f, 0.95f};  // a former clip ratio
     e = calibrator::create(make_shape(1, 4, 2, d), o);
     REQUIRE_FALSE(e.ok());
-    CHECK(e.error().message().find("clip ratio 0 is outside") != std::string::npos);
+    CHECK(e.error().message().find("clip_percentile_grid: clip percentile 0.95 is not in [50, 100]") !=
+          std::string::npos);
+    o.clip_percentile_grid = {100.f, 75.f};  // beyond the 16 order statistics kept per end
+    e = calibrator::create(make_shape(1, 4, 2, d), o);
+    REQUIRE_FALSE(e.ok());
+    CHECK(e.error().message().find("clip percentile 75 needs the") != std::string::npos);
     o = {};
     o.clip_formats = {fmt_of("kivi2/g32")};
     e = calibrator::create(make_shape(1, 4, 2, d), o);
@@ -429,9 +468,9 @@ TEST_CASE("calibrator: errors name the problem", "[calibrate]") {
     CHECK(c.damage(0, 0, role::k, fmt_of("kivi4/g32")).error().code() == errc::not_found);
     q.at(0, 3, 0) = 0.f;
     REQUIRE(c.observe(0, q.view(), k.view(), v.view()).ok());
-    const auto miss = c.damage(0, 0, role::k, fmt_of("ra4/g32"), 0.5f);
+    const auto miss = c.damage(0, 0, role::k, fmt_of("ra4/g32"), 50.f);
     CHECK(miss.error().code() == errc::not_found);
-    CHECK(miss.error().message().find("ra4/g32 at clip ratio 0.5 was not measured") != std::string::npos);
+    CHECK(miss.error().message().find("ra4/g32 at clip percentile 50 was not measured") != std::string::npos);
     CHECK(c.damage(0, 0, role::k, fmt_of("kivi4/g64")).error().code() == errc::not_found);
   }
 }
@@ -452,7 +491,7 @@ double codebook_sq_error(const tensor3& x, int h, format_id f, role r, const cal
       for (int c = 0; c < d; ++c) src[size_t(t) * d + c] = float_to_half(x.at(p0 + t, h, c));
     std::fill(page.begin(), page.end(), 0);
     for (int u = 0; u < g.unit_count(); ++u)
-      codec::encode_unit(g, src.data(), d, u, page.data(), codec::encode_params{1.f, lv});
+      codec::encode_unit(g, src.data(), d, u, page.data(), codec::encode_params{codec::no_clip, lv});
     for (int t = 0; t < P; ++t)
       for (int c = 0; c < d; ++c) {
         const double diff = double(codec::decode_element(g, page.data(), t, c)) - half_to_float(src[size_t(t) * d + c]);
@@ -516,8 +555,8 @@ TEST_CASE("calibrator: fitted codebook levels", "[calibrate][codebook]") {
   for (format_id f : {cb2, cb3, cb4})
     for (bool rotated : {false, true}) {
       INFO(format_name(f) << (rotated ? " rotated" : ""));
-      const double fitted = *c2.damage(0, 0, role::v, f, 1.f, rotated),
-                   lloyd = *c.damage(0, 0, role::v, f, 1.f, rotated);
+      const double fitted = *c2.damage(0, 0, role::v, f, 100.f, rotated),
+                   lloyd = *c.damage(0, 0, role::v, f, 100.f, rotated);
       CHECK(fitted < (rotated ? 1.01 : 0.97) * lloyd);
     }
   CHECK(*c2.damage(0, 0, role::k, opt.formats[0]) == *c.damage(0, 0, role::k, opt.formats[0]));  // kivi4 untouched

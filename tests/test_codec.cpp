@@ -22,7 +22,8 @@ struct encoded {
   std::vector<uint8_t> page;
 };
 
-encoded encode(format_id f, role r, int d, const std::vector<float>& x, float clip = 1.0f, bool reverse = false) {
+encoded encode(format_id f, role r, int d, const std::vector<float>& x, float clip = codec::no_clip,
+               bool reverse = false) {
   encoded e{codec::make_geom(f, r, P, d), {}, {}};
   e.src.resize(x.size());
   for (size_t i = 0; i < x.size(); ++i) e.src[i] = float_to_half(x[i]);
@@ -30,6 +31,15 @@ encoded encode(format_id f, role r, int d, const std::vector<float>& x, float cl
   const int n = e.g.unit_count();
   for (int i = 0; i < n; ++i) codec::encode_unit(e.g, e.src.data(), d, reverse ? n - 1 - i : i, e.page.data(), clip);
   return e;
+}
+
+// numpy.percentile(v, p) ('linear'): position p/100 * (n-1) between the sorted values.
+double np_percentile(std::vector<double> v, double p) {
+  std::sort(v.begin(), v.end());
+  const double pos = p / 100.0 * double(v.size() - 1);
+  const size_t i = size_t(pos);
+  const double f = pos - double(i);
+  return i + 1 < v.size() ? v[i] + (v[i + 1] - v[i]) * f : v[i];
 }
 
 // float64 bound on |x - decode(x)| from the stored parameters; also checks the parameters.
@@ -68,18 +78,16 @@ void check_bounds(const encoded& e, float clip) {
           const int gs = g.fmt.group;
           const int idx = cols ? (t / gs) * d + c : t * (d / gs) + c / gs;
           const double s = half_to_float(scales[idx]), z = half_to_float(zeros[idx]);
-          double lo = 1e300, hi = -1e300;
-          for (int i = 0; i < gs; ++i) {
-            const double xi = cols ? half_to_float(e.src[size_t(t / gs * gs + i) * d + c])
-                                   : half_to_float(e.src[size_t(t) * d + c / gs * gs + i]);
-            lo = std::min(lo, xi);
-            hi = std::max(hi, xi);
-          }
-          const double L = (1 << bits) - 1;
-          if (g.fmt.fam == family::kivi || clip == 1.0f) {
-            REQUIRE(std::fabs(z - lo) <= std::ldexp(std::fabs(lo), -11) + std::ldexp(1.0, -25));
-            REQUIRE(std::fabs(s - (hi - lo) / L) <= std::ldexp((hi - lo) / L, -11) + std::ldexp(1.0, -25));
-          }
+          std::vector<double> grp(static_cast<size_t>(gs));
+          for (int i = 0; i < gs; ++i)
+            grp[size_t(i)] = cols ? half_to_float(e.src[size_t(t / gs * gs + i) * d + c])
+                                  : half_to_float(e.src[size_t(t) * d + c / gs * gs + i]);
+          const double p = g.fmt.fam == family::kivi ? 100.0 : double(clip);
+          const double lo = np_percentile(grp, 100.0 - p), hi = np_percentile(grp, p);
+          const double L = (1 << bits) - 1, mag = std::max(std::fabs(lo), std::fabs(hi));
+          // [lo, hi] = the group's (100-p)-th and p-th percentiles (min and max at p = 100)
+          REQUIRE(std::fabs(z - lo) <= std::ldexp(std::fabs(lo), -11) + 1e-6 * mag + std::ldexp(1.0, -25));
+          REQUIRE(std::fabs(s - (hi - lo) / L) <= std::ldexp((hi - lo) / L, -11) + 1e-6 * mag + std::ldexp(1.0, -25));
           bound = 0.5 * s + std::max(0.0, z - x) + std::max(0.0, x - (z + L * s)) + 1e-6 * (std::fabs(x) + std::fabs(z));
           break;
         }
@@ -172,7 +180,7 @@ TEST_CASE("every format reconstructs within its float64 error bound", "[codec]")
   const uint32_t seed = uint32_t(1000 + fi * 7 + d + int(r));
   CAPTURE(format_name(f), int(r), d, seed);
   std::mt19937 rng(seed);
-  const float clip = traits_of(f).fam == family::rolealign ? 0.9f : 1.0f;
+  const float clip = traits_of(f).fam == family::rolealign ? 95.f : codec::no_clip;
   for (float sigma : {1.0f, 1e-3f, 300.f}) {
     auto x = random_page(rng, d, sigma);
     check_bounds(encode(f, r, d, x, clip), clip);
@@ -190,20 +198,20 @@ TEST_CASE("edge groups: all zero, one outlier, +-max fp16, constant", "[codec]")
   auto ez = encode(f, r, d, zero);
   for (int t = 0; t < P; ++t)
     for (int c = 0; c < d; ++c) REQUIRE(codec::decode_element(ez.g, ez.page.data(), t, c) == 0.f);
-  check_bounds(ez, 1.f);
+  check_bounds(ez, codec::no_clip);
 
   std::vector<float> outlier(size_t(P) * d, 0.01f);
   outlier[size_t(17) * d + 9] = 3000.f;
-  check_bounds(encode(f, r, d, outlier), 1.f);
+  check_bounds(encode(f, r, d, outlier), codec::no_clip);
 
   std::vector<float> extreme(size_t(P) * d);
   for (size_t i = 0; i < extreme.size(); ++i) extreme[i] = (i % 3 == 0) ? fp16_max : (i % 3 == 1 ? -fp16_max : 1.f);
   auto ee = encode(f, r, d, extreme);
-  check_bounds(ee, 1.f);
+  check_bounds(ee, codec::no_clip);
 
   std::vector<float> constant(size_t(P) * d, -2.5f);
   auto ec = encode(f, r, d, constant);
-  check_bounds(ec, 1.f);
+  check_bounds(ec, codec::no_clip);
   for (int c = 0; c < d; ++c) REQUIRE(std::isfinite(codec::decode_element(ec.g, ec.page.data(), 0, c)));
 }
 
@@ -214,7 +222,76 @@ TEST_CASE("units are independent: any order gives the same bytes", "[codec]") {
   if (!check_shape(f, r, P, 128).ok()) return;
   std::mt19937 rng{static_cast<uint32_t>(fi)};
   auto x = random_page(rng, 128, 1.f);
-  REQUIRE(encode(f, r, 128, x, 0.8f, false).page == encode(f, r, 128, x, 0.8f, true).page);
+  REQUIRE(encode(f, r, 128, x, 93.f, false).page == encode(f, r, 128, x, 93.f, true).page);
+}
+
+TEST_CASE("rolealign clips each group to its percentiles; 100 is kivi bit for bit", "[codec]") {
+  const int G = GENERATE(32, 64, 128);
+  const int bits = GENERATE(2, 4);
+  const role r = GENERATE(role::k, role::v);
+  const int d = 128;
+  const auto ra = format_id(find_format(family::rolealign, bits, G));
+  const auto kv = format_id(find_format(family::kivi, bits, G));
+  if (!check_shape(ra, r, P, d).ok()) return;
+  CAPTURE(G, bits, int(r));
+  std::mt19937 rng(uint32_t(G * 10 + bits + int(r)));
+  const auto x = random_page(rng, d, 1.f);
+  // p = 100 stores exactly kivi's bytes (min and max)
+  REQUIRE(encode(ra, r, d, x, codec::no_clip).page == encode(kv, r, d, x).page);
+  // p < 100: the same bytes as a plain sort would give (check_bounds compares with numpy's rule)
+  for (float p : {99.9f, 99.5f, 99.f, 97.f, 95.f, 93.f, 90.f}) {
+    if (codec::percentile_tail(p, G) > codec::max_percentile_tail) continue;
+    CAPTURE(p);
+    const auto e = encode(ra, r, d, x, p);
+    check_bounds(e, p);
+    CHECK(e.page != encode(kv, r, d, x).page);
+  }
+}
+
+TEST_CASE("a group with one outlier: p = 100 keeps it as the max, p just below drops it", "[codec]") {
+  const role r = GENERATE(role::k, role::v);
+  const int d = 64, G = 32;
+  const auto ra = format_id(find_format(family::rolealign, 4, G));
+  // every group: 0, 1/31, ..., 1 (ascending in the group's direction), one value 100 in group 0
+  std::vector<float> x(size_t(P) * d);
+  for (int t = 0; t < P; ++t)
+    for (int c = 0; c < d; ++c) x[size_t(t) * d + c] = float((r == role::k ? t : c) % G) / 31.f;
+  x[size_t(5) * d + 3] = 100.f;  // token 5, channel 3: in K's (channel 3, tokens 0-31) and V's (token 5, channels 0-31)
+  const auto params = [&](const encoded& e) {  // (scale, zero) of the outlier's group
+    const int idx = r == role::k ? 3 : 5 * (d / G);
+    return std::pair{half_to_float(e.g.scales(e.page.data())[idx]), half_to_float(e.g.zeros(e.page.data())[idx])};
+  };
+  const auto at_outlier = [&](const encoded& e) { return codec::decode_element(e.g, e.page.data(), 5, 3); };
+  {  // p = 100: the range is [0, 100], the outlier decodes exactly
+    const auto e = encode(ra, r, d, x, 100.f);
+    const auto [s, z] = params(e);
+    CHECK(z == 0.f);
+    CHECK(s == half_to_float(float_to_half(100.f / 15.f)));
+    CHECK(at_outlier(e) == Approx(100.f).epsilon(1e-3));
+  }
+  {  // p = 99.5: position 30.845 between the two largest, 1 (= 31/31) and 100; 0.155 at the bottom
+    const auto e = encode(ra, r, d, x, 99.5f);
+    const auto [s, z] = params(e);
+    const double hi = 1.0 + (100.0 - 1.0) * (99.5 / 100.0 * 31.0 - 30.0), lo = 0.155 / 31.0;
+    CHECK(z == Approx(lo).epsilon(2e-3));
+    CHECK(s == Approx((hi - lo) / 15.0).epsilon(2e-3));
+    CHECK(at_outlier(e) == Approx(z + 15.f * s).epsilon(1e-6));  // clamped to the top code
+  }
+  {  // p = 96: position 29.76, below the outlier (sorted, x[29] = 30/31 and x[30] = 1: the value
+     // the outlier replaced is gone); position 1.24 at the bottom. The outlier clamps to the top.
+    const auto e = encode(ra, r, d, x, 96.f);
+    const auto [s, z] = params(e);
+    const double hi = 30.0 / 31.0 + (1.0 - 30.0 / 31.0) * (96.0 / 100.0 * 31.0 - 29.0);
+    const double lo = 1.0 / 31.0 + (1.0 / 31.0) * ((100.0 - 96.0) / 100.0 * 31.0 - 1.0);
+    CHECK(z == Approx(lo).epsilon(2e-3));
+    CHECK(s == Approx((hi - lo) / 15.0).epsilon(2e-3));
+    CHECK(at_outlier(e) == Approx(z + 15.f * s).epsilon(1e-6));
+  }
+  // the tail the encoder keeps: 16 values per end at most
+  CHECK(codec::percentile_tail(100.f, 128) == 1);
+  CHECK(codec::percentile_tail(90.f, 32) == 5);    // 27.9: x[27], x[28] -> 5 from the top
+  CHECK(codec::percentile_tail(90.f, 128) == 14);  // 114.3: x[114], x[115]
+  CHECK(codec::percentile_tail(50.f, 32) == 17);   // the median needs half the group
 }
 
 TEST_CASE("3-bit codes are a 2-bit plane and a 1-bit plane, as documented", "[codec]") {
@@ -352,7 +429,7 @@ TEST_CASE("nvfp4 pages hold NVFP4's bytes: packed e2m1, e4m3 block scales, an fp
     for (int c = 0; c < d; ++c)
       src[size_t(t) * d + c] = float_to_half((c == 16 ? 12 : c % 8) * 0.5f * float(1 << (t % 4)));
   std::vector<uint8_t> page(g.lay.total(), 0xEE);
-  codec::encode_unit(g, src.data(), d, 0, page.data(), 1.f);
+  codec::encode_unit(g, src.data(), d, 0, page.data(), codec::no_clip);
   const float ts = *reinterpret_cast<const float*>(page.data() + g.lay.zero_offset());
   CHECK(ts == 48.f / 2688.f);  // page amax 48
   for (uint32_t i = g.lay.zero_offset() + 4; i < g.lay.total(); ++i) CHECK(page[i] == 0);

@@ -208,7 +208,7 @@ TEST_CASE("a family defined outside the library gets a descriptor, a name and a 
   REQUIRE(g.lay.total() == uint32_t(P * d));
   REQUIRE(g.unit_count() == P);
   std::vector<uint8_t> page(g.lay.total(), 0);
-  for (int u = 0; u < g.unit_count(); ++u) test_formats::encode_unit(g, src.data(), d, u, page.data(), 1.f);
+  for (int u = 0; u < g.unit_count(); ++u) test_formats::encode_unit(g, src.data(), d, u, page.data(), codec::no_clip);
   for (int t = 0; t < P; ++t)
     for (int c = 0; c < d; ++c) {
       const float x = half_to_float(src[size_t(t) * d + c]), y = test_formats::decode_element(g, page.data(), t, c);
@@ -225,8 +225,8 @@ TEST_CASE("a family defined outside the library gets a descriptor, a name and a 
   std::vector<uint8_t> a(gk.lay.total(), 0), b(gl.lay.total(), 0);
   REQUIRE(gk.unit_count() == gl.unit_count());
   for (int u = 0; u < gk.unit_count(); ++u) {
-    test_formats::encode_unit(gk, src2.data(), d, u, a.data(), 1.f);
-    codec::encode_unit(gl, src2.data(), d, u, b.data(), 1.f);
+    test_formats::encode_unit(gk, src2.data(), d, u, a.data(), codec::no_clip);
+    codec::encode_unit(gl, src2.data(), d, u, b.data(), codec::no_clip);
   }
   CHECK(a == b);
 }

@@ -51,7 +51,7 @@ TEST_CASE("every format: NaN or Inf input is rejected and nothing is stored", "[
       for (int t = 0; t < P; ++t)
         for (int ch = 0; ch < d; ++ch) src[size_t(t) * d + ch] = float_to_half(x[(size_t(t) * h + head) * d + ch]);
       std::vector<uint8_t> page(g.lay.total(), 0);
-      for (int u = 0; u < g.unit_count(); ++u) codec::encode_unit(g, src.data(), d, u, page.data(), 1.f);
+      for (int u = 0; u < g.unit_count(); ++u) codec::encode_unit(g, src.data(), d, u, page.data(), codec::no_clip);
       size_t diff = 0;
       for (int t = 0; t < P; ++t)
         for (int ch = 0; ch < d; ++ch) {

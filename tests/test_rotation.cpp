@@ -292,21 +292,23 @@ TEST_CASE("the calibrator measures rotated candidates; the artifact keeps them (
   check(cal.observe(0, view(q, T, Hq, d), view(k, T, H, d), view(v, T, H, d)));
   for (int h = 0; h < H; ++h)
     for (role r : {role::k, role::v}) {
-      REQUIRE(*cal.damage(0, h, r, fp16_format, 1.f, true) == 0.0);
-      const double s4 = *cal.damage(0, h, r, opt.formats[2]), s4r = *cal.damage(0, h, r, opt.formats[2], 1.f, true);
+      REQUIRE(*cal.damage(0, h, r, fp16_format, 100.f, true) == 0.0);
+      const double s4 = *cal.damage(0, h, r, opt.formats[2]), s4r = *cal.damage(0, h, r, opt.formats[2], 100.f, true);
       CAPTURE(h, r, s4, s4r);
       REQUIRE(s4r < 0.5 * s4);  // per-token groups no longer sized by the outlier channels
     }
-  const double v2 = *cal.damage(0, 0, role::v, opt.formats[1]), v2r = *cal.damage(0, 0, role::v, opt.formats[1], 1.f, true);
+  const double v2 = *cal.damage(0, 0, role::v, opt.formats[1]),
+               v2r = *cal.damage(0, 0, role::v, opt.formats[1], 100.f, true);
   REQUIRE(v2r < v2);
   calib::artifact a;
   const auto prof = cal.result(&a, "text").value_or_throw();
   const auto rprof = cal.rotated_result().value_or_throw();
-  REQUIRE(a.version == 3);
+  REQUIRE(a.version == 4);
   REQUIRE(a.has_rotated());
+  REQUIRE(a.rotated_clip_percentiles == cal.clip_percentiles(true));
   REQUIRE(a.rotation_seed == 1234);
   REQUIRE(a.rotated_sensitivity.values == rprof.values);
-  REQUIRE(rprof.at(0, 0, role::v, 2) == *cal.damage(0, 0, role::v, opt.formats[2], 1.f, true));
+  REQUIRE(rprof.at(0, 0, role::v, 2) == *cal.damage(0, 0, role::v, opt.formats[2], 100.f, true));
   REQUIRE(prof.at(0, 0, role::v, 2) == *cal.damage(0, 0, role::v, opt.formats[2]));
   // the JSON round trip keeps them bit for bit
   const std::string text = a.to_json().value_or_throw();
@@ -318,11 +320,14 @@ TEST_CASE("the calibrator measures rotated candidates; the artifact keeps them (
   REQUIRE(b.rotated_sensitivity.formats == a.rotated_sensitivity.formats);
   // version 1 (no rotated damages) still loads; a version 1 file with them does not
   calib::artifact old = a;
+  old.clip_percentiles.assign(old.clip_percentiles.size(), 100.f);  // versions 1-3 hold no percentiles
+  old.rotated_clip_percentiles.clear();
+  old.version = 3;
+  std::string v1_rot = old.to_json().value_or_throw();
   old.rotated_sensitivity = {};
   old.version = 1;
   const std::string v1 = old.to_json().value_or_throw();
   REQUIRE(calib::artifact::parse(v1, "v1", ms).value_or_throw().version == 1);
-  std::string v1_rot = text;
   v1_rot.replace(v1_rot.find("\"version\": 3"), 12, "\"version\": 1");
   REQUIRE_THAT(calib::artifact::parse(v1_rot, "v1rot", ms).error().message(),
                Catch::Contains("'rotated' needs version 2, the file is version 1"));

@@ -159,7 +159,7 @@ TEST_CASE("export and import: mixed formats, truncated and empty sequences, the 
   const std::vector<uint8_t> blob = export_of(a, {5, 6});
   const blob_info info = inspect_blob(blob).value_or_throw();
   CHECK(info.sequences[1].layers[0].n == 0);
-  REQUIRE(info.levels.size() == 1);  // cb3/g32's levels; the clip ratios always
+  REQUIRE(info.levels.size() == 1);  // cb3/g32's levels; the clip percentiles always
   CHECK(format_name(info.levels[0].first) == "cb3/g32");
   CHECK(info.clip.size() == size_t(layers) * kvh * 2);
   KVCache b = make(spec);

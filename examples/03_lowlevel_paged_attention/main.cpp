@@ -130,7 +130,8 @@ void append_layer(engine& eng, std::vector<sequence>& seqs, int layer, int32_t m
           const auto g = kvq::codec::make_geom(f, r, P, d);
           const auto& src = r == kvq::role::k ? s.k16[layer] : s.v16[layer];
           for (int u = 0; u < g.unit_count(); ++u)
-            kvq::codec::encode_unit(g, src.data() + (size_t(first) * kv_heads + h) * d, kv_heads * d, u, at, 1.f);
+            kvq::codec::encode_unit(g, src.data() + (size_t(first) * kv_heads + h) * d, kv_heads * d, u, at,
+                                    kvq::codec::no_clip);
           auto& read = r == kvq::role::k ? s.k_read[layer] : s.v_read[layer];
           for (int t = 0; t < P; ++t)
             for (int c = 0; c < d; ++c) read[(size_t(first + t) * kv_heads + h) * d + c] = kvq::codec::decode_element(g, at, t, c);

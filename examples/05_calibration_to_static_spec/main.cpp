@@ -98,12 +98,12 @@ int main() {
   };
 
   // 1. Calibration: the candidates, with fp16 as the undamaged top rung; no rolealign candidate,
-  //    so no clip ratios to choose (an engine shipping rolealign ships them with the spec).
+  //    so no clip percentiles to choose (an engine shipping rolealign ships them with the spec).
   kvq::calib::calibrator_options opt;
   opt.formats = kvq::calib::default_candidates();
   opt.formats.insert(opt.formats.begin(), kvq::fp16_format);
   opt.clip_formats = {};
-  opt.clip_grid = {1.f};
+  opt.clip_percentile_grid = {100.f};
   opt.model_name = "synthetic";
   auto cal = kvq::calib::calibrator::create(shape, opt).value_or_throw();
   std::vector<float> q(size_t(tokens) * q_heads * d), k(size_t(tokens) * kv_heads * d), v(k.size());

@@ -283,9 +283,11 @@ class Cache:
         self._c.check(self._stream(stream))
 
     # ---- policy parameters ----
-    def set_clip_ratios(self, ratios: Any) -> None:
-        """rolealign clip ratios, float32 [layers, kv_heads, 2], each in (0, 1]."""
-        self._c.set_clip_ratios(ratios)
+    def set_clip_percentiles(self, percentiles: Any) -> None:
+        """rolealign clip percentiles, float32 [layers, kv_heads, 2] (K then V): each group's range
+        becomes its (100-p)-th..p-th percentile; p in [50, 100], 100 clips nothing (the default),
+        and p must need at most 16 order statistics per end of a 128-value group (p >= ~88.2)."""
+        self._c.set_clip_percentiles(percentiles)
 
     def set_codebook_levels(self, format: str, levels: Any) -> None:
         """Levels of codebook format `format`, float32 [layers, kv_heads, 2, 2^bits], ascending."""

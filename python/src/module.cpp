@@ -601,8 +601,10 @@ NB_MODULE(_kvq, m) {
           "check", [](py_cache& c, std::optional<uintptr_t> s) { ok(c.use()->check(stream_of(s))); },
           "stream"_a = nb::none())
       .def(
-          "set_clip_ratios",
-          [](py_cache& c, in_array ratios) { ok(c.use()->set_clip_ratios(host_floats(ratios, "ratios"))); },
+          "set_clip_percentiles",
+          [](py_cache& c, in_array percentiles) {
+            ok(c.use()->set_clip_percentiles(host_floats(percentiles, "percentiles")));
+          },
           "ratios"_a)
       .def(
           "set_codebook_levels",

@@ -308,7 +308,7 @@ def test_every_policy_kind_from_its_string():
         assert np.isfinite(out).all() and c.stats()["pages"] > 0, config
 
 
-def test_codebook_levels_and_clip_ratios():
+def test_codebook_levels_and_clip_percentiles():
     c = make("cb3/g32", layers=1)
     levels = c.codebook_levels("cb3/g32")
     assert levels.shape == (1, 2, 2, 8) and (np.diff(levels, axis=-1) > 0).all()
@@ -319,9 +319,13 @@ def test_codebook_levels_and_clip_ratios():
     with pytest.raises(kvq.InvalidArgument):
         c.set_codebook_levels("kivi4/g32", levels)
     np.testing.assert_allclose(c.codebook_levels("cb3/g32"), levels * 0.9, rtol=1e-6)
-    c.set_clip_ratios(np.full((1, 2, 2), 0.9, np.float32))
-    with pytest.raises(kvq.InvalidArgument):
-        c.set_clip_ratios(np.full((1, 2, 2), 1.5, np.float32))
+    c.set_clip_percentiles(np.full((1, 2, 2), 99.0, np.float32))
+    bad = np.full((1, 2, 2), 100.0, np.float32)
+    bad[0, 1, 1] = 0.9  # a former clip ratio is not a percentile
+    with pytest.raises(kvq.InvalidArgument, match=r"layer 0, head 1, V: clip percentile 0.9 is not in \[50, 100\]"):
+        c.set_clip_percentiles(bad)
+    with pytest.raises(kvq.InvalidArgument, match="keeps at most 16"):
+        c.set_clip_percentiles(np.full((1, 2, 2), 60.0, np.float32))
 
 
 def test_module_level_helpers():

@@ -109,7 +109,7 @@ status pool_append(const cuda::append_args& a) {
             }
           const codec::page_geom g = codec::make_geom(f, r == 0 ? role::k : role::v, P, d);
           std::memset(out, 0, g.lay.total());
-          codec::encode_params ep{a.clip ? a.clip[2 * h + r] : 1.0f, nullptr};
+          codec::encode_params ep{a.clip ? a.clip[2 * h + r] : codec::no_clip, nullptr};
           if (a.levels != nullptr && codec::is_codebook_format(f))
             ep.levels = a.levels + codec::codebook_level_offset(size_t(2 * h + r), f);
           for (int u = 0; u < g.unit_count(); ++u) codec::encode_unit(g, src.data(), d, u, out, ep);

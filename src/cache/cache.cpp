@@ -449,19 +449,29 @@ status KVCache::read(seq_id id, int layer, role r, std::span<float> out, stream_
   return impl_->read(*s, layer, r, out);
 }
 
-status KVCache::set_clip_ratios(std::span<const float> ratios) {
+std::string clip_percentile_error(float p) {
+  if (!(p >= 50.f && p <= 100.f)) return fmt::format("clip percentile {} is not in [50, 100]", p);
+  const int tail = codec::percentile_tail(p, codec::max_rolealign_group);
+  if (tail > codec::max_percentile_tail)
+    return fmt::format(
+        "clip percentile {} needs the {} smallest and largest values of a {}-value group (ra<b>/g{}); the encoder "
+        "keeps at most {} from each end",
+        p, tail, codec::max_rolealign_group, codec::max_rolealign_group, codec::max_percentile_tail);
+  return {};
+}
+
+status KVCache::set_clip_percentiles(std::span<const float> percentiles) {
   KVQ_LIVE();
   const auto& sh = state_->cfg.shape;
   const size_t need = size_t(sh.layers) * sh.kv_heads * 2;
-  if (ratios.size() != need)
-    return {errc::invalid_argument,
-            fmt::format("set_clip_ratios: got {} ratios, need layers*kv_heads*2 = {}", ratios.size(), need)};
+  if (percentiles.size() != need)
+    return {errc::invalid_argument, fmt::format("set_clip_percentiles: got {} percentiles, need layers*kv_heads*2 = {}",
+                                                percentiles.size(), need)};
   for (size_t i = 0; i < need; ++i)
-    if (!(ratios[i] > 0.f && ratios[i] <= 1.f))
-      return {errc::invalid_argument,
-              fmt::format("set_clip_ratios: ratio {} at index {} (layer {}, head {}, {}) is not in (0, 1]", ratios[i],
-                          i, i / (2 * sh.kv_heads), (i / 2) % sh.kv_heads, i % 2 ? "V" : "K")};
-  state_->clip.assign(ratios.begin(), ratios.end());
+    if (const std::string e = clip_percentile_error(percentiles[i]); !e.empty())
+      return {errc::invalid_argument, fmt::format("set_clip_percentiles: layer {}, head {}, {}: {}",
+                                                  i / (2 * sh.kv_heads), (i / 2) % sh.kv_heads, i % 2 ? "V" : "K", e)};
+  state_->clip.assign(percentiles.begin(), percentiles.end());
   return {};
 }
 

@@ -1,4 +1,5 @@
 // The sequence blob's writer and reader (include/kvq/cache/sequence_blob.hpp).
+#include <kvq/cache/cache.hpp>
 #include <kvq/cache/sequence_blob.hpp>
 #include <kvq/codec/codec.hpp>
 #include <kvq/store/arena.hpp>
@@ -367,9 +368,16 @@ result<blob_info> inspect_blob(std::span<const uint8_t> blob) {
     table.push_back(*f);
   }
   info.clip.resize(units * 2);
-  if (!r.take(info.clip.data(), info.clip.size() * sizeof(float), "the clip ratios")) return bad(r.error);
-  for (float c : info.clip)
-    if (!(c > 0.f && c <= 1.f)) return bad(fmt::format("a clip ratio is {}, not in (0, 1]", c));
+  if (!r.take(info.clip.data(), info.clip.size() * sizeof(float), "the clip percentiles")) return bad(r.error);
+  if (info.version == 1) {  // clip ratios in (0, 1]: not percentiles, read as no clipping
+    for (float c : info.clip)
+      if (!(c > 0.f && c <= 1.f)) return bad(fmt::format("a version 1 clip ratio is {}, not in (0, 1]", c));
+    std::fill(info.clip.begin(), info.clip.end(), codec::no_clip);
+  }
+  for (size_t i = 0; i < info.clip.size(); ++i)
+    if (const std::string e = clip_percentile_error(info.clip[i]); !e.empty())
+      return bad(fmt::format("layer {}, head {}, {}: {}", i / 2 / size_t(sh.kv_heads), (i / 2) % size_t(sh.kv_heads),
+                             i % 2 ? "V" : "K", e));
   const uint32_t tables = r.get<uint32_t>("the level tables");
   if (!r.error.empty()) return bad(r.error);
   if (tables > formats) return bad(fmt::format("{} level tables for {} formats", tables, formats));

@@ -5,6 +5,7 @@
 #include <charconv>
 #include <cmath>
 #include <fstream>
+#include <kvq/cache/cache.hpp>
 #include <kvq/calib/artifact.hpp>
 #include <kvq/codec/codec.hpp>
 #include <limits>
@@ -99,7 +100,7 @@ struct reader {
   if (!var##_r) return var##_r.error(); \
   auto var = std::move(var##_r).value()
 
-// The double nearest to the shortest decimal that reads back as `x`: clip ratios are floats, and
+// The double nearest to the shortest decimal that reads back as `x`: clip percentiles are floats, and
 // 0.9f written as a double would print as 0.8999999761581421. Locale-independent.
 double float_as_decimal(float x) {
   const std::string s = fmt::format("{}", x);
@@ -153,13 +154,22 @@ status artifact::validate() const {
                            sensitivity.kv_heads, shape.layers, shape.kv_heads));
   if (status s = sensitivity.validate(); !s.ok()) return bad(s.message());
   const size_t nclip = size_t(shape.layers) * size_t(shape.kv_heads) * 2;
-  if (clip_ratios.size() != nclip)
-    return bad(fmt::format("{} clip ratios, the model needs {} (layers x kv heads x 2)", clip_ratios.size(), nclip));
-  for (size_t i = 0; i < nclip; ++i)
-    if (!(clip_ratios[i] > 0.f && clip_ratios[i] <= 1.f))
-      return bad(fmt::format("clip ratio of layer {} head {} {} is {}; must be in (0, 1]",
-                             i / 2 / size_t(shape.kv_heads), (i / 2) % size_t(shape.kv_heads), i % 2 ? "V" : "K",
-                             clip_ratios[i]));
+  for (const bool rot : {false, true}) {
+    const std::vector<float>& table = rot ? rotated_clip_percentiles : clip_percentiles;
+    const char* name = rot ? "rotated clip percentiles" : "clip percentiles";
+    if (rot && table.empty()) continue;
+    if (rot && version < 4)
+      return bad(fmt::format("rotated clip percentiles need version 4, the artifact is version {}", version));
+    if (table.size() != nclip)
+      return bad(fmt::format("{} {}, the model needs {} (layers x kv heads x 2)", table.size(), name, nclip));
+    for (size_t i = 0; i < nclip; ++i) {
+      const std::string e = clip_percentile_error(table[i]);
+      const char* hole = !e.empty() ? e.c_str() : version < 4 && table[i] != 100.f ? "needs version 4" : nullptr;
+      if (hole)
+        return bad(fmt::format("{}: layer {} head {} {}: {}", name, i / 2 / size_t(shape.kv_heads),
+                               (i / 2) % size_t(shape.kv_heads), i % 2 ? "V" : "K", hole));
+    }
+  }
   if (!output_kl.empty()) {
     const output_kl_table& o = output_kl;
     if (o.layers != shape.layers || o.kv_heads != shape.kv_heads)
@@ -213,6 +223,20 @@ status artifact::validate() const {
   return {};
 }
 
+result<std::vector<float>> artifact::clip_percentiles_for(const std::vector<uint8_t>& rotated_heads) const {
+  const size_t units = size_t(shape.layers) * size_t(shape.kv_heads);
+  if (!rotated_heads.empty() && rotated_heads.size() != units)
+    return status{errc::invalid_argument,
+                  fmt::format("artifact: {} rotated-head flags, the model has {} (layers x kv heads)",
+                              rotated_heads.size(), units)};
+  std::vector<float> out = clip_percentiles;
+  for (size_t u = 0; u < units && !rotated_heads.empty(); ++u)
+    if (rotated_heads[u])
+      for (size_t r = 0; r < 2; ++r)
+        out[u * 2 + r] = rotated_clip_percentiles.empty() ? codec::no_clip : rotated_clip_percentiles[u * 2 + r];
+  return out;
+}
+
 const codebook_fit* artifact::find_codebook(format_id f, bool rotated) const {
   for (const codebook_fit& c : codebooks)
     if (c.format == f && c.rotated == rotated) return &c;
@@ -259,14 +283,24 @@ result<std::string> artifact::to_json() const {
     j["sensitivity"][r == role::k ? "k_attention_kl" : "v_output_perturbation"] =
         grid_json(shape.layers, shape.kv_heads, sensitivity.formats.size(),
                   [&](int l, int h, size_t f) { return sensitivity.at(l, h, r, int(f)); });
-    ojson clips = ojson::array();
-    for (int l = 0; l < shape.layers; ++l) {
-      ojson heads = ojson::array();
-      for (int h = 0; h < shape.kv_heads; ++h)
-        heads.push_back(float_as_decimal(clip_ratios[(size_t(l) * shape.kv_heads + h) * 2 + (r == role::k ? 0 : 1)]));
-      clips.push_back(heads);
+  }
+  // the clip percentiles (version 4), or an older version's clip ratios: all 1, as validated
+  for (const bool rot : {false, true}) {
+    const std::vector<float>& table = rot ? rotated_clip_percentiles : clip_percentiles;
+    if (rot && table.empty()) continue;
+    const char* key = version < 4 ? "clip_ratios" : rot ? "rotated_clip_percentiles" : "clip_percentiles";
+    for (role r : {role::k, role::v}) {
+      ojson clips = ojson::array();
+      for (int l = 0; l < shape.layers; ++l) {
+        ojson heads = ojson::array();
+        for (int h = 0; h < shape.kv_heads; ++h)
+          heads.push_back(version < 4
+                              ? 1.0
+                              : float_as_decimal(table[(size_t(l) * shape.kv_heads + h) * 2 + (r == role::k ? 0 : 1)]));
+        clips.push_back(heads);
+      }
+      j[key][r == role::k ? "k" : "v"] = clips;
     }
-    j["clip_ratios"][r == role::k ? "k" : "v"] = clips;
   }
   if (!output_kl.empty()) {
     ojson fmts = ojson::array();
@@ -404,13 +438,21 @@ result<artifact> read_artifact(const json& j, std::string_view source, const mod
                       [&](int l, int h, size_t f, double x) { a.sensitivity.at(l, h, r, int(f)) = x; }));
     }
   }
-  {
-    KVQ_ASSIGN(clips, rd.member(j, "", "clip_ratios"));
-    a.clip_ratios.assign(size_t(L) * H * 2, 1.f);
+  // clip_percentiles (version 4; rotated_clip_percentiles optional), or clip_ratios (1 to 3): a
+  // ratio is not a percentile, so those are checked and read as percentile 100 (no clipping)
+  a.clip_percentiles.assign(size_t(L) * H * 2, codec::no_clip);
+  for (const bool rot : {false, true}) {
+    const bool v4 = a.version >= 4;
+    const char* key = !v4 ? "clip_ratios" : rot ? "rotated_clip_percentiles" : "clip_percentiles";
+    if (rot && !j.contains(key)) continue;
+    if (rot && !v4) break;
+    KVQ_ASSIGN(clips, rd.member(j, "", key));
+    std::vector<float>& table = rot ? a.rotated_clip_percentiles : a.clip_percentiles;
+    table.assign(size_t(L) * H * 2, codec::no_clip);
     for (role r : {role::k, role::v}) {
-      const char* key = r == role::k ? "k" : "v";
-      const std::string base = fmt::format("clip_ratios.{}", key);
-      KVQ_ASSIGN(arr, rd.member(*clips, "clip_ratios", key));
+      const char* rk = r == role::k ? "k" : "v";
+      const std::string base = fmt::format("{}.{}", key, rk);
+      KVQ_ASSIGN(arr, rd.member(*clips, key, rk));
       KVQ_TRY(rd.array_of(*arr, base, size_t(L), "model.layers"));
       for (int l = 0; l < L; ++l) {
         const json& heads = (*arr)[size_t(l)];
@@ -418,12 +460,23 @@ result<artifact> read_artifact(const json& j, std::string_view source, const mod
         for (int h = 0; h < H; ++h) {
           const std::string field = fmt::format("{}[{}][{}]", base, l, h);
           KVQ_ASSIGN(x, rd.number(heads[size_t(h)], field));
-          if (!(x > 0.0 && x <= 1.0)) return rd.fail(field, fmt::format("is {}, must be in (0, 1]", x));
-          a.clip_ratios[(size_t(l) * H + h) * 2 + (r == role::k ? 0 : 1)] = float(x);
+          if (!v4) {
+            if (!(x > 0.0 && x <= 1.0)) return rd.fail(field, fmt::format("is {}, must be in (0, 1]", x));
+            continue;  // read as percentile 100
+          }
+          if (const std::string e = clip_percentile_error(float(x)); !e.empty())
+            return rd.fail(field, fmt::format("(layer {}, head {}, {}): {}", l, h, r == role::k ? "K" : "V", e));
+          table[(size_t(l) * H + h) * 2 + (r == role::k ? 0 : 1)] = float(x);
         }
       }
     }
   }
+  if (a.version < 4 && j.contains("clip_percentiles"))
+    return rd.fail("clip_percentiles", fmt::format("needs version 4, the file is version {}", a.version));
+  if (a.version < 4 && j.contains("rotated_clip_percentiles"))
+    return rd.fail("rotated_clip_percentiles", fmt::format("needs version 4, the file is version {}", a.version));
+  if (a.version >= 4 && j.contains("clip_ratios"))
+    return rd.fail("clip_ratios", "is version 3's; version 4 has clip_percentiles instead");
   if (j.contains("output_kl")) {  // optional
     const json& o = j["output_kl"];
     if (!o.is_object()) return rd.fail("output_kl", fmt::format("must be an object, is {}", o.type_name()));

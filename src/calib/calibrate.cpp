@@ -1,11 +1,12 @@
 // The calibrator: per (layer, kv head, format) K attention KL and V output perturbation over causal
-// chunks, and the rolealign clip ratios they choose. See kvq/calib/calibrate.hpp for the
+// chunks, and the rolealign clip percentiles they choose. See kvq/calib/calibrate.hpp for the
 // definitions; this file is the arithmetic.
 #include <fmt/format.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <kvq/cache/cache.hpp>
 #include <kvq/calib/calibrate.hpp>
 #include <kvq/codec/codec.hpp>
 #include <kvq/format/numeric.hpp>
@@ -186,9 +187,9 @@ kvq::result<calibrator> calibrator::create(const cache_shape& shape, calibrator_
       if (opt.formats[j] == opt.formats[i])
         return bad(fmt::format("format {} is listed twice", format_name(opt.formats[i])));
   }
-  if (opt.clip_grid.empty()) return bad("the clip grid is empty");
-  for (float c : opt.clip_grid)
-    if (!(c > 0.f && c <= 1.f)) return bad(fmt::format("clip ratio {} is outside (0, 1]", c));
+  if (opt.clip_percentile_grid.empty()) return bad("the clip percentile grid is empty");
+  for (float p : opt.clip_percentile_grid)
+    if (const std::string e = clip_percentile_error(p); !e.empty()) return bad("clip_percentile_grid: " + e);
   for (format_id f : opt.clip_formats)
     if (f >= format_count || traits_of(f).fam != family::rolealign)
       return bad(fmt::format("clip format {} is not a rolealign format",
@@ -230,7 +231,7 @@ kvq::result<calibrator> calibrator::create(const cache_shape& shape, calibrator_
       }
   c.scale_ = c.opt_.softmax_scale > 0.f ? c.opt_.softmax_scale : 1.f / std::sqrt(float(shape.head_dim));
 
-  std::vector<format_id> grid_formats;  // rolealign formats measured at every ratio
+  std::vector<format_id> grid_formats;  // rolealign formats measured at every percentile
   c.objective_formats_ = c.opt_.clip_formats;
   for (format_id f : c.opt_.formats)
     if (traits_of(f).fam == family::rolealign) {
@@ -247,21 +248,24 @@ kvq::result<calibrator> calibrator::create(const cache_shape& shape, calibrator_
       if (status s = check_shape(f, r, shape.page_tokens, shape.head_dim); !s.ok()) return bad(s.message());
 
   const auto add = [&](format_id f, float clip, bool rotated) {
-    if (traits_of(f).fam == family::rolealign && clip == 1.f) {
+    if (traits_of(f).fam == family::rolealign && clip == codec::no_clip) {
       const format_traits t = traits_of(f);
       f = format_id(find_format(family::kivi, t.bits, t.group));
     }
-    if (traits_of(f).fam != family::rolealign) clip = 1.f;
+    if (traits_of(f).fam != family::rolealign) clip = codec::no_clip;
     for (const variant& v : c.variants_)
       if (v.f == f && v.clip == clip && v.rotated == rotated) return;
     c.variants_.push_back({f, clip, rotated});
   };
-  for (format_id f : c.opt_.formats) add(f, 1.f, false);
+  for (format_id f : c.opt_.formats) add(f, codec::no_clip, false);
   if (c.opt_.rotated)
-    for (format_id f : c.opt_.formats) add(f, 1.f, true);
-  for (format_id f : grid_formats) {
-    add(f, 1.f, false);  // the normalization of the clip objective
-    for (float r : c.opt_.clip_grid) add(f, r, false);
+    for (format_id f : c.opt_.formats) add(f, codec::no_clip, true);
+  for (bool rot : {false, true}) {
+    if (rot && !c.opt_.rotated) continue;
+    for (format_id f : grid_formats) {
+      add(f, codec::no_clip, rot);  // the normalization of the clip objective
+      for (float p : c.opt_.clip_percentile_grid) add(f, p, rot);
+    }
   }
 
   const size_t units = size_t(shape.layers) * size_t(shape.kv_heads);
@@ -347,9 +351,9 @@ kvq::result<std::vector<codebook_fit>> calibrator::fitted_codebooks() const {
 int calibrator::variant_of(format_id f, float clip, bool rotated) const {
   if (f >= format_count) return -1;
   const format_traits t = traits_of(f);
-  if (t.fam == family::rolealign && clip == 1.f) f = format_id(find_format(family::kivi, t.bits, t.group));
+  if (t.fam == family::rolealign && clip == codec::no_clip) f = format_id(find_format(family::kivi, t.bits, t.group));
   if (traits_of(f).fam != family::rolealign) {
-    if (clip != 1.f) return -1;
+    if (clip != codec::no_clip) return -1;
   }
   for (size_t i = 0; i < variants_.size(); ++i)
     if (variants_[i].f == f && variants_[i].clip == clip && variants_[i].rotated == rotated) return int(i);
@@ -535,35 +539,36 @@ double calibrator::mean_damage(int layer, int kv_head, role r, int vi) const {
   return v_ref_[unit] > 0 ? v_err_[unit * nv + size_t(vi)] / v_ref_[unit] : 0.0;
 }
 
-float calibrator::choose_clip(int layer, int kv_head, role r) const {
-  if (tokens_[size_t(layer)] == 0) return 1.f;
-  float best_ratio = 1.f;
+float calibrator::choose_clip(int layer, int kv_head, role r, bool rotated) const {
+  if (tokens_[size_t(layer)] == 0) return codec::no_clip;
+  float best_p = codec::no_clip;
   double best = std::numeric_limits<double>::infinity();
-  for (float ratio : opt_.clip_grid) {
+  for (float p : opt_.clip_percentile_grid) {
     double sum = 0.0;
     int n = 0;
     for (format_id f : objective_formats_) {
-      const double base = mean_damage(layer, kv_head, r, variant_of(f, 1.f));
+      const double base = mean_damage(layer, kv_head, r, variant_of(f, codec::no_clip, rotated));
       if (!(base > 0.0)) continue;
-      sum += mean_damage(layer, kv_head, r, variant_of(f, ratio)) / base;
+      sum += mean_damage(layer, kv_head, r, variant_of(f, p, rotated)) / base;
       ++n;
     }
-    if (n == 0) return 1.f;
+    if (n == 0) return codec::no_clip;
     const double obj = sum / n;
-    if (obj < best || (obj == best && ratio > best_ratio)) {
+    if (obj < best || (obj == best && p > best_p)) {
       best = obj;
-      best_ratio = ratio;
+      best_p = p;
     }
   }
-  return best_ratio;
+  return best_p;
 }
 
-std::vector<float> calibrator::clip_ratios() const {
+std::vector<float> calibrator::clip_percentiles(bool rotated) const {
   std::vector<float> out;
   out.reserve(size_t(shape_.layers) * size_t(shape_.kv_heads) * 2);
   for (int l = 0; l < shape_.layers; ++l)
     for (int h = 0; h < shape_.kv_heads; ++h)
-      for (role r : {role::k, role::v}) out.push_back(choose_clip(l, h, r));
+      for (role r : {role::k, role::v})
+        out.push_back(rotated && !opt_.rotated ? codec::no_clip : choose_clip(l, h, r, rotated));
   return out;
 }
 
@@ -575,7 +580,7 @@ kvq::result<double> calibrator::damage(int layer, int kv_head, role r, format_id
     return status{errc::not_found, fmt::format("calibrator: layer {} was never observed", layer)};
   const int vi = variant_of(f, clip, rotated);
   if (vi < 0)
-    return status{errc::not_found, fmt::format("calibrator: {}{} at clip ratio {} was not measured",
+    return status{errc::not_found, fmt::format("calibrator: {}{} at clip percentile {} was not measured",
                                                f < format_count ? format_name(f) : std::to_string(int(f)),
                                                rotated ? " rotated" : "", clip)};
   return mean_damage(layer, kv_head, r, vi);
@@ -594,8 +599,8 @@ kvq::result<sensitivity_profile> calibrator::profile(bool rotated, const std::ve
         const float clip = clips[(size_t(l) * size_t(shape_.kv_heads) + size_t(h)) * 2 + (r == role::k ? 0 : 1)];
         for (size_t fi = 0; fi < opt_.formats.size(); ++fi) {
           const format_id f = opt_.formats[fi];
-          const bool clipped = traits_of(f).fam == family::rolealign && !rotated;
-          const int vi = variant_of(f, clipped ? clip : 1.f, rotated);
+          const bool clipped = traits_of(f).fam == family::rolealign;
+          const int vi = variant_of(f, clipped ? clip : codec::no_clip, rotated);
           p.at(l, h, r, int(fi)) = std::max(0.0, mean_damage(l, h, r, vi));
         }
       }
@@ -606,11 +611,11 @@ kvq::result<sensitivity_profile> calibrator::profile(bool rotated, const std::ve
 kvq::result<sensitivity_profile> calibrator::rotated_result() const {
   if (!opt_.rotated)
     return status{errc::not_found, "calibrator: rotated candidates were not measured (options.rotated)"};
-  return profile(true, clip_ratios());
+  return profile(true, clip_percentiles(true));
 }
 
 kvq::result<sensitivity_profile> calibrator::result(artifact* out, std::string_view calibration_text) const {
-  const std::vector<float> clips = clip_ratios();
+  const std::vector<float> clips = clip_percentiles();
   auto made = profile(false, clips);
   if (!made) return made.error();
   sensitivity_profile p = std::move(made).value();
@@ -621,9 +626,10 @@ kvq::result<sensitivity_profile> calibrator::result(artifact* out, std::string_v
     a.text_hash = artifact::hash_text(calibration_text);
     a.calibration_tokens = *std::min_element(tokens_.begin(), tokens_.end());
     a.sensitivity = p;
-    a.clip_ratios = clips;
+    a.clip_percentiles = clips;
     if (opt_.rotated) {
-      auto rp = profile(true, clips);
+      a.rotated_clip_percentiles = clip_percentiles(true);
+      auto rp = profile(true, a.rotated_clip_percentiles);
       if (!rp) return rp.error();
       a.rotated_sensitivity = std::move(rp).value();
       a.rotation_seed = opt_.rotation_seed;

@@ -207,7 +207,7 @@ result<canary_measurement> echokv_policy::measure(const query_observation& o) co
       const uint16_t* src = &scratch_src_[size_t(h) * head_elems];
       const float* ref = &scratch_ref_[size_t(h) * head_elems];
       const uint8_t* page = scratch_page_.data();
-      for (int u = 0; u < g.unit_count(); ++u) codec::encode_unit(g, src, d, u, scratch_page_.data(), 1.0f);
+      for (int u = 0; u < g.unit_count(); ++u) codec::encode_unit(g, src, d, u, scratch_page_.data(), codec::no_clip);
       float* err = &scratch_err_[(t * H + size_t(h)) * head_elems];
       if (g.k_columns() && g.fmt.bits != 3) {  // 3-bit codes are in two planes: decode_element below
         // NOTE: the per-element `decode_element` converts a scale and a zero for every element and

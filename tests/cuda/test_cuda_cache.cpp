@@ -136,9 +136,9 @@ TEST_CASE("gpu: append stores what the CPU stores, every format", "[gpu][append]
   CAPTURE(spec, d);
   auto c = make(spec, 2, 8, 2, d);
   std::vector<float> clip(2 * 2 * 2);
-  for (size_t i = 0; i < clip.size(); ++i) clip[i] = 0.8f + 0.05f * float(i % 4);
-  check(c.cpu.set_clip_ratios(clip));
-  check(c.gpu.set_clip_ratios(clip));
+  for (size_t i = 0; i < clip.size(); ++i) clip[i] = 90.f + 2.5f * float(i % 4);  // 90 .. 97.5 percentiles
+  check(c.cpu.set_clip_percentiles(clip));
+  check(c.gpu.set_clip_percentiles(clip));
   std::mt19937 rng(uint32_t(fi * 100 + d));
   check(c.cpu.create_sequence(3));
   check(c.gpu.create_sequence(3));
@@ -412,9 +412,9 @@ TEST_CASE("gpu: a batched append stores what per-sequence CPU appends store", "[
   const std::string spec = GENERATE("kivi4/g32", "k=fp8,v=sym8;1=fp16");
   CAPTURE(spec);
   auto c = make(spec, 2, 8, 2, 128);
-  std::vector<float> clip(2 * 2 * 2, 0.9f);
-  check(c.cpu.set_clip_ratios(clip));
-  check(c.gpu.set_clip_ratios(clip));
+  std::vector<float> clip(2 * 2 * 2, 95.f);
+  check(c.cpu.set_clip_percentiles(clip));
+  check(c.gpu.set_clip_percentiles(clip));
   std::mt19937 rng(31);
   const int nseq = 13, H = 2, d = 128;
   for (int s = 0; s < nseq; ++s) check(c.cpu.create_sequence(s)), check(c.gpu.create_sequence(s));

@@ -63,7 +63,8 @@ arena_on_host build(std::mt19937& rng, int P, const std::vector<std::string>& sp
         const auto src = randn_h(rng, size_t(P) * d);
         const size_t at = a.bytes.size();
         a.bytes.resize(at + g.lay.total(), 0);
-        for (int u = 0; u < g.unit_count(); ++u) codec::encode_unit(g, src.data(), d, u, a.bytes.data() + at, 1.0f);
+        for (int u = 0; u < g.unit_count(); ++u)
+          codec::encode_unit(g, src.data(), d, u, a.bytes.data() + at, codec::no_clip);
         auto& dst = r == role::k ? a.k : a.v;
         for (int t = 0; t < P; ++t)
           for (int c = 0; c < d; ++c)

@@ -43,6 +43,11 @@
 
 KVQ_NAMESPACE_BEGIN
 
+/// Why `p` cannot be a rolealign clip percentile, or empty when it can: p must be in [50, 100]
+/// and its percentiles of the largest rolealign group (`codec::max_rolealign_group` values) must
+/// need at most `codec::max_percentile_tail` order statistics from each end (p >= about 88.2).
+KVQ_EXPORT std::string clip_percentile_error(float p);
+
 namespace detail {
 struct cache_state;
 class cache_backend;
@@ -246,9 +251,10 @@ class KVQ_EXPORT KVCache {
   /// restored; OK when nothing was refused. CPU: always OK (the CPU refuses at the call).
   status check(stream_ref stream = {});
 
-  /// rolealign clip ratios, [layers][kv_heads][2] (K then V), each in (0, 1]. Applies to pages
-  /// encoded afterwards.
-  status set_clip_ratios(std::span<const float> ratios);
+  /// rolealign clip percentiles, [layers][kv_heads][2] (K then V): each group's range becomes
+  /// the (100-p)-th to p-th percentile of its values (format/kivi.hpp); 100 clips nothing (the
+  /// default). Each p must pass `clip_percentile_error`. Applies to pages encoded afterwards.
+  status set_clip_percentiles(std::span<const float> percentiles);
 
   /// The levels codebook format `f` (`cb<b>[/g<G>]`) encodes with, [layers][kv_heads][2][2^b]
   /// (K then V), each (layer, kv head, role) 2^b finite, strictly ascending values in units of

@@ -7,15 +7,16 @@
 /// (each page's scales, zeros, codebook levels and tensor scale inside it), their FP16 windows,
 /// and everything needed to read them: the shape, each page's format (by name), the rotation
 /// (seed and rotated heads), the sink pages, and the cache's encoder parameters (rolealign clip
-/// ratios, the codebook levels of the codebook formats present), which later pages of the
+/// percentiles, the codebook levels of the codebook formats present), which later pages of the
 /// sequence would be encoded with. A page block listed by several of its sequences (a fork) is
 /// stored once and shared again after import.
 ///
-/// Layout, version 1, little-endian:
+/// Layout, version 2, little-endian (version 1 is the same, its clip floats rolealign's former
+/// clip ratios in (0, 1]: they read as percentile 100, no clipping):
 ///
 ///     header (48 bytes)
 ///       0  magic "KVQSEQ\r\n"
-///       8  u32 version (1)              12 u32 flags (0)
+///       8  u32 version (2)              12 u32 flags (0)
 ///      16  u64 meta bytes               24 u64 payload bytes
 ///      32  u32 CRC-32C of the meta      36 u32 CRC-32C of the payload
 ///      40  u32 block unit (256)         44 u32 CRC-32C of bytes 0..43
@@ -23,7 +24,7 @@
 ///       i32 layers, q_heads, kv_heads, head_dim, page_tokens, window, recent, sink_pages
 ///       u64 rotation seed, u8 rotated [layers][kv_heads]
 ///       u32 formats; per format: u8 name length, name (`format_name`), u32 K page bytes, u32 V page bytes
-///       f32 clip ratios [layers][kv_heads][2]
+///       f32 clip percentiles [layers][kv_heads][2]
 ///       u32 level tables; per table: u8 format index, f32 levels [layers][kv_heads][2][2^bits]
 ///       u32 blocks; per block: u8 format index [kv_heads][2] (K, V)
 ///       u32 sequences; per sequence: i64 id, i32 lanes, per layer: i64 n, e, ring_from and
@@ -53,7 +54,7 @@
 KVQ_NAMESPACE_BEGIN
 
 /// The blob format this build writes and the newest it reads.
-inline constexpr uint32_t blob_version = 1;
+inline constexpr uint32_t blob_version = 2;
 /// Bytes of the header before the meta section.
 inline constexpr uint64_t blob_header_bytes = 48;
 

@@ -1,16 +1,16 @@
 #pragma once
 /// \file
-/// The calibration artifact: sensitivities and clip ratios measured on calibration text, as a
+/// The calibration artifact: sensitivities and clip percentiles measured on calibration text, as a
 /// versioned JSON file that the offline policies and the rolealign formats consume (DESIGN.md
 /// section 6). Loading validates everything and fails with a message naming the file and the
 /// field; nothing half-read is returned.
 ///
-/// File format, version 3 (every field required unless marked optional):
+/// File format, version 4 (every field required unless marked optional):
 ///
 /// ```json
 /// {
 ///   "kind": "kvq.calibration",
-///   "version": 2,
+///   "version": 4,
 ///   "model": { "name": "SmolLM2-135M",            // optional, informational
 ///              "layers": 30, "q_heads": 9, "kv_heads": 3, "head_dim": 64 },
 ///   "calibration": { "text_hash": "fnv1a64:8c3d9a0e5b7f1a22",  // of the calibration text
@@ -20,8 +20,9 @@
 ///     "k_attention_kl":        [[[...per format...] ...per kv head...] ...per layer...],
 ///     "v_output_perturbation": [[[...per format...] ...per kv head...] ...per layer...]
 ///   },
-///   "clip_ratios": { "k": [[...per kv head...] ...per layer...],    // in (0, 1]
-///                    "v": [[...per kv head...] ...per layer...] },
+///   "clip_percentiles": { "k": [[...per kv head...] ...per layer...],   // rolealign, in [50, 100]
+///                         "v": [[...per kv head...] ...per layer...] },
+///   "rotated_clip_percentiles": { "k": ..., "v": ... },   // optional: chosen on rotated heads
 ///   "output_kl": {                                  // optional (kvq-calibrate --output-kl)
 ///     "formats": ["kivi2/g32", "kivi4/g32"],        // a subset of "formats", no repeats
 ///     "tokens": 128,                                // teacher-forced tokens of each run
@@ -53,12 +54,23 @@
 /// stored (K and V) in `output_kl.formats[f]`. Files without the field (older ones included) load
 /// with `artifact::output_kl` empty; a file that has it must have it complete and valid.
 ///
+/// `clip_percentiles` are the rolealign clip percentiles per (layer, kv head, role), chosen by
+/// the calibrator (K by attention KL, V by output perturbation; calib/calibrate.hpp); each clips
+/// a group to its (100-p)-th..p-th percentiles at encode time (format/kivi.hpp) and must pass
+/// `clip_percentile_error`. `rotated_clip_percentiles`, when present, were chosen on rotated
+/// heads: `clip_percentiles_for` gives a cache the table of each head's space.
+///
 /// Numbers must be finite (JSON has no NaN; a NaN written by another tool appears as `null` or a
-/// string and is rejected), sensitivities >= 0, clip ratios in (0, 1]. This build reads versions
-/// 1 to 3 (`artifact::current_version`); version 2 is version 3 without `codebooks`, version 1
-/// version 2 without `rotated` (a file with a field newer than its version is rejected), any
-/// other version is rejected naming it. It writes the artifact's `version`: 3 for what the
-/// calibrator makes.
+/// string and is rejected), sensitivities >= 0. This build reads versions 1 to 4
+/// (`artifact::current_version`); version 3 is version 4 with `clip_ratios` (rolealign's former
+/// rule: each range narrowed about its midpoint by a ratio in (0, 1]) instead of
+/// `clip_percentiles` and without `rotated_clip_percentiles`, version 2 version 3 without
+/// `codebooks`, version 1 version 2 without `rotated` (a file with a field newer than its version
+/// is rejected), any other version is rejected naming it. A ratio is not a percentile, so a
+/// version 1-3 file's `clip_ratios` are checked, then dropped: it loads with every clip
+/// percentile 100 (no clipping) and no rotated ones, and recalibrating gives percentiles. It
+/// writes the artifact's `version`: 4 for what the calibrator makes (an older version writes
+/// `clip_ratios` of 1, which needs every percentile 100).
 
 #include <cstdint>
 #include <kvq/config.hpp>
@@ -117,7 +129,7 @@ struct codebook_fit {
 /// Contents of a calibration artifact.
 struct KVQ_EXPORT artifact {
   /// The version this build writes and reads.
-  static constexpr int current_version = 3;
+  static constexpr int current_version = 4;
   /// The oldest version this build reads (the same fields without `rotated` and `codebooks`).
   static constexpr int oldest_version = 1;
 
@@ -129,9 +141,12 @@ struct KVQ_EXPORT artifact {
   /// K attention KL (`role::k`) and V output perturbation (`role::v`) per (layer, kv head,
   /// format); its `formats` are the artifact's formats.
   sensitivity_profile sensitivity;
-  /// rolealign clip ratios, [layers][kv_heads][2] (K then V): the layout of
-  /// `KVCache::set_clip_ratios`.
-  std::vector<float> clip_ratios;
+  /// rolealign clip percentiles, [layers][kv_heads][2] (K then V): the layout of
+  /// `KVCache::set_clip_percentiles` (all 100 for a file of version 1 to 3).
+  std::vector<float> clip_percentiles;
+  /// Optional (version 4): the clip percentiles chosen on rotated heads, same layout; empty
+  /// when the file has none.
+  std::vector<float> rotated_clip_percentiles;
   /// Optional output KL with one unit quantized at a time; `empty()` when the file has none.
   output_kl_table output_kl;
   /// Optional (version 2): the damage of each of `sensitivity.formats` on rotated heads, same
@@ -145,6 +160,12 @@ struct KVQ_EXPORT artifact {
 
   /// True when the artifact holds rotated damages.
   bool has_rotated() const { return !rotated_sensitivity.formats.empty(); }
+
+  /// The clip percentiles a cache gets (`KVCache::set_clip_percentiles`): for each (layer, kv
+  /// head) those of its space, `rotated_clip_percentiles` where `rotated_heads` (empty: none,
+  /// else [layers][kv_heads]) says so, 100 (no clipping) for a rotated head when the artifact has
+  /// no rotated ones. Errors: `rotated_heads` of the wrong size.
+  result<std::vector<float>> clip_percentiles_for(const std::vector<uint8_t>& rotated_heads) const;
 
   /// The fit of (format, rotated), or null.
   const codebook_fit* find_codebook(format_id f, bool rotated) const;

@@ -1,13 +1,13 @@
 #pragma once
 /// \file
 /// The calibrator: measures, from the queries, keys and values of real text, how much each
-/// candidate format damages each (layer, kv head), and picks the `rolealign` clip ratios.
+/// candidate format damages each (layer, kv head), and picks the `rolealign` clip percentiles.
 /// Engine-agnostic: it sees only tensors, so any engine (or the model runner of tools/llama,
 /// through `kvq-calibrate`) feeds it.
 ///
 /// **What one `observe` measures.** A *chunk* is T consecutive tokens of one sequence starting at
 /// position 0 of what the calibrator sees: queries attend causally to the chunk's own keys (query
-/// t sees keys 0..t). For every kv head h, candidate format f and (for rolealign) clip ratio c:
+/// t sees keys 0..t). For every kv head h, candidate format f and (for rolealign) clip percentile p:
 ///
 /// - K̂ = K encoded and decoded by the codec exactly as the cache stores it: K rounded to fp16
 ///   (the FP16 window's precision), cut into pages of `page_tokens` tokens starting at token 0
@@ -30,8 +30,9 @@
 /// the cache's randomized Hadamard transform of `rotation_seed`, K̂ and V̂ the codec round trip of
 /// the rotated fp16 rows, the damage measured in the rotated space against the rotated fp16 rows
 /// (where a rotated cache's window lives; the reference attention P is the unrotated one, equal
-/// in exact arithmetic). A rolealign candidate is measured rotated at ratio 1 (clip ratios are
-/// chosen on the unrotated data). `result` puts them in `artifact::rotated_sensitivity`.
+/// in exact arithmetic). The rolealign clip formats are measured rotated at every percentile of
+/// the grid too, and the rotated percentiles are chosen on them (a rotated head's groups differ).
+/// `result` puts them in `artifact::rotated_sensitivity` and `artifact::rotated_clip_percentiles`.
 ///
 /// **Codebook levels.** With `calibrator_options::fit_codebooks`, every value of K and V (rotated
 /// too, with `rotated`) is also counted, in units of its group's rms exactly as the codebook codec
@@ -45,15 +46,15 @@
 /// then a second run over the same text with the fit, gives the damage of the fitted levels
 /// (kvq-calibrate --fit-codebooks does both).
 ///
-/// **Clip ratios.** For each (layer, kv head, role) the ratio is the one of `clip_grid` that
-/// minimizes the mean over `clip_formats` of damage(f, ratio) / damage(f, 1), K damage for K and
-/// V damage for V (a format whose damage at ratio 1 is 0 is left out; if all are, the ratio is
-/// 1); ties go to the larger ratio (less clipping). rolealign candidates among `formats` are
-/// reported at the chosen ratio of their (layer, head, role). NOTE: the codec narrows a range
-/// about its midpoint, so a ratio r moves *both* ends inward by (1-r)/2 of the range: it helps
-/// Gaussian-like groups at 2 bits and a group with one huge outlier (a slight clip moves the
-/// lowest level from the group minimum into the bulk), and a heavy clip of such a group lifts
-/// the lowest level above the whole bulk (tests/test_calibrate.cpp shows each case).
+/// **Clip percentiles.** The seed's rule, offline percentile clipping per role: keys chosen by
+/// attention KL, values by output perturbation. For each (layer, kv head, role) the percentile is
+/// the one of `clip_percentile_grid` that minimizes the mean over `clip_formats` of
+/// damage(f, p) / damage(f, 100), K attention KL for K and V perturbation for V (a format whose
+/// damage at 100 is 0 is left out; if all are, p is 100); ties go to the larger p (less
+/// clipping). At encode time p clips each group to its own (100-p)-th..p-th percentiles
+/// (format/kivi.hpp): K groups are one channel over G tokens, V groups one token over g
+/// channels. rolealign candidates among `formats` are reported at the chosen percentile of their
+/// (layer, head, role); rotated ones at the rotated choice.
 ///
 /// Thread-safety: `observe` calls for *different layers* may run concurrently (each layer has its
 /// own accumulators and each call its own scratch); calls for one layer must not overlap, and
@@ -82,10 +83,15 @@ KVQ_EXPORT std::vector<format_id> default_candidates();
 struct calibrator_options {
   /// Candidate formats (the profile's and the artifact's format list), in this order.
   std::vector<format_id> formats = default_candidates();
-  /// Clip ratios tried for rolealign, each in (0, 1].
-  std::vector<float> clip_grid = {1.0f, 0.95f, 0.9f, 0.85f, 0.8f, 0.7f};
-  /// rolealign formats whose damage chooses the clip ratio (see the file comment). Empty: the
-  /// rolealign candidates of `formats`; if there are none either, every ratio is 1.
+  /// Clip percentiles tried for rolealign, each accepted by `clip_percentile_error`. At G = 32
+  /// (position p/100 * 31 among the sorted values) 99.9 to 99.5 move the end 3 % to 15 % of the
+  /// way from the extreme value to the next, 99 and 98 past half of it, 96 to the second value,
+  /// 93 and 90 to the third and fourth; at G = 128 the same grid drops up to 13 values per end,
+  /// within the 16 the encoder keeps. The steps are fine near 100 because the damage is: on
+  /// SmolLM2 most units choose 99.6 to 99.9 and none below 99.5 (docs/quality.md).
+  std::vector<float> clip_percentile_grid = {100.f, 99.9f, 99.8f, 99.7f, 99.6f, 99.5f, 99.f, 98.f, 96.f, 93.f, 90.f};
+  /// rolealign formats whose damage chooses the clip percentile (see the file comment). Empty:
+  /// the rolealign candidates of `formats`; if there are none either, every percentile is 100.
   std::vector<format_id> clip_formats = {format_id(find_format(family::rolealign, 4, 32)),
                                          format_id(find_format(family::rolealign, 2, 32))};
   float softmax_scale = 0.f;  ///< s·q·k; 0: 1/sqrt(head_dim), as the cache's default
@@ -106,8 +112,8 @@ class KVQ_EXPORT calibrator {
  public:
   /// Validates the shape (layers, heads, head_dim, page_tokens positive, q_heads a multiple of
   /// kv_heads) and the options (every format and clip format able to store pages of this shape,
-  /// no duplicates, clip formats of the rolealign family, ratios in (0, 1]). Errors name the
-  /// field.
+  /// no duplicates, clip formats of the rolealign family, percentiles `clip_percentile_error`
+  /// accepts). Errors name the field.
   static kvq::result<calibrator> create(const cache_shape& shape, calibrator_options opt = {});
 
   /// Measures one causal chunk of one layer.
@@ -121,7 +127,8 @@ class KVQ_EXPORT calibrator {
 
   /// The measured profile (K attention KL and V perturbation per candidate). When `out` is given,
   /// also fills a complete artifact: shape, model name, `artifact::hash_text(calibration_text)`,
-  /// tokens, profile and clip ratios. Errors: a layer that was never observed.
+  /// tokens, profile and clip percentiles (rotated ones too with `rotated`). Errors: a layer that
+  /// was never observed.
   kvq::result<sensitivity_profile> result(artifact* out = nullptr, std::string_view calibration_text = {}) const;
 
   /// The profile of the rotated candidates (`calibrator_options::rotated`), with the formats of
@@ -133,15 +140,17 @@ class KVQ_EXPORT calibrator {
   /// fitting was not asked for, a layer never observed.
   kvq::result<std::vector<codebook_fit>> fitted_codebooks() const;
 
-  /// Chosen clip ratios, [layers][kv_heads][2] (K then V): the layout of
-  /// `KVCache::set_clip_ratios`. 1 where a layer has not been observed.
-  std::vector<float> clip_ratios() const;
+  /// Chosen clip percentiles, [layers][kv_heads][2] (K then V): the layout of
+  /// `KVCache::set_clip_percentiles`; of the rotated heads with `rotated` (100 everywhere when
+  /// rotation was not measured). 100 where a layer has not been observed.
+  std::vector<float> clip_percentiles(bool rotated = false) const;
 
-  /// Mean damage of (layer, kv head, role) for format `f` at clip ratio `clip` (1 for every family
-  /// but rolealign): K attention KL or V perturbation. Errors name a combination that was not
-  /// measured (a format outside the candidates and clip formats, a ratio outside the grid) or a
-  /// layer never observed.
-  kvq::result<double> damage(int layer, int kv_head, role r, format_id f, float clip = 1.f, bool rotated = false) const;
+  /// Mean damage of (layer, kv head, role) for format `f` at clip percentile `clip` (100 for every
+  /// family but rolealign): K attention KL or V perturbation. Errors name a combination that was
+  /// not measured (a format outside the candidates and clip formats, a percentile outside the
+  /// grid) or a layer never observed.
+  kvq::result<double> damage(int layer, int kv_head, role r, format_id f, float clip = 100.f,
+                             bool rotated = false) const;
 
   /// Tokens observed in `layer` (sum of the chunks' T).
   int64_t tokens(int layer) const { return layer >= 0 && layer < shape_.layers ? tokens_[size_t(layer)] : 0; }
@@ -151,8 +160,8 @@ class KVQ_EXPORT calibrator {
   const calibrator_options& options() const { return opt_; }
 
  private:
-  // One codec configuration measured: a format at a clip ratio, rotated or not. rolealign at
-  // ratio 1 is stored as the kivi format of the same bits and group (the codec writes the same
+  // One codec configuration measured: a format at a clip percentile, rotated or not. rolealign
+  // at 100 is stored as the kivi format of the same bits and group (the codec writes the same
   // bytes).
   struct variant {
     format_id f;
@@ -162,14 +171,14 @@ class KVQ_EXPORT calibrator {
   calibrator() = default;
   int variant_of(format_id f, float clip, bool rotated = false) const;
   kvq::result<sensitivity_profile> profile(bool rotated, const std::vector<float>& clips) const;
-  float choose_clip(int layer, int kv_head, role r) const;
+  float choose_clip(int layer, int kv_head, role r, bool rotated) const;
   double mean_damage(int layer, int kv_head, role r, int variant) const;
 
   cache_shape shape_{};
   calibrator_options opt_;
   float scale_ = 0.f;
   std::vector<variant> variants_;
-  std::vector<format_id> objective_formats_;  // rolealign formats that choose the clip ratio
+  std::vector<format_id> objective_formats_;  // rolealign formats that choose the clip percentile
   std::vector<int64_t> tokens_;               // [layers]
   std::vector<double> rows_;                  // [layers][kv_heads] query rows measured
   std::vector<double> k_kl_;                  // [layers][kv_heads][variants] summed KL

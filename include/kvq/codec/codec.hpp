@@ -23,13 +23,27 @@ KVQ_HOST_DEVICE page_geom make_geom(format_id id, role r, int page_tokens, int h
   return formats::geom(id, r, page_tokens, head_dim);
 }
 
+/// The rolealign clip percentile that clips nothing: each group's range is its min and max.
+inline constexpr float no_clip = 100.0f;
+
+/// The largest group of a rolealign format: the group clip percentiles are checked against.
+KVQ_HOST_DEVICE constexpr int largest_rolealign_group() {
+  int m = 0;
+  for (int f = 0; f < int(format_count); ++f)
+    if (traits_of(format_id(f)).fam == family::rolealign && traits_of(format_id(f)).group > m)
+      m = traits_of(format_id(f)).group;
+  return m;
+}
+inline constexpr int max_rolealign_group = largest_rolealign_group();
+static_assert(max_rolealign_group == 128);
+
 /// Encodes unit `u` of a page (units: `page_geom::unit_count`).
 /// \param src  [page_tokens][src_stride] fp16 bits; row t is token t of the page
 /// \param page the page's bytes (layout in the format's header)
-/// \param clip rolealign clip ratio in (0, 1]; ignored by other families
+/// \param pct  rolealign clip percentile in [50, 100] (`no_clip`: none); ignored by other families
 KVQ_HOST_DEVICE void encode_unit(const page_geom& g, const uint16_t* src, int src_stride, int u, uint8_t* page,
-                                 float clip) {
-  formats::encode_unit(g, src, src_stride, u, page, clip);
+                                 float pct) {
+  formats::encode_unit(g, src, src_stride, u, page, pct);
 }
 
 /// The codebook formats are the contiguous ids [first_codebook_format, + codebook_format_count):
@@ -52,9 +66,9 @@ KVQ_HOST_DEVICE constexpr size_t codebook_level_offset(size_t unit, format_id f)
 }
 
 /// What a cache holds per (layer, kv head, role) for the encoder besides the format: the rolealign
-/// clip ratio and a codebook page's levels.
+/// clip percentile and a codebook page's levels.
 struct encode_params {
-  float clip = 1.0f;              ///< rolealign clip ratio in (0, 1]; ignored by other families
+  float clip = no_clip;           ///< rolealign clip percentile in [50, 100]; ignored by other families
   const float* levels = nullptr;  ///< codebook: the page format's 2^bits levels; null: Lloyd-Max
 };
 

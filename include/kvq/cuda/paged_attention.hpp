@@ -383,7 +383,7 @@ struct append_args {
   /// `layer_blocks`; the table itself is the engine's to write).
   const uint32_t* page_blocks = nullptr;
   const uint8_t* page_fmts = nullptr;     ///< host [sum of pages][kv_heads][2]
-  const float* clip = nullptr;            ///< host [kv_heads][2] rolealign clip ratios of the layer
+  const float* clip = nullptr;            ///< host [kv_heads][2] rolealign clip percentiles of the layer
   /// Device [kv_heads][2][codec::codebook_format_count][codec::codebook_slot_floats]: the levels
   /// each codebook format of (kv head, role) encodes with (the first 2^bits of its slot); null:
   /// the Lloyd-Max levels. Read by the kernel, so it must outlive the launch (and a replay).

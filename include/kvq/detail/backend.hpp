@@ -25,14 +25,14 @@ namespace detail {
 inline constexpr size_t codebook_table_floats = size_t(codec::codebook_format_count) * codec::codebook_slot_floats;
 
 /// What `KVCache` keeps for every backend: the configuration, the policy, the bookkeeping of the
-/// store, the rolealign clip ratios and the codebook levels. The cache validates requests and
+/// store, the rolealign clip percentiles and the codebook levels. The cache validates requests and
 /// updates it; a backend reads it and owns nothing of it.
 struct cache_state {
   cache_state(const cache_config& c, std::shared_ptr<policy> p)
       : cfg(c),
         pol(std::move(p)),
         store(c.shape, c.budget_bytes, c.max_sequences),
-        clip(size_t(c.shape.layers) * c.shape.kv_heads * 2, 1.0f),
+        clip(size_t(c.shape.layers) * c.shape.kv_heads * 2, codec::no_clip),
         levels(size_t(c.shape.layers) * c.shape.kv_heads * 2 * codebook_table_floats, 0.0f) {
     for (size_t unit = 0; unit < levels.size() / codebook_table_floats; ++unit)
       for (int slot = 0; slot < codec::codebook_format_count; ++slot) {
@@ -59,7 +59,7 @@ struct cache_state {
   format_id page_format(const page_request& r) const {
     return r.first_token < sink_tokens() ? fp16_format : pol->choose(r);
   }
-  std::vector<float> clip;  ///< [layers][kv_heads][2]
+  std::vector<float> clip;  ///< [layers][kv_heads][2] rolealign clip percentiles
   /// [layers][kv_heads][2][codebook formats][codebook_slot_floats]: the levels each codebook
   /// format encodes with (`KVCache::set_codebook_levels`; Lloyd-Max until set).
   std::vector<float> levels;

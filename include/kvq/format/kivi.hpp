@@ -3,11 +3,14 @@
 /// `kivi<Bits, Group>` and `rolealign<Bits, Group>`: asymmetric integer codes with an fp16 scale
 /// and zero per group. Keys have outlier channels, so K groups run along tokens (one scale and
 /// zero per channel per `Group` tokens); V groups run along the channels of one token.
-/// `rolealign` is kivi's layout and decode with each group's range narrowed about its midpoint by
-/// a calibrated clip ratio before encoding.
+/// `rolealign` is kivi's layout and decode with each group's range clipped to percentiles of its
+/// values, a calibrated percentile p per (layer, kv head, role) (`KVCache::set_clip_percentiles`).
 ///
-/// [lo, hi] = group range (narrowed by the clip ratio for rolealign); s = fp16((hi-lo)/(2^b-1)),
-/// z = fp16(lo); q = clamp(rint((x-z)/s), 0, 2^b-1); x^ = q*s + z. A zero scale stores code 0.
+/// [lo, hi] = group min and max (kivi, and rolealign at p = 100: the same bytes); for rolealign at
+/// p < 100 the (100-p)-th and p-th percentiles of the group's values, linear between order
+/// statistics (`codec::percentile_range`); values outside are clamped to the end codes.
+/// s = fp16((hi-lo)/(2^b-1)), z = fp16(lo); q = clamp(rint((x-z)/s), 0, 2^b-1); x^ = q*s + z. A
+/// zero scale stores code 0.
 ///
 /// Units: for K, one token group x 8 channels (writes b bytes per token); for V, one token x one
 /// channel group.
@@ -43,11 +46,12 @@ struct kivi_codec {
     const uint32_t params = r == role::k ? (P / t.group) * d * 2 : P * (d / t.group) * 2;
     return {P * d * t.bits / 8, params, params};
   }
-  /// Encodes unit `u` (see the file comment); `clip` is rolealign's ratio in (0, 1].
+  /// Encodes unit `u` (see the file comment); `pct` is rolealign's clip percentile in [50, 100]
+  /// (100: no clipping; kivi ignores it).
   KVQ_HOST_DEVICE static void encode_unit(const codec::page_geom& g, const uint16_t* src, int src_stride, int u,
-                                          uint8_t* page, float clip) {
+                                          uint8_t* page, float pct) {
     const int d = g.head_dim, bits = g.fmt.bits;
-    const bool ra = g.fmt.fam == family::rolealign;
+    const float p = g.fmt.fam == family::rolealign ? pct : 100.f;
     uint16_t* scales = g.scales(page);
     uint16_t* zeros = g.zeros(page);
     if (g.k_columns()) {
@@ -55,14 +59,10 @@ struct kivi_codec {
       const int G = g.fmt.group, nb = d / 8, tg = u / nb, c0 = (u % nb) * 8;
       for (int cc = 0; cc < 8; ++cc) {
         const int c = c0 + cc;
-        float lo = half_to_float(src[(tg * G) * src_stride + c]), hi = lo;
-        for (int t = 1; t < G; ++t) {
-          const float x = half_to_float(src[(tg * G + t) * src_stride + c]);
-          lo = codec::fmin_(lo, x);
-          hi = codec::fmax_(hi, x);
-        }
+        float lo, hi;
+        codec::percentile_range(src + (tg * G) * src_stride + c, src_stride, G, p, lo, hi);
         uint16_t s16, z16;
-        codec::kivi_range(lo, hi, bits, ra, clip, s16, z16);
+        codec::kivi_range(lo, hi, bits, s16, z16);
         scales[tg * d + c] = s16;
         zeros[tg * d + c] = z16;
         const float s = half_to_float(s16), z = half_to_float(z16);
@@ -74,13 +74,10 @@ struct kivi_codec {
     } else {
       const int gs = g.fmt.group, ng = d / gs, t = u / ng, c0 = (u % ng) * gs;
       const uint16_t* x = src + t * src_stride + c0;
-      float lo = half_to_float(x[0]), hi = lo;
-      for (int c = 1; c < gs; ++c) {
-        lo = codec::fmin_(lo, half_to_float(x[c]));
-        hi = codec::fmax_(hi, half_to_float(x[c]));
-      }
+      float lo, hi;
+      codec::percentile_range(x, 1, gs, p, lo, hi);
       uint16_t s16, z16;
-      codec::kivi_range(lo, hi, bits, ra, clip, s16, z16);
+      codec::kivi_range(lo, hi, bits, s16, z16);
       scales[t * ng + u % ng] = s16;
       zeros[t * ng + u % ng] = z16;
       const float s = half_to_float(s16), z = half_to_float(z16);
@@ -113,7 +110,7 @@ struct kivi_layout_format : format_base<Fam, Bits, Group, kivi_codec> {
 template <int Bits, int Group>
 struct kivi : kivi_layout_format<family::kivi, Bits, Group> {};
 
-/// RoleAlign: kivi's layout and decode, each group's range clipped by a calibrated ratio.
+/// RoleAlign: kivi's layout and decode, each group's range clipped to calibrated percentiles.
 template <int Bits, int Group>
 struct rolealign : kivi_layout_format<family::rolealign, Bits, Group> {};
 

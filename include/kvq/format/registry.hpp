@@ -217,8 +217,8 @@ struct format_registry<type_list<Ts...>> {
 
   /// Encodes unit `u` of a page with its format's codec (codec/codec.hpp documents the arguments).
   KVQ_HOST_DEVICE static void encode_unit(const codec::page_geom& g, const uint16_t* src, int src_stride, int u,
-                                          uint8_t* page, float clip) {
-    visit_codec(g.fmt.fam, [&]<class C>() { C::encode_unit(g, src, src_stride, u, page, clip); });
+                                          uint8_t* page, float pct) {
+    visit_codec(g.fmt.fam, [&]<class C>() { C::encode_unit(g, src, src_stride, u, page, pct); });
   }
 
   /// Decodes element (t, c) of a page to float with its format's codec.

@@ -131,17 +131,80 @@ KVQ_HOST_DEVICE void put_page_code(const page_geom& g, uint8_t* page, int t, int
   put_code(page + g.page_tokens * (d / 4) + t * (d / 8), 1, c, q >> 2);
 }
 
-/// KIVI / rolealign range of one group: scale and zero (fp16 bits) for values in [lo, hi] at
-/// `bits` bits; rolealign with clip < 1 shrinks the range about its middle first.
-KVQ_HOST_DEVICE void kivi_range(float lo, float hi, int bits, bool ra, float clip, uint16_t& s16, uint16_t& z16) {
-  if (ra && clip != 1.0f) {
-    const float mid = mul_rn(0.5f, add_rn(hi, lo));
-    const float half = mul_rn(mul_rn(0.5f, sub_rn(hi, lo)), clip);
-    lo = sub_rn(mid, half);
-    hi = add_rn(mid, half);
-  }
+/// KIVI / rolealign scale and zero (fp16 bits) of a group whose values are mapped to [lo, hi] at
+/// `bits` bits.
+KVQ_HOST_DEVICE void kivi_range(float lo, float hi, int bits, uint16_t& s16, uint16_t& z16) {
   s16 = float_to_half(div_rn(sub_rn(hi, lo), float((1 << bits) - 1)));
   z16 = float_to_half(lo);
+}
+
+/// The most order statistics `percentile_range` keeps from each end of a group.
+inline constexpr int max_percentile_tail = 16;
+
+/// How many of a group's n values, from each end, the (100-p)-th and p-th percentiles read
+/// (`percentile_range`); 1 for p >= 100 (min and max). A percentile whose tail exceeds
+/// `max_percentile_tail` for the largest group it is used with is refused where it is set.
+KVQ_HOST_DEVICE int percentile_tail(float p, int n) {
+  if (!(p < 100.f) || n < 2) return 1;
+  const float span = float(n - 1);
+  const float pos_hi = mul_rn(div_rn(p, 100.f), span), pos_lo = mul_rn(div_rn(sub_rn(100.f, p), 100.f), span);
+  const int i_hi = int(pos_hi), i_lo = int(pos_lo);  // floors: both >= 0
+  const int top = n - i_hi, bottom = i_lo + 2;       // x[i_hi], x[i_hi+1]; x[i_lo], x[i_lo+1]
+  const int m = top > bottom ? top : bottom;
+  return m < n ? m : n;
+}
+
+/// [lo, hi] of a rolealign group of n fp16 values x[0], x[stride], ..., x[(n-1)*stride]: the
+/// (100-p)-th and p-th percentiles, linear between order statistics as numpy's default
+/// ('linear': position q*(n-1), q = p/100, then a + (b-a)*frac). p >= 100 is the group's min and
+/// max, exactly what kivi computes. Keeps the m smallest and m largest values by insertion in
+/// fixed local arrays (m = `percentile_tail`, at most `max_percentile_tail`; a tail beyond it,
+/// which the setters refuse, reads the m-th value from the end): no heap, device-compatible.
+KVQ_HOST_DEVICE void percentile_range(const uint16_t* x, int stride, int n, float p, float& lo, float& hi) {
+  lo = half_to_float(x[0]);
+  hi = lo;
+  if (!(p < 100.f) || n < 2) {
+    for (int i = 1; i < n; ++i) {
+      const float v = half_to_float(x[i * stride]);
+      lo = fmin_(lo, v);
+      hi = fmax_(hi, v);
+    }
+    return;
+  }
+  int m = percentile_tail(p, n);
+  if (m > max_percentile_tail) m = max_percentile_tail;
+  float small[max_percentile_tail], large[max_percentile_tail];  // ascending; descending
+  int kept = 0;
+  for (int i = 0; i < n; ++i) {
+    const float v = half_to_float(x[i * stride]);
+    const bool grow = kept < m;
+    if (grow || v < small[m - 1]) {
+      int j = grow ? kept : m - 1;
+      while (j > 0 && small[j - 1] > v) {
+        small[j] = small[j - 1];
+        --j;
+      }
+      small[j] = v;
+    }
+    if (grow || v > large[m - 1]) {
+      int j = grow ? kept : m - 1;
+      while (j > 0 && large[j - 1] < v) {
+        large[j] = large[j - 1];
+        --j;
+      }
+      large[j] = v;
+    }
+    if (grow) ++kept;
+  }
+  const float span = float(n - 1);
+  const float pos_hi = mul_rn(div_rn(p, 100.f), span), pos_lo = mul_rn(div_rn(sub_rn(100.f, p), 100.f), span);
+  const int i_hi = int(pos_hi), i_lo = int(pos_lo);
+  const float f_hi = sub_rn(pos_hi, float(i_hi)), f_lo = sub_rn(pos_lo, float(i_lo));
+  // k-th largest / smallest (0-based) of the group, within what was kept
+  const int t0 = n - 1 - i_hi < m ? n - 1 - i_hi : m - 1, t1 = n - 2 - i_hi < m ? n - 2 - i_hi : m - 1;
+  const int b0 = i_lo < m ? i_lo : m - 1, b1 = i_lo + 1 < m ? i_lo + 1 : m - 1;
+  hi = f_hi > 0.f ? add_rn(large[t0], mul_rn(sub_rn(large[t1], large[t0]), f_hi)) : large[t0];
+  lo = f_lo > 0.f ? add_rn(small[b0], mul_rn(sub_rn(small[b1], small[b0]), f_lo)) : small[b0];
 }
 
 /// KIVI / rolealign code of x for scale s and zero z (the decoded fp16 values of `kivi_range`).

@@ -1,6 +1,6 @@
 // kvq-calibrate: runs a model over calibration text and writes the calibration artifact
 // (docs/architecture.md, "Calibration artifacts"): per (layer, kv head, format) K attention KL and V output
-// perturbation, and rolealign clip ratios, measured by kvq::calib::calibrator on the model's own q, k, v.
+// perturbation, and rolealign clip percentiles, measured by kvq::calib::calibrator on the model's own q, k, v.
 #include <fmt/format.h>
 
 #include <CLI/CLI.hpp>
@@ -41,8 +41,10 @@ WHAT IT DOES
     K attention KL  = mean over query rows of KL(softmax(q.K/sqrt d) || softmax(q.K^/sqrt d))
     V perturbation  = sum ||P(V^ - V)||^2 / sum ||P V||^2
   with K^ and V^ the codec's round trip of the segment in pages of --page-tokens tokens (token
-  groups aligned as in the cache), and picks per (layer, kv head, role) the rolealign clip ratio
-  of --clip-grid that minimizes the damage of --clip-formats relative to no clipping.
+  groups aligned as in the cache), and picks per (layer, kv head, role) the rolealign clip
+  percentile of --clip-percentiles that minimizes the damage of --clip-formats relative to no
+  clipping (p = 100): K by attention KL, V by output perturbation (with --rotated, also on the
+  rotated heads: the artifact's rotated_clip_percentiles).
   With --rotated, every candidate is measured a second time on rotated heads (q, K and V rotated
   by the caches' randomized Hadamard transform, damage measured where a rotated cache quantizes)
   into the artifact's "rotated" table (schema version 2).
@@ -118,7 +120,7 @@ uint64_t fp16_budget(const kvq::llama::llama_hparams& hp, int64_t tokens, int pa
 kvq::result<kvq::calib::output_kl_table> measure_output_kl(const kvq::llama::llama_model& model,
                                                            std::span<const token_id> tokens,
                                                            std::vector<kvq::format_id> formats, int page_tokens,
-                                                           const std::vector<float>& clip_ratios, int threads,
+                                                           const std::vector<float>& clip_percentiles, int threads,
                                                            bool progress) {
   const auto& hp = model.hparams();
   const int64_t N = int64_t(tokens.size()), P = page_tokens, V = hp.n_vocab;
@@ -133,7 +135,7 @@ kvq::result<kvq::calib::output_kl_table> measure_output_kl(const kvq::llama::lla
     auto cache_r = kvq::llama::make_cache(model, spec, budget, page_tokens, page_tokens, 0);
     if (!cache_r) return cache_r.error();
     kvq::KVCache& cache = cache_r.value();
-    KVQ_TRY(cache.set_clip_ratios(clip_ratios));
+    KVQ_TRY(cache.set_clip_percentiles(clip_percentiles));
     KVQ_TRY(cache.create_sequence(0));
     KVQ_TRY(model.forward(cache, 0, tokens, logits, kvq::llama::logits_mode::all));
     for (int64_t p = P; p < N; ++p)
@@ -209,14 +211,14 @@ double spearman(const std::vector<double>& a, const std::vector<double>& b) {
 
 int main(int argc, char** argv) {
   CLI::App app{
-      "kvq-calibrate: measure per-(layer, kv head, format) sensitivities and rolealign clip ratios on "
+      "kvq-calibrate: measure per-(layer, kv head, format) sensitivities and rolealign clip percentiles on "
       "calibration text; write the calibration artifact"};
   app.footer(footer);
   std::string model_path, text_path, out_path, model_name;
   int64_t max_tokens = 2048;
   int segment = 512, page_tokens = 64, window = 128, threads = 1;
   std::vector<std::string> formats, clip_formats = {"ra4/g32", "ra2/g32"};
-  std::vector<float> clip_grid = {1.0f, 0.95f, 0.9f, 0.85f, 0.8f, 0.7f};
+  std::vector<float> clip_grid = kvq::calib::calibrator_options{}.clip_percentile_grid;
   bool no_progress = false, output_kl = false, rotated = false, fit_codebooks = false;
   int64_t output_kl_tokens = 128;
   std::vector<std::string> output_kl_formats;
@@ -234,8 +236,11 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--formats", formats,
                  "candidate formats (default: kivi8/g32 kivi4/g32 kivi2/g32 sym8/g32 sym4/g32 fp8)");
-  app.add_option("--clip-grid", clip_grid, "rolealign clip ratios to try, in (0, 1]")->capture_default_str();
-  app.add_option("--clip-formats", clip_formats, "rolealign formats whose damage picks the clip ratio")
+  app.add_option("--clip-percentiles", clip_grid,
+                 "rolealign clip percentiles to try, in [50, 100] (100: no clipping; at most 16 order statistics "
+                 "per end of a 128-value group)")
+      ->capture_default_str();
+  app.add_option("--clip-formats", clip_formats, "rolealign formats whose damage picks the clip percentile")
       ->capture_default_str();
   app.add_option("--model-name", model_name, "name recorded in the artifact (default: the GGUF's general.name)");
   app.add_option("--threads", threads, "threads for the calibrator (layers in parallel)")
@@ -312,7 +317,7 @@ int main(int argc, char** argv) {
     if (!f) return fail(f.error());
     opt.clip_formats = *f;
   }
-  opt.clip_grid = clip_grid;
+  opt.clip_percentile_grid = clip_grid;
   opt.rotated = rotated;
   opt.model_name = model_name.empty() ? model.name() : model_name;
   auto cal_r = kvq::calib::calibrator::create(shape, opt);
@@ -353,7 +358,7 @@ int main(int argc, char** argv) {
     if (fo.formats.empty())
       return fail({kvq::errc::invalid_argument, "--fit-codebooks: no codebook format (cb<b>[/g<G>]) in --formats"});
     fo.clip_formats.clear();
-    fo.clip_grid = {1.f};
+    fo.clip_percentile_grid = {kvq::codec::no_clip};
     fo.fit_codebooks = true;
     auto fc = kvq::calib::calibrator::create(shape, fo);
     if (!fc) return fail(fc.error());
@@ -368,9 +373,9 @@ int main(int argc, char** argv) {
 
   std::cerr << fmt::format(
       "kvq-calibrate: {} ({} layers, {} q heads, {} kv heads, head_dim {}), {} tokens of '{}' "
-      "in {} segment(s) of up to {}, {} candidate formats, clip grid of {}, {} thread(s)\n",
+      "in {} segment(s) of up to {}, {} candidate formats, clip percentile grid of {}, {} thread(s)\n",
       opt.model_name, hp.n_layer, hp.n_head, hp.n_head_kv, hp.head_dim, total, text_path, segments.size(), segment,
-      opt.formats.size(), opt.clip_grid.size(), threads);
+      opt.formats.size(), opt.clip_percentile_grid.size(), threads);
 
   const int L = hp.n_layer;
   const int64_t dq = int64_t(hp.n_head) * hp.head_dim, dkv = int64_t(hp.n_head_kv) * hp.head_dim;
@@ -443,7 +448,7 @@ int main(int argc, char** argv) {
                              first.size(), hp.n_layer * hp.n_head_kv, okf.size(),
                              int64_t(hp.n_layer) * hp.n_head_kv * int64_t(okf.size()));
     const auto t0 = std::chrono::steady_clock::now();
-    auto table = measure_output_kl(model, first, okf, page_tokens, art.clip_ratios, threads, !no_progress);
+    auto table = measure_output_kl(model, first, okf, page_tokens, art.clip_percentiles, threads, !no_progress);
     if (!table) return fail(table.error());
     art.output_kl = std::move(table).value();
     t_output_kl = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -461,8 +466,8 @@ int main(int argc, char** argv) {
   std::cout << fmt::format("{:>5}", "layer");
   for (auto f : opt.formats) std::cout << fmt::format(" {:>12}", "K " + kvq::format_name(f));
   for (auto f : opt.formats) std::cout << fmt::format(" {:>12}", "V " + kvq::format_name(f));
-  std::cout << "  clip K / V per head\n";
-  const auto clips = cal.clip_ratios();
+  std::cout << "  clip percentile K / V per head\n";
+  const auto clips = cal.clip_percentiles();
   for (int l = 0; l < L; ++l) {
     std::cout << fmt::format("{:>5}", l);
     for (kvq::role r : {kvq::role::k, kvq::role::v})
@@ -476,6 +481,15 @@ int main(int argc, char** argv) {
       std::cout << fmt::format(" {}/{}", clips[(size_t(l) * hp.n_head_kv + h) * 2],
                                clips[(size_t(l) * hp.n_head_kv + h) * 2 + 1]);
     std::cout << "\n";
+  }
+  // how many units clip, per role, unrotated and (with --rotated) rotated
+  for (const bool rot : {false, true}) {
+    if (rot && !opt.rotated) continue;
+    const auto table = cal.clip_percentiles(rot);
+    int below[2] = {0, 0};
+    for (size_t i = 0; i < table.size(); ++i) below[i % 2] += table[i] < kvq::codec::no_clip;
+    std::cout << fmt::format("{}clip percentile below 100: K {} and V {} of {} (layer, kv head) units\n",
+                             rot ? "rotated heads: " : "", below[0], below[1], table.size() / 2);
   }
   if (!art.output_kl.empty()) {
     // Does the one-pass measure rank the units as the output KL does?

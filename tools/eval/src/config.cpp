@@ -13,10 +13,10 @@ kvq::result<kvq::calib::artifact> load_artifact_file(const std::string& path, co
 }  // namespace
 
 
-kvq::result<std::vector<float>> load_clip_ratios(const std::string& path, const kvq::cache_shape& shape) {
+kvq::result<clip_percentile_tables> load_clip_percentiles(const std::string& path, const kvq::cache_shape& shape) {
   auto a = load_artifact_file(path, shape);
   if (!a) return a.error();
-  return std::move(a).value().clip_ratios;
+  return clip_percentile_tables{std::move(a->clip_percentiles), std::move(a->rotated_clip_percentiles)};
 }
 
 kvq::result<std::vector<kvq::calib::codebook_fit>> load_codebook_levels(const std::string& path,
@@ -71,10 +71,11 @@ kvq::result<kvq::KVCache> make_eval_cache(const kvq::cache_shape& model_shape, s
   if (!suffixes) return suffixes.error();
   const bool rotated = suffixes->rotated;
   const std::string_view spec = suffixes->spec;
-  if (rotated && !s.clip_ratios.empty() && names_rolealign(spec))
+  if (rotated && !s.clip_percentiles.empty() && s.rotated_clip_percentiles.empty() && names_rolealign(spec))
     return kvq::status{kvq::errc::invalid_argument,
-                       fmt::format("configuration '{}': the clip ratios were calibrated on unrotated heads; run the "
-                                   "rotated rolealign configuration without --clip-ratios",
+                       fmt::format("configuration '{}': the artifact's clip percentiles were chosen on unrotated "
+                                   "heads and it has no rotated ones (kvq-calibrate --rotated); run the rotated "
+                                   "rolealign configuration without --clip-percentiles",
                                    config)};
   auto pol = make_policy(spec, shape, rotated);
   if (!pol) return pol.error();
@@ -93,9 +94,15 @@ kvq::result<kvq::KVCache> make_eval_cache(const kvq::cache_shape& model_shape, s
   auto cache = kvq::KVCache::create(cfg, std::move(pol).value());
   if (!cache)
     return kvq::status{cache.error().code(), fmt::format("configuration '{}': {}", config, cache.error().message())};
-  if (!s.clip_ratios.empty())
-    if (kvq::status st = cache.value().set_clip_ratios(s.clip_ratios); !st.ok())
-      return kvq::status{st.code(), fmt::format("configuration '{}': {}", config, st.message())};
+  if (!s.clip_percentiles.empty()) {
+    kvq::calib::artifact clips;  // only its shape and clip percentiles are read
+    clips.shape = {shape.layers, shape.q_heads, shape.kv_heads, shape.head_dim};
+    clips.clip_percentiles = s.clip_percentiles;
+    clips.rotated_clip_percentiles = s.rotated_clip_percentiles;
+    auto table = clips.clip_percentiles_for(cfg.rotation.heads);
+    kvq::status st = table ? cache.value().set_clip_percentiles(*table) : table.error();
+    if (!st.ok()) return kvq::status{st.code(), fmt::format("configuration '{}': {}", config, st.message())};
+  }
   if (!s.codebooks.empty()) {
     kvq::calib::artifact fits;  // only its shape and codebooks are read
     fits.shape = {shape.layers, shape.q_heads, shape.kv_heads, shape.head_dim};

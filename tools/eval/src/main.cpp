@@ -32,14 +32,14 @@ CONFIGURATIONS (--config, repeatable; default: fp16 int8 kivi4/g32 kivi2/g32 ra4
   random:seed=2,like=kl_budget:bits=4,artifact=docs/data/calib_smollm2.json
 )";
   s += R"(  Format specs: fp16, bf16, fp8, nvfp4, int8 (= sym8), int4 (= sym4/g32), int2, sym<b>[/g<G>],
-  kivi<b>/g<G>, ra<b>/g<G> (rolealign: clips by the ratios of --clip-ratios; without them it
-  clips nothing and equals kivi<b>/g<G>), b in {8,4,3,2}, cb<b>[/g<G>] (codebook: Lloyd-Max
+  kivi<b>/g<G>, ra<b>/g<G> (rolealign: clips each group to the percentiles of --clip-percentiles;
+  without them it clips nothing and equals kivi<b>/g<G>), b in {8,4,3,2}, cb<b>[/g<G>] (codebook: Lloyd-Max
   levels, b in {4,3,2}), G in {32,64,128}; K and V apart: k=kivi4/g32,v=kivi2/g32; per layer /
   head overrides after ';': k=kivi2/g32,v=kivi2/g32;0=fp16;5.1=int8. A '+rot' suffix on a
   configuration rotates every (layer, kv head) (randomized Hadamard: kivi2/g32+rot,
-  echokv:...+rot); rolealign's clip ratios are calibrated unrotated, so a rotated rolealign
-  configuration runs without --clip-ratios. A '+sink' suffix keeps the first page of every
-  sequence FP16 (attention sinks; '+sink<N>': N pages): kivi2/g32+rot+sink. The FP16 cache
+  echokv:...+rot); a rotated rolealign configuration takes the artifact's rotated clip
+  percentiles (kvq-calibrate --rotated) and is refused with an artifact that has none. A
+  '+sink' suffix keeps the first page of every sequence FP16 (attention sinks; '+sink<N>': N pages): kivi2/g32+rot+sink. The FP16 cache
   (fp16) is the reference; it is added when no configuration is fp16.
 
 WHAT IS MEASURED (every configuration on the same tokens and positions)
@@ -136,9 +136,9 @@ int main(int argc, char** argv) {
   app.add_option("--recent", o.cache.recent, "tokens kept unencoded r")->capture_default_str();
   app.add_option("--budget-mib", budget_mib, "cache byte budget in MiB per cache; 0 = enough for the run in FP16")
       ->capture_default_str();
-  app.add_option("--clip-ratios", o.clip_ratios_path,
-                 "calibration artifact (kvq-calibrate, same model) whose rolealign clip ratios every cache gets; "
-                 "without it ra<b> clips nothing (= kivi<b>)");
+  app.add_option("--clip-percentiles", o.clip_percentiles_path,
+                 "calibration artifact (kvq-calibrate, same model) whose rolealign clip percentiles every cache gets "
+                 "(rotated heads: its rotated ones); without it ra<b> clips nothing (= kivi<b>)");
   app.add_option("--codebook-levels", o.codebook_levels_path,
                  "calibration artifact (kvq-calibrate --fit-codebooks, same model) whose fitted codebook levels every "
                  "cache's cb<b> pages encode with (rotated heads: the rotated fit); without it the Lloyd-Max levels");

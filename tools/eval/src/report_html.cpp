@@ -435,8 +435,8 @@ th{background:#f6f6f6} td:first-child,th:first-child,td:nth-child(2),th:nth-chil
       esc(r.text.path), esc(r.text.hash), o.prefill, o.tokens, o.prefill, o.prefill + o.tokens - 1,
       esc(r.configs.empty() ? std::string() : r.configs[r.reference].config), r.shape.page_tokens, r.shape.window,
       r.shape.recent);
-  if (!o.clip_ratios_path.empty())
-    h += fmt::format("<p>rolealign clip ratios from <code>{}</code>.</p>", esc(o.clip_ratios_path));
+  if (!o.clip_percentiles_path.empty())
+    h += fmt::format("<p>rolealign clip percentiles from <code>{}</code>.</p>", esc(o.clip_percentiles_path));
   if (!o.codebook_levels_path.empty())
     h += fmt::format("<p>codebook levels fitted in <code>{}</code>.</p>", esc(o.codebook_levels_path));
   if (!o.command_line.empty()) h += fmt::format("<p>Command: <code>{}</code></p>", esc(o.command_line));

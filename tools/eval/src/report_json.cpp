@@ -78,7 +78,8 @@ json run_identity(const eval_report& r) {
   const auto& o = r.options;
   json configs = json::array();
   for (const auto& c : r.configs) configs.push_back(c.config);
-  const auto& clips = o.cache.clip_ratios;
+  std::vector<float> clips = o.cache.clip_percentiles;
+  clips.insert(clips.end(), o.cache.rotated_clip_percentiles.begin(), o.cache.rotated_clip_percentiles.end());
   const std::string_view clip_bytes(reinterpret_cast<const char*>(clips.data()), clips.size() * sizeof(float));
   return {{"model_hash", r.model.hash},
           {"text_hash", r.text.hash},
@@ -90,7 +91,7 @@ json run_identity(const eval_report& r) {
           {"window", o.cache.window},
           {"recent", o.cache.recent},
           {"budget_bytes", o.cache.budget_bytes},
-          {"clip_ratios", clips.empty() ? std::string() : hash_text(clip_bytes)},
+          {"clip_percentiles", clips.empty() ? std::string() : hash_text(clip_bytes)},
           {"codebook_levels", codebook_levels_hash(o.cache.codebooks)},
           {"map_every", o.map_every},
           {"needle_contexts", r.trials.empty() ? std::vector<int64_t>() : o.needle_contexts},
@@ -125,15 +126,19 @@ json to_json(const eval_report& r) {
                 {"n_ctx_train", hp.n_ctx_train},
                 {"chat_template", r.model.has_chat_template},
                 {"prompt_template", template_name(r.model.tmpl)}};
-  j["cache"] = {{"backend", "cpu"},
-                {"page_tokens", r.shape.page_tokens},
-                {"window", r.shape.window},
-                {"recent", r.shape.recent},
-                {"budget_bytes", o.cache.budget_bytes},
-                {"clip_ratios_artifact", o.clip_ratios_path},
-                {"codebook_levels_artifact", o.codebook_levels_path},
-                {"clip_ratios_below_1", std::count_if(o.cache.clip_ratios.begin(), o.cache.clip_ratios.end(),
-                                                      [](float c) { return c < 1.f; })}};
+  j["cache"] = {
+      {"backend", "cpu"},
+      {"page_tokens", r.shape.page_tokens},
+      {"window", r.shape.window},
+      {"recent", r.shape.recent},
+      {"budget_bytes", o.cache.budget_bytes},
+      {"clip_percentiles_artifact", o.clip_percentiles_path},
+      {"codebook_levels_artifact", o.codebook_levels_path},
+      {"clip_percentiles_below_100", std::count_if(o.cache.clip_percentiles.begin(), o.cache.clip_percentiles.end(),
+                                                   [](float c) { return c < 100.f; })},
+      {"rotated_clip_percentiles_below_100",
+       std::count_if(o.cache.rotated_clip_percentiles.begin(), o.cache.rotated_clip_percentiles.end(),
+                     [](float c) { return c < 100.f; })}};
   j["text"] = {{"path", r.text.path},
                {"hash", r.text.hash},
                {"bytes", r.text.bytes},

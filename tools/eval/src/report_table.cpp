@@ -113,8 +113,8 @@ std::string render_table(const eval_report& r) {
       "{} teacher-forced decode positions {}..{} of {}; KL = mean KL(P_ref || P_config) in nats; bits/el = pages + "
       "FP16 window over all K/V elements; needle = passed/trials\n",
       r.options.tokens, r.options.prefill, r.options.prefill + r.options.tokens - 1, r.text.path);
-  if (!r.options.clip_ratios_path.empty())
-    out += fmt::format("rolealign clip ratios from {}\n", r.options.clip_ratios_path);
+  if (!r.options.clip_percentiles_path.empty())
+    out += fmt::format("rolealign clip percentiles from {}\n", r.options.clip_percentiles_path);
   if (!r.options.codebook_levels_path.empty())
     out += fmt::format("codebook levels fitted in {}\n", r.options.codebook_levels_path);
   const int64_t ctx = r.model.hparams.n_ctx_train;

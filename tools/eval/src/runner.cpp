@@ -364,7 +364,7 @@ kvq::status validate_options(const eval_options& o) {
 
 kvq::result<eval_report> run_eval(const eval_options& given) {
   KVQ_TRY(validate_options(given));
-  eval_options o = given;  // gets the clip ratios of o.clip_ratios_path
+  eval_options o = given;  // gets the clip percentiles of o.clip_percentiles_path
   const auto t_start = clock_type::now();
   eval_report rep;
   rep.options = o;
@@ -406,11 +406,14 @@ kvq::result<eval_report> run_eval(const eval_options& given) {
           ? prompt_template::plain
           : (rep.model.has_chat_template && has_chatml_tokens ? prompt_template::chatml : prompt_template::plain);
   rep.shape = eval_shape(model, o.cache);
-  if (!o.clip_ratios_path.empty()) {
-    auto clips = load_clip_ratios(o.clip_ratios_path, rep.shape);
-    if (!clips) return kvq::status{clips.error().code(), fmt::format("--clip-ratios: {}", clips.error().message())};
-    o.cache.clip_ratios = std::move(clips).value();
-    rep.options.cache.clip_ratios = o.cache.clip_ratios;
+  if (!o.clip_percentiles_path.empty()) {
+    auto clips = load_clip_percentiles(o.clip_percentiles_path, rep.shape);
+    if (!clips)
+      return kvq::status{clips.error().code(), fmt::format("--clip-percentiles: {}", clips.error().message())};
+    o.cache.clip_percentiles = std::move(clips->unrotated);
+    o.cache.rotated_clip_percentiles = std::move(clips->rotated);
+    rep.options.cache.clip_percentiles = o.cache.clip_percentiles;
+    rep.options.cache.rotated_clip_percentiles = o.cache.rotated_clip_percentiles;
   }
   if (!o.codebook_levels_path.empty()) {
     auto fits = load_codebook_levels(o.codebook_levels_path, rep.shape);

@@ -98,13 +98,17 @@ TEST_CASE("make_eval_cache: '+rot' rotates every head of the configuration's cac
   REQUIRE(echo.ok());
   CHECK(echo->config().rotation.any());
 
-  // rolealign's clip ratios were calibrated unrotated: a rotated rolealign run takes none
-  s.clip_ratios.assign(size_t(30 * 3 * 2), 0.9f);
+  // clip percentiles chosen on unrotated heads only: a rotated rolealign run is refused
+  s.clip_percentiles.assign(size_t(30 * 3 * 2), 95.f);
   auto ra = make_eval_cache(smol_shape(), "ra4/g32+rot", s);
   REQUIRE_FALSE(ra.ok());
-  CHECK_THAT(ra.error().message(), Contains("configuration 'ra4/g32+rot'") && Contains("unrotated"));
+  CHECK_THAT(ra.error().message(), Contains("configuration 'ra4/g32+rot'") && Contains("no rotated ones"));
   CHECK(make_eval_cache(smol_shape(), "kivi4/g32+rot", s).ok());
   CHECK(make_eval_cache(smol_shape(), "ra4/g32", s).ok());
+  s.rotated_clip_percentiles.assign(size_t(30 * 3 * 2), 97.f);  // with rotated ones it runs
+  CHECK(make_eval_cache(smol_shape(), "ra4/g32+rot", s).ok());
+  s.clip_percentiles.clear();
+  s.rotated_clip_percentiles.clear();
   auto bare = make_eval_cache(smol_shape(), "+rot", s);
   REQUIRE_FALSE(bare.ok());
 }
@@ -257,8 +261,9 @@ namespace {
 // damages that shrink with the layer index (layer 0 the most sensitive on rotated heads).
 struct temp_artifact {
   std::string path;
-  /// `clip`: every rolealign clip ratio of the artifact.
-  explicit temp_artifact(const kvq::cache_shape& s, float clip = 1.f, bool rotated = false) {
+  /// `clip`: every rolealign clip percentile of the artifact; `rotated_clip` > 0: every rotated one.
+  explicit temp_artifact(const kvq::cache_shape& s, float clip = 100.f, bool rotated = false,
+                         float rotated_clip = 0.f) {
     kvq::calib::artifact a;
     a.shape = {s.layers, s.q_heads, s.kv_heads, s.head_dim};
     a.text_hash = kvq::calib::artifact::hash_text("calibration");
@@ -280,9 +285,10 @@ struct temp_artifact {
             for (int f = 0; f < 3; ++f)
               a.rotated_sensitivity.at(l, h, r, f) = (double(s.layers) - l + 0.1 * h) * std::pow(16.0, f) * 1e-7;
     }
-    a.clip_ratios.assign(size_t(s.layers) * s.kv_heads * 2, clip);
-    path = (std::filesystem::temp_directory_path() /
-            fmt::format("kvq_eval_artifact_{}_{}_{}.json", ::getpid(), clip, rotated ? "rot" : "plain"))
+    a.clip_percentiles.assign(size_t(s.layers) * s.kv_heads * 2, clip);
+    if (rotated_clip > 0.f) a.rotated_clip_percentiles.assign(a.clip_percentiles.size(), rotated_clip);
+    path = (std::filesystem::temp_directory_path() / fmt::format("kvq_eval_artifact_{}_{}_{}_{}.json", ::getpid(), clip,
+                                                                 rotated ? "rot" : "plain", rotated_clip))
                .string();
     kvq::check(a.save(path));
   }
@@ -326,7 +332,7 @@ TEST_CASE("make_policy: kl_budget, autok, random and echokv by name", "[config]"
                                                kvq::parse_format("kivi2/g32").value_or_throw()});
   }
   SECTION("a rotated cache's kl_budget and autok read the artifact's rotated damages") {
-    const temp_artifact rot(shape, 1.f, true);
+    const temp_artifact rot(shape, 100.f, true);
     const std::string R = ",artifact=" + rot.path;
     const auto k8 = kvq::parse_format("kivi8/g32").value_or_throw();
     const auto k2 = kvq::parse_format("kivi2/g32").value_or_throw();
@@ -437,7 +443,7 @@ TEST_CASE("make_policy: kl_budget, autok, random and echokv by name", "[config]"
   }
 }
 
-// ---- rolealign clip ratios (--clip-ratios) ---------------------------------------------------------
+// ---- rolealign clip percentiles (--clip-percentiles) -----------------------------------------------
 
 #include <eval/report.hpp>
 #include <random>
@@ -470,26 +476,34 @@ std::vector<float> stored_layer0(std::string_view cfg, const cache_settings& set
 
 }  // namespace
 
-TEST_CASE("clip ratios: rolealign stores what kivi stores at ratio 1 and differs with ratios < 1", "[config]") {
+TEST_CASE("clip percentiles: rolealign stores what kivi stores at 100 and differs below", "[config]") {
   const auto shape = smol_shape();
-  const temp_artifact ones(shape, 1.f), clipped(shape, 0.8f);
-  auto r1 = load_clip_ratios(ones.path, shape);
-  auto r08 = load_clip_ratios(clipped.path, shape);
+  const temp_artifact ones(shape, 100.f), clipped(shape, 90.f, false, 95.f);
+  auto r1 = load_clip_percentiles(ones.path, shape);
+  auto r08 = load_clip_percentiles(clipped.path, shape);
   REQUIRE(r1.ok());
   REQUIRE(r08.ok());
-  REQUIRE(r1->size() == size_t(shape.layers) * shape.kv_heads * 2);
-  CHECK(*r08 == std::vector<float>(r1->size(), 0.8f));
+  REQUIRE(r1->unrotated.size() == size_t(shape.layers) * shape.kv_heads * 2);
+  CHECK(r1->rotated.empty());
+  CHECK(r08->unrotated == std::vector<float>(r1->unrotated.size(), 90.f));
+  CHECK(r08->rotated == std::vector<float>(r1->unrotated.size(), 95.f));
 
   cache_settings none, at1, at08;
-  at1.clip_ratios = *r1;
-  at08.clip_ratios = *r08;
+  at1.clip_percentiles = r1->unrotated;
+  at08.clip_percentiles = r08->unrotated;
+  at08.rotated_clip_percentiles = r08->rotated;
+  // a rotated cache takes the rotated table: 95 rotated differs from 90 rotated
+  cache_settings rot90 = at08;
+  rot90.rotated_clip_percentiles = r08->unrotated;
+  CHECK(stored_layer0("ra2/g32+rot", at08) != stored_layer0("ra2/g32+rot", rot90));
+  CHECK(stored_layer0("ra2/g32", at08) == stored_layer0("ra2/g32", rot90));
   for (const char* b : {"4", "2"}) {
     const std::string ra = fmt::format("ra{}/g32", b), kivi = fmt::format("kivi{}/g32", b);
     CAPTURE(ra);
     const auto kivi_stored = stored_layer0(kivi, none);
-    CHECK(stored_layer0(ra, none) == kivi_stored);    // no ratios: nothing clipped
-    CHECK(stored_layer0(ra, at1) == kivi_stored);     // every ratio 1: nothing clipped
-    CHECK(stored_layer0(kivi, at08) == kivi_stored);  // other families ignore the ratios
+    CHECK(stored_layer0(ra, none) == kivi_stored);    // no percentiles: nothing clipped
+    CHECK(stored_layer0(ra, at1) == kivi_stored);     // every percentile 100: nothing clipped, kivi's bytes
+    CHECK(stored_layer0(kivi, at08) == kivi_stored);  // other families ignore the percentiles
     const auto ra_clipped = stored_layer0(ra, at08);
     REQUIRE(ra_clipped.size() == kivi_stored.size());
     // pages (tokens 0..255) differ; the FP16 ring (tokens 256..319) is the same
@@ -503,47 +517,50 @@ TEST_CASE("clip ratios: rolealign stores what kivi stores at ratio 1 and differs
     }
   }
 
-  // The SmolLM2 artifact of docs/data clips some heads of layer 0 (K head 1, V head 0 at 0.95).
+  // The SmolLM2 artifact of docs/data clips some heads, unrotated and rotated (not in layer 0).
   if (std::filesystem::exists(KVQ_EVAL_CALIB_ARTIFACT)) {
-    auto smol = load_clip_ratios(KVQ_EVAL_CALIB_ARTIFACT, shape);
+    auto smol = load_clip_percentiles(KVQ_EVAL_CALIB_ARTIFACT, shape);
     REQUIRE(smol.ok());
-    cache_settings s;
-    s.clip_ratios = *smol;
-    CHECK(stored_layer0("ra4/g32", s) != stored_layer0("kivi4/g32", none));
+    const auto clips = [](const std::vector<float>& t) {
+      return std::count_if(t.begin(), t.end(), [](float p) { return p < 100.f; });
+    };
+    CHECK(clips(smol->unrotated) > 0);
+    REQUIRE(smol->rotated.size() == smol->unrotated.size());
+    CHECK(clips(smol->rotated) > 0);
   }
 }
 
-TEST_CASE("clip ratios: a missing, malformed or other model's artifact names the file and the field", "[config]") {
+TEST_CASE("clip percentiles: a missing, malformed or other model's artifact names the file and the field", "[config]") {
   const auto shape = smol_shape();
-  auto missing = load_clip_ratios("/nonexistent/clips.json", shape);
+  auto missing = load_clip_percentiles("/nonexistent/clips.json", shape);
   REQUIRE_FALSE(missing.ok());
   CHECK(missing.error().code() == kvq::errc::io_error);
   CHECK_THAT(missing.error().message(), Contains("/nonexistent/clips.json"));
 
-  const temp_artifact art(shape, 0.9f);
+  const temp_artifact art(shape, 95.f);
   kvq::cache_shape other = shape;
   other.layers = 12;
-  auto wrong = load_clip_ratios(art.path, other);
+  auto wrong = load_clip_percentiles(art.path, other);
   REQUIRE_FALSE(wrong.ok());
   CHECK_THAT(wrong.error().message(), Contains(art.path) && Contains("model.layers"));
 
   std::string text = test::read_text(art.path);
-  const size_t at = text.find("\"clip_ratios\"");
+  const size_t at = text.find("\"clip_percentiles\"");
   REQUIRE(at != std::string::npos);
-  text.replace(at, 13, "\"clips\"");
+  text.replace(at, 18, "\"clips\"");
   const std::string bad_path = art.path + ".bad.json";
   REQUIRE(write_text_file(bad_path, text).ok());
-  auto malformed = load_clip_ratios(bad_path, shape);
+  auto malformed = load_clip_percentiles(bad_path, shape);
   std::filesystem::remove(bad_path);
   REQUIRE_FALSE(malformed.ok());
-  CHECK_THAT(malformed.error().message(), Contains(bad_path) && Contains("'clip_ratios' is missing"));
+  CHECK_THAT(malformed.error().message(), Contains(bad_path) && Contains("'clip_percentiles' is missing"));
 
-  // kvq-eval --clip-ratios: stories260K is not the artifact's model
+  // kvq-eval --clip-percentiles: stories260K is not the artifact's model
   eval_options o = tiny_options();
-  o.clip_ratios_path = art.path;
+  o.clip_percentiles_path = art.path;
   auto r = run_eval(o);
   REQUIRE_FALSE(r.ok());
-  CHECK_THAT(r.error().message(), Contains("--clip-ratios") && Contains(art.path) && Contains("model.layers"));
+  CHECK_THAT(r.error().message(), Contains("--clip-percentiles") && Contains(art.path) && Contains("model.layers"));
 }
 
 // ---- bad input found before any long work; resumed runs -------------------------------------------

@@ -102,8 +102,9 @@ TEST_CASE("JSON record has every schema field", "[report]") {
                         "/cache/window",
                         "/cache/recent",
                         "/cache/budget_bytes",
-                        "/cache/clip_ratios_artifact",
-                        "/cache/clip_ratios_below_1",
+                        "/cache/clip_percentiles_artifact",
+                        "/cache/clip_percentiles_below_100",
+                        "/cache/rotated_clip_percentiles_below_100",
                         "/text/path",
                         "/text/hash",
                         "/text/bytes",
@@ -203,20 +204,23 @@ TEST_CASE("a checkpoint says it is one", "[report]") {
   CHECK(render_html(r).find("Checkpoint") == std::string::npos);
 }
 
-TEST_CASE("the clip ratios' artifact is recorded", "[report]") {
+TEST_CASE("the clip percentiles' artifact is recorded", "[report]") {
   auto r = make_report();
   auto j = to_json(r);
-  CHECK(j.at("cache").at("clip_ratios_artifact") == "");
-  CHECK(j.at("cache").at("clip_ratios_below_1") == 0);
-  CHECK(render_table(r).find("clip ratios") == std::string::npos);
-  r.options.clip_ratios_path = "calib.json";
-  r.options.cache.clip_ratios.assign(4 * 2 * 2, 1.f);
-  r.options.cache.clip_ratios[1] = r.options.cache.clip_ratios[6] = 0.95f;
+  CHECK(j.at("cache").at("clip_percentiles_artifact") == "");
+  CHECK(j.at("cache").at("clip_percentiles_below_100") == 0);
+  CHECK(render_table(r).find("clip percentiles") == std::string::npos);
+  r.options.clip_percentiles_path = "calib.json";
+  r.options.cache.clip_percentiles.assign(4 * 2 * 2, 100.f);
+  r.options.cache.clip_percentiles[1] = r.options.cache.clip_percentiles[6] = 95.f;
+  r.options.cache.rotated_clip_percentiles.assign(4 * 2 * 2, 100.f);
+  r.options.cache.rotated_clip_percentiles[3] = 99.f;
   j = to_json(r);
-  CHECK(j.at("cache").at("clip_ratios_artifact") == "calib.json");
-  CHECK(j.at("cache").at("clip_ratios_below_1") == 2);
-  CHECK_THAT(render_table(r), Contains("rolealign clip ratios from calib.json"));
-  CHECK_THAT(render_html(r), Contains("rolealign clip ratios from <code>calib.json</code>"));
+  CHECK(j.at("cache").at("clip_percentiles_artifact") == "calib.json");
+  CHECK(j.at("cache").at("clip_percentiles_below_100") == 2);
+  CHECK(j.at("cache").at("rotated_clip_percentiles_below_100") == 1);
+  CHECK_THAT(render_table(r), Contains("rolealign clip percentiles from calib.json"));
+  CHECK_THAT(render_html(r), Contains("rolealign clip percentiles from <code>calib.json</code>"));
 }
 
 TEST_CASE("JSON never holds NaN", "[report]") {

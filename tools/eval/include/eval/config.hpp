@@ -41,10 +41,13 @@ struct cache_settings {
   int recent = 64;            ///< tokens kept unencoded r
   uint64_t budget_bytes = 0;  ///< 0: enough for `max_tokens` tokens in FP16, plus slack
   int64_t max_tokens = 0;     ///< the longest sequence a run will hold (sizes the automatic budget)
-  /// rolealign clip ratios set on every cache (`KVCache::set_clip_ratios` layout, [layers][kv_heads][2],
-  /// K then V); other families ignore them. Empty: ratio 1, no clipping (`ra<b>` stores what
-  /// `kivi<b>` stores).
-  std::vector<float> clip_ratios;
+  /// rolealign clip percentiles set on every cache (`KVCache::set_clip_percentiles` layout,
+  /// [layers][kv_heads][2], K then V) for its unrotated heads; other families ignore them.
+  /// Empty: 100, no clipping (`ra<b>` stores what `kivi<b>` stores).
+  std::vector<float> clip_percentiles;
+  /// The same for rotated heads (the artifact's `rotated_clip_percentiles`). A rotated rolealign
+  /// configuration with `clip_percentiles` but none of these is refused.
+  std::vector<float> rotated_clip_percentiles;
   /// Fitted codebook levels set on every cache (`kvq::calib::artifact::codebooks`): each cache
   /// gives every fitted format the levels of its heads' space (`codebook_levels_for`). Empty:
   /// the Lloyd-Max levels.
@@ -58,21 +61,27 @@ kvq::cache_shape eval_shape(const kvq::llama::llama_model& model, const cache_se
 /// of the compression ratios.
 uint64_t fp16_bytes(const kvq::cache_shape& shape, int64_t tokens);
 
-/// The rolealign clip ratios of the calibration artifact at `path` (written by kvq-calibrate),
-/// loaded and validated by `kvq::calib::artifact::load` for a model of `shape`: a missing or
-/// malformed file, or one measured on another model shape, is an error naming the file and the
-/// field.
-kvq::result<std::vector<float>> load_clip_ratios(const std::string& path, const kvq::cache_shape& shape);
+/// The rolealign clip percentiles of a calibration artifact: unrotated, and rotated (empty when
+/// the artifact has none).
+struct clip_percentile_tables {
+  std::vector<float> unrotated, rotated;
+};
+
+/// The rolealign clip percentiles of the calibration artifact at `path` (written by
+/// kvq-calibrate), loaded and validated by `kvq::calib::artifact::load` for a model of `shape`:
+/// a missing or malformed file, or one measured on another model shape, is an error naming the
+/// file and the field (an artifact of version 1-3 gives 100 everywhere: no clipping).
+kvq::result<clip_percentile_tables> load_clip_percentiles(const std::string& path, const kvq::cache_shape& shape);
 
 /// The fitted codebook levels of the calibration artifact at `path` (kvq-calibrate
-/// --fit-codebooks), loaded and validated as for `load_clip_ratios`; an artifact without any is
+/// --fit-codebooks), loaded and validated as for `load_clip_percentiles`; an artifact without any is
 /// an error.
 kvq::result<std::vector<kvq::calib::codebook_fit>> load_codebook_levels(const std::string& path,
                                                                         const kvq::cache_shape& shape);
 
 /// A CPU cache for `model` under the policy of configuration `config`. Errors name the
 /// configuration (e.g. "configuration 'kivi4/g32': ... head_dim 8 ..."). The cache gets
-/// `s.clip_ratios` and `s.codebooks` when there are any.
+/// `s.clip_percentiles` (those of its heads' space) and `s.codebooks` when there are any.
 kvq::result<kvq::KVCache> make_eval_cache(const kvq::llama::llama_model& model, std::string_view config,
                                           const cache_settings& s);
 /// The same for a model of `model_shape` (its paging fields are ignored: `s` gives them).

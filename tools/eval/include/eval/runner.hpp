@@ -69,9 +69,10 @@ struct eval_options {
   uint64_t seed = 1234;                  ///< needle keys
   int threads = 0;                       ///< threads of the model's pool; 0 = hardware concurrency
   cache_settings cache;                  ///< paging and budget (budget 0 = automatic)
-  /// Calibration artifact (kvq-calibrate) whose rolealign clip ratios every cache gets
-  /// (--clip-ratios); loaded by `run_eval` into `cache.clip_ratios`. Empty: no clipping.
-  std::string clip_ratios_path;
+  /// Calibration artifact (kvq-calibrate) whose rolealign clip percentiles every cache gets
+  /// (--clip-percentiles; rotated heads the rotated ones); loaded by `run_eval` into
+  /// `cache.clip_percentiles` and `cache.rotated_clip_percentiles`. Empty: no clipping.
+  std::string clip_percentiles_path;
   /// Calibration artifact whose fitted codebook levels every cache gets (--codebook-levels);
   /// loaded by `run_eval` into `cache.codebooks`. Empty: the Lloyd-Max levels.
   std::string codebook_levels_path;
