@@ -118,7 +118,6 @@ __global__ void __launch_bounds__(threads) canary_kernel(const __grid_constant__
         // x^ - x = (code s + z) - x with the codec's rounding, as the CPU canary computes it. No page
         // is written: the codes are only needed as values.
         const int G = g.fmt.group, bits = g.fmt.bits, blocks = d / 32;
-        const bool ra = g.fmt.fam == family::rolealign;
         for (int task = warp; task < (kn / G) * blocks; task += warps) {
           const int tg = task / blocks, c = (task % blocks) * 32 + lane;
           const uint16_t* src = kbase + size_t(tg) * G * kstride + c;
@@ -130,7 +129,7 @@ __global__ void __launch_bounds__(threads) canary_kernel(const __grid_constant__
             hi = codec::fmax_(hi, x);
           }
           uint16_t s16, z16;
-          codec::kivi_range(lo, hi, bits, ra, 1.0f, s16, z16);
+          codec::kivi_range(lo, hi, bits, s16, z16);  // (rolealign as kivi: the canary measures unclipped)
           const float sf = h2f(s16), zf = h2f(z16);
           float* er = err + size_t(tg) * G * estride + c;
 #pragma unroll 8

@@ -71,9 +71,11 @@ def test_fp16_cache_generates_what_dynamic_cache_does(model, text_ids):
         cache = kvq_cache(m)
         out = torch.cat([m(text_ids[:, :200], past_key_values=cache).logits,
                          m(text_ids[:, 200:300], past_key_values=cache).logits], dim=1)
-    # (measured 2026-12-06: max |difference| 0.051 over 300 positions x 49152 logits of 5-20)
+    # (measured 2026-12-06: max |difference| 0.051 over 300 positions x 49152 logits of 5-20; mean
+    # 2.94e-3 at 5cd637f, 3.02e-3 since the CPU prefill's chunk part is the model runner's former tile
+    # kernel, f0b6931)
     diff = (out - ref).abs()
-    assert diff.max().item() < 0.1 and diff.mean().item() < 3e-3
+    assert diff.max().item() < 0.1 and diff.mean().item() < 3.1e-3
 
 
 def mean_kl(m, ids, config, prefill=256, positions=512):
@@ -99,8 +101,8 @@ def mean_kl(m, ids, config, prefill=256, positions=512):
 
 # kvq-eval's KL for the same configurations and positions (its own model runner and reference):
 #   kvq-eval -m models/SmolLM2-135M-Instruct.Q4_1.gguf -t data/eval/eval_legal.txt --prefill 256 -n 512 \
-#            -c fp16 -c kivi4/g32 -c kivi4/g32+rot --no-needle      (2026-12-06, commit e5c951b)
-KVQ_EVAL_KL = {"kivi4/g32": 3.09e-03, "kivi4/g32+rot": 2.69e-03}
+#            -c fp16 -c kivi4/g32 -c kivi4/g32+rot --no-needle      (2026-12-06, commit 7dbef84)
+KVQ_EVAL_KL = {"kivi4/g32": 3.10e-03, "kivi4/g32+rot": 2.71e-03}
 
 
 @pytest.mark.parametrize("config", sorted(KVQ_EVAL_KL))

@@ -1,6 +1,7 @@
 #include <fmt/format.h>
 
 #include <eval/config.hpp>
+#include <kvq/cache/config_string.hpp>
 #include <kvq/calib/artifact.hpp>
 #include <kvq/policy/static_policy.hpp>
 
