@@ -13,10 +13,11 @@
 ///   the hint `attend_args::max_page_bits`), computed by the CUDA backend as pages are written and
 ///   by an engine for its own pages, and passed down to the launch plan (cuda/launch_plan.cpp),
 ///   which fixes the stage width from which the page table gives each page its kind.
-/// - The kernels' dispatch over kinds and (K, V) kind pairs is generated from the kinds and the
-///   pair lists (`switch_kind`, `switch_kind_pairs` in cuda/attention/kinds.cuh), and every kind
-///   must be in the pair list of its width (`pair_lists_cover_kinds`), so that a new format gets
-///   its kind's code or fails to build, never a silent fallback.
+/// - The kernels' switches over kinds and (K, V) kind pairs are written by hand, each case label
+///   checked against these lists at compile time (`listed_kind`, `listed_pair` in
+///   cuda/attention/kinds.cuh, with each switch's list counted beside it), and every kind must be
+///   in the pair list of its width (`pair_lists_cover_kinds`), so that a new format gets its kind's
+///   code or fails to build, never a silent fallback.
 ///
 /// Kinds are the distinct (decode_as, bits) pairs of the staged types, the 3-bit ones last; within
 /// each part numbered kivi before sym before fp8 before codebook before nvfp4, wider before
