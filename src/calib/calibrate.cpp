@@ -500,14 +500,18 @@ status calibrator::observe(int layer, const tensor_view& q, const tensor_view& k
     std::fill(err.begin(), err.end(), 0.f);
     for (int t = 0; t < T; ++t) std::copy_n(&xf[size_t(t) * size_t(d)], d, &err[size_t(t) * size_t(dp)]);
     causal_mix(s.data(), err.data(), T, group, dp, tp, o.data());
-    double ref = 0.0;
-    for (int r = 0; r < rows; ++r) {
-      double n2 = 0.0;
-      for (int c = 0; c < d; ++c)
-        n2 += double(o[size_t(r) * size_t(dp) + size_t(c)]) * o[size_t(r) * size_t(dp) + size_t(c)];
-      ref += n2 * pz[size_t(r)] * pz[size_t(r)];
-    }
-    v_ref_[unit] += ref;
+    // Σ_rows ‖o_r‖² pz_r² of the mixed rows in `o`
+    const auto weighted_norm2 = [&] {
+      double sum = 0.0;
+      for (int r = 0; r < rows; ++r) {
+        double n2 = 0.0;
+        for (int c = 0; c < d; ++c)
+          n2 += double(o[size_t(r) * size_t(dp) + size_t(c)]) * o[size_t(r) * size_t(dp) + size_t(c)];
+        sum += n2 * pz[size_t(r)] * pz[size_t(r)];
+      }
+      return sum;
+    };
+    v_ref_[unit] += weighted_norm2();
     if (opt_.fit_codebooks) {
       count_for_fit(layer, h, role::v, x16.data(), T, false);
       if (any_rotated) count_for_fit(layer, h, role::v, x16r.data(), T, true);
@@ -518,14 +522,7 @@ status calibrator::observe(int layer, const tensor_view& q, const tensor_view& k
       round_trip_error(variants_[vi].f, ep, role::v, shape_.page_tokens, d, T, rot ? x16r.data() : x16.data(),
                        rot ? xfr.data() : xf.data(), dp, page, err.data());
       causal_mix(s.data(), err.data(), T, group, dp, tp, o.data());
-      double e2 = 0.0;
-      for (int r = 0; r < rows; ++r) {
-        double n2 = 0.0;
-        for (int c = 0; c < d; ++c)
-          n2 += double(o[size_t(r) * size_t(dp) + size_t(c)]) * o[size_t(r) * size_t(dp) + size_t(c)];
-        e2 += n2 * pz[size_t(r)] * pz[size_t(r)];
-      }
-      v_err_[unit * nv + vi] += e2;
+      v_err_[unit * nv + vi] += weighted_norm2();
     }
     rows_[unit] += double(rows);
   }
