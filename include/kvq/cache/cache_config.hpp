@@ -4,11 +4,13 @@
 /// backend, rotation, sink pages, swap space). Its own header so that the backends and the tools
 /// that only describe caches need not include the `KVCache` facade (include/kvq/cache/cache.hpp).
 
+#include <kvq/attention/variant.hpp>
 #include <kvq/config.hpp>
 #include <kvq/format/format.hpp>
 #include <kvq/rotation/rotation.hpp>
 
 #include <cstdint>
+#include <vector>
 
 KVQ_NAMESPACE_BEGIN
 
@@ -53,6 +55,16 @@ struct cache_config {
   /// creation: pinned on CUDA, so swaps run asynchronously on the caller's stream. 0 (the default):
   /// no swap space, and `swap_out` is refused.
   uint64_t swap_bytes = 0;
+  /// Each layer's attention rule (include/kvq/attention/variant.hpp): a sliding window, logit
+  /// soft-capping, learned sink logits. Empty (the default): every layer global with a plain
+  /// softmax; else one entry per layer. The pages of a sliding layer that no later query can see
+  /// return to the budget as the sequence grows (docs/architecture.md, "Attention variants").
+  std::vector<attention_variant> attention;
+  /// Layer `l`'s rule (the plain one when `attention` is empty).
+  const attention_variant& layer_attention(int l) const {
+    static const attention_variant plain;
+    return attention.empty() ? plain : attention[size_t(l)];
+  }
 };
 
 KVQ_NAMESPACE_END
