@@ -1015,6 +1015,12 @@ result<std::unique_ptr<step_backend>> cuda_backend::make_step(int max_batch, int
 }  // namespace
 
 result<std::unique_ptr<cache_backend>> make_cuda_backend(const cache_state& st) {
+  for (size_t l = 0; l < st.cfg.attention.size(); ++l)
+    if (!st.cfg.attention[l].plain())
+      return status{errc::unsupported,
+                    fmt::format("KVCache::create: layer {} has a sliding window, soft-capping or sink logits, which the "
+                                "CUDA backend does not run yet (the CPU backend does)",
+                                l)};
   auto b = std::make_unique<cuda_backend>(st);
   KVQ_TRY(b->init());
   return std::unique_ptr<cache_backend>(std::move(b));

@@ -168,6 +168,9 @@ status attend_can_implement(const attend_args& a) {
   if (kv.kv_heads <= 0 || kv.kv_heads > max_kv_heads || a.q_heads % kv.kv_heads != 0 || a.q_heads / kv.kv_heads > 16)
     return {errc::unsupported, msg("CUDA attention supports kv_heads <= ", max_kv_heads, " and a GQA group of at most 16; got ",
                                    a.q_heads, " query heads over ", kv.kv_heads, " kv heads")};
+  if (!a.variant.plain())
+    return {errc::unsupported, "CUDA attention: sliding windows, soft-capping and sink logits are not on the device yet "
+                               "(the CPU calls, cpu::pool_attend, take them)"};
   return detail::check_attend_items(a);
 }
 

@@ -231,6 +231,9 @@ status prefill_can_implement(const prefill_args& a) {
     return {errc::unsupported,
             msg("CUDA prefill supports kv_heads <= ", max_kv_heads, " and a GQA group of at most 16; got ", a.q_heads,
                 " query heads over ", kv.kv_heads, " kv heads")};
+  if (!a.variant.plain())
+    return {errc::unsupported, "CUDA prefill: sliding windows, soft-capping and sink logits are not on the device yet "
+                               "(the CPU calls, cpu::pool_prefill, take them)"};
   return check_prefill_range(a);
 }
 

@@ -138,7 +138,17 @@ struct chunk_rows {
   float* m;        // [rows] running max
   float* l;        // [rows] running sum
   float* s;        // scratch [2 key_tile]
+  int64_t window = 0;  // > 0: row r sees keys from its token's position - window + 1 on (a sliding layer)
+  float softcap = 0.f;  // > 0: scores soft-capped (`attention_variant::cap`)
 };
+
+// A row's scores over a block before its softmax: keys before `lo` (out of its window) at -inf,
+// the ones it sees [lo, valid) soft-capped when `softcap` is set.
+KVQ_CPU_INLINE void mask_and_cap(float* s, int lo, int valid, float softcap) {
+  for (int j = 0; j < lo; ++j) s[j] = -std::numeric_limits<float>::infinity();
+  if (softcap > 0.f)
+    for (int j = lo; j < valid; ++j) s[j] = softcap * std::tanh(s[j] / softcap);
+}
 
 // Packs keys 0..n-1 of one kv head (key j at k + j * ldk, d floats) as `chunk_rows::kt` wants
 // them; `kt` [ldt / key_tile][d][key_tile] must be zero beforehand.
@@ -150,8 +160,9 @@ void pack_keys(const float* k, int64_t ldk, int64_t n, int d, float* kt) {
   }
 }
 
-// Causal attention of the rows over the chunk: row r sees keys 0..first + r / group; leaves
-// acc, m and l (every row sees key 0: l > 0). Rows go in pairs: each packed key vector (and, in
+// Causal attention of the rows over the chunk: row r sees keys 0..first + r / group (from its
+// window's first key on in a sliding layer); leaves acc, m and l (every row sees its own key:
+// l > 0). Rows go in pairs: each packed key vector (and, in
 // the V pass, each V vector) is loaded once for two rows, eight independent vector sums in
 // flight, a row's scores over 8 keys in one register across d (d a multiple of 8 for the
 // vector V pass; other head sizes take plain loops).
@@ -177,7 +188,9 @@ KVQ_CPU_INLINE void chunk_fold_body(const chunk_rows& a) {
   std::fill(a.l, a.l + rows, 0.f);
   std::fill(a.acc, a.acc + int64_t(rows) * d, 0.f);
   const int64_t kend = a.first + (rows - 1) / group + 1;  // keys the last row reads
-  for (int64_t j0 = 0; j0 < kend; j0 += B) {
+  // the first key of the row whose token is at `pos` (0 without a window)
+  const auto first_key = [&](int64_t pos) { return a.window > 0 ? std::max<int64_t>(0, pos - a.window + 1) : 0; };
+  for (int64_t j0 = first_key(a.first) / B * B; j0 < kend; j0 += B) {
     const int64_t nb = std::min<int64_t>(B, kend - j0);
     const float* kt = a.kt + j0 * d;  // channel c of key j0 + j at kt[c * B + j]
     for (int r0 = 0; r0 < rows; r0 += 2) {
@@ -187,6 +200,11 @@ KVQ_CPU_INLINE void chunk_fold_body(const chunk_rows& a) {
       const int valid0 = int(std::min<int64_t>(nb, a.first + r0 / group + 1 - j0));  // causal
       const int valid1 = int(std::min<int64_t>(nb, a.first + r1 / group + 1 - j0));
       if (valid1 <= 0) continue;
+      // the rows' first keys in this block (their windows): a row sees [lo, valid)
+      const int lo0 = int(std::clamp<int64_t>(first_key(a.first + r0 / group) - j0, 0, nb));
+      const int lo1 = int(std::clamp<int64_t>(first_key(a.first + r1 / group) - j0, 0, nb));
+      const bool live0 = valid0 > lo0, live1 = valid1 > lo1;
+      if (!live0 && !live1) continue;
       const float* qa = a.q + int64_t(r0) * d;
       const float* qb = a.q + int64_t(r1) * d;
       // scores of both rows over 32 keys at a time (keys past a row's `valid` are finite: the
@@ -202,10 +220,24 @@ KVQ_CPU_INLINE void chunk_fold_body(const chunk_rows& a) {
         store4(s0 + jv, a0, a1, a2, a3);
         store4(s1 + jv, b0, b1, b2, b3);
       }
-      const float corr0 = valid0 > 0 ? softmax_block(s0, valid0, valid1, a.m[r0], a.l[r0]) : 1.f;
-      if (valid0 <= 0) std::fill(s0, s0 + valid1, 0.f);
-      const float corr1 = pair ? softmax_block(s1, valid1, valid1, a.m[r1], a.l[r1]) : corr0;
-      if (!pair) std::copy(s0, s0 + valid1, s1);
+      float corr0 = 1.f, corr1 = 1.f;
+      if (live0) {
+        mask_and_cap(s0, lo0, valid0, a.softcap);
+        corr0 = softmax_block(s0, valid0, valid1, a.m[r0], a.l[r0]);
+        std::fill(s0, s0 + lo0, 0.f);  // (exp8_nonpositive clamps -inf to exp(-87), not 0)
+      } else {
+        std::fill(s0, s0 + valid1, 0.f);
+      }
+      if (!pair) {
+        corr1 = corr0;
+        std::copy(s0, s0 + valid1, s1);
+      } else if (live1) {
+        mask_and_cap(s1, lo1, valid1, a.softcap);
+        corr1 = softmax_block(s1, valid1, valid1, a.m[r1], a.l[r1]);
+        std::fill(s1, s1 + lo1, 0.f);
+      } else {
+        std::fill(s1, s1 + valid1, 0.f);
+      }
       float* aa = a.acc + int64_t(r0) * d;
       float* ab = a.acc + int64_t(r1) * d;
       const float* vb = a.v + j0 * a.ldv;
@@ -271,14 +303,16 @@ void chunk_fold(const chunk_rows& a) {
 }
 
 // Online softmax of `rows` query rows of one kv head: running max m, sum l and unnormalized
-// output acc, in fp32. Row r sees the positions <= last[r].
+// output acc, in fp32. Row r sees the positions first[r]..last[r].
 struct softmax_rows {
   int rows = 0, d = 0;
   const float* q = nullptr;  // [rows][d], scaled by the softmax scale
+  const int64_t* first = nullptr;
   const int64_t* last = nullptr;
   float* m = nullptr;    // [rows]
   float* l = nullptr;    // [rows]
   float* acc = nullptr;  // [rows][d]
+  float softcap = 0.f;   // > 0: scores soft-capped
 
   KVQ_CPU_INLINE void reset() {
     std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
@@ -298,15 +332,17 @@ struct softmax_rows {
     // the scores of each row, eight keys at a time, then its softmax weights (0 past what it sees)
     for (int r = 0; r < rows; ++r) {
       float* pr = p + int64_t(r) * stride;
-      const int vis = visible(r, pos0, tokens);
+      const int vis = visible(r, pos0, tokens), lo = int(std::clamp<int64_t>(first[r] - pos0, 0, tokens));
       corr[r] = 1.f;
-      if (vis == 0) {
+      if (vis <= lo) {
         std::fill(pr, pr + stride, 0.f);
         continue;
       }
       const float* qr = q + int64_t(r) * d;
-      for (int t = 0; t < vis; t += 8) store8(pr + t, dot8(qr, k + int64_t(t) * d, d));
+      for (int t = lo & ~7; t < vis; t += 8) store8(pr + t, dot8(qr, k + int64_t(t) * d, d));
+      mask_and_cap(pr, lo, vis, softcap);
       corr[r] = softmax_block(pr, vis, stride, m[r], l[r]);
+      std::fill(pr, pr + lo, 0.f);
     }
     // acc = acc * corr + p V, up to four rows at a time sharing each load of V
     int r0 = 0;
@@ -366,19 +402,20 @@ struct softmax_rows {
 // Per-thread scratch, grown as needed and kept between calls (no allocation in steady state).
 struct scratch {
   std::vector<float> k, v, p, corr, q, m, l, acc, o, lse, o2, lse2, s;
-  std::vector<int64_t> last;
+  std::vector<int64_t> first, last;
   void size_for(int rows, int d, int tile_tokens) {
     s.resize(2 * key_tile);
     const size_t rd = size_t(rows) * d;
     for (auto* x : {&q, &acc, &o, &o2}) x->resize(rd);
     for (auto* x : {&m, &l, &corr, &lse, &lse2}) x->resize(size_t(rows));
+    first.resize(size_t(rows));
     last.resize(size_t(rows));
     k.resize(size_t(tile_tokens) * d);
     v.resize(k.size());
     p.resize(size_t(rows) * ((tile_tokens + 7) & ~7));
   }
-  softmax_rows state(int rows, int d) {
-    return {rows, d, q.data(), last.data(), m.data(), l.data(), acc.data()};
+  softmax_rows state(int rows, int d, float softcap = 0.f) {
+    return {rows, d, q.data(), first.data(), last.data(), m.data(), l.data(), acc.data(), softcap};
   }
 };
 scratch& local_scratch() {
@@ -386,12 +423,20 @@ scratch& local_scratch() {
   return s;
 }
 
-// The stored tokens [0, end) of one kv head, a block at a time: whole pages decoded for tokens
-// before `from_pages`, then the FP16 ring in blocks of `key_tile` tokens.
+// The stored tokens [pos, end) of one kv head, a block at a time: whole pages decoded for tokens
+// before `from_pages`, then the FP16 ring in blocks of `key_tile` tokens. `pos` starts at 0, or
+// at the first token a sliding window reaches (`start`).
 struct stored_blocks {
   const stored_layer& kv;
   int h;
   int64_t from_pages, end, pos = 0;
+
+  // Starts at the page (or, in the ring, the token) that holds token `first`.
+  stored_blocks& start(int64_t first) {
+    const int64_t P = kv.shape->page_tokens;
+    pos = first < from_pages ? first / P * P : std::min(first, end);
+    return *this;
+  }
 
   KVQ_CPU_INLINE bool next(float* kt, float* vt, int& tokens, int64_t& pos0) {
     if (pos >= end) return false;
@@ -452,43 +497,65 @@ void store_rows(const tensor_mut& o, int64_t row0, int i0, int count, int h, int
     }
 }
 
-// One (item, kv head) of an attend: causal over the item's n stored tokens.
+// Row r's output (acc / l) into o_row and its log-sum-exp, with its head's sink logit (query
+// head h * group + r % group) merged in when the layer has them.
+KVQ_CPU_INLINE float finish_row(const softmax_rows& st, int r, float* o_row, const attention_variant& var, int h,
+                                int group) {
+  float lse = st.finish(r, o_row);
+  if (!var.sink_logits.empty()) merge_sink_row(o_row, lse, var.sink(h * group + r % group), st.d);
+  return lse;
+}
+
+// One (item, kv head) of an attend: causal over the item's n stored tokens (the layer's window of
+// them in a sliding layer: its earlier pages are not read).
 KVQ_CPU_CLONES void attend_task(const attend_task_item& it, int h, const tensor_view& q, const tensor_mut& o,
-                                float scale) {
+                                float scale, const attention_variant& var) {
   const cache_shape& sh = *it.kv.shape;
   const int d = sh.head_dim, group = sh.q_heads / sh.kv_heads, rows = it.q_len * group;
   const int64_t n = it.kv.ls->n;
   scratch& sc = local_scratch();
   sc.size_for(rows, d, tile_tokens(sh));
   load_queries(q, it.row, 0, it.q_len, h, group, d, scale, sc.q.data());
-  for (int r = 0; r < rows; ++r) sc.last[size_t(r)] = n - it.q_len + r / group;
-  softmax_rows st = sc.state(rows, d);
+  for (int r = 0; r < rows; ++r) {
+    sc.last[size_t(r)] = n - it.q_len + r / group;
+    sc.first[size_t(r)] = var.first_key(sc.last[size_t(r)]);
+  }
+  softmax_rows st = sc.state(rows, d, var.softcap);
   st.reset();
   stored_blocks blocks{it.kv, h, std::min(it.kv.ls->e, n - it.q_len), n};
+  blocks.start(sc.first[0]);
   int tokens = 0;
   int64_t pos0 = 0;
   while (blocks.next(sc.k.data(), sc.v.data(), tokens, pos0)) st.absorb(sc.k.data(), sc.v.data(), tokens, pos0, sc.p.data(), sc.corr.data());
-  for (int r = 0; r < rows; ++r) st.finish(r, sc.o.data() + int64_t(r) * d);
+  for (int r = 0; r < rows; ++r) finish_row(st, r, sc.o.data() + int64_t(r) * d, var, h, group);
   store_rows(o, it.row, 0, it.q_len, h, group, d, sc.o.data());
 }
 
-// The stored-prefix part of queries [i0, i0 + count) of kv head h: every row sees [0, prefix).
-// Leaves the outputs in sc.o and the log-sum-exps in sc.lse.
+// The stored-prefix part of queries [i0, i0 + count) of kv head h: every row sees [0, prefix)
+// (query i, at position prefix + i, from its window's first key on in a sliding layer). Leaves
+// the outputs in sc.o and the log-sum-exps in sc.lse, the rows' sink logits merged in when
+// `with_sinks`.
 KVQ_CPU_CLONES void prefix_part(const stored_layer& kv, int64_t prefix, int h, const tensor_view& q, int i0, int count,
-                                float scale) {
+                                float scale, const attention_variant& var, bool with_sinks) {
   const cache_shape& sh = *kv.shape;
   const int d = sh.head_dim, group = sh.q_heads / sh.kv_heads, rows = count * group;
   scratch& sc = local_scratch();
   sc.size_for(rows, d, tile_tokens(sh));
   load_queries(q, 0, i0, count, h, group, d, scale, sc.q.data());
-  std::fill(sc.last.begin(), sc.last.begin() + rows, prefix - 1);
-  softmax_rows st = sc.state(rows, d);
+  for (int r = 0; r < rows; ++r) {
+    sc.last[size_t(r)] = prefix - 1;
+    sc.first[size_t(r)] = var.first_key(prefix + i0 + r / group);
+  }
+  softmax_rows st = sc.state(rows, d, var.softcap);
   st.reset();
   stored_blocks blocks{kv, h, std::min(kv.ls->e, prefix), prefix};
+  blocks.start(sc.first[0]);
   int tokens = 0;
   int64_t pos0 = 0;
   while (blocks.next(sc.k.data(), sc.v.data(), tokens, pos0)) st.absorb(sc.k.data(), sc.v.data(), tokens, pos0, sc.p.data(), sc.corr.data());
-  for (int r = 0; r < rows; ++r) sc.lse[size_t(r)] = st.finish(r, sc.o.data() + int64_t(r) * d);
+  for (int r = 0; r < rows; ++r)
+    sc.lse[size_t(r)] = with_sinks ? finish_row(st, r, sc.o.data() + int64_t(r) * d, var, h, group)
+                                   : st.finish(r, sc.o.data() + int64_t(r) * d);
 }
 
 // The chunk part of queries [i0, i0 + count) of kv head h: query i sees chunk tokens 0..i of
@@ -496,11 +563,11 @@ KVQ_CPU_CLONES void prefix_part(const stored_layer& kv, int64_t prefix, int h, c
 // Leaves the outputs in sc.o2 and the lse in sc.lse2. Expects sc.q to hold the tile's scaled
 // queries (prefix_part loads them).
 void chunk_part(const cache_shape& sh, const float* kt, int64_t ldt, const float* cv, int64_t T, int h, int i0,
-                int count) {
+                int count, const attention_variant& var) {
   const int d = sh.head_dim, group = sh.q_heads / sh.kv_heads, rows = count * group;
   scratch& sc = local_scratch();
   chunk_fold({kt + int64_t(h) * d * ldt, cv + int64_t(h) * T * d, d, d, group, rows, i0, sc.q.data(), sc.acc.data(),
-              sc.m.data(), sc.l.data(), sc.s.data()});
+              sc.m.data(), sc.l.data(), sc.s.data(), var.window, var.softcap});
   const softmax_rows st = sc.state(rows, d);
   for (int r = 0; r < rows; ++r) sc.lse2[size_t(r)] = st.finish(r, sc.o2.data() + int64_t(r) * d);
 }
@@ -510,19 +577,19 @@ int query_tiles(int64_t T) { return int((T + query_tile - 1) / query_tile); }
 }  // namespace
 
 void attend(worker_pool& pool, std::span<const attend_task_item> items, const tensor_view& q, const tensor_mut& o,
-            float scale) {
+            float scale, const attention_variant& var) {
   if (items.empty()) return;
   const int H = items[0].kv.shape->kv_heads;
-  pool.run(int(items.size()) * H, [&](int t) { attend_task(items[size_t(t / H)], t % H, q, o, scale); });
+  pool.run(int(items.size()) * H, [&](int t) { attend_task(items[size_t(t / H)], t % H, q, o, scale, var); });
 }
 
 void attend_prefix(worker_pool& pool, const stored_layer& kv, int64_t prefix, const tensor_view& q,
-                   const tensor_mut& o, float* lse, float scale) {
+                   const tensor_mut& o, float* lse, float scale, const attention_variant& var) {
   const cache_shape& sh = *kv.shape;
   const int H = sh.kv_heads, d = sh.head_dim, group = sh.q_heads / H, tiles = query_tiles(q.tokens);
   pool.run(tiles * H, [&](int t) {
     const int h = t % H, i0 = (t / H) * query_tile, count = int(std::min<int64_t>(query_tile, q.tokens - i0));
-    prefix_part(kv, prefix, h, q, i0, count, scale);
+    prefix_part(kv, prefix, h, q, i0, count, scale, var, true);
     const scratch& sc = local_scratch();
     store_rows(o, 0, i0, count, h, group, d, sc.o.data());
     for (int i = 0; i < count; ++i)
@@ -531,7 +598,7 @@ void attend_prefix(worker_pool& pool, const stored_layer& kv, int64_t prefix, co
 }
 
 void prefill(worker_pool& pool, const stored_layer& kv, int64_t prefix, const tensor_view& k, const tensor_view& v,
-             const tensor_view& q, const tensor_mut& o, float scale) {
+             const tensor_view& q, const tensor_mut& o, float scale, const attention_variant& var) {
   const cache_shape& sh = *kv.shape;
   const int H = sh.kv_heads, d = sh.head_dim, group = sh.q_heads / H, tiles = query_tiles(q.tokens);
   const int64_t T = k.tokens;
@@ -549,16 +616,20 @@ void prefill(worker_pool& pool, const stored_layer& kv, int64_t prefix, const te
     }
   pool.run(tiles * H, [&](int t) {
     const int h = t % H, i0 = (t / H) * query_tile, count = int(std::min<int64_t>(query_tile, T - i0));
-    prefix_part(kv, prefix, h, q, i0, count, scale);
-    chunk_part(sh, kt.data(), ldt, cv.data(), T, h, i0, count);
+    prefix_part(kv, prefix, h, q, i0, count, scale, var, false);
+    chunk_part(sh, kt.data(), ldt, cv.data(), T, h, i0, count, var);
     scratch& sc = local_scratch();
     merge_attention(sc.o.data(), sc.lse.data(), sc.o2.data(), sc.lse2.data(), int64_t(count) * group, d);
+    if (!var.sink_logits.empty())
+      for (int r = 0; r < count * group; ++r)
+        merge_sink_row(sc.o.data() + int64_t(r) * d, sc.lse[size_t(r)], var.sink(h * group + r % group), d);
     store_rows(o, 0, i0, count, h, group, d, sc.o.data());
   });
 }
 
 void causal_attention(const task_runner& run, const float* q, const float* k, const float* v, float* o, int64_t T,
-                      int64_t pos0, int q_heads, int kv_heads, int head_dim, float scale) {
+                      int64_t pos0, int q_heads, int kv_heads, int head_dim, float scale,
+                      const attention_variant& var) {
   const int group = q_heads / kv_heads, d = head_dim, tiles = int((T + chunk_tile - 1) / chunk_tile);
   const int64_t n = pos0 + T, ldt = (n + key_tile - 1) / key_tile * key_tile, ld = int64_t(kv_heads) * d;
   // K packed once per call for every tile (`chunk_rows::kt`)
@@ -577,11 +648,15 @@ void causal_attention(const task_runner& run, const float* q, const float* k, co
       for (int c = 0; c < d; ++c) sc.q[size_t(r) * d + c] = src[c] * scale;
     }
     chunk_fold({kt_all + int64_t(h) * d * ldt, v + int64_t(h) * d, ld, d, group, rows, pos0 + t0, sc.q.data(),
-                sc.acc.data(), sc.m.data(), sc.l.data(), sc.s.data()});
+                sc.acc.data(), sc.m.data(), sc.l.data(), sc.s.data(), var.window, var.softcap});
     for (int r = 0; r < rows; ++r) {
       float* dst = o + ((t0 + r / group) * q_heads + int64_t(h) * group + r % group) * d;
       const float inv = 1.f / sc.l[size_t(r)];
       for (int c = 0; c < d; ++c) dst[c] = sc.acc[size_t(r) * d + c] * inv;
+      if (!var.sink_logits.empty()) {
+        float lse = sc.m[size_t(r)] + std::log(sc.l[size_t(r)]);
+        merge_sink_row(dst, lse, var.sink(h * group + r % group), d);
+      }
     }
   });
 }

@@ -148,7 +148,9 @@ status pool_attend(worker_pool& pool, const cuda::attend_args& a) {
   }
   const tensor_view q{a.q, a.q_type, rows, a.q_heads, kv.head_dim, a.q_stride};
   const tensor_mut o{a.o, a.o_type, rows, a.q_heads, kv.head_dim, a.o_stride};
-  attend(pool, items, q, o, scale_of(a.scale, kv.head_dim));
+  const attention_variant var = variant_of(a.variant, a.q_heads);
+  KVQ_TRY(check_variant(var, a.q_heads, "pool_attend"));
+  attend(pool, items, q, o, scale_of(a.scale, kv.head_dim), var);
   return {};
 }
 
@@ -164,11 +166,13 @@ status pool_prefill(worker_pool& pool, const cuda::prefill_args& a) {
   const tensor_view q{a.q, a.q_type, a.queries, a.q_heads, kv.head_dim, a.q_stride};
   const tensor_mut o{a.o, a.o_type, a.queries, a.q_heads, kv.head_dim, a.o_stride};
   const float scale = scale_of(a.scale, kv.head_dim);
+  const attention_variant var = variant_of(a.variant, a.q_heads);
+  KVQ_TRY(check_variant(var, a.q_heads, "pool_prefill"));
   if (a.k.data) {
-    prefill(pool, stored, a.prefix, a.k, a.v, q, o, scale);
+    prefill(pool, stored, a.prefix, a.k, a.v, q, o, scale, var);
   } else {
     std::vector<float> lse(a.lse ? 0 : size_t(a.queries) * a.q_heads);
-    attend_prefix(pool, stored, a.prefix, q, o, a.lse ? a.lse : lse.data(), scale);
+    attend_prefix(pool, stored, a.prefix, q, o, a.lse ? a.lse : lse.data(), scale, var);
   }
   return {};
 }

@@ -57,6 +57,13 @@ status validate_config(const cache_config& c) {
   if (c.where == backend::cuda && c.rotation.any() && s.kv_heads > 32)
     return bad(fmt::format("rotation on CUDA takes at most 32 kv heads (a bit mask per layer); kv_heads is {}",
                            s.kv_heads));
+  if (!c.attention.empty() && c.attention.size() != size_t(s.layers))
+    return bad(fmt::format("attention holds {} variants for {} layers (one per layer, or none)", c.attention.size(),
+                           s.layers));
+  for (size_t l = 0; l < c.attention.size(); ++l) {
+    const std::string what = fmt::format("cache_config: attention of layer {}", l);
+    KVQ_TRY(check_variant(c.attention[l], s.q_heads, what.c_str()));
+  }
   return c.rotation.validate(s);
 }
 
@@ -137,6 +144,22 @@ result<append_plan> plan_pages(cache_state& st, sequence_state& s, int layer, in
     return status{errc::invalid_argument,
                   fmt::format("policy {} chose an unusable format: {}", st.pol->name(), plan.error().message())};
   return plan;
+}
+
+void commit_append(cache_state& st, sequence_state& s, int layer, int64_t m, append_plan&& plan) {
+  const int64_t n = s.layers[size_t(layer)].n;
+  st.store.commit_append(s, layer, m, std::move(plan));
+  if (const attention_variant& var = st.cfg.layer_attention(layer); var.window > 0)
+    st.store.release_before(s, layer, var.first_key(n));
+}
+
+status check_window_reach(const cache_state& st, const sequence_state& s, int layer, int64_t pos, const char* call) {
+  const int64_t released = s.layers[size_t(layer)].released, first = st.cfg.layer_attention(layer).first_key(pos);
+  if (first >= released) return {};
+  return {errc::invalid_argument,
+          fmt::format("{}: a query of sequence {} at position {} reads layer {} from token {}, but that sliding layer "
+                      "(window {}) released its tokens before {} (attend each call's tokens before the next append)",
+                      call, s.id, pos, layer, first, st.cfg.layer_attention(layer).window, released)};
 }
 
 }  // namespace detail
@@ -226,6 +249,13 @@ status KVCache::truncate(seq_id id, int64_t length, stream_ref stream) {
     if (length > s->layers[l].n)
       return {errc::invalid_argument, fmt::format("truncate: sequence {} layer {} holds {} tokens; cannot keep {}", id,
                                                   l, s->layers[l].n, length)};
+  for (int l = 0; l < int(s->layers.size()); ++l)
+    if (const attention_variant& var = state_->cfg.layer_attention(l); var.first_key(length) < s->layers[size_t(l)].released)
+      return {errc::invalid_argument,
+              fmt::format("truncate: sequence {} cannot keep {} tokens: its next query would read layer {} from token {}, "
+                          "but that sliding layer (window {}) released its tokens before {}; keep at least {}",
+                          id, length, l, var.first_key(length), var.window, s->layers[size_t(l)].released,
+                          s->layers[size_t(l)].released + var.window - 1)};
   KVQ_TRY(impl_->restore_ring(*s, length));
   state_->store.truncate(*s, length);
   return {};
@@ -243,12 +273,25 @@ result<uint64_t> KVCache::bytes_for(int64_t tokens, std::optional<seq_id> seq) c
   std::vector<format_pair> pairs(size_t(sh.kv_heads));
   const uint64_t sink_block = store.block_bytes(std::vector<format_pair>(size_t(sh.kv_heads)));  // (FP16)
   for (int l = 0; l < sh.layers; ++l) {
-    const int64_t pages = s ? store.new_pages(*s, l, tokens) : store.pages_after(0, 0, tokens);
+    const int64_t n = s ? s->layers[size_t(l)].n : 0, e = s ? s->layers[size_t(l)].e : 0;
+    int64_t pages = s ? store.new_pages(*s, l, tokens) : store.pages_after(0, 0, tokens);
     if (pages == 0) continue;
     // the new pages' first is page e / P of the layer; sink pages hold FP16
-    const int64_t sinks = state_->sink_pages_among(s ? s->layers[size_t(l)].e / sh.page_tokens : 0, pages);
+    int64_t first_page = e / sh.page_tokens;
+    // A sliding layer keeps the pages from its last append's first_key on (`detail::commit_append`):
+    // of the new ones, those after it; and the old pages it releases meanwhile free their bytes.
+    uint64_t freed = 0;
+    if (const attention_variant& var = state_->cfg.layer_attention(l); var.window > 0) {
+      const int64_t keep_from = var.first_key(n + tokens - 1) / sh.page_tokens;  // first page kept
+      const int64_t dead_new = std::clamp<int64_t>(keep_from - first_page, 0, pages);
+      first_page += dead_new;
+      pages -= dead_new;
+      if (s) freed = store.release_bytes(*s, l, var.first_key(n + tokens - 1));
+    }
+    const int64_t sinks = state_->sink_pages_among(first_page, pages);
     for (int h = 0; h < sh.kv_heads; ++h) pairs[size_t(h)] = state_->pol->current(l, h);
-    bytes += uint64_t(sinks) * sink_block + uint64_t(pages - sinks) * store.block_bytes(pairs);
+    const uint64_t grown = uint64_t(sinks) * sink_block + uint64_t(pages - sinks) * store.block_bytes(pairs);
+    bytes += grown > freed ? grown - freed : 0;
   }
   return bytes;
 }
@@ -295,7 +338,7 @@ status KVCache::append(seq_id id, int layer, const tensor_view& k, const tensor_
     state_->store.abandon(std::move(plan).value());  // nothing was committed: give the pages back
     return st;
   }
-  state_->store.commit_append(*s, layer, k.tokens, std::move(plan).value());
+  detail::commit_append(*state_, *s, layer, k.tokens, std::move(plan).value());
   return {};
 }
 
@@ -356,7 +399,7 @@ status KVCache::append_batch(std::span<const append_item> items, int layer, cons
     return st;
   }
   for (size_t i = 0; i < entries.size(); ++i)
-    state_->store.commit_append(*entries[i].s, layer, entries[i].tokens, std::move(plans[i]));
+    detail::commit_append(*state_, *entries[i].s, layer, entries[i].tokens, std::move(plans[i]));
   return {};
 }
 
@@ -383,6 +426,7 @@ status KVCache::attend(std::span<const attend_item> items, int layer, const tens
               fmt::format("attend: sequence {} layer {} has q_len {}; the ring holds only its last {} tokens since a "
                           "truncate (a step attends to the tokens appended after the cut)",
                           it.seq, layer, it.q_len, n - from)};
+    KVQ_TRY(check_window_reach(*state_, *s, layer, n - it.q_len, "attend"));
     total += it.q_len;
   }
   KVQ_TRY(check_q_o("attend", q, o, total, sh));
@@ -432,6 +476,7 @@ status KVCache::attend_prefix(seq_id id, int layer, int64_t prefix, const tensor
     return {errc::invalid_argument, fmt::format("attend_prefix: Q has {} tokens; need at least 1", q.tokens)};
   KVQ_TRY(check_q_o("attend_prefix", q, o, q.tokens, sh));
   if (!lse) return {errc::invalid_argument, "attend_prefix: lse is null"};
+  KVQ_TRY(check_window_reach(*state_, *s, layer, prefix, "attend_prefix"));
   impl_->poll_policy();
   return impl_->attend_prefix(*s, layer, prefix, q, o, lse);
 }

@@ -19,6 +19,13 @@ status check_capacity(const cache_config& cfg, const char* call, seq_id id, int 
 result<append_plan> plan_pages(cache_state& st, sequence_state& s, int layer, int64_t m);
 /// A planned append that moves the window: copies its rings to the new run and points s there.
 status move_window(const cache_shape& sh, cache_backend& b, sequence_state& s, const append_plan& plan);
+/// Records a planned append of m tokens to (s, layer) (`page_store::commit_append`); in a sliding
+/// layer, then returns the pages no later query can see: the layer held n tokens before the append,
+/// so every query still to come stands at n or later and reads from `first_key(n)` on.
+void commit_append(cache_state& st, sequence_state& s, int layer, int64_t m, append_plan&& plan);
+/// A call whose queries start at position `pos` of (s, layer) reads from the layer's window there:
+/// refused when a sliding layer released some of those tokens.
+status check_window_reach(const cache_state& st, const sequence_state& s, int layer, int64_t pos, const char* call);
 
 /// The error of a call on a moved-from cache (its state went with the move).
 inline status moved_from(const char* call) {

@@ -42,12 +42,15 @@ image image_of(const cache_state& st, std::span<const seq_id> ids) {
     for (int h = 0; h < sh.kv_heads; ++h)
       info.rotation.heads[size_t(l) * size_t(sh.kv_heads) + size_t(h)] = st.cfg.rotation.rotated(l, h, sh.kv_heads);
   info.clip = st.clip;
+  info.windows.assign(size_t(sh.layers), 0);
+  for (int l = 0; l < sh.layers; ++l) info.windows[size_t(l)] = st.cfg.layer_attention(l).window;
   // The blocks, each once (a fork's shared block too), in arena order: neighbours in the arena are
   // neighbours in the payload, so their copies merge.
   std::vector<std::pair<uint64_t, const page_entry*>> blocks;
   for (seq_id id : ids)
     for (const layer_state& ls : store.find(id)->layers)
-      for (size_t i = 0; i < ls.pages.size(); i += per_page) blocks.emplace_back(ls.pages[i].offset, &ls.pages[i]);
+      for (size_t i = 0; i < ls.pages.size(); i += per_page)
+        if (ls.pages[i].offset != released_page) blocks.emplace_back(ls.pages[i].offset, &ls.pages[i]);
   std::sort(blocks.begin(), blocks.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
   blocks.erase(std::unique(blocks.begin(), blocks.end(), [](const auto& a, const auto& b) { return a.first == b.first; }),
                blocks.end());
@@ -70,8 +73,9 @@ image image_of(const cache_state& st, std::span<const seq_id> ids) {
     q.id = id;
     q.lanes = s.ring_lanes;
     for (const layer_state& ls : s.layers) {
-      blob_layer l{ls.n, ls.e, ls.ring_from, {}};
-      for (size_t i = 0; i < ls.pages.size(); i += per_page) l.blocks.push_back(index_of(ls.pages[i].offset));
+      blob_layer l{ls.n, ls.e, ls.ring_from, ls.released, {}};
+      for (size_t i = 0; i < ls.pages.size(); i += per_page)
+        l.blocks.push_back(ls.pages[i].offset == released_page ? blob_released_block : index_of(ls.pages[i].offset));
       q.layers.push_back(std::move(l));
     }
     info.sequences.push_back(std::move(q));
@@ -165,6 +169,12 @@ status check_compatible(const cache_config& cfg, const detail::cache_backend& im
     if (v.first != v.second)
       return {errc::invalid_argument,
               fmt::format("{}: the blob's {} is {}, this cache's {}; nothing was imported", call, name, v.first, v.second)};
+  for (int l = 0; l < mine.layers; ++l)
+    if (const int32_t w = cfg.layer_attention(l).window; b.windows[size_t(l)] != w)
+      return {errc::invalid_argument,
+              fmt::format("{}: layer {} has sliding window {} in the blob and {} in this cache (cache_config.attention); "
+                          "nothing was imported",
+                          call, l, b.windows[size_t(l)], w)};
   for (int l = 0; l < mine.layers; ++l)
     for (int h = 0; h < mine.kv_heads; ++h)
       if (b.rotation.rotated(l, h, mine.kv_heads) != cfg.rotation.rotated(l, h, mine.kv_heads))

@@ -141,7 +141,7 @@ status decode_step::prepare(std::span<const seq_id> seqs) {
       entries[i] = {ss[i], &plans[i]};
     }
     if (status staged = impl_->stage(entries, l); !staged.ok()) return undo(ss.size(), staged);
-    for (size_t i = 0; i < ss.size(); ++i) st.store.commit_append(*ss[i], l, 1, std::move(plans[i]));
+    for (size_t i = 0; i < ss.size(); ++i) detail::commit_append(st, *ss[i], l, 1, std::move(plans[i]));
   }
   KVQ_TRY(impl_->upload());
   batch_ = int(seqs.size());

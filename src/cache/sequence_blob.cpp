@@ -236,6 +236,7 @@ std::vector<uint8_t> plan_blob(blob_info& info) {
   w.put<uint64_t>(info.rotation.seed);
   for (int l = 0; l < sh.layers; ++l)
     for (int h = 0; h < sh.kv_heads; ++h) w.put<uint8_t>(info.rotation.rotated(l, h, sh.kv_heads) ? 1 : 0);
+  for (int l = 0; l < sh.layers; ++l) w.put<int32_t>(info.windows.empty() ? 0 : info.windows[size_t(l)]);
   w.put<uint32_t>(uint32_t(table.size()));
   for (format_id f : table) {
     const std::string name = format_name(f);
@@ -261,6 +262,7 @@ std::vector<uint8_t> plan_blob(blob_info& info) {
       w.put<int64_t>(l.n);
       w.put<int64_t>(l.e);
       w.put<int64_t>(l.ring_from);
+      w.put<int64_t>(l.released);
       for (uint32_t b : l.blocks) w.put<uint32_t>(b);
     }
   }
@@ -344,6 +346,14 @@ result<blob_info> inspect_blob(std::span<const uint8_t> blob) {
     if (h > 1) return bad(fmt::format("a rotated-head flag is {}, not 0 or 1", h));
   if (info.rotation.any() && (sh.head_dim & (sh.head_dim - 1)) != 0)
     return bad(fmt::format("rotated heads with head_dim {} (rotation needs a power of two)", sh.head_dim));
+  info.windows.assign(size_t(sh.layers), 0);  // (before version 3: every layer global)
+  if (info.version >= 3)
+    for (int l = 0; l < sh.layers; ++l) {
+      const int32_t w = r.get<int32_t>("the sliding windows");
+      if (!r.error.empty()) return bad(r.error);
+      if (w < 0) return bad(fmt::format("layer {} has sliding window {}", l, w));
+      info.windows[size_t(l)] = w;
+    }
 
   const uint32_t formats = r.get<uint32_t>("the format table");
   if (!r.error.empty()) return bad(r.error);
@@ -433,8 +443,14 @@ result<blob_info> inspect_blob(std::span<const uint8_t> blob) {
       ly.n = r.get<int64_t>("a layer");
       ly.e = r.get<int64_t>("a layer");
       ly.ring_from = r.get<int64_t>("a layer");
+      ly.released = info.version >= 3 ? r.get<int64_t>("a layer") : 0;
       if (!r.error.empty()) return bad(r.error);
       const int64_t P = sh.page_tokens;
+      if (ly.released < 0 || ly.released % P != 0 || ly.released > std::max<int64_t>(ly.e, 0) ||
+          (ly.released > 0 && info.windows[size_t(l)] == 0))
+        return bad(fmt::format("sequence {} layer {}: {} released tokens (e {}, sliding window {}) is not a state a "
+                               "layer can have",
+                               s.id, l, ly.released, ly.e, info.windows[size_t(l)]));
       if (!(0 <= ly.ring_from && ly.ring_from <= ly.e && ly.e <= ly.n && ly.n <= (int64_t(1) << 40) && ly.e % P == 0 &&
             ly.n - ly.ring_from <= sh.window && (s.lanes == lanes_per_block || ly.n <= int64_t(s.lanes) * P)))
         return bad(fmt::format("sequence {} layer {}: n {} e {} ring_from {} with {} lanes is not a state a layer can "
@@ -447,6 +463,13 @@ result<blob_info> inspect_blob(std::span<const uint8_t> blob) {
       for (int64_t pg = 0; pg < pages; ++pg) {
         const uint32_t b = r.get<uint32_t>("a page list");
         if (!r.error.empty()) return bad(r.error);
+        if ((pg * P < ly.released) != (b == blob_released_block))
+          return bad(fmt::format("sequence {} layer {} page {} names block {}; the layer released its first {} tokens",
+                                 s.id, l, pg, b, ly.released));
+        if (b == blob_released_block) {
+          ly.blocks[size_t(pg)] = b;
+          continue;
+        }
         if (b >= blocks) return bad(fmt::format("sequence {} layer {} page {} names block {} of {}", s.id, l, pg, b, blocks));
         if (mine[b]) return bad(fmt::format("sequence {} lists block {} twice", s.id, b));
         mine[b] = listed[b] = 1;

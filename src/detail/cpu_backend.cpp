@@ -178,7 +178,7 @@ class cpu_backend final : public cache_backend {
       items_.push_back({stored(s, layer), it.q_len, row});
       row += it.q_len;
     }
-    cpu::attend(pool_, items_, q, o, softmax_scale());
+    cpu::attend(pool_, items_, q, o, softmax_scale(), cfg_.layer_attention(layer));
     if (rot) unrotate_into(o, layer, o_in);
     return {};
   }
@@ -197,7 +197,7 @@ class cpu_backend final : public cache_backend {
     // The policy sees the chunk's last queries, at most a window of them, as a step would.
     const int64_t seen = std::min<int64_t>(q.tokens, cfg_.shape.window);
     observe(s, layer, q, q.tokens - seen, int(seen));
-    cpu::prefill(pool_, stored(s, layer), prefix, k, v, q, o, softmax_scale());
+    cpu::prefill(pool_, stored(s, layer), prefix, k, v, q, o, softmax_scale(), cfg_.layer_attention(layer));
     if (rot) unrotate_into(o, layer, o_in);
     return {};
   }
@@ -207,7 +207,7 @@ class cpu_backend final : public cache_backend {
     const bool rot = rotated(layer);
     const tensor_view q = rot ? rotated_rows(q_in, layer, q_group(), q_rot_) : q_in;
     const tensor_mut o = rot ? scratch_like(o_in, o_rot_) : o_in;
-    cpu::attend_prefix(pool_, stored(s, layer), prefix, q, o, lse, softmax_scale());
+    cpu::attend_prefix(pool_, stored(s, layer), prefix, q, o, lse, softmax_scale(), cfg_.layer_attention(layer));
     if (rot) unrotate_into(o, layer, o_in);
     return {};
   }
@@ -286,7 +286,9 @@ void gather(const cache_shape& sh, const layer_state& ls, role r, int q_len,
   const int d = sh.head_dim, H = sh.kv_heads, R = sh.window, P = sh.page_tokens;
   const int64_t from_pages = std::min(ls.e, ls.n - q_len);
   for (int h = 0; h < H; ++h) {
-    for (int64_t p0 = 0; p0 < from_pages; p0 += P) {
+    for (int64_t j = 0; j < std::min(ls.released, from_pages); ++j)  // a sliding layer's released pages
+      std::fill(out + (j * H + h) * d, out + (j * H + h + 1) * d, 0.f);
+    for (int64_t p0 = ls.released; p0 < from_pages; p0 += P) {
       const page_entry& pe = ls.pages[(size_t(p0 / P) * H + h) * 2 + (r == role::k ? 0 : 1)];
       const codec::page_geom g = codec::make_geom(pe.fmt, r, P, d);
       const uint8_t* page = page_at(pe);

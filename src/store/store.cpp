@@ -125,8 +125,9 @@ result<sequence_state*> page_store::fork(seq_id src, seq_id dst) {
   const size_t per_page = size_t(shape_.kv_heads) * 2;
   for (size_t l = 0; l < to.layers.size(); ++l) {
     to.layers[l] = from->layers[l];  // node-based map: `from` stays valid across the insertion
-    for (size_t i = 0; i < to.layers[l].pages.size(); i += per_page) ref_block(to.layers[l], i);
-    totals_.tokens += to.layers[l].n;
+    const layer_state& ls = to.layers[l];
+    for (size_t i = live_entry(ls); i < ls.pages.size(); i += per_page) ref_block(ls, i);
+    totals_.tokens += ls.n;
   }
   return &to;
 }
@@ -192,8 +193,13 @@ result<std::vector<uint64_t>> page_store::place(std::span<const blob_block> bloc
       ls.n = from.n;
       ls.e = from.e;
       ls.ring_from = from.ring_from;
+      ls.released = from.released;
       ls.pages.reserve(from.blocks.size() * per_page);
       for (uint32_t b : from.blocks) {
+        if (b == blob_released_block) {
+          ls.pages.insert(ls.pages.end(), per_page, page_entry{released_page, format_id(0)});
+          continue;
+        }
         uint64_t at = offsets[b];
         for (size_t j = 0; j < per_page; ++j) {
           const format_id f = blocks[b].formats[j];
@@ -214,7 +220,8 @@ int64_t page_store::kept_encoded(const layer_state& ls, int64_t length) const {
   const int64_t direct = pages_after(0, 0, length) * P;                       // a direct append's pages
   const int64_t in_ring = (ls.ring_from + P - 1) / P * P;                   // pages whose tokens the ring holds
   const int64_t most = length < ls.e ? length / P * P : ls.e;                 // no page with a dropped token
-  return std::min(most, std::max(direct, in_ring));
+  // never fewer than a sliding layer released (the cache refuses a cut that needs them)
+  return std::max(std::min(ls.released, most), std::min(most, std::max(direct, in_ring)));
 }
 
 int64_t page_store::restore_from(const layer_state& ls, int64_t length) const {
@@ -235,13 +242,39 @@ void page_store::truncate(sequence_state& s, int64_t length) {
   }
 }
 
+void page_store::release_before(sequence_state& s, int layer, int64_t token) {
+  const int64_t P = shape_.page_tokens;
+  const size_t per_page = size_t(shape_.kv_heads) * 2;
+  layer_state& ls = s.layers[size_t(layer)];
+  const int64_t upto = std::min(token / P * P, ls.e);
+  for (int64_t t = ls.released; t < upto; t += P) {
+    const size_t first = size_t(t / P) * per_page;
+    unref_block(ls, first);
+    for (size_t j = 0; j < per_page; ++j) ls.pages[first + j].offset = released_page;
+  }
+  ls.released = std::max(ls.released, upto);
+}
+
+uint64_t page_store::release_bytes(const sequence_state& s, int layer, int64_t token) const {
+  const int64_t P = shape_.page_tokens;
+  const size_t per_page = size_t(shape_.kv_heads) * 2;
+  const layer_state& ls = s.layers[size_t(layer)];
+  uint64_t bytes = 0;
+  for (int64_t t = ls.released; t < std::min(token / P * P, ls.e); t += P) {
+    const size_t first = size_t(t / P) * per_page;
+    if (refs_.at(ls.pages[first].offset) == 1) bytes += arena_allocator::rounded(listed_bytes(ls, first));
+  }
+  return bytes;
+}
+
 void page_store::rewind(sequence_state& s, int layer, int64_t n, int64_t e, int64_t ring_from) {
   const size_t per_page = size_t(shape_.kv_heads) * 2;
   layer_state& ls = s.layers[size_t(layer)];
   const int64_t keep_n = std::min(ls.n, n), keep_e = std::min(ls.e, e);
   const size_t keep = size_t(keep_e / shape_.page_tokens) * per_page;
-  for (size_t i = keep; i < ls.pages.size(); i += per_page) unref_block(ls, i);
+  for (size_t i = std::max(keep, live_entry(ls)); i < ls.pages.size(); i += per_page) unref_block(ls, i);
   ls.pages.resize(std::min(keep, ls.pages.size()));
+  ls.released = std::min(ls.released, keep_e);
   ls.e = keep_e;
   ls.ring_from = std::min({ls.ring_from, ring_from, keep_e});
   totals_.tokens -= ls.n - keep_n;
@@ -308,7 +341,7 @@ status page_store::release(seq_id id) {
   if (it == seqs_.end()) return {errc::not_found, fmt::format("release_sequence: unknown sequence {}", id)};
   sequence_state& s = it->second;
   for (auto& ls : s.layers) {
-    for (size_t i = 0; i < ls.pages.size(); i += size_t(shape_.kv_heads) * 2) unref_block(ls, i);
+    for (size_t i = live_entry(ls); i < ls.pages.size(); i += size_t(shape_.kv_heads) * 2) unref_block(ls, i);
     totals_.tokens -= ls.n;
   }
   give_lanes({s.ring_block, s.ring_lane, s.ring_lanes});

@@ -9,8 +9,9 @@
 ///
 /// Internal to the library; exported so that tests and benchmarks can reach the pieces.
 
-#include <kvq/format/unit_codec.hpp>
+#include <kvq/attention/variant.hpp>
 #include <kvq/config.hpp>
+#include <kvq/format/unit_codec.hpp>
 #include <kvq/core.hpp>
 #include <kvq/format/numeric.hpp>
 #include <kvq/store/store.hpp>
@@ -115,22 +116,27 @@ struct attend_task_item {
 
 /// `KVCache::attend` on the CPU: for every item, causal GQA attention of its q_len queries over
 /// its n stored tokens (pages for encoded tokens older than the step, the ring for the rest;
-/// docs/architecture.md, "attend"). Tasks: (item, kv head).
+/// docs/architecture.md, "attend"). `var` is the layer's attention rule: a query reads only the
+/// pages its window reaches. Tasks: (item, kv head).
 KVQ_EXPORT void attend(worker_pool& pool, std::span<const attend_task_item> items, const tensor_view& q,
-                       const tensor_mut& o, float scale);
+                       const tensor_mut& o, float scale, const attention_variant& var = {});
 
 /// `KVCache::attend_prefix` on the CPU: every query attends to the first `prefix` stored tokens,
-/// read as stored now (pages for tokens < e, the ring for the rest), unmasked.
-/// \param lse [q.tokens][q_heads] natural-log log-sum-exp of the scaled scores (-inf if prefix 0)
+/// read as stored now (pages for tokens < e, the ring for the rest), unmasked but for `var`: query
+/// i stands at position prefix + i (the chunk follows the prefix) for its window, and its head's
+/// sink logit joins this part (so that merging it with the chunk's own part counts it once).
+/// \param lse [q.tokens][q_heads] natural-log log-sum-exp of the scaled scores (-inf if the
+///        query sees no stored token and has no sink logit)
 KVQ_EXPORT void attend_prefix(worker_pool& pool, const stored_layer& kv, int64_t prefix, const tensor_view& q,
-                              const tensor_mut& o, float* lse, float scale);
+                              const tensor_mut& o, float* lse, float scale, const attention_variant& var = {});
 
 /// The attention half of `KVCache::prefill` on the CPU, after the chunk was appended: query i
 /// of the chunk attends to the first `prefix` stored tokens (as `attend_prefix`) and, causally,
 /// to chunk tokens 0..i of `k`/`v` rounded to fp16; the two parts merge by log-sum-exp. Tasks:
 /// (kv head, tile of 64 queries).
 KVQ_EXPORT void prefill(worker_pool& pool, const stored_layer& kv, int64_t prefix, const tensor_view& k,
-                        const tensor_view& v, const tensor_view& q, const tensor_mut& o, float scale);
+                        const tensor_view& v, const tensor_view& q, const tensor_mut& o, float scale,
+                        const attention_variant& var = {});
 
 /// Runs fn(0) .. fn(tasks - 1), in any order and on any threads, and returns when every call
 /// has returned: `worker_pool::run`, or a caller's own pool.
@@ -146,8 +152,11 @@ using task_runner = std::function<void(int tasks, const std::function<void(int)>
 /// \param k [pos0 + T][kv_heads][head_dim]
 /// \param v same shape as k
 /// \param o [T][q_heads][head_dim] output
+/// \param var the layer's attention rule (window, soft-capping, sink logits); with a window, the
+///        key blocks before the first query's window are skipped (every key must still be finite)
 KVQ_EXPORT void causal_attention(const task_runner& run, const float* q, const float* k, const float* v, float* o,
-                                 int64_t T, int64_t pos0, int q_heads, int kv_heads, int head_dim, float scale);
+                                 int64_t T, int64_t pos0, int q_heads, int kv_heads, int head_dim, float scale,
+                                 const attention_variant& var = {});
 
 }  // namespace cpu
 KVQ_NAMESPACE_END

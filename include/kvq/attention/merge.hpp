@@ -32,6 +32,16 @@ KVQ_HOST_DEVICE void merge_attention_row(float* o_a, float& lse_a, const float* 
   lse_a = m + std::log(sum);
 }
 
+/// Adds a learned sink logit to one row's softmax (`attention_variant::sink_logits`): a part with
+/// no value and log-sum-exp `sink`, merged as `merge_attention_row` merges (-inf: nothing).
+KVQ_HOST_DEVICE void merge_sink_row(float* o, float& lse, float sink, int d) {
+  const float m = lse > sink ? lse : sink;
+  if (m == -INFINITY) return;
+  const float wa = std::exp(lse - m), sum = wa + std::exp(sink - m), f = wa / sum;
+  for (int c = 0; c < d; ++c) o[c] *= f;
+  lse = m + std::log(sum);
+}
+
 /// `merge_attention_row` for `rows` query rows (e.g. tokens x q_heads) of `d` channels.
 /// \param o_a [rows][d] outputs of part a, overwritten with the merged outputs
 /// \param lse_a [rows] log-sum-exps of part a, overwritten with the merged ones

@@ -42,6 +42,24 @@ struct attention_variant {
   bool operator==(const attention_variant&) const = default;
 };
 
+/// A layer's attention rule as the low-level calls take it (`cuda::attend_args::variant`,
+/// `cuda::prefill_args::variant`, and `cpu::pool_*` with them): plain values and the sink logits
+/// by pointer, [q_heads] floats in the memory the call reads (the device's for the CUDA calls,
+/// the host's for the CPU ones).
+struct variant_args {
+  int32_t window = 0;                  ///< as `attention_variant::window`
+  float softcap = 0.f;                 ///< as `attention_variant::softcap`
+  const float* sink_logits = nullptr;  ///< [q_heads], nullptr: none
+  bool plain() const { return window == 0 && softcap == 0.f && sink_logits == nullptr; }
+};
+
+/// The variant `a` stands for, its sink logits copied from host memory ([q_heads] floats).
+inline attention_variant variant_of(const variant_args& a, int q_heads) {
+  attention_variant v{a.window, a.softcap, {}};
+  if (a.sink_logits) v.sink_logits.assign(a.sink_logits, a.sink_logits + q_heads);
+  return v;
+}
+
 /// Checks a layer's variant against the model's query heads: window >= 0, softcap >= 0 and
 /// finite, sink_logits empty or one finite value per query head. Errors name `what` (e.g.
 /// "layer 3") and the bad field.

@@ -120,7 +120,10 @@ class KVQ_EXPORT KVCache {
   /// block: `stats().largest_free_block`). Exact, for the cache as it is now, for policies whose
   /// formats do not change meanwhile: free lanes counted for one request are free for the next
   /// too, so an engine that reserves for several requests before creating them counts a ring
-  /// block for each. Errors: tokens < 0, an unknown sequence.
+  /// block for each. A sliding layer (`cache_config::attention`) counts what it holds more after
+  /// the tokens came one step at a time: its new pages that its window still reaches, less the
+  /// bytes of the pages it returns meanwhile (at least 0); an append of many tokens in one call
+  /// allocates its pages before it returns the old ones. Errors: tokens < 0, an unknown sequence.
   result<uint64_t> bytes_for(int64_t tokens, std::optional<seq_id> seq = std::nullopt) const;
 
   /// Appends the K and V of `k.tokens` new tokens of one sequence and layer.
@@ -186,7 +189,8 @@ class KVQ_EXPORT KVCache {
                        stream_ref stream = {});
 
   /// What the next step will read for (sequence, layer, role): token j of kv head h is
-  /// dequantized from its page if encoded, else read from the FP16 ring.
+  /// dequantized from its page if encoded, else read from the FP16 ring; the tokens whose pages a
+  /// sliding layer released (no later query sees them) read as 0.
   /// \param out host [length][kv_heads][head_dim] float
   /// CUDA: synchronizes `stream` (the work that wrote the sequence must be on it or done).
   status read(seq_id id, int layer, role r, std::span<float> out, stream_ref stream = {}) const;

@@ -11,24 +11,27 @@
 /// sequence would be encoded with. A page block listed by several of its sequences (a fork) is
 /// stored once and shared again after import.
 ///
-/// Layout, version 2, little-endian (version 1 is the same, its clip floats rolealign's former
-/// clip ratios in (0, 1]: they read as percentile 100, no clipping):
+/// Layout, version 3, little-endian (version 2 is the same without the sliding windows and the
+/// released counts: every layer global; version 1 as 2, its clip floats rolealign's former clip
+/// ratios in (0, 1]: they read as percentile 100, no clipping):
 ///
 ///     header (48 bytes)
 ///       0  magic "KVQSEQ\r\n"
-///       8  u32 version (2)              12 u32 flags (0)
+///       8  u32 version (3)              12 u32 flags (0)
 ///      16  u64 meta bytes               24 u64 payload bytes
 ///      32  u32 CRC-32C of the meta      36 u32 CRC-32C of the payload
 ///      40  u32 block unit (256)         44 u32 CRC-32C of bytes 0..43
 ///     meta
 ///       i32 layers, q_heads, kv_heads, head_dim, page_tokens, window, recent, sink_pages
 ///       u64 rotation seed, u8 rotated [layers][kv_heads]
+///       i32 sliding window [layers] (0: a global layer)
 ///       u32 formats; per format: u8 name length, name (`format_name`), u32 K page bytes, u32 V page bytes
 ///       f32 clip percentiles [layers][kv_heads][2]
 ///       u32 level tables; per table: u8 format index, f32 levels [layers][kv_heads][2][2^bits]
 ///       u32 blocks; per block: u8 format index [kv_heads][2] (K, V)
-///       u32 sequences; per sequence: i64 id, i32 lanes, per layer: i64 n, e, ring_from and
-///           u32 block index per page (e / page_tokens pages)
+///       u32 sequences; per sequence: i64 id, i32 lanes, per layer: i64 n, e, ring_from, released
+///           and u32 block index per page (e / page_tokens pages; 0xffffffff for the pages a
+///           sliding layer released, tokens [0, released))
 ///     payload
 ///       the blocks in order, each its pages back to back ([kv_heads][K, V]), padded with zeros
 ///       to a multiple of the block unit; then per sequence its window: [layers][kv_heads][K, V]
@@ -54,7 +57,7 @@
 KVQ_NAMESPACE_BEGIN
 
 /// The blob format this build writes and the newest it reads.
-inline constexpr uint32_t blob_version = 2;
+inline constexpr uint32_t blob_version = 3;
 /// Bytes of the header before the meta section.
 inline constexpr uint64_t blob_header_bytes = 48;
 
@@ -65,11 +68,15 @@ struct blob_block {
   uint64_t bytes = 0;              ///< its pages' bytes (the payload holds it padded to the block unit)
 };
 
+/// The block index of a page a sliding layer released (`layer_state::released`): no block.
+inline constexpr uint32_t blob_released_block = ~uint32_t(0);
+
 /// One layer of a sequence.
 struct blob_layer {
   int64_t n = 0;          ///< tokens
   int64_t e = 0;          ///< tokens encoded into pages
   int64_t ring_from = 0;  ///< first token the FP16 window holds
+  int64_t released = 0;   ///< tokens whose pages a sliding layer released (their blocks: blob_released_block)
   std::vector<uint32_t> blocks;  ///< [e / page_tokens] block index per page
 };
 
@@ -87,6 +94,7 @@ struct blob_info {
   cache_shape shape;
   int sink_pages = 0;
   rotation_config rotation;  ///< `heads` always [layers][kv_heads]
+  std::vector<int32_t> windows;  ///< [layers] sliding window of each layer, 0: global
   std::vector<float> clip;   ///< [layers][kv_heads][2]
   /// The codebook formats present and their levels, [layers][kv_heads][2][2^bits] each.
   std::vector<std::pair<format_id, std::vector<float>>> levels;

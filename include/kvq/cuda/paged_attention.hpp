@@ -41,6 +41,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <kvq/attention/variant.hpp>
 #include <kvq/config.hpp>
 #include <kvq/format/format.hpp>
 #include <kvq/store/window_layout.hpp>
@@ -215,6 +216,9 @@ struct attend_args {
   dtype o_type = dtype::f16;
   int64_t o_stride = 0;
   float scale = 0.f;  ///< 0: 1/sqrt(head_dim)
+  /// The layer's attention rule (sliding window, soft-capping, sink logits: attention/variant.hpp);
+  /// plain by default.
+  variant_args variant;
   int num_sms = 132;  ///< used to size the split across thread blocks
   /// Widest code width (bits) of any page of the layer, if the caller knows it: 16 (the default)
   /// is always correct; 8 or less lets decode stage pages in narrower stages (more stages in
@@ -311,6 +315,9 @@ struct prefill_args {
   tensor_view k, v;
   float* lse = nullptr;  ///< optional, device [T][q_heads]: natural-log log-sum-exp of each row
   float scale = 0.f;     ///< 0: 1/sqrt(head_dim)
+  /// The layer's attention rule (attention/variant.hpp): query i stands at position prefix + i;
+  /// plain by default.
+  variant_args variant;
   int num_sms = 132;
   head_rotation rotation;
   /// False where no page of the layer holds a format other than FP16: the prefix kernel reads

@@ -285,7 +285,8 @@ inline tensor_view rows_of(const tensor_view& t, int64_t row, int64_t n) {
 
 /// Fills `out` [n][kv_heads][d] floats with what a step of `q_len` new tokens of (sequence, layer)
 /// reads for role `r`: pages (through the codec) for encoded tokens older than the step, the FP16
-/// ring for the rest. `page_at(entry)` and `ring_at(kv_head)` give host copies of the bytes.
+/// ring for the rest; 0 for the tokens whose pages a sliding layer released. `page_at(entry)` and
+/// `ring_at(kv_head)` give host copies of the bytes.
 void gather(const cache_shape& sh, const layer_state& ls, role r, int q_len,
             const std::function<const uint8_t*(const page_entry&)>& page_at,
             const std::function<const uint16_t*(int kv_head)>& ring_at, float* out);

@@ -89,6 +89,15 @@ inline status check_page_block(const paged_view& kv, const char* call, int i, ui
   return {};
 }
 
+/// A call's attention rule (`variant_args`): window and softcap in range (the sink logits are read
+/// by the kernels; the CPU calls check their values too).
+inline status check_variant_args(const variant_args& v, const char* call) {
+  if (v.window < 0) return {errc::invalid_argument, msg(call, ": sliding window ", v.window, " is negative")};
+  if (!(v.softcap >= 0.f) || !(v.softcap < INFINITY))
+    return {errc::invalid_argument, msg(call, ": softcap ", v.softcap, " must be finite and >= 0")};
+  return {};
+}
+
 /// The batch of an attention call (`attend_can_implement`, `cpu::pool_attend`): sink pages,
 /// rotation mask, tables, and each item's lengths and indices.
 inline status check_attend_items(const attend_args& a) {
@@ -100,6 +109,7 @@ inline status check_attend_items(const attend_args& a) {
     return {errc::invalid_argument, msg("attend: rotation mask ", a.rotation.mask, " names kv heads beyond the layer's ",
                                         kv.kv_heads)};
   KVQ_TRY(check_tables(kv, "attend"));
+  KVQ_TRY(check_variant_args(a.variant, "attend"));
   for (size_t i = 0; i < a.items.size(); ++i) {
     const decode_item& it = a.items[i];
     if (it.q_len < 1 || it.q_len > it.n || it.from_pages < 0 || it.from_pages > it.n - it.q_len ||
@@ -119,6 +129,7 @@ inline status check_attend_items(const attend_args& a) {
 /// The lengths, chunk and indices of a prefill call (`prefill_can_implement`, `cpu::pool_prefill`).
 inline status check_prefill_range(const prefill_args& a) {
   const paged_view& kv = a.kv;
+  KVQ_TRY(check_variant_args(a.variant, "prefill"));
   if (a.queries < 1 || a.queries > INT32_MAX / 16)
     return {errc::invalid_argument, msg("prefill: ", a.queries, " queries; need 1 to ", INT32_MAX / 16)};
   if (a.prefix < 0 || a.from_pages < 0 || a.from_pages > a.prefix || a.prefix - a.from_pages > kv.window)

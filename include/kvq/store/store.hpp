@@ -50,6 +50,9 @@ struct page_entry {
   format_id fmt;
 };
 
+/// The offset of a page a sliding layer returned to the budget (`layer_state::released`).
+inline constexpr uint64_t released_page = ~uint64_t(0);
+
 /// Per (sequence, layer): tokens appended (n), tokens encoded into pages (e), the pages, and the
 /// first token the FP16 ring still holds.
 struct layer_state {
@@ -59,6 +62,10 @@ struct layer_state {
   /// appends; a truncation can leave it higher (slots of older tokens that dropped tokens
   /// overwrote) or lower (tokens written back). Always <= e.
   int64_t ring_from = 0;
+  /// Tokens [0, released) of a sliding layer whose pages went back to the budget because no later
+  /// query's window reaches them (`page_store::release_before`): a whole number of pages, <= e.
+  /// Their entries stay in `pages` with offset `released_page`. 0 in a global layer.
+  int64_t released = 0;
   std::vector<page_entry> pages;  ///< [page][kv_head][role]
 };
 
@@ -137,6 +144,12 @@ class KVQ_EXPORT page_store {
   /// dropped (a page another sequence lists stays for it) and their kept tokens are unencoded
   /// again (the caller put them in the ring first).
   void truncate(sequence_state& s, int64_t length);
+  /// Returns the pages of (s, layer) whose tokens all lie before `token` (and are encoded) to the
+  /// budget, a page another sequence lists staying for it: what a sliding layer no longer needs.
+  /// Their entries stay listed as `released_page`; `released` moves up.
+  void release_before(sequence_state& s, int layer, int64_t token);
+  /// Budget bytes `release_before(s, layer, token)` would return now (pages no other sequence lists).
+  uint64_t release_bytes(const sequence_state& s, int layer, int64_t token) const;
   /// Makes one layer of `s` what the device holds after appends it refused (KVCache::check): the
   /// layer's state before its first refused append was (n, e, ring_from); a truncation since then
   /// stands where it cut deeper. Keeps min(n, now) tokens and the pages below min(e, now)
@@ -210,6 +223,10 @@ class KVQ_EXPORT page_store {
   // True when lanes [lane, lane + count) of `block` are free and inside it.
   bool lanes_free(uint64_t block, int lane, int count) const;
   result<sequence_state*> add_sequence(seq_id id, const std::string& call, int lanes);
+  // Index in ls.pages of the first page that was not released.
+  size_t live_entry(const layer_state& ls) const {
+    return size_t(ls.released / shape_.page_tokens) * size_t(shape_.kv_heads) * 2;
+  }
   // Layout bytes of the page block whose first entry is ls.pages[first].
   uint64_t listed_bytes(const layer_state& ls, size_t first) const;
   // One more / one fewer sequence lists the page block at ls.pages[first]; the first listing
