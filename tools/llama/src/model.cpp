@@ -606,7 +606,7 @@ status llama_model::prefill_shared(std::span<kvq::KVCache* const> caches, std::s
       Kl.insert(Kl.end(), k.begin(), k.end());
       Vl.insert(Vl.end(), v.begin(), v.end());
       kvq::cpu::causal_attention(run_tasks, q.data(), Kl.data(), Vl.data(), o.data(), T, start, H, Hkv, hd,
-                                 hp_.attn_scale);
+                                 hp_.attn_scale, layer_attention(l));
       attention_output_and_ffn(l, x, o, T);
     }
     if (mode == logits_mode::all)

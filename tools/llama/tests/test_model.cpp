@@ -878,6 +878,30 @@ TEST_CASE("gemma and gemma3 files: the forward pass against a float64 one", "[mo
   }
   CAPTURE(worst, scale);
   CHECK(worst <= 1e-4 * scale);
+
+  // The FP16 cache (a chunk, then one token at a time) and prefill_shared apply the window as the
+  // reference does: equal to it with K and V rounded to fp16.
+  reference_kv ref16;
+  ref16.round_to_f16 = true;
+  std::vector<float> want16(T * V), got(V), shared(T * V);
+  REQUIRE(m.forward_reference(ref16, tokens, want16, logits_mode::all).ok());
+  auto cache = make_cache(m, "fp16", 64ull << 20);
+  REQUIRE(cache.ok());
+  REQUIRE(cache.value().create_sequence(0).ok());
+  REQUIRE(cache.value().create_sequence(1).ok());
+  double worst16 = 0;
+  const std::span<const token_id> all(tokens);
+  REQUIRE(m.forward(cache.value(), 0, all.first(3), got).ok());
+  for (size_t t = 3; t < T; ++t) {
+    REQUIRE(m.forward(cache.value(), 0, all.subspan(t, 1), got).ok());
+    for (int v = 0; v < V; ++v) worst16 = std::max(worst16, double(std::fabs(got[size_t(v)] - want16[t * V + size_t(v)])));
+  }
+  kvq::KVCache* caches[] = {&cache.value()};
+  const kvq::seq_id seqs[] = {1};
+  REQUIRE(m.prefill_shared(caches, seqs, tokens, shared, logits_mode::all).ok());
+  for (size_t i = 0; i < shared.size(); ++i) worst16 = std::max(worst16, double(std::fabs(shared[i] - want16[i])));
+  CAPTURE(worst16);
+  CHECK(worst16 <= 1e-4 * scale);
 }
 
 TEST_CASE("a gemma3 file without one of its norms is rejected naming the tensor", "[model]") {
