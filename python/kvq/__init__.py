@@ -44,6 +44,7 @@ __version__ = _kvq.version
 cuda = _kvq.cuda
 
 __all__ = [
+    "AttentionVariant",
     "Cache",
     "DecodeStep",
     "Error",
@@ -61,6 +62,53 @@ __all__ = [
     "policies",
     "cuda",
 ]
+
+
+class AttentionVariant:
+    """One layer's attention rule (`kvq::attention_variant`): a query at position p attends to the
+    keys p - window < j <= p (``window`` 0: every earlier key), each scaled score s becomes
+    ``softcap * tanh(s / softcap)`` (0: off), and ``sink_logits`` (one per query head, or None)
+    join each head's softmax without a value (gpt-oss). A sliding layer returns the pages its
+    window left behind to the budget."""
+
+    __slots__ = ("window", "softcap", "sink_logits")
+
+    def __init__(self, window: int = 0, softcap: float = 0.0, sink_logits: Optional[Sequence[float]] = None) -> None:
+        self.window = int(window)
+        self.softcap = float(softcap)
+        self.sink_logits = None if sink_logits is None else [float(x) for x in sink_logits]
+
+    def _tuple(self) -> tuple:
+        return (self.window, self.softcap, self.sink_logits or [])
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, AttentionVariant) and self._tuple() == other._tuple()
+
+    def __repr__(self) -> str:
+        return (f"kvq.AttentionVariant(window={self.window}, softcap={self.softcap}, "
+                f"sink_logits={self.sink_logits!r})")
+
+
+def _variant_tuples(attention: Optional[Sequence[Any]]) -> list:
+    """Per-layer variants as the binding takes them: AttentionVariant, a dict of its fields, or
+    None (a plain global layer)."""
+    if attention is None:
+        return []
+    out = []
+    for i, v in enumerate(attention):
+        if v is None:
+            v = AttentionVariant()
+        elif isinstance(v, dict):
+            unknown = set(v) - {"window", "softcap", "sink_logits"}
+            if unknown:
+                raise InvalidArgument(f"attention of layer {i}: unknown field(s) {sorted(unknown)} "
+                                      "(window, softcap, sink_logits)")
+            v = AttentionVariant(**v)
+        elif not isinstance(v, AttentionVariant):
+            raise InvalidArgument(f"attention of layer {i}: {type(v).__name__}, expected an AttentionVariant, a dict "
+                                  "or None")
+        out.append(v._tuple())
+    return out
 
 
 # Every live cache by handle: the torch custom ops (kvq.ops) name a cache by this int.
@@ -134,6 +182,8 @@ class Cache:
         cpu_threads: threads of the CPU attention.
         stream: the cache's own CUDA stream (int or torch stream), for calls that name none and
             are not given torch tensors.
+        attention: one `AttentionVariant` (or dict of its fields, or None) per layer: sliding
+            windows, soft-capping, sink logits; None (the default): every layer global and plain.
     """
 
     def __init__(
@@ -156,10 +206,12 @@ class Cache:
         cpu_threads: int = 1,
         stream: Any = None,
         swap_bytes: int = 0,
+        attention: Optional[Sequence[Any]] = None,
     ) -> None:
         self._c = _kvq._Cache(
             layers, q_heads, kv_heads, head_dim, config, budget_bytes, str(device), page_tokens, window, recent,
-            max_sequences, max_tokens, softmax_scale, check_values, cpu_threads, _stream_handle(stream), swap_bytes)
+            max_sequences, max_tokens, softmax_scale, check_values, cpu_threads, _stream_handle(stream), swap_bytes,
+            _variant_tuples(attention))
         self._cuda = self._c.device != "cpu"
         self._device_index = int(self._c.device.split(":")[1]) if self._cuda else -1
         # For kvq.ops: a handle, and the one-element tensor that orders this cache's ops in a
@@ -184,6 +236,9 @@ class Cache:
     softmax_scale = property(lambda self: self._c.softmax_scale)
     sink_pages = property(lambda self: self._c.sink_pages)
     rotated = property(lambda self: self._c.rotated)
+    attention = property(
+        lambda self: [AttentionVariant(w, c, s or None) for w, c, s in self._c.attention],
+        doc="Each layer's AttentionVariant ([] when every layer is global and plain).")
     max_sequences = property(lambda self: self._c.max_sequences)
     max_tokens = property(lambda self: self._c.max_tokens)
 

@@ -284,7 +284,8 @@ int device_index(std::string_view device) {
 py_cache make_cache(int layers, int q_heads, int kv_heads, int head_dim, std::string_view config,
                     uint64_t budget_bytes, std::string_view device, int page_tokens, int window, int recent,
                     int max_sequences, int64_t max_tokens, float softmax_scale, bool check_values, int cpu_threads,
-                    std::optional<uintptr_t> stream, uint64_t swap_bytes) {
+                    std::optional<uintptr_t> stream, uint64_t swap_bytes,
+                    const std::vector<std::tuple<int, float, std::vector<float>>>& attention) {
   py_cache c;
   c.config = std::string(config);
   const int index = device_index(device);
@@ -303,6 +304,7 @@ py_cache make_cache(int layers, int q_heads, int kv_heads, int head_dim, std::st
   cfg.cpu_threads = cpu_threads;
   cfg.stream = stream ? reinterpret_cast<void*>(*stream) : nullptr;
   cfg.swap_bytes = swap_bytes;
+  for (const auto& [w, cap, sinks] : attention) cfg.attention.push_back({w, cap, sinks});
   const kvq::cache_suffixes suffixes = ok(kvq::parse_cache_suffixes(config));
   suffixes.apply(cfg);
   auto pol = kvq::make_policy(suffixes.spec, cfg.shape, suffixes.rotated);
@@ -477,7 +479,8 @@ NB_MODULE(_kvq, m) {
       .def(nb::new_(&make_cache), "layers"_a, "q_heads"_a, "kv_heads"_a, "head_dim"_a, "config"_a = "fp16",
            "budget_bytes"_a, "device"_a = "cpu", "page_tokens"_a = 64, "window"_a = 128, "recent"_a = 64,
            "max_sequences"_a = 256, "max_tokens"_a = int64_t(1) << 17, "softmax_scale"_a = 0.f,
-           "check_values"_a = true, "cpu_threads"_a = 1, "stream"_a = nb::none(), "swap_bytes"_a = 0)
+           "check_values"_a = true, "cpu_threads"_a = 1, "stream"_a = nb::none(), "swap_bytes"_a = 0,
+           "attention"_a = std::vector<std::tuple<int, float, std::vector<float>>>{})
       .def_prop_ro("layers", [](const py_cache& c) { return c.shape().layers; })
       .def_prop_ro("q_heads", &py_cache::q_heads)
       .def_prop_ro("kv_heads", &py_cache::kv_heads)
@@ -496,6 +499,13 @@ NB_MODULE(_kvq, m) {
       .def_prop_ro("max_sequences", [](const py_cache& c) { return c.use()->config().max_sequences; })
       .def_prop_ro("max_tokens", [](const py_cache& c) { return c.use()->config().max_tokens; })
       .def_prop_ro("rotated", [](const py_cache& c) { return !c.use()->config().rotation.heads.empty(); })
+      .def_prop_ro("attention",
+                   [](const py_cache& c) {
+                     std::vector<std::tuple<int, float, std::vector<float>>> out;
+                     for (const kvq::attention_variant& v : c.use()->config().attention)
+                       out.emplace_back(v.window, v.softcap, v.sink_logits);
+                     return out;
+                   })
       .def(
           "create_sequence",
           [](py_cache& c, int64_t id, std::optional<uintptr_t> s) { ok(c.use()->create_sequence(id, stream_of(s))); },

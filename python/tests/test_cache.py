@@ -20,20 +20,31 @@ def rows(rng, n, heads, d=64, dtype=np.float32):
     return rng.standard_normal((n, heads, d)).astype(dtype)
 
 
-def reference(q, k, v, scale):
-    """Attention of each query row over every stored token: q [t, qh, d], k/v [n, kvh, d] float32;
-    query i of a chunk of t sees tokens [0, n - t + i] (causal within the chunk)."""
+def variant_reference(q, k, v, scale, window=0, softcap=0.0, sinks=None):
+    """`reference` with a layer's attention rule: query i (position n - t + i) sees tokens from
+    position - window + 1 on, scores soft-capped, a sink logit per query head in the softmax."""
     t, qh, _ = q.shape
     n, kvh, _ = k.shape
     g = qh // kvh
     out = np.zeros(q.shape, np.float64)
     for i in range(t):
         end = n - t + i + 1
+        lo = max(0, end - window) if window else 0
         for h in range(qh):
-            s = (k[:end, h // g].astype(np.float64) @ q[i, h].astype(np.float64)) * scale
-            p = np.exp(s - s.max())
-            out[i, h] = (p / p.sum()) @ v[:end, h // g].astype(np.float64)
+            s = (k[lo:end, h // g].astype(np.float64) @ q[i, h].astype(np.float64)) * scale
+            if softcap:
+                s = softcap * np.tanh(s / softcap)
+            m = max(s.max(), sinks[h]) if sinks is not None else s.max()
+            p = np.exp(s - m)
+            total = p.sum() + (np.exp(sinks[h] - m) if sinks is not None else 0.0)
+            out[i, h] = (p / total) @ v[lo:end, h // g].astype(np.float64)
     return out
+
+
+def reference(q, k, v, scale):
+    """Attention of each query row over every stored token: q [t, qh, d], k/v [n, kvh, d] float32;
+    query i of a chunk of t sees tokens [0, n - t + i] (causal within the chunk)."""
+    return variant_reference(q, k, v, scale)
 
 
 @pytest.mark.parametrize("config", ["fp16", "kivi4/g32", "k=kivi4/g32,v=kivi2/g32", "kivi4/g32+rot+sink", "fp8"])
@@ -135,6 +146,44 @@ def test_prefill_long_chunk_and_attend_prefix():
     np.testing.assert_allclose(o2, np.stack([reference(q2[i:i + 1], ks, vs, 1 / 8)[0] for i in range(5)]), atol=3e-5)
     s = np.einsum("thd,nhd->thn", q2.astype(np.float64), np.repeat(ks, 2, axis=1).astype(np.float64)) / 8
     np.testing.assert_allclose(lse, np.log(np.exp(s).sum(-1)), rtol=1e-5)
+
+
+def test_attention_variants_sliding_window_softcap_and_sinks():
+    rng = np.random.default_rng(11)
+    sinks = [0.5, -1.0, 2.0, 0.0]
+    variants = [kvq.AttentionVariant(window=150), {"softcap": 3.0, "sink_logits": sinks}]
+    c = make("kivi4/g32", attention=variants)
+    assert c.attention == [kvq.AttentionVariant(150), kvq.AttentionVariant(0, 3.0, sinks)]
+    c.create_sequence(0)
+    for layer in range(2):
+        c.prefill(0, layer, rows(rng, 900, 2), rows(rng, 900, 2), rows(rng, 900, 4))
+    used = c.stats()["used_bytes"]
+    for step in range(3):
+        for layer, (window, softcap, snk) in enumerate([(150, 0.0, None), (0, 3.0, sinks)]):
+            c.append(0, layer, rows(rng, 1, 2), rows(rng, 1, 2))
+            q = rows(rng, 1, 4) * 2
+            k, v = c.read(0, layer, "k"), c.read(0, layer, "v")
+            want = variant_reference(q, k, v, 1 / 8, window, softcap, snk)
+            np.testing.assert_allclose(c.attend([0], layer, q), want, atol=3e-5, rtol=1e-4)
+    assert c.stats()["used_bytes"] <= used  # the sliding layer returned pages as it grew
+    # the sliding layer's first tokens went back to the budget: read as 0, and a cut below them is refused
+    assert not c.read(0, 0, "k")[:600].any()
+    with pytest.raises(kvq.InvalidArgument, match="sliding layer"):
+        c.truncate(0, 500)
+    assert c.length(0, 0) == 903
+
+
+@pytest.mark.parametrize("attention, words", [
+    ([kvq.AttentionVariant(window=-1), None], "sliding window -1"),
+    ([None], "1 variants for 2 layers"),
+    ([{"softcap": -1.0}, None], "softcap -1"),
+    ([{"sink_logits": [1.0]}, None], "1 sink logits for 4 query heads"),
+    ([{"windw": 3}, None], "unknown field"),
+    ([3, None], "expected an AttentionVariant"),
+])
+def test_bad_attention_variants_raise(attention, words):
+    with pytest.raises(kvq.InvalidArgument, match=words):
+        make("fp16", attention=attention)
 
 
 def test_fork_and_truncate():

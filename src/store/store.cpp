@@ -103,16 +103,20 @@ result<sequence_state*> page_store::add_sequence(seq_id id, const std::string& c
                               "of {} budget bytes free (largest block {})",
                               call, window_block_bytes(), lanes, arena_.free_bytes(), arena_.capacity(),
                               arena_.largest_free())};
+  return &(seqs_[id] = new_state(id, *run));
+}
+
+sequence_state page_store::new_state(seq_id id, const lane_run& run) {
   sequence_state s;
   s.id = id;
-  s.ring_block = run->block;
-  s.ring_lane = run->lane;
-  s.ring_lanes = run->lanes;
-  s.window_offset = run->block + uint64_t(run->lane) * lane_bytes();
+  s.ring_block = run.block;
+  s.ring_lane = run.lane;
+  s.ring_lanes = run.lanes;
+  s.window_offset = run.block + uint64_t(run.lane) * lane_bytes();
   s.slot = free_slots_.back();
   free_slots_.pop_back();
   s.layers.resize(size_t(shape_.layers));
-  return &(seqs_[id] = std::move(s));
+  return s;
 }
 
 result<sequence_state*> page_store::fork(seq_id src, seq_id dst) {
@@ -178,15 +182,7 @@ result<std::vector<uint64_t>> page_store::place(std::span<const blob_block> bloc
   }
   const size_t per_page = size_t(shape_.kv_heads) * 2;
   for (size_t i = 0; i < seqs.size(); ++i) {
-    sequence_state s;
-    s.id = ids[i];
-    s.ring_block = runs[i].block;
-    s.ring_lane = runs[i].lane;
-    s.ring_lanes = runs[i].lanes;
-    s.window_offset = runs[i].block + uint64_t(runs[i].lane) * lane_bytes();
-    s.slot = free_slots_.back();
-    free_slots_.pop_back();
-    s.layers.resize(size_t(shape_.layers));
+    sequence_state s = new_state(ids[i], runs[i]);
     for (size_t l = 0; l < s.layers.size(); ++l) {
       const blob_layer& from = seqs[i].layers[l];
       layer_state& ls = s.layers[l];

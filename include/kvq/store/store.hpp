@@ -223,6 +223,8 @@ class KVQ_EXPORT page_store {
   // True when lanes [lane, lane + count) of `block` are free and inside it.
   bool lanes_free(uint64_t block, int lane, int count) const;
   result<sequence_state*> add_sequence(seq_id id, const std::string& call, int lanes);
+  // A sequence's state on the lanes `run` (taken) and a free slot (taken), every layer empty.
+  sequence_state new_state(seq_id id, const lane_run& run);
   // Index in ls.pages of the first page that was not released.
   size_t live_entry(const layer_state& ls) const {
     return size_t(ls.released / shape_.page_tokens) * size_t(shape_.kv_heads) * 2;
