@@ -1,11 +1,10 @@
 // Checks what the eval:smoke_run ctest wrote: kvq-eval on stories260K with fp16 (the reference),
 // k=fp16,v=fp16 (the same cache spelled differently: must match the reference exactly) and bf16.
 #include <catch2/catch.hpp>
+#include <catch_skip.hpp>
 #include <cmath>
 #include <eval/runner.hpp>
 #include <nlohmann/json.hpp>
-
-#include <catch_skip.hpp>
 
 #include "test_util.hpp"
 

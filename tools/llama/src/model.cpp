@@ -245,8 +245,8 @@ result<llama_model> llama_model::load(const gguf_file& f) {
     }
     m.hp_.rope_freq_factors = true;
     if (!m.inv_freq_local_.empty())
-      return status{errc::unsupported, fmt::format("{}: rope_freqs.weight with sliding-window layers is not supported",
-                                                   path)};
+      return status{errc::unsupported,
+                    fmt::format("{}: rope_freqs.weight with sliding-window layers is not supported", path)};
   }
   return m;
 }
@@ -421,11 +421,11 @@ status llama_model::check_cache_shape(const kvq::KVCache& cache, std::string_vie
               fmt::format("{}: the cache's attention of layer {} (window {}) differs from the model's (window {}); "
                           "create it with cache_config::attention = attention_variants()",
                           what, l, cache.config().layer_attention(l).window, layer_attention(l).window)};
-  const float scale = cache.config().softmax_scale > 0.f ? cache.config().softmax_scale
-                                                         : 1.f / std::sqrt(float(cs.head_dim));
+  const float scale =
+      cache.config().softmax_scale > 0.f ? cache.config().softmax_scale : 1.f / std::sqrt(float(cs.head_dim));
   if (scale != hp_.attn_scale)
-    return {errc::invalid_argument, fmt::format("{}: the cache's softmax scale {} differs from the model's {}", what,
-                                                scale, hp_.attn_scale)};
+    return {errc::invalid_argument,
+            fmt::format("{}: the cache's softmax scale {} differs from the model's {}", what, scale, hp_.attn_scale)};
   return {};
 }
 

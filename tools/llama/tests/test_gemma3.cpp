@@ -8,8 +8,8 @@
 #include <cmath>
 #include <iomanip>
 #include <iostream>
-#include <map>
 #include <llama/model.hpp>
+#include <map>
 #include <nlohmann/json.hpp>
 
 #include "catch_skip.hpp"
@@ -42,9 +42,8 @@ const gemma3_files& gemma3() {
   return g;
 }
 
-#define KVQ_NEED_GEMMA3()    \
-  if (!test::have_gemma3()) \
-  KVQ_SKIP(test::gemma3_path() << " is missing (scripts/setup puts it there)")
+#define KVQ_NEED_GEMMA3() \
+  if (!test::have_gemma3()) KVQ_SKIP(test::gemma3_path() << " is missing (scripts/setup puts it there)")
 
 struct golden_row {
   int64_t pos;
@@ -62,7 +61,8 @@ struct golden_data {
 golden_data golden() {
   const auto j = nlohmann::json::parse(test::read_text(test::own_data("gemma3_golden.json")));
   golden_data g;
-  const std::string all = test::read_text(test::eval_data(j["text"].get<std::string>().substr(std::string("data/eval/").size())));
+  const std::string all =
+      test::read_text(test::eval_data(j["text"].get<std::string>().substr(std::string("data/eval/").size())));
   g.text = all.substr(0, j["bytes"].get<size_t>());
   g.tokens = j["tokens"].get<std::vector<token_id>>();
   for (const auto& r : j["positions"])
@@ -92,8 +92,8 @@ deviation compare(std::span<const float> logits, const golden_row& g) {
   const double lse = logsumexp(logits);
   d.lse = std::fabs(lse - g.logsumexp);
   for (size_t i = 0; i < g.top_ids.size(); ++i)
-    d.max_logprob = std::max(d.max_logprob, std::fabs((double(logits[size_t(g.top_ids[i])]) - lse) -
-                                                       (g.top_logits[i] - g.logsumexp)));
+    d.max_logprob = std::max(d.max_logprob,
+                             std::fabs((double(logits[size_t(g.top_ids[i])]) - lse) - (g.top_logits[i] - g.logsumexp)));
   d.same_argmax = argmax(logits) == g.top_ids[0];
   return d;
 }
@@ -101,8 +101,8 @@ deviation compare(std::span<const float> logits, const golden_row& g) {
 // Checks the deviations of a whole path: every position within `tol` and their mean within
 // `mean_tol` (log-probabilities of the top 8), argmax equal at all but `max_argmax_misses`
 // positions; prints each position's and the worst.
-void check_path(const char* what, const std::vector<deviation>& devs, const golden_data& g, double tol,
-                double mean_tol, int max_argmax_misses) {
+void check_path(const char* what, const std::vector<deviation>& devs, const golden_data& g, double tol, double mean_tol,
+                int max_argmax_misses) {
   double worst = 0, worst_lse = 0, sum = 0;
   int64_t worst_pos = -1;
   int misses = 0;
@@ -116,7 +116,8 @@ void check_path(const char* what, const std::vector<deviation>& devs, const gold
     }
   }
   std::cerr << what << ": max |d log p| by position:";
-  for (size_t i = 0; i < devs.size(); ++i) std::cerr << " " << g.rows[i].pos << ":" << std::setprecision(2) << devs[i].max_logprob;
+  for (size_t i = 0; i < devs.size(); ++i)
+    std::cerr << " " << g.rows[i].pos << ":" << std::setprecision(2) << devs[i].max_logprob;
   std::cerr << std::setprecision(6) << "\n";
   std::cerr << what << " vs llama.cpp over " << devs.size() << " positions: max |d log p| (top 8) " << worst
             << " at position " << worst_pos << " (mean " << sum / double(devs.size()) << "), max |d logsumexp| "

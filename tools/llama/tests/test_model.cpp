@@ -821,7 +821,8 @@ TEST_CASE("gemma and gemma3 files: the forward pass against a float64 one", "[mo
     vs[t] = mul("blk.0.attn_v.weight", xn, H * Dh);
     if (g3)
       for (int h = 0; h < H; ++h)
-        for (auto [r, nw] : {std::pair{&qs[t], "blk.0.attn_q_norm.weight"}, std::pair{&ks[t], "blk.0.attn_k_norm.weight"}}) {
+        for (auto [r, nw] :
+             {std::pair{&qs[t], "blk.0.attn_q_norm.weight"}, std::pair{&ks[t], "blk.0.attn_k_norm.weight"}}) {
           const vec head(r->begin() + h * Dh, r->begin() + (h + 1) * Dh);
           const vec normed = norm(head, nw);
           std::copy(normed.begin(), normed.end(), r->begin() + h * Dh);
@@ -894,7 +895,8 @@ TEST_CASE("gemma and gemma3 files: the forward pass against a float64 one", "[mo
   REQUIRE(m.forward(cache.value(), 0, all.first(3), got).ok());
   for (size_t t = 3; t < T; ++t) {
     REQUIRE(m.forward(cache.value(), 0, all.subspan(t, 1), got).ok());
-    for (int v = 0; v < V; ++v) worst16 = std::max(worst16, double(std::fabs(got[size_t(v)] - want16[t * V + size_t(v)])));
+    for (int v = 0; v < V; ++v)
+      worst16 = std::max(worst16, double(std::fabs(got[size_t(v)] - want16[t * V + size_t(v)])));
   }
   kvq::KVCache* caches[] = {&cache.value()};
   const kvq::seq_id seqs[] = {1};
@@ -913,7 +915,8 @@ TEST_CASE("a gemma3 file without one of its norms is rejected naming the tensor"
     auto m = llama_model::load(*f);
     REQUIRE_FALSE(m.ok());
     CHECK(m.error().code() == errc::not_found);
-    CHECK_THAT(m.error().message(), Catch::Contains("tiny.gguf") && Catch::Contains(name) && Catch::Contains("missing"));
+    CHECK_THAT(m.error().message(),
+               Catch::Contains("tiny.gguf") && Catch::Contains(name) && Catch::Contains("missing"));
   }
   // a cache made for another model (no windows) is refused by a gemma3 model
   const llama_model g3 = load_bytes(tiny_llama({}, "gemma3"));

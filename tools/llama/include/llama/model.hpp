@@ -240,8 +240,8 @@ class llama_model {
 
   std::string name_;
   llama_hparams hp_;
-  std::vector<double> inv_freq_;        // [n_rot / 2] base^(-2i / n_rot)
-  std::vector<double> inv_freq_local_;  // [n_rot / 2] the sliding layers' (rope_base_local); empty: none
+  std::vector<double> inv_freq_;                  // [n_rot / 2] base^(-2i / n_rot)
+  std::vector<double> inv_freq_local_;            // [n_rot / 2] the sliding layers' (rope_base_local); empty: none
   std::vector<kvq::attention_variant> variants_;  // [n_layer] or empty (see attention_variants)
   weight_matrix tok_embd_;        // [n_vocab][n_embd]
   std::vector<float> out_norm_;   // [n_embd]
@@ -255,10 +255,11 @@ class llama_model {
 /// Index of the largest logit (the first on ties); -1 for an empty span.
 token_id argmax(std::span<const float> logits);
 
-/// Creates a CPU cache for `model` (its `attention_variants()` as the cache's per-layer attention) under a static policy given by `policy_spec` (the grammar of
+/// Creates a CPU cache for `model` under a static policy given by `policy_spec` (the grammar of
 /// `kvq::static_policy::parse`, e.g. "fp16", "k=kivi4/g32,v=kivi2/g32;0=fp16"), with a budget
-/// in bytes and the paging of `kvq::cache_shape` (page_tokens, window R, recent r); its attention
-/// runs on as many threads as the model's products (`cache_config::cpu_threads`: one stream).
+/// in bytes and the paging of `kvq::cache_shape` (page_tokens, window R, recent r); it attends
+/// as the model does (`attention_variants()` as `cache_config::attention`, the model's softmax
+/// scale), on as many threads as the model's products (`cache_config::cpu_threads`: one stream).
 /// Errors: the spec parser's or the cache's (e.g. a quantized format with head_dim not a multiple of 32).
 result<kvq::KVCache> make_cache(const llama_model& model, std::string_view policy_spec, uint64_t budget_bytes,
                                 int page_tokens = 64, int window = 128, int recent = 64);
