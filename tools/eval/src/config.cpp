@@ -49,7 +49,7 @@ uint64_t fp16_bytes(const kvq::cache_shape& shape, int64_t tokens) {
 
 kvq::result<kvq::KVCache> make_eval_cache(const kvq::llama::llama_model& model, std::string_view config,
                                           const cache_settings& s) {
-  return make_eval_cache(model.cache_shape(), config, s);
+  return make_eval_cache(model.cache_shape(), config, s, model.attention_variants(), model.hparams().attn_scale);
 }
 
 namespace {
@@ -66,7 +66,8 @@ bool names_rolealign(std::string_view spec) {
 }  // namespace
 
 kvq::result<kvq::KVCache> make_eval_cache(const kvq::cache_shape& model_shape, std::string_view config,
-                                          const cache_settings& s) {
+                                          const cache_settings& s, const std::vector<kvq::attention_variant>& attention,
+                                          float softmax_scale) {
   const kvq::cache_shape shape = with_paging(model_shape, s);
   auto suffixes = kvq::parse_cache_suffixes(config);
   if (!suffixes) return suffixes.error();
@@ -84,6 +85,8 @@ kvq::result<kvq::KVCache> make_eval_cache(const kvq::cache_shape& model_shape, s
   cfg.shape = shape;
   suffixes->apply(cfg);
   cfg.where = kvq::backend::cpu;
+  cfg.attention = attention;
+  cfg.softmax_scale = softmax_scale;
   cfg.budget_bytes = s.budget_bytes;
   if (cfg.budget_bytes == 0) {
     // Every token in FP16 (the largest format) rounded up to whole pages, plus the windows, twice

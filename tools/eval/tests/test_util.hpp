@@ -22,6 +22,9 @@ inline std::string smoke_out(std::string_view name) {
 /// models/SmolLM2-135M-Instruct.Q4_1.gguf (git-ignored; put there by the setup script).
 inline std::string smollm2_path() { return KVQ_EVAL_SMOLLM2; }
 inline bool have_smollm2() { return std::filesystem::exists(smollm2_path()); }
+/// models/gemma-3-270m-q4_k_m.gguf (git-ignored; put there by the setup script).
+inline std::string gemma3_path() { return KVQ_EVAL_GEMMA3; }
+inline bool have_gemma3() { return std::filesystem::exists(gemma3_path()); }
 
 inline std::string read_text(const std::string& path) {
   std::ifstream in(path, std::ios::binary);

@@ -31,6 +31,35 @@ float round_f16(float f) { return half_to_float(float_to_half(f)); }
 
 constexpr int64_t max_dim = 1 << 20;  // sanity bound on every hyper-parameter read from a file
 
+/// Gemma 3's hyper-parameters beyond Gemma 1's, as llama.cpp reads them (llama-model.cpp,
+/// LLM_ARCH_GEMMA3): `attention.sliding_window` tokens on the sliding layers, which are the layers
+/// l with l % 6 < 5 (set_swa_pattern(6): five sliding, then one global), their RoPE base fixed at
+/// 10000 (rope_freq_base_train_swa), and the scores scaled by 1/sqrt(head_dim), or by
+/// 1/sqrt(n_embd / n_head) for the 62-layer 27B. Without `sliding_window` every layer is global.
+/// `final_logit_softcapping` is refused (llama.cpp applies it only to files without sliding layers).
+status load_gemma3_hparams(const gguf_file& f, const std::string& a, llama_hparams& hp) {
+  const std::string& path = f.path();
+  constexpr int pattern = 6;
+  if (f.find(a + "final_logit_softcapping"))
+    return {errc::unsupported, fmt::format("{}: {}final_logit_softcapping is not supported", path, a)};
+  if (f.find(a + "attention.sliding_window")) {
+    auto w = f.get_int(a + "attention.sliding_window");
+    if (!w) return w.error();
+    if (*w < 0 || *w > max_dim)
+      return {errc::io_error,
+              fmt::format("{}: {}attention.sliding_window = {} is out of range (0..{})", path, a, *w, max_dim)};
+    hp.sliding_window = int(*w);
+  }
+  if (hp.sliding_window > 0) {
+    hp.sliding.resize(size_t(hp.n_layer));
+    for (int l = 0; l < hp.n_layer; ++l) hp.sliding[size_t(l)] = l % pattern < pattern - 1;
+  }
+  hp.rope_base_local = 10000.f;
+  const int scale_dim = hp.n_layer == 62 ? hp.n_embd / hp.n_head : hp.head_dim;
+  hp.attn_scale = 1.f / std::sqrt(float(scale_dim));
+  return {};
+}
+
 }  // namespace
 
 // ---- loading ------------------------------------------------------------------------------------
@@ -46,9 +75,9 @@ result<llama_model> llama_model::load(const gguf_file& f) {
   const std::string& path = f.path();
   auto arch = f.get_string("general.architecture");
   if (!arch) return arch.error();
-  if (*arch != "llama" && *arch != "qwen2" && *arch != "gemma")
-    return status{errc::unsupported, fmt::format("{}: architecture '{}' is not supported (expected 'llama', 'qwen2' or "
-                                                 "'gemma')",
+  if (*arch != "llama" && *arch != "qwen2" && *arch != "gemma" && *arch != "gemma3")
+    return status{errc::unsupported, fmt::format("{}: architecture '{}' is not supported (expected 'llama', 'qwen2', "
+                                                 "'gemma' or 'gemma3')",
                                                  path, *arch)};
   // Hyper-parameters are keyed by the architecture ("llama.block_count", "qwen2.block_count").
   const std::string a = *arch + ".";
@@ -63,10 +92,12 @@ result<llama_model> llama_model::load(const gguf_file& f) {
     return {};
   };
   llama_hparams& hp = m.hp_;
-  hp.rope_neox = *arch == "qwen2" || *arch == "gemma";  // (llama.cpp's rope type of each architecture)
+  hp.rope_neox = *arch == "qwen2" || *arch == "gemma" || *arch == "gemma3";  // (llama.cpp's rope type of each)
   // Gemma: embeddings scaled by sqrt(n_embd), GELU (tanh form) gating; its files store the norm
-  // weights with the + 1 already added
-  hp.gemma = *arch == "gemma";
+  // weights with the + 1 already added (every norm of Gemma 3 too, q/k and post norms included:
+  // convert_hf_to_gguf.py adds 1 to each tensor named *norm.weight)
+  hp.gemma3 = *arch == "gemma3";
+  hp.gemma = *arch == "gemma" || hp.gemma3;
   KVQ_TRY(int_key(a + "embedding_length", 0, true, hp.n_embd));
   KVQ_TRY(int_key(a + "block_count", 0, true, hp.n_layer));
   KVQ_TRY(int_key(a + "feed_forward_length", 0, true, hp.n_ff));
@@ -99,6 +130,8 @@ result<llama_model> llama_model::load(const gguf_file& f) {
     return status{errc::io_error, fmt::format("{}: rope.freq_base {} is out of range", path, *base)};
   hp.rms_eps = float(*eps);
   hp.rope_base = float(*base);
+  hp.attn_scale = 1.f / std::sqrt(float(hp.head_dim));
+  if (hp.gemma3) KVQ_TRY(load_gemma3_hparams(f, a, hp));
   if (f.find(a + "rope.scaling.type")) {
     auto v = f.get_string(a + "rope.scaling.type");
     if (!v) return v.error();
@@ -180,10 +213,24 @@ result<llama_model> llama_model::load(const gguf_file& f) {
     KVQ_TRY(load_matrix(p + "ffn_gate.weight", {E, hp.n_ff}, L.w_gate));
     KVQ_TRY(load_matrix(p + "ffn_up.weight", {E, hp.n_ff}, L.w_up));
     KVQ_TRY(load_matrix(p + "ffn_down.weight", {hp.n_ff, E}, L.w_down));
+    if (hp.gemma3) {
+      KVQ_TRY(load_tensor(p + "attn_q_norm.weight", {hp.head_dim}, L.q_norm));
+      KVQ_TRY(load_tensor(p + "attn_k_norm.weight", {hp.head_dim}, L.k_norm));
+      KVQ_TRY(load_tensor(p + "post_attention_norm.weight", {E}, L.post_attn_norm));
+      KVQ_TRY(load_tensor(p + "post_ffw_norm.weight", {E}, L.post_ffn_norm));
+    }
   }
 
   m.inv_freq_.resize(size_t(hp.n_rot / 2));
   for (int i = 0; i < hp.n_rot / 2; ++i) m.inv_freq_[size_t(i)] = std::pow(double(hp.rope_base), -2.0 * i / hp.n_rot);
+  if (!hp.sliding.empty()) {
+    m.inv_freq_local_.resize(size_t(hp.n_rot / 2));
+    for (int i = 0; i < hp.n_rot / 2; ++i)
+      m.inv_freq_local_[size_t(i)] = std::pow(double(hp.rope_base_local), -2.0 * i / hp.n_rot);
+    m.variants_.resize(size_t(hp.n_layer));
+    for (int l = 0; l < hp.n_layer; ++l)
+      if (hp.sliding[size_t(l)]) m.variants_[size_t(l)].window = hp.sliding_window;
+  }
   // Llama 3.1+ files carry their RoPE scaling as per-frequency divisors (`rope_freqs.weight`,
   // llama.cpp's freq_factors): pair i turns by pos * base^(-2i/n_rot) / factor[i].
   if (f.find_tensor("rope_freqs.weight")) {
@@ -197,8 +244,16 @@ result<llama_model> llama_model::load(const gguf_file& f) {
       m.inv_freq_[i] /= double(factors[i]);
     }
     m.hp_.rope_freq_factors = true;
+    if (!m.inv_freq_local_.empty())
+      return status{errc::unsupported,
+                    fmt::format("{}: rope_freqs.weight with sliding-window layers is not supported", path)};
   }
   return m;
+}
+
+const kvq::attention_variant& llama_model::layer_attention(int l) const {
+  static const kvq::attention_variant plain;
+  return variants_.empty() ? plain : variants_[size_t(l)];
 }
 
 kvq::cache_shape llama_model::cache_shape() const {
@@ -247,14 +302,15 @@ void llama_model::embed(std::span<const token_id> tokens, std::vector<float>& x)
   }
 }
 
-void llama_model::rope(float* rows, int64_t T, int heads, std::span<const int64_t> pos) const {
+void llama_model::rope(float* rows, int64_t T, int heads, std::span<const int64_t> pos,
+                       const std::vector<double>& inv_freq) const {
   const int hd = hp_.head_dim, half = hp_.n_rot / 2;
   // pair i: channels (2i, 2i + 1) (llama), or (i, i + n_rot / 2) (neox: qwen2, gemma)
   const int first = hp_.rope_neox ? 1 : 2, second = hp_.rope_neox ? half : 1;
   for (int64_t t = 0; t < T; ++t) {
     const double p = double(pos[size_t(t)]);
     for (int i = 0; i < half; ++i) {
-      const double theta = p * inv_freq_[size_t(i)];
+      const double theta = p * inv_freq[size_t(i)];
       const float c = float(std::cos(theta)), s = float(std::sin(theta));
       for (int h = 0; h < heads; ++h) {
         float* r = rows + (t * heads + h) * hd + first * i;
@@ -294,18 +350,36 @@ void llama_model::attention_inputs(int layer, const std::vector<float>& x, int64
   add_bias(q, L.bq);
   add_bias(k, L.bk);
   add_bias(v, L.bv);
-  rope(q.data(), T, hp_.n_head, pos);
-  rope(k.data(), T, hp_.n_head_kv, pos);
+  if (!L.q_norm.empty()) {  // gemma3: each head's q and k RMS-normed over head_dim (in place)
+    rms_norm(q.data(), T * hp_.n_head, hp_.head_dim, L.q_norm, hp_.rms_eps, q.data());
+    rms_norm(k.data(), T * hp_.n_head_kv, hp_.head_dim, L.k_norm, hp_.rms_eps, k.data());
+  }
+  const bool local = !hp_.sliding.empty() && hp_.sliding[size_t(layer)];
+  const std::vector<double>& inv_freq = local ? inv_freq_local_ : inv_freq_;
+  rope(q.data(), T, hp_.n_head, pos, inv_freq);
+  rope(k.data(), T, hp_.n_head_kv, pos, inv_freq);
 }
 
 void llama_model::attention_output_and_ffn(int layer, std::vector<float>& x, const std::vector<float>& attn,
                                            int64_t T) const {
   const llama_layer& L = layers_[size_t(layer)];
   const int64_t E = hp_.n_embd, F = hp_.n_ff;
-  const matmul_job out_proj[] = {{&L.wo, x.data(), true}};
-  matmul(out_proj, attn.data(), T, *pool_, isa_);
-
   std::vector<float> xn(size_t(T * E)), g(size_t(T * F)), u(size_t(T * F));
+  // x += w . in, or with gemma3's sandwich norm x += rms_norm(w . in) * post_norm: the attention's
+  // and the FFN's output projections and their residual adds
+  const auto project_add = [&](const weight_matrix& w, const float* in, const std::vector<float>& post_norm) {
+    if (post_norm.empty()) {
+      const matmul_job job[] = {{&w, x.data(), true}};
+      matmul(job, in, T, *pool_, isa_);
+      return;
+    }
+    const matmul_job job[] = {{&w, xn.data()}};
+    matmul(job, in, T, *pool_, isa_);
+    rms_norm(xn.data(), T, E, post_norm, hp_.rms_eps, xn.data());
+    for (size_t i = 0; i < xn.size(); ++i) x[i] += xn[i];
+  };
+  project_add(L.wo, attn.data(), L.post_attn_norm);
+
   rms_norm(x.data(), T, E, L.ffn_norm, hp_.rms_eps, xn.data());
   const matmul_job gate_up[] = {{&L.w_gate, g.data()}, {&L.w_up, u.data()}};
   matmul(gate_up, xn.data(), T, *pool_, isa_);
@@ -317,8 +391,7 @@ void llama_model::attention_output_and_ffn(int layer, std::vector<float>& x, con
   } else {  // SiLU
     for (size_t i = 0; i < g.size(); ++i) g[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
   }
-  const matmul_job down[] = {{&L.w_down, x.data(), true}};
-  matmul(down, g.data(), T, *pool_, isa_);
+  project_add(L.w_down, g.data(), L.post_ffn_norm);
 }
 
 void llama_model::output_logits(const std::vector<float>& x, int64_t T, std::span<float> logits,
@@ -341,6 +414,18 @@ status llama_model::check_cache_shape(const kvq::KVCache& cache, std::string_vie
             fmt::format("{}: the cache is shaped layers {} q_heads {} kv_heads {} head_dim {}, the model {} {} {} {}",
                         what, cs.layers, cs.q_heads, cs.kv_heads, cs.head_dim, hp_.n_layer, hp_.n_head, hp_.n_head_kv,
                         hp_.head_dim)};
+  // A cache must attend as the model does: each layer's window (gemma3) and the softmax scale.
+  for (int l = 0; l < hp_.n_layer; ++l)
+    if (!(cache.config().layer_attention(l) == layer_attention(l)))
+      return {errc::invalid_argument,
+              fmt::format("{}: the cache's attention of layer {} (window {}) differs from the model's (window {}); "
+                          "create it with cache_config::attention = attention_variants()",
+                          what, l, cache.config().layer_attention(l).window, layer_attention(l).window)};
+  const float scale =
+      cache.config().softmax_scale > 0.f ? cache.config().softmax_scale : 1.f / std::sqrt(float(cs.head_dim));
+  if (scale != hp_.attn_scale)
+    return {errc::invalid_argument,
+            fmt::format("{}: the cache's softmax scale {} differs from the model's {}", what, scale, hp_.attn_scale)};
   return {};
 }
 
@@ -521,7 +606,7 @@ status llama_model::prefill_shared(std::span<kvq::KVCache* const> caches, std::s
       Kl.insert(Kl.end(), k.begin(), k.end());
       Vl.insert(Vl.end(), v.begin(), v.end());
       kvq::cpu::causal_attention(run_tasks, q.data(), Kl.data(), Vl.data(), o.data(), T, start, H, Hkv, hd,
-                                 1.f / std::sqrt(float(hd)));
+                                 hp_.attn_scale, layer_attention(l));
       attention_output_and_ffn(l, x, o, T);
     }
     if (mode == logits_mode::all)
@@ -547,8 +632,6 @@ status llama_model::forward_reference(reference_kv& kv, std::span<const token_id
             fmt::format("forward_reference: reference_kv has {} layers, the model {}", kv.k.size(), hp_.n_layer)};
   const int64_t T = int64_t(tokens.size()), pos0 = kv.length;
   const int hd = hp_.head_dim, H = hp_.n_head, Hkv = hp_.n_head_kv;
-  const float scale = 1.f / std::sqrt(float(hd));
-
   std::vector<float> x, q, k, v, o(size_t(T) * H * hd);
   const std::vector<int64_t> pos = consecutive(pos0, T);
   embed(tokens, x);
@@ -563,7 +646,8 @@ status llama_model::forward_reference(reference_kv& kv, std::span<const token_id
     auto& Vs = kv.v[size_t(l)];
     K.insert(K.end(), k.begin(), k.end());
     Vs.insert(Vs.end(), v.begin(), v.end());
-    kvq::ref::attend(K.data(), Vs.data(), pos0 + T, q.data(), int(T), H, Hkv, hd, scale, o.data());
+    kvq::ref::attend(K.data(), Vs.data(), pos0 + T, q.data(), int(T), H, Hkv, hd, hp_.attn_scale, o.data(),
+                     layer_attention(l));
     attention_output_and_ffn(l, x, o, T);
   }
   kv.length += T;
@@ -590,6 +674,8 @@ result<kvq::KVCache> make_cache(const llama_model& model, std::string_view polic
   cfg.budget_bytes = budget_bytes;
   cfg.where = kvq::backend::cpu;
   cfg.cpu_threads = model.threads();
+  cfg.attention = model.attention_variants();
+  cfg.softmax_scale = model.hparams().attn_scale;
   return kvq::KVCache::create(cfg, std::make_shared<kvq::static_policy>(std::move(pol).value()));
 }
 

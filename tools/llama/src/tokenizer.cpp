@@ -327,9 +327,10 @@ result<tokenizer> tokenizer::from_gguf(const gguf_file& f) {
 
   for (size_t i = 0; i < n; ++i)
     if ((t.attr_[i] == token_attr::control || t.attr_[i] == token_attr::user_defined) && !t.text_[i].empty())
-      t.specials_.push_back(token_id(i));
-  std::stable_sort(t.specials_.begin(), t.specials_.end(),
-                   [&](token_id a, token_id b) { return t.text_[size_t(a)].size() > t.text_[size_t(b)].size(); });
+      t.specials_[uint8_t(t.text_[i][0])].push_back(token_id(i));
+  for (auto& list : t.specials_)
+    std::stable_sort(list.begin(), list.end(),
+                     [&](token_id a, token_id b) { return t.text_[size_t(a)].size() > t.text_[size_t(b)].size(); });
   return t;
 }
 
@@ -344,17 +345,15 @@ std::optional<token_id> tokenizer::find(std::string_view text) const {
 std::vector<token_id> tokenizer::encode(std::string_view text, bool add_bos, bool parse_special) const {
   std::vector<token_id> out;
   if (add_bos && bos_ >= 0) out.push_back(bos_);
-  if (!parse_special || specials_.empty()) {
-    encode_fragment(text, true, out);
-    return out;
-  }
   // Split on special-token texts (longest match at each position), encode the text between.
+  // User-defined tokens (Gemma's runs of newlines, for one) are split out always, as llama.cpp
+  // and HF tokenizers do; control tokens only with parse_special.
   size_t start = 0, i = 0;
   while (i < text.size()) {
     token_id hit = -1;
-    for (token_id s : specials_) {
+    for (token_id s : specials_[uint8_t(text[i])]) {
       const std::string& st = text_[size_t(s)];
-      if (text.compare(i, st.size(), st) == 0) {
+      if ((parse_special || attr_[size_t(s)] == token_attr::user_defined) && text.compare(i, st.size(), st) == 0) {
         hit = s;
         break;
       }

@@ -631,13 +631,18 @@ namespace {
 // A one-layer file of random F32 weights (width 32, 2 heads of 16 channels, 16 tokens) of
 // architecture `arch` (qwen2: with Q/K/V biases and RoPE base 1e6), with `rope_freqs` as its
 // `rope_freqs.weight` when not empty. `weights`, when given, receives every tensor's floats.
+// A one-layer file of architecture `arch` with random F32 weights (into `*weights` when given);
+// gemma3 files get the q/k and post norms, a sliding window of 4 and a global RoPE base of 1e6.
+// The tensor named `omit` is left out.
 std::vector<uint8_t> tiny_llama(const std::vector<float>& rope_freqs, const std::string& arch = "llama",
-                                std::map<std::string, std::vector<float>>* weights = nullptr) {
+                                std::map<std::string, std::vector<float>>* weights = nullptr,
+                                const std::string& omit = "") {
   constexpr uint64_t E = 32, F = 32, V = 16, Dh = 16, H = 2;
   std::mt19937 rng(3);
   std::normal_distribution<float> nd(0.f, 0.3f);
   test::gguf_builder b;
   const auto put = [&](const std::string& name, std::vector<uint64_t> ne) {  // a random F32 tensor
+    if (name == omit) return;
     size_t n = 1;
     for (uint64_t d : ne) n *= d;
     std::vector<float> w(n);
@@ -654,6 +659,13 @@ std::vector<uint8_t> tiny_llama(const std::vector<float>& rope_freqs, const std:
   if (arch == "qwen2") {
     b.f32("qwen2.rope.freq_base", 1e6f);
     for (const char* w : {"attn_q", "attn_k", "attn_v"}) put(std::string("blk.0.") + w + ".bias", {H * Dh});
+  }
+  if (arch == "gemma3") {
+    b.f32("gemma3.rope.freq_base", 1e6f).u32("gemma3.attention.sliding_window", 4);
+    put("blk.0.attn_q_norm.weight", {Dh});
+    put("blk.0.attn_k_norm.weight", {Dh});
+    put("blk.0.post_attention_norm.weight", {E});
+    put("blk.0.post_ffw_norm.weight", {E});
   }
   put("token_embd.weight", {E, V});
   put("output_norm.weight", {E});
@@ -766,11 +778,19 @@ TEST_CASE("qwen2 files: biases and RoPE on channel halves", "[model]") {
 
 // Gemma (1): the whole forward of a one-layer gemma file against the same computed here in double
 // from its weights: embeddings x sqrt(n_embd), RoPE on channel halves, causal attention at
-// 1/sqrt(head_dim), GELU (tanh) gating, the output tied to the embeddings.
-TEST_CASE("gemma files: the forward pass against a float64 one", "[model]") {
+// 1/sqrt(head_dim), GELU (tanh) gating, the output tied to the embeddings. Gemma 3 adds q and k
+// RMS-normed per head before RoPE, the post-attention and post-FFN norms, and its layer 0 is a
+// sliding one: a window of 4 tokens and RoPE base 10000 (the file's 1e6 is the global layers').
+TEST_CASE("gemma and gemma3 files: the forward pass against a float64 one", "[model]") {
+  const std::string arch = GENERATE(as<std::string>(), "gemma", "gemma3");
+  CAPTURE(arch);
+  const bool g3 = arch == "gemma3";
   std::map<std::string, std::vector<float>> w;
-  const llama_model m = load_bytes(tiny_llama({}, "gemma", &w));
+  const llama_model m = load_bytes(tiny_llama({}, arch, &w));
   CHECK(m.hparams().gemma);
+  CHECK(m.hparams().gemma3 == g3);
+  CHECK(m.attention_variants().size() == (g3 ? 1u : 0u));
+  const int W = g3 ? 4 : 1 << 30;  // layer 0's window
   CHECK(m.hparams().rope_neox);
   CHECK(m.tied_output());
   const std::vector<token_id> tokens = {3, 7, 1, 12, 5, 9, 0, 15, 4, 4, 11};
@@ -799,6 +819,14 @@ TEST_CASE("gemma files: the forward pass against a float64 one", "[model]") {
     qs[t] = mul("blk.0.attn_q.weight", xn, H * Dh);
     ks[t] = mul("blk.0.attn_k.weight", xn, H * Dh);
     vs[t] = mul("blk.0.attn_v.weight", xn, H * Dh);
+    if (g3)
+      for (int h = 0; h < H; ++h)
+        for (auto [r, nw] :
+             {std::pair{&qs[t], "blk.0.attn_q_norm.weight"}, std::pair{&ks[t], "blk.0.attn_k_norm.weight"}}) {
+          const vec head(r->begin() + h * Dh, r->begin() + (h + 1) * Dh);
+          const vec normed = norm(head, nw);
+          std::copy(normed.begin(), normed.end(), r->begin() + h * Dh);
+        }
     for (vec* r : {&qs[t], &ks[t]})
       for (int h = 0; h < H; ++h)
         for (int i = 0; i < half; ++i) {
@@ -818,17 +846,19 @@ TEST_CASE("gemma files: the forward pass against a float64 one", "[model]") {
     for (int h = 0; h < H; ++h) {
       vec s(t + 1);
       double mx = -1e300, sum = 0;
-      for (size_t j = 0; j <= t; ++j) {
+      const size_t first = t + 1 > size_t(W) ? t + 1 - size_t(W) : 0;
+      for (size_t j = first; j <= t; ++j) {
         for (int c = 0; c < Dh; ++c) s[j] += qs[t][size_t(h * Dh + c)] * ks[j][size_t(h * Dh + c)];
         s[j] /= std::sqrt(double(Dh));
         mx = std::max(mx, s[j]);
       }
-      for (double& v : s) sum += (v = std::exp(v - mx));
-      for (size_t j = 0; j <= t; ++j)
+      for (size_t j = first; j <= t; ++j) sum += (s[j] = std::exp(s[j] - mx));
+      for (size_t j = first; j <= t; ++j)
         for (int c = 0; c < Dh; ++c) attn[size_t(h * Dh + c)] += s[j] / sum * vs[j][size_t(h * Dh + c)];
     }
     vec x = xs[t];
-    const vec o = mul("blk.0.attn_output.weight", attn, E);
+    vec o = mul("blk.0.attn_output.weight", attn, E);
+    if (g3) o = norm(o, "blk.0.post_attention_norm.weight");
     for (int e = 0; e < E; ++e) x[size_t(e)] += o[size_t(e)];
     const vec xn = norm(x, "blk.0.ffn_norm.weight");
     vec g = mul("blk.0.ffn_gate.weight", xn, F);
@@ -837,7 +867,8 @@ TEST_CASE("gemma files: the forward pass against a float64 one", "[model]") {
       const double a = g[size_t(i)];
       g[size_t(i)] = 0.5 * a * (1 + std::tanh(std::sqrt(2 / M_PI) * (a + 0.044715 * a * a * a))) * u[size_t(i)];
     }
-    const vec d = mul("blk.0.ffn_down.weight", g, E);
+    vec d = mul("blk.0.ffn_down.weight", g, E);
+    if (g3) d = norm(d, "blk.0.post_ffw_norm.weight");
     for (int e = 0; e < E; ++e) x[size_t(e)] += d[size_t(e)];
     const vec xf = norm(x, "output_norm.weight");
     const vec want = mul("token_embd.weight", xf, V);
@@ -848,6 +879,57 @@ TEST_CASE("gemma files: the forward pass against a float64 one", "[model]") {
   }
   CAPTURE(worst, scale);
   CHECK(worst <= 1e-4 * scale);
+
+  // The FP16 cache (a chunk, then one token at a time) and prefill_shared apply the window as the
+  // reference does: equal to it with K and V rounded to fp16.
+  reference_kv ref16;
+  ref16.round_to_f16 = true;
+  std::vector<float> want16(T * V), got(V), shared(T * V);
+  REQUIRE(m.forward_reference(ref16, tokens, want16, logits_mode::all).ok());
+  auto cache = make_cache(m, "fp16", 64ull << 20);
+  REQUIRE(cache.ok());
+  REQUIRE(cache.value().create_sequence(0).ok());
+  REQUIRE(cache.value().create_sequence(1).ok());
+  double worst16 = 0;
+  const std::span<const token_id> all(tokens);
+  REQUIRE(m.forward(cache.value(), 0, all.first(3), got).ok());
+  for (size_t t = 3; t < T; ++t) {
+    REQUIRE(m.forward(cache.value(), 0, all.subspan(t, 1), got).ok());
+    for (int v = 0; v < V; ++v)
+      worst16 = std::max(worst16, double(std::fabs(got[size_t(v)] - want16[t * V + size_t(v)])));
+  }
+  kvq::KVCache* caches[] = {&cache.value()};
+  const kvq::seq_id seqs[] = {1};
+  REQUIRE(m.prefill_shared(caches, seqs, tokens, shared, logits_mode::all).ok());
+  for (size_t i = 0; i < shared.size(); ++i) worst16 = std::max(worst16, double(std::fabs(shared[i] - want16[i])));
+  CAPTURE(worst16);
+  CHECK(worst16 <= 1e-4 * scale);
+}
+
+TEST_CASE("a gemma3 file without one of its norms is rejected naming the tensor", "[model]") {
+  for (const char* name : {"blk.0.attn_q_norm.weight", "blk.0.attn_k_norm.weight", "blk.0.post_attention_norm.weight",
+                           "blk.0.post_ffw_norm.weight"}) {
+    CAPTURE(name);
+    auto f = gguf_file::from_bytes(tiny_llama({}, "gemma3", nullptr, name), "tiny.gguf");
+    REQUIRE(f.ok());
+    auto m = llama_model::load(*f);
+    REQUIRE_FALSE(m.ok());
+    CHECK(m.error().code() == errc::not_found);
+    CHECK_THAT(m.error().message(),
+               Catch::Contains("tiny.gguf") && Catch::Contains(name) && Catch::Contains("missing"));
+  }
+  // a cache made for another model (no windows) is refused by a gemma3 model
+  const llama_model g3 = load_bytes(tiny_llama({}, "gemma3"));
+  const llama_model plain = load_bytes(tiny_llama({}, "gemma"));
+  auto cache = make_cache(plain, "fp16", 64ull << 20);
+  if (!cache) FAIL(cache.error().to_string());
+  REQUIRE(cache.ok());
+  REQUIRE(cache.value().create_sequence(0).ok());
+  std::vector<float> logits(16);
+  const std::vector<token_id> t = {1, 2};
+  const auto st = g3.forward(cache.value(), 0, t, logits);
+  REQUIRE_FALSE(st.ok());
+  CHECK_THAT(st.message(), Catch::Contains("layer 0") && Catch::Contains("window 4"));
 }
 
 TEST_CASE("bad rope_freqs.weight is rejected naming the tensor", "[model]") {

@@ -23,6 +23,13 @@ inline std::string own_data(std::string_view name) { return std::string(KVQ_LLAM
 /// models/SmolLM2-135M-Instruct.Q4_1.gguf (git-ignored; put there by the setup script).
 inline std::string smollm2_path() { return KVQ_LLAMA_SMOLLM2; }
 inline bool have_smollm2() { return std::filesystem::exists(smollm2_path()); }
+/// models/gemma-3-270m-q4_k_m.gguf (git-ignored; put there by the setup script).
+inline std::string gemma3_path() { return KVQ_LLAMA_GEMMA3; }
+inline bool have_gemma3() { return std::filesystem::exists(gemma3_path()); }
+/// data/eval/<name> of the repository (the evaluation texts).
+inline std::string eval_data(std::string_view name) {
+  return std::string(KVQ_LLAMA_EVAL_DATA) + "/" + std::string(name);
+}
 
 inline std::vector<uint8_t> read_bytes(const std::string& path) {
   std::ifstream in(path, std::ios::binary);

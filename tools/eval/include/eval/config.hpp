@@ -79,14 +79,20 @@ kvq::result<clip_percentile_tables> load_clip_percentiles(const std::string& pat
 kvq::result<std::vector<kvq::calib::codebook_fit>> load_codebook_levels(const std::string& path,
                                                                         const kvq::cache_shape& shape);
 
-/// A CPU cache for `model` under the policy of configuration `config`. Errors name the
-/// configuration (e.g. "configuration 'kivi4/g32': ... head_dim 8 ..."). The cache gets
-/// `s.clip_percentiles` (those of its heads' space) and `s.codebooks` when there are any.
+/// A CPU cache for `model` under the policy of configuration `config`, attending as the model
+/// does (its per-layer `attention_variants()`, e.g. Gemma 3's sliding windows, and its softmax
+/// scale). Errors name the configuration (e.g. "configuration 'kivi4/g32': ... head_dim 8 ...").
+/// The cache gets `s.clip_percentiles` (those of its heads' space) and `s.codebooks` when there
+/// are any.
 kvq::result<kvq::KVCache> make_eval_cache(const kvq::llama::llama_model& model, std::string_view config,
                                           const cache_settings& s);
-/// The same for a model of `model_shape` (its paging fields are ignored: `s` gives them).
+/// The same for a model of `model_shape` (its paging fields are ignored: `s` gives them), with
+/// `attention` as `cache_config::attention` (empty: every layer plain) and `softmax_scale` (0:
+/// 1/sqrt(head_dim)).
 kvq::result<kvq::KVCache> make_eval_cache(const kvq::cache_shape& model_shape, std::string_view config,
-                                          const cache_settings& s);
+                                          const cache_settings& s,
+                                          const std::vector<kvq::attention_variant>& attention = {},
+                                          float softmax_scale = 0.f);
 
 /// True when `config` names the plain FP16 cache (`fp16`, `static:fp16`, `k=fp16,v=fp16`): such a
 /// configuration serves as the reference instead of running a second FP16 cache.

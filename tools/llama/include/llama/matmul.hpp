@@ -24,8 +24,9 @@ class weight_matrix {
  public:
   weight_matrix() = default;
   /// The 2-D tensor `t` of `f` (ne[0] = cols, ne[1] = rows). Types with a dot-product kernel
-  /// (`activation_of` not none) keep their blocks; other dequantizable types are converted to
-  /// F32. Errors: the dequantizer's (unsupported type), naming the file and the tensor.
+  /// (`activation_of` not none) keep their blocks; Q5_0 is re-encoded as Q8_0 (the same values);
+  /// other dequantizable types are converted to F32. Errors: the dequantizer's (unsupported
+  /// type), naming the file and the tensor.
   static result<weight_matrix> from_gguf(const gguf_file& f, const gguf_tensor_info& t);
   /// A matrix of type `type` over raw bytes [rows][cols / block_elems][block_bytes].
   /// Errors: invalid_argument (cols not a multiple of the block, wrong byte count, no kernel).

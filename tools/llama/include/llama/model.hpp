@@ -1,8 +1,12 @@
 #pragma once
 /// \file
 /// Llama-architecture forward pass on the CPU (Eigen), attention through `kvq::KVCache`; files of
-/// architecture `llama`, `qwen2` (the same block with Q/K/V biases and RoPE on channel halves) or
-/// `gemma` (Gemma 1: RoPE on halves, embeddings scaled by sqrt(n_embd), GELU gating, tied output).
+/// architecture `llama`, `qwen2` (the same block with Q/K/V biases and RoPE on channel halves),
+/// `gemma` (Gemma 1: RoPE on halves, embeddings scaled by sqrt(n_embd), GELU gating, tied output)
+/// or `gemma3` (Gemma 1's block plus a per-head RMSNorm of q and k before RoPE, "sandwich" norms
+/// on the attention and FFN outputs before their residual adds, and sliding-window layers: five
+/// of every six layers attend to their last `sliding_window` tokens with RoPE base 10000, every
+/// sixth is global with the file's `rope.freq_base`).
 ///
 /// Per layer: RMSNorm → Q, K, V projections → RoPE (llama.cpp "normal" layout: adjacent pairs
 /// (2i, 2i+1) rotated by pos * base^(-2i/n_rot), divided by the file's `rope_freqs.weight` factor
@@ -35,6 +39,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <kvq/attention/variant.hpp>
 #include <kvq/cache/cache.hpp>
 #include <kvq/status.hpp>
 #include <llama/gguf.hpp>
@@ -64,7 +69,17 @@ struct llama_hparams {
   float rope_base = 10000.f;
   bool rope_freq_factors = false;  ///< `rope_freqs.weight` divides the pairs' frequencies (Llama 3.1+ scaling)
   bool rope_neox = false;          ///< RoPE pairs (i, i + n_rot/2) (qwen2, gemma), else (2i, 2i + 1)
-  bool gemma = false;              ///< architecture gemma: embeddings x sqrt(n_embd), GELU (tanh) gating
+  bool gemma = false;              ///< gemma or gemma3: embeddings x sqrt(n_embd), GELU (tanh) gating
+  bool gemma3 = false;             ///< gemma3: q/k RMSNorm per head, post-attention and post-FFN norms
+  /// Tokens a sliding layer's query sees (itself and the window - 1 before it); 0: no sliding layer.
+  int sliding_window = 0;
+  /// [n_layer]: 1 where the layer attends within `sliding_window` (gemma3: layer l with l % 6 < 5,
+  /// llama.cpp's swa pattern 6), 0 where it is global. Empty when no layer slides.
+  std::vector<uint8_t> sliding;
+  float rope_base_local = 10000.f;  ///< RoPE base of the sliding layers (gemma3); global ones use rope_base
+  /// Softmax scale of the scores q . k (gemma3: 1/sqrt(head_dim), but 1/sqrt(n_embd / n_head) for
+  /// the 62-layer 27B, as llama.cpp's f_attention_scale); default 1/sqrt(head_dim).
+  float attn_scale = 0.f;
 };
 
 /// One transformer block's weights, [out][in] row-major.
@@ -79,6 +94,10 @@ struct llama_layer {
   weight_matrix w_gate;          ///< [n_ff][n_embd]
   weight_matrix w_up;            ///< [n_ff][n_embd]
   weight_matrix w_down;          ///< [n_embd][n_ff]
+  // gemma3 only (empty otherwise):
+  std::vector<float> q_norm, k_norm;  ///< [head_dim] RMSNorm weights of each q and k head, before RoPE
+  std::vector<float> post_attn_norm;  ///< [n_embd] RMSNorm of the attention output before its residual add
+  std::vector<float> post_ffn_norm;   ///< [n_embd] RMSNorm of the FFN output before its residual add
 };
 
 /// K and V of one sequence for the reference path: per layer [tokens][n_head_kv][head_dim].
@@ -127,6 +146,13 @@ class llama_model {
   /// A cache shape for this model (layers, heads, head_dim) with kvq's default page_tokens,
   /// window and recent.
   kvq::cache_shape cache_shape() const;
+
+  /// Each layer's attention rule, what `kvq::cache_config::attention` of a cache for this model
+  /// must hold: window `sliding_window` on the sliding layers, plain on the global ones. Empty
+  /// for a model without sliding layers (every layer plain).
+  const std::vector<kvq::attention_variant>& attention_variants() const { return variants_; }
+  /// Layer `l`'s attention rule (plain when `attention_variants()` is empty).
+  const kvq::attention_variant& layer_attention(int l) const;
 
   /// Runs one chunk of `tokens` of sequence `seq` through the model, appending its K and V to
   /// `cache` and attending through it. Positions start at `cache.length(seq, 0)`.
@@ -210,11 +236,13 @@ class llama_model {
                         std::vector<float>& k, std::vector<float>& v) const;
   void attention_output_and_ffn(int layer, std::vector<float>& x, const std::vector<float>& attn, int64_t T) const;
   void output_logits(const std::vector<float>& x, int64_t T, std::span<float> logits, logits_mode mode) const;
-  void rope(float* rows, int64_t T, int heads, std::span<const int64_t> pos) const;
+  void rope(float* rows, int64_t T, int heads, std::span<const int64_t> pos, const std::vector<double>& inv_freq) const;
 
   std::string name_;
   llama_hparams hp_;
-  std::vector<double> inv_freq_;  // [n_rot / 2] base^(-2i / n_rot)
+  std::vector<double> inv_freq_;                  // [n_rot / 2] base^(-2i / n_rot)
+  std::vector<double> inv_freq_local_;            // [n_rot / 2] the sliding layers' (rope_base_local); empty: none
+  std::vector<kvq::attention_variant> variants_;  // [n_layer] or empty (see attention_variants)
   weight_matrix tok_embd_;        // [n_vocab][n_embd]
   std::vector<float> out_norm_;   // [n_embd]
   weight_matrix output_;          // [n_vocab][n_embd]; empty when tied
@@ -229,8 +257,9 @@ token_id argmax(std::span<const float> logits);
 
 /// Creates a CPU cache for `model` under a static policy given by `policy_spec` (the grammar of
 /// `kvq::static_policy::parse`, e.g. "fp16", "k=kivi4/g32,v=kivi2/g32;0=fp16"), with a budget
-/// in bytes and the paging of `kvq::cache_shape` (page_tokens, window R, recent r); its attention
-/// runs on as many threads as the model's products (`cache_config::cpu_threads`: one stream).
+/// in bytes and the paging of `kvq::cache_shape` (page_tokens, window R, recent r); it attends
+/// as the model does (`attention_variants()` as `cache_config::attention`, the model's softmax
+/// scale), on as many threads as the model's products (`cache_config::cpu_threads`: one stream).
 /// Errors: the spec parser's or the cache's (e.g. a quantized format with head_dim not a multiple of 32).
 result<kvq::KVCache> make_cache(const llama_model& model, std::string_view policy_spec, uint64_t budget_bytes,
                                 int page_tokens = 64, int window = 128, int recent = 64);

@@ -13,8 +13,9 @@
 ///   ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+`), each piece's bytes are mapped to printable characters
 ///   by GPT-2's byte-to-unicode table, and the merges are applied lowest rank first.
 ///
-/// Special tokens (control and user-defined) written in the text, like `<|im_start|>`, become
-/// their ids when `parse_special` is set; otherwise they are tokenized as plain text.
+/// Control tokens written in the text, like `<|im_start|>`, become their ids when `parse_special`
+/// is set; otherwise they are tokenized as plain text. User-defined tokens (Gemma's newline runs
+/// "\n", "\n\n", ...) are always split out first, as llama.cpp and HF tokenizers do.
 
 #include <array>
 #include <cstdint>
@@ -75,8 +76,8 @@ class tokenizer {
   /// The id of a token text, if any.
   std::optional<token_id> find(std::string_view text) const;
 
-  /// Tokenizes `text`; prepends BOS when `add_bos`. With `parse_special`, control and
-  /// user-defined token texts in `text` become their ids.
+  /// Tokenizes `text`; prepends BOS when `add_bos`. User-defined token texts in `text` become
+  /// their ids, and control token texts too with `parse_special`.
   std::vector<token_id> encode(std::string_view text, bool add_bos, bool parse_special = false) const;
 
   /// The bytes a token stands for: "▁" as a space (spm), GPT-2 characters mapped back to bytes
@@ -98,7 +99,7 @@ class tokenizer {
   std::vector<token_attr> attr_;
   std::unordered_map<std::string, token_id> index_;
   std::unordered_map<std::string, int32_t> merge_rank_;  // "left right" -> rank (bpe)
-  std::vector<token_id> specials_;                       // control + user-defined, longest text first
+  std::array<std::vector<token_id>, 256> specials_;      // control + user-defined by first byte, longest text first
   std::array<token_id, 256> byte_token_{};               // spm: <0xXX> ids (-1 if absent)
   token_id bos_ = -1, eos_ = -1, unk_ = -1;
   bool add_bos_ = false;
