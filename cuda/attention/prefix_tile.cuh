@@ -130,11 +130,21 @@ __global__ void __launch_bounds__(threads, 2) prefix_kernel(const __grid_constan
   if (mb * rows >= rows_used) return;
   const int page_tiles = ceil_div(item.from_pages, tile_tokens);
   const int T = page_tiles + ceil_div(item.n - item.from_pages, tile_tokens);
-  const int t0 = split * p.tiles_per_split, t1 = min(T, t0 + p.tiles_per_split);
+  const int t0 = item_skip(p, item) + split * p.tiles_per_split, t1 = min(T, t0 + p.tiles_per_split);
   if (t0 >= T) return;
   const int tid = threadIdx.x, warp = tid / 32;
   const int mt0 = mb * (rows / 16) + warp * M;  // this warp's first m-tile
   const bool active = mt0 * 16 < rows_used;     // (warp-uniform) rows of padding only: no math
+  // A sliding layer: the first prefix token each of the lane's rows sees ([m-tile][row half]; its
+  // query stands at the prefix's end + the item's first query + i), and the first from which every
+  // row of the warp sees (its last used row's); none below 0 in a global layer.
+  const int w = p.window > 0 ? p.window - 1 : INT_MAX / 2, q_pos0 = item.n + item.q_row;
+  int first_key[M][2];
+#pragma unroll
+  for (int m = 0; m < M; ++m)
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) first_key[m][hr] = q_pos0 + ((mt0 + m) * 16 + (tid % 32) / 4 + 8 * hr) / p.group - w;
+  const int warp_first = max(0, q_pos0 + (min((mt0 + M) * 16, rows_used) - 1) / p.group - w);
   load_tile_table<D>(p, item, h, t0, t1, sm.tiles);
   // the block's query rows: row r -> m = rows mb + r, query m / group, head h group + m % group
   for (int idx = tid; idx < rows * D; idx += threads) {
@@ -172,9 +182,10 @@ __global__ void __launch_bounds__(threads, 2) prefix_kernel(const __grid_constan
       float s[M][8][4];
       qk_mma_tile<D, M>(sm.q, warp * 16 * M, sm.k, s);
       // ---- columns past the tile's tokens, online softmax ----
-      const int valid = cur.valid;
-      softmax_tile<D, M>(s, p.scale_log2, valid == tile_tokens, [&](int, int, int j) { return j < valid; }, row_max,
-                         row_sum, acc, pf);
+      const int valid = cur.valid, tok0 = cur.tok0;
+      softmax_tile<D, M>(
+          s, p.scale_log2, p.softcap_log2, valid == tile_tokens && tok0 >= warp_first,
+          [&](int m, int hr, int j) { return j < valid && tok0 + j >= first_key[m][hr]; }, row_max, row_sum, acc, pf);
     }
     cp_wait<0>();
     // B: V of tile t is in sm.v; every warp is done with sm.k

@@ -11,6 +11,17 @@
 KVQ_NAMESPACE_BEGIN
 namespace cuda::detail {
 
+// A score soft-capped (`attention_variant::cap`) in the kernels' units: x raw (its scaled score is
+// x scale), `scale_log2` the scale x log2(e) the softmax applies to it, `softcap_log2` the cap x
+// log2(e) (> 0). Returns x' with x' scale = softcap tanh(x scale / softcap). tanhf, not
+// tanh.approx: its 2^-11 relative error would be 0.02 of a logit at a cap of 50.
+struct score_cap {
+  float in, out;  // x' = out tanh(x in)
+  __device__ __forceinline__ score_cap(float softcap_log2, float scale_log2)
+      : in(scale_log2 / softcap_log2), out(softcap_log2 / scale_log2) {}
+  __device__ __forceinline__ float operator()(float x) const { return out * tanhf(x * in); }
+};
+
 // The sum (`Max`: the max) of x[0 .. N), N a power of two, as a tree (depth log2 N, where a chain
 // of N - 1 dependent adds would wait on each one's latency); x is overwritten.
 template <int N, bool Max = false>

@@ -3,7 +3,10 @@
 // query column, the masked exponentials of a step's slabs, and the block's partial (split) result
 // written for the split merge.
 #include "attention/params.cuh"
+#include "attention/row_softmax.cuh"
 #include "ptx.cuh"
+
+#include <climits>
 
 KVQ_NAMESPACE_BEGIN
 namespace cuda::detail {
@@ -18,11 +21,21 @@ struct column_state {
   float cz[2] = {0.f, 0.f};
   int last_visible[2];
   int all_visible;  // the last token every column may see (warp-uniform)
+  // A sliding layer (`attend_params::window`): the first token each column sees, and the first
+  // from which every column sees (the last query's; 0 in a global layer, warp-uniform).
+  int first_visible[2];
+  int all_first;
+  float softcap_log2;  // `attend_params::softcap_log2` (0: off)
   __device__ column_state(const attend_params& p, const decode_item& item, int t) {
     const int q_first = item.n - item.q_len;
     all_visible = q_first;
     last_visible[0] = q_first + (2 * t) / p.group;
     last_visible[1] = q_first + (2 * t + 1) / p.group;
+    const int w = p.window > 0 ? p.window - 1 : INT_MAX / 2;  // (window 0: every first key below 0)
+    first_visible[0] = last_visible[0] - w;
+    first_visible[1] = last_visible[1] - w;
+    all_first = max(item.n - 1 - w, 0);
+    softcap_log2 = p.softcap_log2;
 #pragma unroll
     for (int i = 0; i < D / 16; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
   }
@@ -50,7 +63,20 @@ __device__ __forceinline__ void softmax_tiles(float (&sc)[4 * S], const float (&
   // The scores stay unscaled (the softmax scale is positive: the max commutes with it); the scale
   // goes into the exponent's fma, and into the two columns' maxima.
   float tile_max[2] = {-INFINITY, -INFINITY};
-  if (valid >= slab * S && tok0 + slab * S - 1 <= cs.all_visible) {  // (warp-uniform) nothing to mask
+  // A column sees the rows before `valid`, from its window's first token to its query's.
+  const auto seen = [&](int i) {
+    const int e = i % 4, row = slab * (i / 4) + g + (e / 2) * 8;
+    return row < valid && tok0 + row <= last_visible[e % 2] && tok0 + row >= cs.first_visible[e % 2];
+  };
+  if (cs.softcap_log2 > 0.f) {  // (warp-uniform) a soft-capped layer: each score capped, then masked
+    const score_cap cap(cs.softcap_log2, scale_log2);
+#pragma unroll
+    for (int i = 0; i < 4 * S; ++i) {
+      const float x = cap(sc[i] * rs[i / 2] + cz[i % 2]);
+      sc[i] = seen(i) ? x : -INFINITY;
+      tile_max[i % 2] = fmaxf(tile_max[i % 2], sc[i]);
+    }
+  } else if (valid >= slab * S && tok0 + slab * S - 1 <= cs.all_visible && tok0 >= cs.all_first) {  // (warp-uniform) nothing to mask
 #pragma unroll
     for (int i = 0; i < 4 * S; ++i) {
       sc[i] = sc[i] * rs[i / 2] + cz[i % 2];
@@ -59,10 +85,9 @@ __device__ __forceinline__ void softmax_tiles(float (&sc)[4 * S], const float (&
   } else {
 #pragma unroll
     for (int i = 0; i < 4 * S; ++i) {
-      const int e = i % 4, row = slab * (i / 4) + g + (e / 2) * 8;
-      const float x = sc[i] * rs[i / 2] + cz[e % 2];
-      sc[i] = row < valid && tok0 + row <= last_visible[e % 2] ? x : -INFINITY;
-      tile_max[e % 2] = fmaxf(tile_max[e % 2], sc[i]);
+      const float x = sc[i] * rs[i / 2] + cz[i % 2];
+      sc[i] = seen(i) ? x : -INFINITY;
+      tile_max[i % 2] = fmaxf(tile_max[i % 2], sc[i]);
     }
   }
   tile_max[0] *= scale_log2;
