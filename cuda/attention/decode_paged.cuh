@@ -238,7 +238,7 @@ __global__ void __launch_bounds__(dec_warps * 32, (decode_blocks<D, Wide>))
 #pragma unroll
         for (int i = 0; i < 4; ++i) rs[4 * hf + i] = prs[i];
       }
-      softmax_tiles<D, 4>(sc, rs, scale_log2, tok0, valid, g, cs, pv);
+      softmax_tiles<D, 4>(p, sc, rs, scale_log2, tok0, valid, g, cs, pv);
       values_kind<D, Cap, FV, BV, 4, HeadScale>(sk, HeadScale ? uint16_t(0) : sm.pages.fv[e].group, P, wnd, g, t, pv, valid, cs.acc, &fold);
       worked = true;
       __syncwarp();  // every lane is done with this unit's rows of the stage

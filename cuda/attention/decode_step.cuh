@@ -343,7 +343,7 @@ __device__ __forceinline__ void decode_step(const attend_params& p, const slab_r
   if (pair) {
     float sc[8], rs[4] = {1.f, 1.f, 1.f, 1.f}, pv[8];
     scores_st.template operator()<2>(sc, rs);
-    softmax_tiles<D, 2>(sc, rs, p.scale_log2, cur.tok0, cur.valid, g, cs, pv);
+    softmax_tiles<D, 2>(p, sc, rs, p.scale_log2, cur.tok0, cur.valid, g, cs, pv);
     values_st.template operator()<2>(pv);
   } else {
     // ---- S^T = K Q^T ----
@@ -371,7 +371,7 @@ __device__ __forceinline__ void decode_step(const attend_params& p, const slab_r
       }
     }
     float pv[4];
-    softmax_tiles<D, 1>(sc, rs, p.scale_log2, cur.tok0, cur.valid, g, cs, pv);
+    softmax_tiles<D, 1>(p, sc, rs, p.scale_log2, cur.tok0, cur.valid, g, cs, pv);
 
     // ---- O^T += V^T P^T ----
     if (v_st) {

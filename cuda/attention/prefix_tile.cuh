@@ -135,15 +135,10 @@ __global__ void __launch_bounds__(threads, 2) prefix_kernel(const __grid_constan
   const int tid = threadIdx.x, warp = tid / 32;
   const int mt0 = mb * (rows / 16) + warp * M;  // this warp's first m-tile
   const bool active = mt0 * 16 < rows_used;     // (warp-uniform) rows of padding only: no math
-  // A sliding layer: the first prefix token each of the lane's rows sees ([m-tile][row half]; its
-  // query stands at the prefix's end + the item's first query + i), and the first from which every
-  // row of the warp sees (its last used row's); none below 0 in a global layer.
+  // A sliding layer: the first prefix token from which every row of the warp sees (its last used
+  // row's; the query of row r stands at the prefix's end + the item's first query + r / group);
+  // 0 in a global layer. Each row's own first token is computed where a tile needs masking.
   const int w = p.window > 0 ? p.window - 1 : INT_MAX / 2, q_pos0 = item.n + item.q_row;
-  int first_key[M][2];
-#pragma unroll
-  for (int m = 0; m < M; ++m)
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) first_key[m][hr] = q_pos0 + ((mt0 + m) * 16 + (tid % 32) / 4 + 8 * hr) / p.group - w;
   const int warp_first = max(0, q_pos0 + (min((mt0 + M) * 16, rows_used) - 1) / p.group - w);
   load_tile_table<D>(p, item, h, t0, t1, sm.tiles);
   // the block's query rows: row r -> m = rows mb + r, query m / group, head h group + m % group
@@ -185,7 +180,10 @@ __global__ void __launch_bounds__(threads, 2) prefix_kernel(const __grid_constan
       const int valid = cur.valid, tok0 = cur.tok0;
       softmax_tile<D, M>(
           s, p.scale_log2, p.softcap_log2, valid == tile_tokens && tok0 >= warp_first,
-          [&](int m, int hr, int j) { return j < valid && tok0 + j >= first_key[m][hr]; }, row_max, row_sum, acc, pf);
+          [&](int m, int hr, int j) {
+            return j < valid && tok0 + j >= q_pos0 + ((mt0 + m) * 16 + (tid % 32) / 4 + 8 * hr) / p.group - w;
+          },
+          row_max, row_sum, acc, pf);
     }
     cp_wait<0>();
     // B: V of tile t is in sm.v; every warp is done with sm.k

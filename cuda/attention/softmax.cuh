@@ -21,21 +21,16 @@ struct column_state {
   float cz[2] = {0.f, 0.f};
   int last_visible[2];
   int all_visible;  // the last token every column may see (warp-uniform)
-  // A sliding layer (`attend_params::window`): the first token each column sees, and the first
-  // from which every column sees (the last query's; 0 in a global layer, warp-uniform).
-  int first_visible[2];
+  // A sliding layer (`attend_params::window`): the first token from which every column sees (the
+  // last query's window's; 0 in a global layer, warp-uniform). Each column's own first token is
+  // its last_visible - window + 1, from the parameters where a slab needs masking.
   int all_first;
-  float softcap_log2;  // `attend_params::softcap_log2` (0: off)
   __device__ column_state(const attend_params& p, const decode_item& item, int t) {
     const int q_first = item.n - item.q_len;
     all_visible = q_first;
     last_visible[0] = q_first + (2 * t) / p.group;
     last_visible[1] = q_first + (2 * t + 1) / p.group;
-    const int w = p.window > 0 ? p.window - 1 : INT_MAX / 2;  // (window 0: every first key below 0)
-    first_visible[0] = last_visible[0] - w;
-    first_visible[1] = last_visible[1] - w;
-    all_first = max(item.n - 1 - w, 0);
-    softcap_log2 = p.softcap_log2;
+    all_first = p.window > 0 ? max(item.n - p.window, 0) : 0;
 #pragma unroll
     for (int i = 0; i < D / 16; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
   }
@@ -52,9 +47,12 @@ __device__ __forceinline__ float ex2(float x) {  // 2^x, one MUFU op (-inf -> 0)
 // after a column's query are masked; the running max, sum and accumulators are updated once for
 // the S slabs and P is left in `pv`. `rs`: per-row score scales (fp8 keys), `cz`: per-column
 // score offsets (KIVI zeros).
+// `p`: the layer's attention rule (a sliding window's first tokens, soft-capping), read from the
+// parameters where used, so that a global layer's loop holds no more registers than before.
 template <int D, int S>
-__device__ __forceinline__ void softmax_tiles(float (&sc)[4 * S], const float (&rs)[2 * S], float scale_log2, int tok0, int valid,
-                                              int g, column_state<D>& cs, float (&pv)[4 * S]) {
+__device__ __forceinline__ void softmax_tiles(const attend_params& p, float (&sc)[4 * S], const float (&rs)[2 * S],
+                                              float scale_log2, int tok0, int valid, int g, column_state<D>& cs,
+                                              float (&pv)[4 * S]) {
   float(&m_col)[2] = cs.m;
   float(&l_col)[2] = cs.l;
   float(&acc)[D / 16][4] = cs.acc;
@@ -66,10 +64,11 @@ __device__ __forceinline__ void softmax_tiles(float (&sc)[4 * S], const float (&
   // A column sees the rows before `valid`, from its window's first token to its query's.
   const auto seen = [&](int i) {
     const int e = i % 4, row = slab * (i / 4) + g + (e / 2) * 8;
-    return row < valid && tok0 + row <= last_visible[e % 2] && tok0 + row >= cs.first_visible[e % 2];
+    const int w = p.window > 0 ? p.window - 1 : INT_MAX / 2;  // (window 0: every first token below 0)
+    return row < valid && tok0 + row <= last_visible[e % 2] && tok0 + row >= last_visible[e % 2] - w;
   };
-  if (cs.softcap_log2 > 0.f) {  // (warp-uniform) a soft-capped layer: each score capped, then masked
-    const score_cap cap(cs.softcap_log2, scale_log2);
+  if (p.softcap_log2 > 0.f) {  // (warp-uniform) a soft-capped layer: each score capped, then masked
+    const score_cap cap(p.softcap_log2, scale_log2);
 #pragma unroll
     for (int i = 0; i < 4 * S; ++i) {
       const float x = cap(sc[i] * rs[i / 2] + cz[i % 2]);
