@@ -81,8 +81,9 @@ std::vector<float> download(const dev_mem& m, size_t count) {
 }
 
 // The GPU's output rows [rows][hq][d] against the CPU's: every element finite, NMSE within the
-// fp16-MMA bound; on failure the worst element's row, head and channel.
-void check_close(const std::vector<float>& got, const std::vector<float>& want, int hq, int d, const std::string& what) {
+// fp16-MMA bound; on failure the worst element's row, head and channel. Returns whether it passed
+// (the callers check every layer of a step, then stop at a failed one).
+bool check_close(const std::vector<float>& got, const std::vector<float>& want, int hq, int d, const std::string& what) {
   REQUIRE(got.size() == want.size());
   double e = 0, n = 0, worst = -1;
   size_t at = 0, bad = got.size();
@@ -104,6 +105,7 @@ void check_close(const std::vector<float>& got, const std::vector<float>& want, 
   INFO(os.str());
   CHECK(bad == got.size());
   CHECK(err < nmse_bound);
+  return bad == got.size() && err < nmse_bound;
 }
 
 // The same random tokens appended to (s, layer) of both caches.
@@ -133,6 +135,7 @@ void fill(twin& t, seq_id s, int64_t n, std::mt19937& rng, int most = 97) {
 void step_both(twin& t, const std::vector<seq_id>& seqs, int q_len, std::mt19937& rng, const std::string& what) {
   const int layers = t.cpu.config().shape.layers;
   const int64_t rows = int64_t(seqs.size()) * q_len;
+  bool ok = true;
   for (int l = 0; l < layers; ++l) {
     for (seq_id s : seqs) append_both(t, s, l, q_len, rng);
     const auto q = randn_h(rng, size_t(rows) * t.hq * t.d);
@@ -149,13 +152,15 @@ void step_both(twin& t, const std::vector<seq_id>& seqs, int q_len, std::mt19937
     os << what << " layer " << l << " (" << describe(t.cpu.config().attention[size_t(l)]) << ") q_len " << q_len
        << " lengths";
     for (seq_id s : seqs) os << ' ' << t.cpu.length(s, l);
-    check_close(download(dout, og.size()), oc, t.hq, t.d, os.str());
+    ok = check_close(download(dout, og.size()), oc, t.hq, t.d, os.str()) && ok;
   }
+  REQUIRE(ok);
 }
 
 // A prefill of T tokens of s on every layer of both caches, compared; the stores must stay equal.
 void prefill_both(twin& t, seq_id s, int64_t T, std::mt19937& rng, const std::string& what) {
   const int layers = t.cpu.config().shape.layers;
+  bool ok = true;
   for (int l = 0; l < layers; ++l) {
     const int64_t before = t.cpu.length(s, l);
     const auto k = randn_h(rng, size_t(T) * t.h * t.d), v = randn_h(rng, size_t(T) * t.h * t.d);
@@ -173,16 +178,19 @@ void prefill_both(twin& t, seq_id s, int64_t T, std::mt19937& rng, const std::st
                         {dq.p, dtype::f16, T, t.hq, t.d}, {dout.p, dtype::f32, T, t.hq, t.d}));
     REQUIRE(t.gpu.length(s, l) == t.cpu.length(s, l));
     require_same_store(t.cpu, t.gpu, s, l);
-    check_close(download(dout, og.size()), oc, t.hq, t.d,
-                what + " prefill of " + std::to_string(T) + " after " + std::to_string(before) + ", layer " +
-                    std::to_string(l) + " (" + describe(t.cpu.config().attention[size_t(l)]) + ")");
+    ok = check_close(download(dout, og.size()), oc, t.hq, t.d,
+                     what + " prefill of " + std::to_string(T) + " after " + std::to_string(before) + ", layer " +
+                         std::to_string(l) + " (" + describe(t.cpu.config().attention[size_t(l)]) + ")") &&
+         ok;
   }
+  REQUIRE(ok);
 }
 
 // attend_prefix of T queries over the first `prefix` stored tokens of s (every layer): outputs and
 // log-sum-exps (the sink logits join them: -inf only where a row sees nothing and has no sink).
 void prefix_both(twin& t, seq_id s, int64_t T, std::mt19937& rng, const std::string& what) {
   const int layers = t.cpu.config().shape.layers;
+  bool ok = true;
   for (int l = 0; l < layers; ++l) {
     const int64_t prefix = t.cpu.length(s, l);
     const auto q = randn_h(rng, size_t(T) * t.hq * t.d);
@@ -198,7 +206,7 @@ void prefix_both(twin& t, seq_id s, int64_t T, std::mt19937& rng, const std::str
                               static_cast<float*>(dl.p)));
     const std::string about = what + " attend_prefix of " + std::to_string(T) + " over " + std::to_string(prefix) +
                               ", layer " + std::to_string(l) + " (" + describe(t.cpu.config().attention[size_t(l)]) + ")";
-    check_close(download(dout, og.size()), oc, t.hq, t.d, about);
+    ok = check_close(download(dout, og.size()), oc, t.hq, t.d, about) && ok;
     lg = download(dl, lg.size());
     double worst = 0;
     size_t at = 0;
@@ -210,7 +218,9 @@ void prefix_both(twin& t, seq_id s, int64_t T, std::mt19937& rng, const std::str
     INFO(about << ": lse worst relative error " << worst << " at row " << at / size_t(t.hq) << " head "
                << at % size_t(t.hq) << " (got " << lg[at] << ", want " << lc[at] << ")");
     CHECK(worst < 1e-4);
+    ok = ok && worst < 1e-4;
   }
+  REQUIRE(ok);
 }
 
 }  // namespace
@@ -361,6 +371,7 @@ TEST_CASE("gpu: a replayed decode step applies the layers' attention variants", 
       std::vector<attend_item> items;
       for (seq_id s : seqs) adds.push_back({s, 1}), items.push_back({s, 1});
       const auto qf = to_float(q);
+      bool ok = true;
       for (int l = 0; l < L; ++l) {
         const size_t kv0 = size_t(l) * max_batch * kv_row, q0 = size_t(l) * max_batch * q_row;
         check(c.append_batch(adds, l, {k.data() + kv0, dtype::f16, batch, H, D}, {v.data() + kv0, dtype::f16, batch, H, D}));
@@ -368,10 +379,12 @@ TEST_CASE("gpu: a replayed decode step applies the layers' attention variants", 
         check(c.attend(items, l, {qf.data() + q0, dtype::f32, batch, Hq, D}, {oc.data(), dtype::f32, batch, Hq, D}));
         std::vector<float> og(oc.size());
         REQUIRE(cudaMemcpy(og.data(), at(oa, l, q_row, 4), og.size() * 4, cudaMemcpyDeviceToHost) == cudaSuccess);
-        check_close(og, oc, Hq, D,
-                    map + " replayed step " + std::to_string(t) + " layer " + std::to_string(l) + " (" +
-                        describe(vars[size_t(l)]) + ") batch " + std::to_string(batch));
+        ok = check_close(og, oc, Hq, D,
+                         map + " replayed step " + std::to_string(t) + " layer " + std::to_string(l) + " (" +
+                             describe(vars[size_t(l)]) + ") batch " + std::to_string(batch)) &&
+             ok;
       }
+      REQUIRE(ok);
     }
     for (int s = 0; s < n; ++s)
       for (int l = 0; l < L; ++l) require_same_store(c, a, s, l);
