@@ -11,6 +11,7 @@
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <cstdlib>
+#include <functional>
 #include <kvq/attention/variant.hpp>
 #include <kvq/cache/cache.hpp>
 #include <kvq/cache/decode_step.hpp>
@@ -270,7 +271,7 @@ TEST_CASE("gpu: a sliding layer long after its first pages were released equals 
   CAPTURE(spec);
   std::mt19937 rng(20261207);
   const int hq = 8, h = 2, d = 128;
-  std::vector<float> sinks(size_t(hq));
+  std::vector<float> sinks(static_cast<size_t>(hq));
   for (auto& s : sinks) s = std::normal_distribution<float>(0.f, 1.f)(rng);
   // windows of 1000 (not a multiple of the page) and 4096 tokens over sequences of up to 8K
   twin t = make(spec, hq, h, d, {{}, {1000, 0.f, {}}, {4096, 0.f, sinks}});
