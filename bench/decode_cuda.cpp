@@ -139,7 +139,7 @@ double pair_bits(const kvq::format_pair& fp, int D) {
 // that many tokens (`attention_variant::window`), whose pages before the window are released as
 // the sequences fill; a call reads the window's pages only, so the sets rotating through the L2
 // are sized as for a context of the window.
-void bm_decode(benchmark::State& state, std::string spec, model_shape m, int batch, int context, int window = 0) {
+void bm_decode(benchmark::State& state, std::string spec, model_shape m, int batch, int context, int window) {
   const int Hq = m.hq, H = m.h, D = m.d;
   const kvq::cache_suffixes suffixes = strip_suffixes(spec);
   // memory: pages for every set + windows
@@ -364,7 +364,7 @@ const int registered = [] {
     for (const auto& f : formats)
       for (auto [b, l] : shapes)
         benchmark::RegisterBenchmark(("decode/" + f + "/B" + std::to_string(b) + "/L" + std::to_string(l)).c_str(),
-                                     bm_decode, f, llama8b, b, l)
+                                     bm_decode, f, llama8b, b, l, 0)
             ->UseManualTime()
             ->Iterations(100)
             ->Unit(benchmark::kMicrosecond);
@@ -396,7 +396,7 @@ const int registered = [] {
           benchmark::RegisterBenchmark(
               ("decode_shape/" + std::string(m.name) + "/" + f + "/B" + std::to_string(b) + "/L" + std::to_string(l))
                   .c_str(),
-              bm_decode, f, m, b, l)
+              bm_decode, f, m, b, l, 0)
               ->UseManualTime()
               ->Iterations(100)
               ->Unit(benchmark::kMicrosecond);
