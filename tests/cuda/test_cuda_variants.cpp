@@ -112,12 +112,7 @@ bool check_close(const std::vector<float>& got, const std::vector<float>& want, 
 // The same random tokens appended to (s, layer) of both caches.
 void append_both(twin& t, seq_id s, int layer, int64_t m, std::mt19937& rng) {
   const auto k = randn_h(rng, size_t(m) * t.h * t.d), v = randn_h(rng, size_t(m) * t.h * t.d);
-  check(t.cpu.append(s, layer, {k.data(), dtype::f16, m, t.h, t.d}, {v.data(), dtype::f16, m, t.h, t.d}));
-  dev_mem dk(k.size() * 2), dv(v.size() * 2);
-  upload(dk, k);
-  upload(dv, v);
-  check(t.gpu.append(s, layer, {dk.p, dtype::f16, m, t.h, t.d}, {dv.p, dtype::f16, m, t.h, t.d}));
-  REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+  append_same(t.cpu, t.gpu, s, layer, k, v, m);
 }
 
 // n tokens appended to every layer of s, in chunks of 1 to `most` tokens (pages encoded, and a
@@ -327,12 +322,7 @@ TEST_CASE("gpu: a replayed decode step applies the layers' attention variants", 
       const int64_t m = lens[size_t(s)];
       for (int l = 0; l < L; ++l) {
         const auto k = randn_h(rng, size_t(m) * H * D), v = randn_h(rng, size_t(m) * H * D);
-        check(c.append(s, l, {k.data(), dtype::f16, m, H, D}, {v.data(), dtype::f16, m, H, D}));
-        dev_mem dk(k.size() * 2), dv(v.size() * 2);
-        upload(dk, k);
-        upload(dv, v);
-        check(a.append(s, l, {dk.p, dtype::f16, m, H, D}, {dv.p, dtype::f16, m, H, D}));
-        REQUIRE(cudaStreamSynchronize(st) == cudaSuccess);
+        append_same(c, a, s, l, k, v, m);
       }
     }
     decode_step sa = decode_step::create(a, max_batch, 1024).value_or_throw();
