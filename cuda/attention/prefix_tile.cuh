@@ -138,8 +138,9 @@ __global__ void __launch_bounds__(threads, 2) prefix_kernel(const __grid_constan
   // A sliding layer: the first prefix token from which every row of the warp sees (its last used
   // row's; the query of row r stands at the prefix's end + the item's first query + r / group);
   // 0 in a global layer. Each row's own first token is computed where a tile needs masking.
-  const int w = p.window > 0 ? p.window - 1 : INT_MAX / 2, q_pos0 = item.n + item.q_row;
-  const int warp_first = max(0, q_pos0 + (min((mt0 + M) * 16, rows_used) - 1) / p.group - w);
+  // key0: the first token of the item's query 0, less than 0 in a global layer
+  const int key0 = p.window > 0 ? item.n + item.q_row - p.window + 1 : INT_MIN / 2;
+  const int warp_first = max(0, key0 + (min((mt0 + M) * 16, rows_used) - 1) / p.group);
   load_tile_table<D>(p, item, h, t0, t1, sm.tiles);
   // the block's query rows: row r -> m = rows mb + r, query m / group, head h group + m % group
   for (int idx = tid; idx < rows * D; idx += threads) {
@@ -181,7 +182,7 @@ __global__ void __launch_bounds__(threads, 2) prefix_kernel(const __grid_constan
       softmax_tile<D, M>(
           s, p.scale_log2, p.softcap_log2, valid == tile_tokens && tok0 >= warp_first,
           [&](int m, int hr, int j) {
-            return j < valid && tok0 + j >= q_pos0 + ((mt0 + m) * 16 + (tid % 32) / 4 + 8 * hr) / p.group - w;
+            return j < valid && tok0 + j >= key0 + ((mt0 + m) * 16 + (tid % 32) / 4 + 8 * hr) / p.group;
           },
           row_max, row_sum, acc, pf);
     }
