@@ -21,16 +21,14 @@ struct column_state {
   float cz[2] = {0.f, 0.f};
   int last_visible[2];
   int all_visible;  // the last token every column may see (warp-uniform)
-  // A sliding layer (`attend_params::window`): the first token from which every column sees (the
-  // last query's window's; 0 in a global layer, warp-uniform). Each column's own first token is
-  // its last_visible - window + 1, from the parameters where a slab needs masking.
-  int all_first;
+  // (A sliding layer, `attend_params::window`: a column's first token is its last_visible -
+  // window + 1, from the parameters where used, so that a global layer's loop holds no more
+  // registers than before: the decode kernels run at their register cap.)
   __device__ column_state(const attend_params& p, const decode_item& item, int t) {
     const int q_first = item.n - item.q_len;
     all_visible = q_first;
     last_visible[0] = q_first + (2 * t) / p.group;
     last_visible[1] = q_first + (2 * t + 1) / p.group;
-    all_first = p.window > 0 ? max(item.n - p.window, 0) : 0;
 #pragma unroll
     for (int i = 0; i < D / 16; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
   }
@@ -75,7 +73,9 @@ __device__ __forceinline__ void softmax_tiles(const attend_params& p, float (&sc
       sc[i] = seen(i) ? x : -INFINITY;
       tile_max[i % 2] = fmaxf(tile_max[i % 2], sc[i]);
     }
-  } else if (valid >= slab * S && tok0 + slab * S - 1 <= cs.all_visible && tok0 >= cs.all_first) {  // (warp-uniform) nothing to mask
+  } else if (valid >= slab * S && tok0 + slab * S - 1 <= cs.all_visible &&
+             (p.window == 0 ||  // (warp-uniform) nothing to mask; a sliding layer's: every column's window holds tok0
+              __all_sync(0xffffffffu, tok0 >= max(last_visible[0], last_visible[1]) - (p.window - 1)))) {
 #pragma unroll
     for (int i = 0; i < 4 * S; ++i) {
       sc[i] = sc[i] * rs[i / 2] + cz[i % 2];
