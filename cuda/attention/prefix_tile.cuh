@@ -138,9 +138,8 @@ __global__ void __launch_bounds__(threads, 2) prefix_kernel(const __grid_constan
   // A sliding layer: the first prefix token from which every row of the warp sees (its last used
   // row's; the query of row r stands at the prefix's end + the item's first query + r / group);
   // 0 in a global layer. Each row's own first token is computed where a tile needs masking.
-  // key0: the first token of the item's query 0, less than 0 in a global layer
-  const int key0 = p.window > 0 ? item.n + item.q_row - p.window + 1 : INT_MIN / 2;
-  const int warp_first = max(0, key0 + (min((mt0 + M) * 16, rows_used) - 1) / p.group);
+  // A sliding layer: the first token of row r is item.n + item.q_row + r / group - window + 1,
+  // computed where a tile is tested (no register held across the loop for it).
   load_tile_table<D>(p, item, h, t0, t1, sm.tiles);
   // the block's query rows: row r -> m = rows mb + r, query m / group, head h group + m % group
   for (int idx = tid; idx < rows * D; idx += threads) {
@@ -180,9 +179,14 @@ __global__ void __launch_bounds__(threads, 2) prefix_kernel(const __grid_constan
       // ---- columns past the tile's tokens, online softmax ----
       const int valid = cur.valid, tok0 = cur.tok0;
       softmax_tile<D, M>(
-          s, p.scale_log2, p.softcap_log2, valid == tile_tokens && tok0 >= warp_first,
+          s, p.scale_log2, p.softcap_log2,
+          valid == tile_tokens &&
+              (p.window == 0 ||  // (every row of the warp: its last used row's window holds the tile)
+               tok0 >= item.n + item.q_row + (min((mt0 + M) * 16, rows_used) - 1) / p.group - p.window + 1),
           [&](int m, int hr, int j) {
-            return j < valid && tok0 + j >= key0 + ((mt0 + m) * 16 + (tid % 32) / 4 + 8 * hr) / p.group;
+            return j < valid && (p.window == 0 || tok0 + j >= item.n + item.q_row +
+                                                              ((mt0 + m) * 16 + (tid % 32) / 4 + 8 * hr) / p.group -
+                                                              p.window + 1);
           },
           row_max, row_sum, acc, pf);
     }

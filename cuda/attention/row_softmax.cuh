@@ -23,7 +23,7 @@ struct score_cap {
       : in(2.f * scale_log2 / softcap_log2 * 1.4426950408889634f), out(softcap_log2 / scale_log2) {}
   __device__ __forceinline__ float operator()(float x) const {
     float e;
-    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(e) : "f"(x * in));
+    asm volatile("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(e) : "f"(x * in));  // (in order: one score at a time)
     return out * (1.f - __fdividef(2.f, e + 1.f));
   }
 };
