@@ -96,7 +96,12 @@ launch_plan plan_for(const attend_args& a) {
     // item; a partial last wave is paid in full (ncu showed 2.1 waves costing up to a third of the
     // time), so take the s of least cost, the fewest splits on a tie. At least 4 slabs per warp,
     // at most max_cta_slabs per block (the page table cache).
-    with_head_dim(a.kv.head_dim, [&]<int D>() { plan_stages<D>(a.kv, a.max_page_bits, a.one_format_per_head, lp); });
+    // A soft-capped layer never runs the whole-unit instance (compiled without soft-capping: the
+    // code made its loop spill); its 3-bit pairs, staged there only, are read by element (16 bits).
+    const bool capped = a.variant.softcap > 0.f;
+    const int max_bits = capped && a.max_page_bits == 3 ? 16 : a.max_page_bits;
+    with_head_dim(a.kv.head_dim,
+                  [&]<int D>() { plan_stages<D>(a.kv, max_bits, a.one_format_per_head && !capped, lp); });
     // Sink pages: split 0 of every (item, kv head), so that no other block holds them; the
     // other splits share the rest. A sink block is short (its units + 8): it costs nothing where
     // it fits in the last wave's free slots, else a short wave of its own per wave it overflows.

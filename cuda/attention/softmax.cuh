@@ -47,7 +47,9 @@ __device__ __forceinline__ float ex2(float x) {  // 2^x, one MUFU op (-inf -> 0)
 // score offsets (KIVI zeros).
 // `p`: the layer's attention rule (a sliding window's first tokens, soft-capping), read from the
 // parameters where used, so that a global layer's loop holds no more registers than before.
-template <int D, int S>
+// Capped = false: no soft-capping code (the whole-unit instance, which the plan never gives a
+// soft-capped layer: the code made its global layers' loop spill).
+template <int D, int S, bool Capped = true>
 __device__ __forceinline__ void softmax_tiles(const attend_params& p, float (&sc)[4 * S], const float (&rs)[2 * S],
                                               float scale_log2, int tok0, int valid, int g, column_state<D>& cs,
                                               float (&pv)[4 * S]) {
@@ -65,7 +67,7 @@ __device__ __forceinline__ void softmax_tiles(const attend_params& p, float (&sc
     const int w = p.window > 0 ? p.window - 1 : INT_MAX / 2;  // (window 0: every first token below 0)
     return row < valid && tok0 + row <= last_visible[e % 2] && tok0 + row >= last_visible[e % 2] - w;
   };
-  if (p.softcap_log2 > 0.f) {  // (warp-uniform) a soft-capped layer: each score capped, then masked
+  if (Capped && p.softcap_log2 > 0.f) {  // (warp-uniform) a soft-capped layer: each score capped, then masked
     const score_cap cap(p.softcap_log2, scale_log2);
 #pragma unroll
     for (int i = 0; i < 4 * S; ++i) {
