@@ -135,8 +135,11 @@ double pair_bits(const kvq::format_pair& fp, int D) {
 }
 
 // spec: a format pair, or two joined by '|' (pages alternating between them: `striped_policy`),
-// optionally followed by `+rot` and `+sink<N>` (`strip_suffixes`).
-void bm_decode(benchmark::State& state, std::string spec, model_shape m, int batch, int context) {
+// optionally followed by `+rot` and `+sink<N>` (`strip_suffixes`). window > 0: a sliding layer of
+// that many tokens (`attention_variant::window`), whose pages before the window are released as
+// the sequences fill; a call reads the window's pages only, so the sets rotating through the L2
+// are sized as for a context of the window.
+void bm_decode(benchmark::State& state, std::string spec, model_shape m, int batch, int context, int window) {
   const int Hq = m.hq, H = m.h, D = m.d;
   const kvq::cache_suffixes suffixes = strip_suffixes(spec);
   // memory: pages for every set + windows
@@ -144,14 +147,20 @@ void bm_decode(benchmark::State& state, std::string spec, model_shape m, int bat
   const auto fp = kvq::parse_format_pair(spec.substr(0, bar)).value();
   const auto fp2 = bar == std::string::npos ? fp : kvq::parse_format_pair(spec.substr(bar + 1)).value();
   const double bpe = 0.5 * (pair_bits(fp, D) + pair_bits(fp2, D));
-  const double set_bytes = double(batch) * context * H * D * 2 * bpe / 8;
+  const int chunk = 4096;  // tokens of an append while filling
+  const double set_bytes = double(batch) * (window > 0 ? std::min(context, window) : context) * H * D * 2 * bpe / 8;
   const int sets = int(std::clamp(std::ceil(512e6 / set_bytes), 1.0, 64.0));
+  // a sliding layer holds at most its window, the chunk being appended and a page per sequence
+  const double held_bytes =
+      window > 0 ? double(batch) * std::min(context, window + chunk + 128) * H * D * 2 * bpe / 8 : set_bytes;
   kvq::cache_config cfg;
   cfg.shape = {1, Hq, H, D, 64, 128, 64};
   cfg.where = kvq::backend::cuda;
   cfg.max_sequences = batch * sets;
   cfg.max_tokens = context;
-  cfg.budget_bytes = uint64_t(set_bytes * sets * 1.05) + uint64_t(batch) * sets * (H * 2 * 128 * D * 2 + 4096) + (64 << 20);
+  cfg.budget_bytes = uint64_t(std::max(set_bytes * sets, held_bytes * (sets + 1)) * 1.05) +
+                     uint64_t(batch) * sets * (H * 2 * 128 * D * 2 + 4096) + (64 << 20);
+  if (window > 0) cfg.attention = {kvq::attention_variant{window, 0.f, {}}};
   suffixes.apply(cfg);
   std::shared_ptr<kvq::policy> pol;
   if (bar == std::string::npos) pol = std::make_shared<kvq::static_policy>(fp);
@@ -163,7 +172,6 @@ void bm_decode(benchmark::State& state, std::string spec, model_shape m, int bat
   }
   auto cache = std::move(cr).value();
   // fill: one random fp16 chunk appended repeatedly (random data, never zeros)
-  const int chunk = 4096;
   std::mt19937 rng(7);
   std::normal_distribution<float> nd;
   void* dk = upload(random_rows(rng, nd, chunk, H, D, 5.f));
@@ -214,6 +222,7 @@ void bm_decode(benchmark::State& state, std::string spec, model_shape m, int bat
   state.counters["hkv"] = H;
   state.counters["d"] = D;
   state.counters["sets"] = sets;
+  state.counters["window"] = window;
   cudaFree(dk);
   cudaFree(dq);
   cudaFree(dout);
@@ -355,7 +364,18 @@ const int registered = [] {
     for (const auto& f : formats)
       for (auto [b, l] : shapes)
         benchmark::RegisterBenchmark(("decode/" + f + "/B" + std::to_string(b) + "/L" + std::to_string(l)).c_str(),
-                                     bm_decode, f, llama8b, b, l)
+                                     bm_decode, f, llama8b, b, l, 0)
+            ->UseManualTime()
+            ->Iterations(100)
+            ->Unit(benchmark::kMicrosecond);
+  // A sliding layer (Gemma, Mistral, gpt-oss): a 4096-token window over 8 x 32K, which reads the
+  // bytes of the 8 x 4K row; named to sort beside the 8 x 32K and 8 x 4K rows of its format
+  // (bench/report_decode.py prints its time over the 8 x 4K row's).
+  if (models != "only")
+    for (const char* f : {"kivi4/g32", "kivi2/g32", "sym8", "fp8", "fp16"})
+      if (std::find(formats.begin(), formats.end(), std::string(f)) != formats.end())
+        benchmark::RegisterBenchmark(("decode/" + std::string(f) + "/B8/L32768/W4096").c_str(), bm_decode,
+                                     std::string(f), llama8b, 8, 32768, 4096)
             ->UseManualTime()
             ->Iterations(100)
             ->Unit(benchmark::kMicrosecond);
@@ -376,7 +396,7 @@ const int registered = [] {
           benchmark::RegisterBenchmark(
               ("decode_shape/" + std::string(m.name) + "/" + f + "/B" + std::to_string(b) + "/L" + std::to_string(l))
                   .c_str(),
-              bm_decode, f, m, b, l)
+              bm_decode, f, m, b, l, 0)
               ->UseManualTime()
               ->Iterations(100)
               ->Unit(benchmark::kMicrosecond);

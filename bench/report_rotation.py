@@ -33,7 +33,7 @@ def main():
     for b in bench["benchmarks"]:
         if b.get("run_type", "iteration") != "iteration":
             continue  # (the aggregates of repetitions)
-        m = re.match(r"(decode|decode_shape/[^/]+|append_step)/(.+?)(" + re.escape(suffix) + r")?/B(\d+)/L(\d+)/", b["name"])
+        m = re.match(r"(decode|decode_shape/[^/]+|append_step)/(.+?)(" + re.escape(suffix) + r")?/B(\d+)/L(\d+)/(?!W\d)", b["name"])  # (not a sliding window's row)
         if not m:
             continue
         kind, fmt, rot, B, L = m.group(1), m.group(2), m.group(3) is not None, int(m.group(4)), int(m.group(5))

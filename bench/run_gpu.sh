@@ -43,7 +43,7 @@ for s in $steps; do
       KVQ_GPU_TEST_SMALL=1 "$cs" --tool memcheck --error-exitcode 3 ./.gpu/kvq_cuda_tests "[decode],[extend],[errors]" \
         > "$OUT/memcheck.log" 2>&1; r=$?; tail -4 "$OUT/memcheck.log"; rc=$((rc | r))
       for f in "[append]" "[canary]" "[graph]" "[fork],[truncate]" "[rotation]" "gpu: a launch failing*" "[windows]" \
-               "[prefill]" "[contract]"; do  # appended to memcheck.log (the device returns at most 8 files)
+               "[prefill]" "[contract]" "[variants]"; do  # appended to memcheck.log (the device returns at most 8 files)
         KVQ_GPU_TEST_SMALL=1 "$cs" --tool memcheck --error-exitcode 3 ./.gpu/kvq_cuda_tests "$f" \
           > "$OUT/memcheck_one.log" 2>&1; r=$?; echo "memcheck $f: $(tail -1 "$OUT/memcheck_one.log")" | tee -a "$OUT/memcheck.log"
         rm -f "$OUT/memcheck_one.log"; rc=$((rc | r))
@@ -54,7 +54,9 @@ for s in $steps; do
       # [lowlevel]: both staged kernels (hints 8, 4, 2), page_tokens 64 and 128; long sequences:
       # every page stage refilled several times (8-bit rings with two full barriers per stage);
       # pages of 128 tokens: whole-unit steps with two warps per page
-      for f in "[lowlevel]" "gpu: long sequences*" "gpu: pages of 128*" "[contract]"; do
+      # [variants]: sliding windows (ranges from a window's first page, masked rows), soft-capping and
+      # sink logits in the decode, tile, prefill and merge kernels, eager, replayed and low-level
+      for f in "[lowlevel]" "gpu: long sequences*" "gpu: pages of 128*" "[contract]" "[variants]"; do
         KVQ_GPU_TEST_SMALL=1 "$cs" --tool racecheck --error-exitcode 3 ./.gpu/kvq_cuda_tests "$f" \
           > "$OUT/racecheck_one.log" 2>&1; r=$?; echo "racecheck $f: $(tail -1 "$OUT/racecheck_one.log")" | tee -a "$OUT/racecheck.log"
         rm -f "$OUT/racecheck_one.log"; rc=$((rc | r))

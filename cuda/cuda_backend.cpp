@@ -101,6 +101,7 @@ class cuda_backend final : public cache_backend {
     KVQ_TRY(cuda_status(cudaMemset(fmts_.ptr, 0, fmts_.count), "cudaMemset (format table)"));
     KVQ_TRY(levels_d_.allocate(levels_.size(), "codebook level table"));
     KVQ_TRY(levels_changed_here());
+    KVQ_TRY(upload_sinks());
     if (cfg_.check_values) {
       KVQ_TRY(held_.allocate(size_t(cfg_.max_sequences), "value-check guard"));
       KVQ_TRY(since_.allocate(size_t(cfg_.max_sequences) * sh.layers * 3, "value-check guard"));
@@ -131,6 +132,29 @@ class cuda_backend final : public cache_backend {
     a.q_heads = sh.q_heads;
     a.items = {&probe, 1};
     return cuda::attend_can_implement(a);
+  }
+
+  // The layers' sink logits (`attention_variant::sink_logits`), once, to the device:
+  // [layers][q_heads] floats, zero in layers without them (whose calls pass no pointer).
+  status upload_sinks() {
+    const auto& sh = cfg_.shape;
+    bool any = false;
+    for (int l = 0; l < sh.layers; ++l) any = any || !cfg_.layer_attention(l).sink_logits.empty();
+    if (!any) return {};
+    std::vector<float> host(size_t(sh.layers) * sh.q_heads, 0.f);
+    for (int l = 0; l < sh.layers; ++l) {
+      const std::vector<float>& s = cfg_.layer_attention(l).sink_logits;
+      std::copy(s.begin(), s.end(), host.begin() + ptrdiff_t(size_t(l) * sh.q_heads));
+    }
+    KVQ_TRY(sinks_.allocate(host.size(), "sink logits"));
+    return cuda_status(cudaMemcpy(sinks_.ptr, host.data(), host.size() * sizeof(float), cudaMemcpyHostToDevice),
+                       "cudaMemcpy (sink logits)");
+  }
+
+  // A layer's attention rule as the kernels take it, its sink logits in device memory.
+  variant_args variant_of_layer(int layer) const {
+    const attention_variant& v = cfg_.layer_attention(layer);
+    return {v.window, v.softcap, v.sink_logits.empty() ? nullptr : sinks_.ptr + size_t(layer) * cfg_.shape.q_heads};
   }
 
   // The stream of the call in progress (`cache_backend::stream_`: the caller's, else the cache's).
@@ -302,6 +326,7 @@ class cuda_backend final : public cache_backend {
     const int64_t pages = int64_t(entries.size()) / per_page;
     const size_t sinks = size_t(cache_state::sink_pages_among(cfg_, first_page, pages));
     for (size_t at = sinks * size_t(per_page); at < entries.size(); at += size_t(per_page)) {
+      if (entries[at].offset == released_page) continue;  // (a sliding layer's page released: no format)
       for (int j = 0; j < per_page; ++j)
         layer_bits_[size_t(layer)] =
             std::max(layer_bits_[size_t(layer)], uint8_t(cuda::kernel_bits(entries[at + size_t(j)].fmt)));
@@ -560,6 +585,7 @@ class cuda_backend final : public cache_backend {
     a.scale = softmax_scale();
     a.num_sms = sms_;
     if constexpr (requires { a.sink_pages; }) a.sink_pages = cfg_.sink_pages;  // (attend_args: a split of their own)
+    a.variant = variant_of_layer(layer);
   }
 
   result<std::unique_ptr<step_backend>> make_step(int max_batch, int64_t max_tokens,
@@ -710,6 +736,7 @@ class cuda_backend final : public cache_backend {
     for (int l = 0; l < sh.layers; ++l) {
       const std::vector<page_entry>& pages = s.layers[size_t(l)].pages;
       for (size_t i = 0; i < pages.size(); ++i) {
+        if (pages[i].offset == released_page) continue;  // a released page: block 0, format 0, never read
         if (i % per_page == 0) blocks[size_t(l) * most + i / per_page] = uint32_t(pages[i].offset / block_unit);
         fmts[size_t(l) * most * per_page + i] = pages[i].fmt;
       }
@@ -809,6 +836,7 @@ class cuda_backend final : public cache_backend {
   device_buffer<uint32_t> blocks_;
   device_buffer<uint8_t> fmts_;
   device_buffer<float> levels_d_;  // cache_state::levels
+  device_buffer<float> sinks_;     // [layers][q_heads] sink logits (`upload_sinks`); empty without any
   device_buffer<uint8_t> held_;              // guard: [max_sequences] held slots (check_values)
   device_buffer<int32_t> since_;             // guard: [max_sequences][layers][3] first refused append
   device_buffer<cuda::append_fault> fault_;  // guard: the first refused row
@@ -1015,12 +1043,6 @@ result<std::unique_ptr<step_backend>> cuda_backend::make_step(int max_batch, int
 }  // namespace
 
 result<std::unique_ptr<cache_backend>> make_cuda_backend(const cache_state& st) {
-  for (size_t l = 0; l < st.cfg.attention.size(); ++l)
-    if (!st.cfg.attention[l].plain())
-      return status{errc::unsupported,
-                    fmt::format("KVCache::create: layer {} has a sliding window, soft-capping or sink logits, which the "
-                                "CUDA backend does not run yet (the CPU backend does)",
-                                l)};
   auto b = std::make_unique<cuda_backend>(st);
   KVQ_TRY(b->init());
   return std::unique_ptr<cache_backend>(std::move(b));

@@ -78,10 +78,16 @@ launch_plan plan_for(const attend_args& a) {
   lp.unit = lp.decode ? slab : tile_tokens;
   lp.max_tiles = 1;
   int64_t total = 0;
+  // a sliding layer's items start at their first query's window (`window_skip_units`); with sink
+  // pages, the units after the sink split (`rest`) start at the later of it and the window's
+  int rest_units = 1;
+  const int sink_units = lp.decode && a.sink_pages > 0 ? a.sink_pages * (a.kv.page_tokens / slab) : 0;
   for (const auto& it : a.items) {
     const int units = ceil_div(it.from_pages, lp.unit) + ceil_div(it.n - it.from_pages, lp.unit);
-    lp.max_tiles = std::max(lp.max_tiles, units);
-    total += units;
+    const int skip = window_skip_units(a.variant.window, it.n - it.q_len, it.from_pages, a.kv.page_tokens, lp.unit);
+    lp.max_tiles = std::max(lp.max_tiles, units - skip);
+    rest_units = std::max(rest_units, units - std::max(skip, sink_units));
+    total += units - skip;
   }
   if (lp.decode) {
     // Whole waves: the blocks resident at once are num_sms x the plan's blocks per SM (the launch
@@ -90,15 +96,20 @@ launch_plan plan_for(const attend_args& a) {
     // item; a partial last wave is paid in full (ncu showed 2.1 waves costing up to a third of the
     // time), so take the s of least cost, the fewest splits on a tie. At least 4 slabs per warp,
     // at most max_cta_slabs per block (the page table cache).
-    with_head_dim(a.kv.head_dim, [&]<int D>() { plan_stages<D>(a.kv, a.max_page_bits, a.one_format_per_head, lp); });
+    // A soft-capped layer never runs the whole-unit instance (compiled without soft-capping: the
+    // code made its loop spill); its 3-bit pairs, staged there only, are read by element (16 bits).
+    const bool capped = a.variant.softcap > 0.f;
+    const int max_bits = capped && a.max_page_bits == 3 ? 16 : a.max_page_bits;
+    with_head_dim(a.kv.head_dim,
+                  [&]<int D>() { plan_stages<D>(a.kv, max_bits, a.one_format_per_head && !capped, lp); });
     // Sink pages: split 0 of every (item, kv head), so that no other block holds them; the
     // other splits share the rest. A sink block is short (its units + 8): it costs nothing where
     // it fits in the last wave's free slots, else a short wave of its own per wave it overflows.
     // (Counted as a whole block in the waves, it made the plan take fewer, longer splits: 1.2-1.3x
     // at 8-32 x 32K; not counted at all, it pushed plans of one full wave into a second: 1.2x at
     // 1 x 128K, 1.35x at 8 x 4K.)
-    lp.sink_units = a.sink_pages > 0 ? a.sink_pages * (a.kv.page_tokens / slab) : 0;
-    const int rest = std::max(1, lp.max_tiles - lp.sink_units), sinks = lp.sink_units > 0 ? 1 : 0;
+    lp.sink_units = sink_units;
+    const int rest = rest_units, sinks = lp.sink_units > 0 ? 1 : 0;
     const int64_t wave = int64_t(a.num_sms) * lp.per_sm;
     const int64_t base = int64_t(std::max<size_t>(1, a.items.size())) * a.kv.kv_heads;
     const int s_min = ceil_div(rest, max_cta_slabs);
@@ -168,9 +179,6 @@ status attend_can_implement(const attend_args& a) {
   if (kv.kv_heads <= 0 || kv.kv_heads > max_kv_heads || a.q_heads % kv.kv_heads != 0 || a.q_heads / kv.kv_heads > 16)
     return {errc::unsupported, msg("CUDA attention supports kv_heads <= ", max_kv_heads, " and a GQA group of at most 16; got ",
                                    a.q_heads, " query heads over ", kv.kv_heads, " kv heads")};
-  if (!a.variant.plain())
-    return {errc::unsupported, "CUDA attention: sliding windows, soft-capping and sink logits are not on the device yet "
-                               "(the CPU calls, cpu::pool_attend, take them)"};
   return detail::check_attend_items(a);
 }
 

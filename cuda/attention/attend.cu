@@ -48,6 +48,7 @@ void set_params(const attend_args& a, const launch_plan& lp, const void* q, dtyp
   p.stages = lp.stages;
   p.stage_cap = lp.stage_cap;
   p.page_stage = lp.page_stage;
+  set_variant(p, a.variant);
 }
 
 }  // namespace
@@ -102,9 +103,19 @@ result<launch_plan> replay_plan(const attend_args& a, int max_items_, int64_t ma
                                               int64_t(a.kv.max_pages) * a.kv.page_tokens, "] (the page tables' tokens)")};
   // The longest item a step can hold, every one of the batch: its units are the most any item of
   // at most max_tokens tokens has (from_pages off a slab edge adds one).
-  std::vector<decode_item> longest(size_t(max_items_), decode_item{0, 1, int32_t(max_tokens), int32_t(max_tokens - 1), 0, 0});
-  for (int i = 0; i < max_items_; ++i) longest[size_t(i)].q_row = i;
+  // A sliding layer: an item reads from the page of its window's start (`window_skip_units`), at
+  // most the window or the ring, a page before it, and the sink split's pages: planned as a
+  // global item of that many tokens (whose units bound every item's after its skip, wherever
+  // page and slab edges fall).
   attend_args w = a;  // (its max_page_bits and one_format_per_head: the formats the step's layer can hold)
+  int64_t plan_tokens = max_tokens;
+  if (a.variant.window > 0) {
+    plan_tokens = std::min<int64_t>(max_tokens, int64_t(std::max(a.variant.window, a.kv.window)) +
+                                                    int64_t(2 + std::max(a.sink_pages, 0)) * a.kv.page_tokens);
+    w.variant.window = 0;
+  }
+  std::vector<decode_item> longest(size_t(max_items_), decode_item{0, 1, int32_t(plan_tokens), int32_t(plan_tokens - 1), 0, 0});
+  for (int i = 0; i < max_items_; ++i) longest[size_t(i)].q_row = i;
   w.items = longest;
   result<launch_plan> lp = checked_plan(w);
   if (!lp) return lp.error();

@@ -10,6 +10,7 @@
 #include "attention/mma_tile.cuh"
 #include "attention/tile_pages.cuh"
 
+#include <climits>
 #include <cmath>
 
 KVQ_NAMESPACE_BEGIN
@@ -44,7 +45,7 @@ __global__ void __launch_bounds__(threads, 2) attend_kernel(const __grid_constan
   if (mt * 16 >= rows_used) return;
   const int page_tiles = ceil_div(item.from_pages, tile_tokens);
   const int T = page_tiles + ceil_div(item.n - item.from_pages, tile_tokens);
-  const int t0 = split * p.tiles_per_split, t1 = min(T, t0 + p.tiles_per_split);
+  const int t0 = item_skip(p, item) + split * p.tiles_per_split, t1 = min(T, t0 + p.tiles_per_split);
   if (t0 >= T) return;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   constexpr uint32_t ring_bytes = raw_ring_bytes<D>;
@@ -83,6 +84,10 @@ __global__ void __launch_bounds__(threads, 2) attend_kernel(const __grid_constan
   // (a prefix call: every row sees all n tokens)
   const int last_visible[2] = {p.prefix ? item.n - 1 : q_first + (mt * 16 + lane / 4) / p.group,
                                p.prefix ? item.n - 1 : q_first + (mt * 16 + lane / 4 + 8) / p.group};
+  // a sliding layer: the first token each row sees (its query stands at q_first + i, or, in a
+  // prefix call, at the prefix's end + the item's first query + i); none below 0 otherwise
+  const int q_pos0 = p.prefix ? item.n + item.q_row : q_first, w = p.window > 0 ? p.window - 1 : INT_MAX / 2;
+  const int first_visible[2] = {q_pos0 + (mt * 16 + lane / 4) / p.group - w, q_pos0 + (mt * 16 + lane / 4 + 8) / p.group - w};
 
   for (int t = t0; t < t1; ++t) {
     if (warp == 0) cp_wait_dyn(pipe.issued - t - 1);  // this tile's copies have landed
@@ -153,7 +158,8 @@ __global__ void __launch_bounds__(threads, 2) attend_kernel(const __grid_constan
         const int j = tok0 + wrow + nt * 8 + (lane % 4) * 2 + (e % 2);
         float x = sc4[nt][e];
         if (k_codes) x += sm.cz[gsel][r];
-        const bool ok = (j - tok0) < valid && j <= last_visible[e / 2];
+        if (p.softcap_log2 > 0.f) x = score_cap(p.softcap_log2, p.scale_log2)(x);
+        const bool ok = (j - tok0) < valid && j <= last_visible[e / 2] && j >= first_visible[e / 2];
         sc4[nt][e] = ok ? x : -INFINITY;
         tile_max[e / 2] = fmaxf(tile_max[e / 2], sc4[nt][e]);
       }

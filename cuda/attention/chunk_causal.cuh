@@ -12,6 +12,7 @@
 //   online softmax in fp32 registers. Each warp writes its rows' partial (max, sum, unnormalized
 //   O, base 2) as the last split of the split merge's workspace, which merges it with the prefix
 //   part by log-sum-exp.
+#include <climits>
 #include <cmath>
 
 #include "attention/dequant.cuh"
@@ -35,6 +36,8 @@ struct chunk_params {
   int item_rows;  // rows per item of the split merge (prefill_item_queries x group)
   int mtiles, max_splits;
   float scale_log2;
+  int window;          // a sliding layer: chunk query i sees chunk tokens i - window + 1 .. i (0: 0 .. i)
+  float softcap_log2;  // soft-capping (`attend_params::softcap_log2`), 0: off
   float* ws_o;   // [partials][16][D]
   float* ws_ml;  // [partials][16][2]
 };
@@ -91,7 +94,10 @@ __global__ void __launch_bounds__(threads, 2) chunk_kernel(const __grid_constant
   // the last query of the block's rows bounds its key tiles
   const int q_last = min(p.T - 1, p.q0 + (min(row0 + rows, p.rows) - 1) / p.group);
   const int tiles = q_last / tile_tokens + 1;
-  chunk_tile_copy<D>(p, h, 0, sm, 0);
+  // a sliding layer: from the tile of the block's first query's first key on
+  const int w = p.window > 0 ? p.window - 1 : INT_MAX / 2;
+  const int t_first = max(0, p.q0 + min(row0, p.rows - 1) / p.group - w) / tile_tokens;
+  chunk_tile_copy<D>(p, h, t_first, sm, t_first % 2);
 
   // query rows: row rr -> query q0 + rr / group, head h * group + rr % group
   for (int idx = tid; idx < rows * D; idx += threads) {
@@ -114,10 +120,12 @@ __global__ void __launch_bounds__(threads, 2) chunk_kernel(const __grid_constant
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) last_visible[m][hr] = p.q0 + (row0 + wrow + 16 * m + r_lo + 8 * hr) / p.group;
   const int first_visible = p.q0 + (row0 + wrow) / p.group;  // (the least of them over the warp)
+  // a sliding layer: the first key of the warp's last used row, from which every row sees
+  const int warp_first = max(0, p.q0 + (min(row0 + wrow + 16 * M, p.rows) - 1) / p.group - w);
   float row_max[M][2], row_sum[M][2], acc[M][D / 8][4];
   rows_init<D, M>(row_max, row_sum, acc);
 
-  for (int t = 0; t < tiles; ++t) {
+  for (int t = t_first; t < tiles; ++t) {
     const int st = t % 2;
     if (t + 1 < tiles) {
       chunk_tile_copy<D>(p, h, t + 1, sm, st ^ 1);
@@ -133,11 +141,13 @@ __global__ void __launch_bounds__(threads, 2) chunk_kernel(const __grid_constant
       qk_mma_tile<D, M>(sm.q, wrow, sm.k[st], s);
       // ---- causal mask, online softmax, O += P V ----
       uint32_t pf[M][8][2];  // P as fp16 pairs: [m-tile][n-tile][row half]
-      const auto visible = [&](int m, int hr, int j) { return tok0 + j <= last_visible[m][hr] && tok0 + j < p.T; };
+      const auto visible = [&](int m, int hr, int j) {
+        return tok0 + j <= last_visible[m][hr] && tok0 + j < p.T && tok0 + j >= last_visible[m][hr] - w;
+      };
       // every row of the warp sees the whole tile: its last token is in the chunk and at or before
-      // the query of the warp's first row (`first_visible`)
-      const bool all = tok0 + tile_tokens - 1 <= first_visible && tok0 + tile_tokens <= p.T;
-      softmax_tile<D, M>(s, p.scale_log2, all, visible, row_max, row_sum, acc, pf);
+      // the query of the warp's first row (`first_visible`), its first in every row's window
+      const bool all = tok0 + tile_tokens - 1 <= first_visible && tok0 + tile_tokens <= p.T && tok0 >= warp_first;
+      softmax_tile<D, M>(s, p.scale_log2, p.softcap_log2, all, visible, row_max, row_sum, acc, pf);
       pv_mma_tile<D, M>(sm.v[st], pf, acc);
     }
     __syncthreads();  // every warp is done with stage st before the next copy into it

@@ -174,13 +174,13 @@ __global__ void __launch_bounds__(dec_warps * 32, (decode_blocks<D, Wide>))
       sk.k = stages + st * st_bytes, sk.v = sk.k + sm.pages.v_offset[e];
       if (j + 1 < pc_end && k_st && v_st) {  // the chunk's two slabs as one step
         cur.valid = sk.valid = min(2 * slab, item.from_pages - cur.tok0);
-        decode_step<D, Cap, KK, KV, Wide>(p, cur, sk, P, true, k_st, v_st, true, g, t, lane, sm.qh, qb, q_key, cs);
+        decode_step<D, Cap, KK, KV, Wide, !Whole>(p, cur, sk, P, true, k_st, v_st, true, g, t, lane, sm.qh, qb, q_key, cs);
       } else {
         for (int i = 0; i < 2 && j + i < pc_end; ++i) {
           slab_ref c1 = cur, s1 = sk;
           c1.tok0 = cur.tok0 + slab * i, c1.row0 = s1.row0 = cur.row0 + slab * i;
           c1.valid = s1.valid = min(slab, item.from_pages - c1.tok0);
-          decode_step<D, Cap, KK, KV, Wide>(p, c1, s1, P, true, k_st, v_st, false, g, t, lane, sm.qh, qb, q_key, cs);
+          decode_step<D, Cap, KK, KV, Wide, !Whole>(p, c1, s1, P, true, k_st, v_st, false, g, t, lane, sm.qh, qb, q_key, cs);
         }
       }
       worked = true;
@@ -238,7 +238,7 @@ __global__ void __launch_bounds__(dec_warps * 32, (decode_blocks<D, Wide>))
 #pragma unroll
         for (int i = 0; i < 4; ++i) rs[4 * hf + i] = prs[i];
       }
-      softmax_tiles<D, 4>(sc, rs, scale_log2, tok0, valid, g, cs, pv);
+      softmax_tiles<D, 4, !Whole>(p, sc, rs, scale_log2, tok0, valid, g, cs, pv);
       values_kind<D, Cap, FV, BV, 4, HeadScale>(sk, HeadScale ? uint16_t(0) : sm.pages.fv[e].group, P, wnd, g, t, pv, valid, cs.acc, &fold);
       worked = true;
       __syncwarp();  // every lane is done with this unit's rows of the stage
@@ -320,7 +320,7 @@ __global__ void __launch_bounds__(dec_warps * 32, (decode_blocks<D, Wide>))
   }
   for (int j = max(c0, page_slabs) + warp; j < rg.c1; j += dec_warps) {  // the FP16 ring
     const slab_ref cur = locate_slab<D>(p, item, h, j, page_slabs, sm.pages);
-    decode_step<D, Cap>(p, cur, cur, P, true, false, false, false, g, t, lane, sm.qh, qb, q_key, cs);
+    decode_step<D, Cap, kind::dispatch, kind::dispatch, false, !Whole>(p, cur, cur, P, true, false, false, false, g, t, lane, sm.qh, qb, q_key, cs);
     worked = true;
   }
   __syncthreads();  // the merge area overlays the stages (every page issued was waited for)

@@ -22,6 +22,17 @@ constexpr int max_split_tiles = 256;  // tiles of one block's split (its page lo
 
 KVQ_HOST_DEVICE constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
+// The units (of `unit` tokens, dividing `page_tokens`) an item's attention leaves out in a layer
+// with a sliding window of `window` tokens (0: none): the whole pages before the window of its
+// first query, at position `q_pos`, and never past its page part (`from_pages` tokens). Those
+// pages may have been released (`layer_state::released`): no kernel reads them. The first pages
+// it does read may still start before some query rows' windows: those rows mask them.
+KVQ_HOST_DEVICE constexpr int window_skip_units(int window, int64_t q_pos, int from_pages, int page_tokens, int unit) {
+  if (window <= 0 || q_pos - window + 1 <= 0) return 0;
+  const int64_t first = q_pos - window + 1 < from_pages ? q_pos - window + 1 : from_pages;
+  return int(first / page_tokens * page_tokens / unit);
+}
+
 // Places a tile of `need` bytes (at most `ring`, a multiple of 16) in the copy pipeline's raw ring
 // of `ring` bytes (`tile_pump`, attention/tile_pages.cuh), whose bytes [tail, head) are in flight;
 // `head` and `tail` are monotone byte counters, an offset is counter % ring. A tile is contiguous:

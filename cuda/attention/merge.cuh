@@ -62,8 +62,11 @@ __global__ void __launch_bounds__(merge_threads) merge_kernel(const __grid_const
     }
   }
   const int T = ceil_div(item.from_pages, p.unit_tokens) + ceil_div(item.n - item.from_pages, p.unit_tokens);
-  const int splits = item_splits(p, T) + p.extra_splits;  // (a prefill chunk's part last)
-  const size_t part0 = ((size_t(blockIdx.x) * p.kv.kv_heads + h) * p.mtiles + mt) * p.max_splits;
+  // the item's splits (a sliding layer's sink split may be empty: from split 1 on), a prefill
+  // chunk's part last
+  const split_span sp = item_splits(p, T, item_skip(p, item));
+  const int splits = sp.end - sp.first + p.extra_splits;
+  const size_t part0 = ((size_t(blockIdx.x) * p.kv.kv_heads + h) * p.mtiles + mt) * p.max_splits + sp.first;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const float2* ml = reinterpret_cast<const float2*>(p.ws_ml + (part0 * 16 + r) * 2);  // split s: ml[s * 16] (max, sum)
   const auto block_reduce = [&](float x, bool is_max) {  // the block's max or sum, in every thread
@@ -106,16 +109,19 @@ __global__ void __launch_bounds__(merge_threads) merge_kernel(const __grid_const
   const int mm = mt * 16 + r, i = mm / p.group, qh = h * p.group + mm % p.group;
   const int64_t out = int64_t(item.q_row + i) * p.o_stride + int64_t(qh) * D;
   const bool rotated = Rotated && head_rotated(p.rot, h);
+  // natural log of the scaled scores' sum (m and l are in base 2); the row's sink logit joins it
+  // here, once, after every split (`merge_sink`)
+  float o_scale = l > 0.f ? 1.f / l : 0.f, lse = l > 0.f ? (m + log2f(l)) * 0.6931471805599453f : -INFINITY;
+  if (p.sinks) merge_sink(p.sinks[qh], m, l, o_scale, lse);
   for (int c = threadIdx.x; c < D; c += merge_threads) {
     float o = 0.f;
 #pragma unroll
     for (int w = 0; w < warps; ++w) o += wo_sum[w][c];
-    o = l > 0.f ? o / l : 0.f;  // (no partial: an empty prefix)
+    o = l > 0.f ? (p.sinks ? o * o_scale : o / l) : 0.f;  // (no partial: an empty prefix)
     if (rotated) f_s[c] = o;  // (f_s's readers finished before the reductions' barriers)
     else store_any(p.o, p.o_type, out + c, o);
   }
-  if (p.lse && threadIdx.x == 0)  // natural log of the scaled scores' sum (m and l are in base 2)
-    p.lse[int64_t(item.q_row + i) * p.q_heads + qh] = l > 0.f ? (m + log2f(l)) * 0.6931471805599453f : -INFINITY;
+  if (p.lse && threadIdx.x == 0) p.lse[int64_t(item.q_row + i) * p.q_heads + qh] = lse;
   if constexpr (Rotated) {
     if (!rotated) return;
     // A rotated head's output is R o: the first warp rotates it back (R^T) and stores it.
@@ -150,8 +156,9 @@ __global__ void __launch_bounds__(merge_rows_warps * 32) merge_rows_kernel(const
   const int mm = mt * 16 + r;
   if (mm >= p.group * item.q_len) return;  // (warp-uniform)
   const int T = ceil_div(item.from_pages, p.unit_tokens) + ceil_div(item.n - item.from_pages, p.unit_tokens);
-  const int splits = item_splits(p, T) + p.extra_splits;  // (a prefill chunk's part last)
-  const size_t part0 = ((size_t(blockIdx.x) * p.kv.kv_heads + h) * p.mtiles + mt) * p.max_splits;
+  const split_span sp = item_splits(p, T, item_skip(p, item));
+  const int splits = sp.end - sp.first + p.extra_splits;  // (a prefill chunk's part last)
+  const size_t part0 = ((size_t(blockIdx.x) * p.kv.kv_heads + h) * p.mtiles + mt) * p.max_splits + sp.first;
   const float2* ml = reinterpret_cast<const float2*>(p.ws_ml + (part0 * 16 + r) * 2);  // split s: ml[s * 16]
   const float* wo = p.ws_o + (part0 * 16 + r) * D + lane * per_lane;             // split s: wo[s * 16 * D]
   float m = -INFINITY;
@@ -176,16 +183,19 @@ __global__ void __launch_bounds__(merge_rows_warps * 32) merge_rows_kernel(const
   }
 #pragma unroll
   for (int o = 16; o > 0; o /= 2) l += __shfl_xor_sync(0xffffffffu, l, o);
+  const int i = mm / p.group, qh = h * p.group + mm % p.group;
+  // natural log of the scaled scores' sum (m and l are in base 2); the row's sink logit joins it
+  // here, once, after every split (`merge_sink`)
+  float o_scale = l > 0.f ? 1.f / l : 0.f, lse = l > 0.f ? (m + log2f(l)) * 0.6931471805599453f : -INFINITY;
+  if (p.sinks) merge_sink(p.sinks[qh], m, l, o_scale, lse);
 #pragma unroll
-  for (int c = 0; c < per_lane; ++c) acc[c] = l > 0.f ? acc[c] / l : 0.f;  // (no partial: an empty prefix)
+  for (int c = 0; c < per_lane; ++c) acc[c] = l > 0.f ? (p.sinks ? acc[c] * o_scale : acc[c] / l) : 0.f;  // (no partial: an empty prefix)
   if constexpr (Rotated)  // a rotated head's output is R o: rotated back (R^T)
     if (head_rotated(p.rot, h)) warp_rotate<per_lane>(acc, lane, p.rot.seed, p.layer, h, true);
-  const int i = mm / p.group, qh = h * p.group + mm % p.group;
   const int64_t out = int64_t(item.q_row + i) * p.o_stride + int64_t(qh) * D + lane * per_lane;
 #pragma unroll
   for (int c = 0; c < per_lane; ++c) store_any(p.o, p.o_type, out + c, acc[c]);
-  if (p.lse && lane == 0)  // natural log of the scaled scores' sum (m and l are in base 2)
-    p.lse[int64_t(item.q_row + i) * p.q_heads + qh] = l > 0.f ? (m + log2f(l)) * 0.6931471805599453f : -INFINITY;
+  if (p.lse && lane == 0) p.lse[int64_t(item.q_row + i) * p.q_heads + qh] = lse;
 }
 
 }  // namespace cuda::detail

@@ -106,12 +106,22 @@ __device__ __forceinline__ void qk_mma_tile(const __half* q, int row0, const __h
 // m, row half hr: the lane's row 16 m + lane / 4 + 8 hr; j: the token in the tile), unless `all`
 // (warp-uniform: every column of every row of the warp visible, the common tile, which then
 // skips the per-score tests), and runs `row_softmax_step` on each m-tile (the scale, to base 2,
-// inside its exponentials), leaving P in `pf` for `pv_mma_tile`.
+// inside its exponentials), leaving P in `pf` for `pv_mma_tile`. `softcap_log2` > 0: a
+// soft-capped layer's scores are capped first (`score_cap`; 0: off, warp-uniform).
 template <int D, int M, class Visible>
-__device__ __forceinline__ void softmax_tile(float (&s)[M][8][4], float scale_log2, bool all, Visible visible,
-                                             float (&row_max)[M][2], float (&row_sum)[M][2], float (&acc)[M][D / 8][4],
-                                             uint32_t (&pf)[M][8][2]) {
+__device__ __forceinline__ void softmax_tile(float (&s)[M][8][4], float scale_log2, float softcap_log2, bool all,
+                                             Visible visible, float (&row_max)[M][2], float (&row_sum)[M][2],
+                                             float (&acc)[M][D / 8][4], uint32_t (&pf)[M][8][2]) {
   const int lane = threadIdx.x % 32;
+  if (softcap_log2 > 0.f) {
+    const score_cap cap(softcap_log2, scale_log2);
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[m][nt][e] = cap(s[m][nt][e]);
+  }
   if (!all)
 #pragma unroll
     for (int m = 0; m < M; ++m)

@@ -48,6 +48,16 @@ struct attend_params {
   // [64 x D]) by `stage_prefix_kernel` (roles of FP16 pages are read from the page instead)
   const __half* staged;
   int stage_t0, stage_tiles, split0;
+  // The layer's attention rule (`variant_args`, attention/variant.hpp). window: a query at position
+  // q sees tokens q - window + 1 .. q (0: all); softcap_log2: softcap x log2(e), each scaled score
+  // soft-capped (0: off); sinks: [q_heads] sink logits on the device, merged into each output row
+  // once, by the final merge (nullptr: none). prefix_skip: the prefix kernels' units left out
+  // before the window of the call's first query (`window_skip_units`, one for every item of a
+  // call, so that its staged tiles serve all of them).
+  int window;
+  float softcap_log2;
+  const float* sinks;
+  int prefix_skip;
   int n_items;
   decode_item items[max_items];
   const decode_table* table;  // replay instances: the items, read from device memory (`items` unused)
@@ -60,6 +70,13 @@ inline void set_view(attend_params& p, const paged_view& kv, int layer) {
   p.kv.windows = rings_base(kv);
   p.pages = pages_base(kv, layer);
   p.layer = layer;
+}
+
+// The layer's attention rule (`variant_args`) in a call's parameters.
+inline void set_variant(attend_params& p, const variant_args& v) {
+  p.window = v.window;
+  p.softcap_log2 = v.softcap * 1.4426950408889634f;
+  p.sinks = v.sink_logits;
 }
 
 // Item i of a call: from the parameters (eager), or from the device table (`Replay`), where it is
@@ -75,10 +92,36 @@ __device__ __forceinline__ bool load_item(const attend_params& p, int i, decode_
   return true;
 }
 
-// The splits of an item of T units: tiles_per_split each, after the sink split where there is one.
-__device__ __forceinline__ int item_splits(const attend_params& p, int T) {
-  if (p.sink_units == 0) return ceil_div(T, p.tiles_per_split);
-  return 1 + (T > p.sink_units ? ceil_div(T - p.sink_units, p.tiles_per_split) : 0);
+// The units an item's attention leaves out in a sliding layer (`window_skip_units`): from its first
+// query's position on (the prefix kernels and the tile kernel's prefix mode: the call's, set on the
+// host). 0 in a global layer.
+__device__ __forceinline__ int item_skip(const attend_params& p, const decode_item& item) {
+  if (p.prefix) return p.prefix_skip;
+  return window_skip_units(p.window, item.n - item.q_len, item.from_pages, p.kv.page_tokens, p.unit_tokens);
+}
+
+// The splits [first, end) of an item of T units, its first `skip` left out: tiles_per_split each,
+// after the sink split where there is one (split 0: units [skip, sink_units), empty where the
+// window left the sink pages behind, so that `first` is 1).
+struct split_span {
+  int first, end;
+};
+__device__ __forceinline__ split_span item_splits(const attend_params& p, int T, int skip) {
+  if (p.sink_units == 0) return {0, ceil_div(T - skip, p.tiles_per_split)};
+  const int rest = max(skip, p.sink_units);
+  return {skip < p.sink_units ? 0 : 1, 1 + (T > rest ? ceil_div(T - rest, p.tiles_per_split) : 0)};
+}
+
+// Merges a row's sink logit (natural units) into its merged partial: m the max (base 2, of the
+// scaled scores), l the sum of 2^(s - m), o_scale the factor that turns the unnormalized output
+// into the row's output (1 / l without a sink) and lse its log-sum-exp (natural log; -inf for an
+// empty row). As `merge_sink_row`: the sink's weight joins the sum and multiplies no value.
+__device__ __forceinline__ void merge_sink(float sink, float m, float l, float& o_scale, float& lse) {
+  const float s2 = sink * 1.4426950408889634f;
+  const float mm = l > 0.f ? fmaxf(m, s2) : s2;
+  const float a = l > 0.f ? l * exp2f(m - mm) : 0.f, total = a + exp2f(s2 - mm);
+  o_scale = l > 0.f ? exp2f(m - mm) / total : 0.f;
+  lse = (mm + log2f(total)) * 0.6931471805599453f;
 }
 
 static_assert(slab <= ring_slack_slots, "the ring blocks' slack covers a slab read past a sequence's last slot");

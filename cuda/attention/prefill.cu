@@ -34,7 +34,8 @@ struct prefill_plan {
   int mtiles;        // 16-row m-tiles per item
   bool wide;         // the prefix kernel (prefill_block_rows a block), else the tile kernel (16)
   int row_blocks;    // blocks per (item, kv head) of the prefix part
-  int prefix_tiles;  // 64-token tiles of the prefix
+  int prefix_tiles;  // 64-token tiles of the prefix the call reads: after `skip`
+  int skip;          // a sliding layer: tiles before the window of the call's first query (`window_skip_units`)
   int tiles_per_split, prefix_splits, max_splits;
   int segment_splits;  // prefix-kernel splits per segment
   int stage_tiles;     // page tiles a segment stages at most (the staging buffer's tiles per kv head)
@@ -54,7 +55,8 @@ prefill_plan plan_of(const prefill_args& a) {
   lp.mtiles = ceil_div(int(per_item) * group, 16);
   lp.wide = lp.mtiles > 1;
   lp.row_blocks = lp.wide ? ceil_div(lp.mtiles, prefill_block_rows(a.kv.head_dim) / 16) : lp.mtiles;
-  lp.prefix_tiles = ceil_div(a.from_pages, tile_tokens) + ceil_div(a.prefix - a.from_pages, tile_tokens);
+  lp.skip = window_skip_units(a.variant.window, a.prefix, a.from_pages, a.kv.page_tokens, tile_tokens);
+  lp.prefix_tiles = ceil_div(a.from_pages, tile_tokens) + ceil_div(a.prefix - a.from_pages, tile_tokens) - lp.skip;
   // the tile kernel's rule (launch_plan.cpp): about four blocks per SM, at most max_split_tiles
   // tiles per block
   const int64_t base = int64_t(lp.launch_items) * a.kv.kv_heads * lp.row_blocks;
@@ -72,7 +74,8 @@ prefill_plan plan_of(const prefill_args& a) {
   lp.tiles_per_split = std::max(1, ceil_div(lp.prefix_tiles, splits));  // <= cap_tiles
   lp.prefix_splits = ceil_div(lp.prefix_tiles, lp.tiles_per_split);  // <= splits
   lp.segment_splits = std::max(1, cap_tiles / lp.tiles_per_split);
-  lp.stage_tiles = lp.wide ? std::min(ceil_div(a.from_pages, tile_tokens), lp.segment_splits * lp.tiles_per_split) : 0;
+  lp.stage_tiles =
+      lp.wide ? std::min(ceil_div(a.from_pages, tile_tokens) - lp.skip, lp.segment_splits * lp.tiles_per_split) : 0;
   lp.ws_stage_tiles = lp.wide ? std::min(ceil_div(a.prefix, tile_tokens), cap_tiles) : 0;
   const int chunk = a.k.data ? 1 : 0;
   lp.max_splits = lp.prefix_splits + chunk;
@@ -151,6 +154,8 @@ status launch_prefill(const prefill_args& a, const prefill_plan& lp, const prefi
     p.prefix = 1;
     p.extra_splits = a.k.data ? 1 : 0;
     p.lse = a.lse;
+    set_variant(p, a.variant);
+    p.prefix_skip = lp.skip;
     p.n_items = items;
     for (int i = 0; i < items; ++i) {
       const int first = int(q0) + i * prefill_item_queries;
@@ -178,6 +183,8 @@ status launch_prefill(const prefill_args& a, const prefill_plan& lp, const prefi
       c.mtiles = lp.mtiles;
       c.max_splits = lp.max_splits;
       c.scale_log2 = p.scale_log2;
+      c.window = a.variant.window;
+      c.softcap_log2 = p.softcap_log2;
       c.ws_o = ws_o;
       c.ws_ml = ws_ml;
       const int smem = int(sizeof(chunk_smem<D>));
@@ -193,7 +200,7 @@ status launch_prefill(const prefill_args& a, const prefill_plan& lp, const prefi
       p.stage_tiles = lp.stage_tiles;
       for (int seg = 0; seg < segments; ++seg) {
         p.split0 = seg * lp.segment_splits;
-        p.stage_t0 = p.split0 * lp.tiles_per_split;
+        p.stage_t0 = lp.skip + p.split0 * lp.tiles_per_split;
         const int splits = std::min(lp.segment_splits, lp.prefix_splits - p.split0);
         // the segment's page tiles, staged once per call when one segment holds them all (none
         // where every page is FP16)
@@ -231,9 +238,6 @@ status prefill_can_implement(const prefill_args& a) {
     return {errc::unsupported,
             msg("CUDA prefill supports kv_heads <= ", max_kv_heads, " and a GQA group of at most 16; got ", a.q_heads,
                 " query heads over ", kv.kv_heads, " kv heads")};
-  if (!a.variant.plain())
-    return {errc::unsupported, "CUDA prefill: sliding windows, soft-capping and sink logits are not on the device yet "
-                               "(the CPU calls, cpu::pool_prefill, take them)"};
   return check_prefill_range(a);
 }
 

@@ -130,11 +130,16 @@ __global__ void __launch_bounds__(threads, 2) prefix_kernel(const __grid_constan
   if (mb * rows >= rows_used) return;
   const int page_tiles = ceil_div(item.from_pages, tile_tokens);
   const int T = page_tiles + ceil_div(item.n - item.from_pages, tile_tokens);
-  const int t0 = split * p.tiles_per_split, t1 = min(T, t0 + p.tiles_per_split);
+  const int t0 = item_skip(p, item) + split * p.tiles_per_split, t1 = min(T, t0 + p.tiles_per_split);
   if (t0 >= T) return;
   const int tid = threadIdx.x, warp = tid / 32;
   const int mt0 = mb * (rows / 16) + warp * M;  // this warp's first m-tile
   const bool active = mt0 * 16 < rows_used;     // (warp-uniform) rows of padding only: no math
+  // A sliding layer: the first prefix token from which every row of the warp sees (its last used
+  // row's; the query of row r stands at the prefix's end + the item's first query + r / group);
+  // 0 in a global layer. Each row's own first token is computed where a tile needs masking.
+  // A sliding layer: the first token of row r is item.n + item.q_row + r / group - window + 1,
+  // computed where a tile is tested (no register held across the loop for it).
   load_tile_table<D>(p, item, h, t0, t1, sm.tiles);
   // the block's query rows: row r -> m = rows mb + r, query m / group, head h group + m % group
   for (int idx = tid; idx < rows * D; idx += threads) {
@@ -172,9 +177,18 @@ __global__ void __launch_bounds__(threads, 2) prefix_kernel(const __grid_constan
       float s[M][8][4];
       qk_mma_tile<D, M>(sm.q, warp * 16 * M, sm.k, s);
       // ---- columns past the tile's tokens, online softmax ----
-      const int valid = cur.valid;
-      softmax_tile<D, M>(s, p.scale_log2, valid == tile_tokens, [&](int, int, int j) { return j < valid; }, row_max,
-                         row_sum, acc, pf);
+      const int valid = cur.valid, tok0 = cur.tok0;
+      softmax_tile<D, M>(
+          s, p.scale_log2, p.softcap_log2,
+          valid == tile_tokens &&
+              (p.window == 0 ||  // (every row of the warp: its last used row's window holds the tile)
+               tok0 >= item.n + item.q_row + (min((mt0 + M) * 16, rows_used) - 1) / p.group - p.window + 1),
+          [&](int m, int hr, int j) {
+            return j < valid && (p.window == 0 || tok0 + j >= item.n + item.q_row +
+                                                              ((mt0 + m) * 16 + (tid % 32) / 4 + 8 * hr) / p.group -
+                                                              p.window + 1);
+          },
+          row_max, row_sum, acc, pf);
     }
     cp_wait<0>();
     // B: V of tile t is in sm.v; every warp is done with sm.k

@@ -11,6 +11,23 @@
 KVQ_NAMESPACE_BEGIN
 namespace cuda::detail {
 
+// A score soft-capped (`attention_variant::cap`) in the kernels' units: x raw (its scaled score is
+// x scale), `scale_log2` the scale x log2(e) the softmax applies to it, `softcap_log2` the cap x
+// log2(e) (> 0). Returns x' with x' scale = softcap tanh(x scale / softcap), tanh(u) as
+// 1 - 2 / (e^(2u) + 1) by one MUFU exponential and a fast division: an absolute error of a few
+// ulp of 1 (tanhf's code, unrolled over a tile's scores, made the prefill kernels spill;
+// tanh.approx's 2^-11 relative error would be 0.02 of a logit at a cap of 50).
+struct score_cap {
+  float in, out;  // x' = out (1 - 2 / (2^(x in) + 1))
+  __device__ __forceinline__ score_cap(float softcap_log2, float scale_log2)
+      : in(2.f * scale_log2 / softcap_log2 * 1.4426950408889634f), out(softcap_log2 / scale_log2) {}
+  __device__ __forceinline__ float operator()(float x) const {
+    float e;
+    asm volatile("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(e) : "f"(x * in));  // (in order: one score at a time)
+    return out * (1.f - __fdividef(2.f, e + 1.f));
+  }
+};
+
 // The sum (`Max`: the max) of x[0 .. N), N a power of two, as a tree (depth log2 N, where a chain
 // of N - 1 dependent adds would wait on each one's latency); x is overwritten.
 template <int N, bool Max = false>

@@ -276,10 +276,11 @@ __device__ __forceinline__ slab_range block_slabs(const attend_params& p, const 
   slab_range r;
   r.page_slabs = ceil_div(item.from_pages, slab);
   const int S = r.page_slabs + ceil_div(item.n - item.from_pages, slab);
-  // a multiple of dec_warps (x 2: block-staged) after the sink split, which is whole pages
-  const int b = int(blockIdx.x);
-  r.c0 = p.sink_units == 0 ? b * p.tiles_per_split : b == 0 ? 0 : p.sink_units + (b - 1) * p.tiles_per_split;
-  r.c1 = min(S, p.sink_units != 0 && b == 0 ? p.sink_units : r.c0 + p.tiles_per_split);
+  // a multiple of dec_warps (x 2: block-staged) after the sink split, which is whole pages; in a
+  // sliding layer from the first page of the first query's window on (whole pages, `item_skip`)
+  const int b = int(blockIdx.x), skip = item_skip(p, item), rest = max(skip, p.sink_units);
+  r.c0 = p.sink_units == 0 ? skip + b * p.tiles_per_split : b == 0 ? skip : rest + (b - 1) * p.tiles_per_split;
+  r.c1 = min(S, p.sink_units != 0 && b == 0 ? rest : r.c0 + p.tiles_per_split);
   const int per_warp = ceil_div(r.c1 - r.c0, dec_warps);
   r.s0 = r.c0 + warp * per_warp;
   r.s1 = min(r.c1, r.s0 + per_warp);

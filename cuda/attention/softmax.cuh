@@ -3,7 +3,10 @@
 // query column, the masked exponentials of a step's slabs, and the block's partial (split) result
 // written for the split merge.
 #include "attention/params.cuh"
+#include "attention/row_softmax.cuh"
 #include "ptx.cuh"
+
+#include <climits>
 
 KVQ_NAMESPACE_BEGIN
 namespace cuda::detail {
@@ -18,6 +21,9 @@ struct column_state {
   float cz[2] = {0.f, 0.f};
   int last_visible[2];
   int all_visible;  // the last token every column may see (warp-uniform)
+  // (A sliding layer, `attend_params::window`: a column's first token is its last_visible -
+  // window + 1, from the parameters where used, so that a global layer's loop holds no more
+  // registers than before: the decode kernels run at their register cap.)
   __device__ column_state(const attend_params& p, const decode_item& item, int t) {
     const int q_first = item.n - item.q_len;
     all_visible = q_first;
@@ -39,9 +45,14 @@ __device__ __forceinline__ float ex2(float x) {  // 2^x, one MUFU op (-inf -> 0)
 // after a column's query are masked; the running max, sum and accumulators are updated once for
 // the S slabs and P is left in `pv`. `rs`: per-row score scales (fp8 keys), `cz`: per-column
 // score offsets (KIVI zeros).
-template <int D, int S>
-__device__ __forceinline__ void softmax_tiles(float (&sc)[4 * S], const float (&rs)[2 * S], float scale_log2, int tok0, int valid,
-                                              int g, column_state<D>& cs, float (&pv)[4 * S]) {
+// `p`: the layer's attention rule (a sliding window's first tokens, soft-capping), read from the
+// parameters where used, so that a global layer's loop holds no more registers than before.
+// Capped = false: no soft-capping code (the whole-unit instance, which the plan never gives a
+// soft-capped layer: the code made its global layers' loop spill).
+template <int D, int S, bool Capped = true>
+__device__ __forceinline__ void softmax_tiles(const attend_params& p, float (&sc)[4 * S], const float (&rs)[2 * S],
+                                              float scale_log2, int tok0, int valid, int g, column_state<D>& cs,
+                                              float (&pv)[4 * S]) {
   float(&m_col)[2] = cs.m;
   float(&l_col)[2] = cs.l;
   float(&acc)[D / 16][4] = cs.acc;
@@ -50,7 +61,23 @@ __device__ __forceinline__ void softmax_tiles(float (&sc)[4 * S], const float (&
   // The scores stay unscaled (the softmax scale is positive: the max commutes with it); the scale
   // goes into the exponent's fma, and into the two columns' maxima.
   float tile_max[2] = {-INFINITY, -INFINITY};
-  if (valid >= slab * S && tok0 + slab * S - 1 <= cs.all_visible) {  // (warp-uniform) nothing to mask
+  // A column sees the rows before `valid`, from its window's first token to its query's.
+  const auto seen = [&](int i) {
+    const int e = i % 4, row = slab * (i / 4) + g + (e / 2) * 8;
+    const int w = p.window > 0 ? p.window - 1 : INT_MAX / 2;  // (window 0: every first token below 0)
+    return row < valid && tok0 + row <= last_visible[e % 2] && tok0 + row >= last_visible[e % 2] - w;
+  };
+  if (Capped && p.softcap_log2 > 0.f) {  // (warp-uniform) a soft-capped layer: each score capped, then masked
+    const score_cap cap(p.softcap_log2, scale_log2);
+#pragma unroll
+    for (int i = 0; i < 4 * S; ++i) {
+      const float x = cap(sc[i] * rs[i / 2] + cz[i % 2]);
+      sc[i] = seen(i) ? x : -INFINITY;
+      tile_max[i % 2] = fmaxf(tile_max[i % 2], sc[i]);
+    }
+  } else if (valid >= slab * S && tok0 + slab * S - 1 <= cs.all_visible &&
+             (p.window == 0 ||  // (warp-uniform) nothing to mask; a sliding layer's: every column's window holds tok0
+              __all_sync(0xffffffffu, tok0 >= max(last_visible[0], last_visible[1]) - (p.window - 1)))) {
 #pragma unroll
     for (int i = 0; i < 4 * S; ++i) {
       sc[i] = sc[i] * rs[i / 2] + cz[i % 2];
@@ -59,10 +86,9 @@ __device__ __forceinline__ void softmax_tiles(float (&sc)[4 * S], const float (&
   } else {
 #pragma unroll
     for (int i = 0; i < 4 * S; ++i) {
-      const int e = i % 4, row = slab * (i / 4) + g + (e / 2) * 8;
-      const float x = sc[i] * rs[i / 2] + cz[e % 2];
-      sc[i] = row < valid && tok0 + row <= last_visible[e % 2] ? x : -INFINITY;
-      tile_max[e % 2] = fmaxf(tile_max[e % 2], sc[i]);
+      const float x = sc[i] * rs[i / 2] + cz[i % 2];
+      sc[i] = seen(i) ? x : -INFINITY;
+      tile_max[i % 2] = fmaxf(tile_max[i % 2], sc[i]);
     }
   }
   tile_max[0] *= scale_log2;

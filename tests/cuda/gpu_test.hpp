@@ -58,6 +58,19 @@ inline double nmse(const std::vector<float>& got, const std::vector<float>& want
   return e / n;
 }
 
+// The same fp16 tokens ([m][kv_heads][head_dim] each, host memory) appended to (s, layer) of a
+// CPU-backend and a CUDA-backend cache; the device is synchronized after.
+inline void append_same(KVCache& cpu, KVCache& gpu, seq_id s, int layer, const std::vector<uint16_t>& k,
+                        const std::vector<uint16_t>& v, int64_t m) {
+  const int h = cpu.config().shape.kv_heads, d = cpu.config().shape.head_dim;
+  check(cpu.append(s, layer, {k.data(), dtype::f16, m, h, d}, {v.data(), dtype::f16, m, h, d}));
+  dev_mem dk(k.size() * 2), dv(v.size() * 2);
+  upload(dk, k);
+  upload(dv, v);
+  check(gpu.append(s, layer, {dk.p, dtype::f16, m, h, d}, {dv.p, dtype::f16, m, h, d}));
+  REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+}
+
 // A CPU-backend and a CUDA-backend cache hold the same (sequence, layer): `read` equal bit for
 // bit for both roles, and the same page bytes.
 inline void require_same_store(const KVCache& cpu, const KVCache& gpu, seq_id s, int layer) {

@@ -80,12 +80,15 @@ void append_both(engine& host, device_pool& dev, std::span<const int> ids, std::
   dev.require_same_bytes();
 }
 
-}  // namespace
+// Each layer's attention rule (`variant_args`) as the mirror takes it (sink logits in host memory)
+// and as the device calls take it (in device memory); plain by default.
+struct layer_variants {
+  variant_args host[layers]{}, device[layers]{};
+};
 
-TEST_CASE("engine pool on CUDA: append, long prefill and batched decode over shared block tables", "[gpu][pool]") {
-  std::mt19937 rng(21);
-  engine host;
-  device_pool dev(host);
+// Two sequences' prompts (one chunk of 300 tokens, two of 130 and 90) appended and attended by
+// `prefill_run` over the stored prefix on both sides, every layer.
+void prefill_chunks(engine& host, device_pool& dev, std::mt19937& rng, const layer_variants& var) {
   const int ids[] = {0, 1};
   const std::vector<std::vector<int32_t>> chunks = {{300}, {130, 90}};
   for (int id : ids)
@@ -101,41 +104,83 @@ TEST_CASE("engine pool on CUDA: append, long prefill and batched decode over sha
         std::vector<float> o_host(q.size());
         a.q = q.data(), a.q_type = dtype::f32, a.o = o_host.data(), a.o_type = dtype::f32;
         a.k = rows(k, T, kvh), a.v = rows(v, T, kvh);
+        a.variant = var.host[l];
         REQUIRE(cpu::pool_prefill(host.workers, a).ok());
         const dev_rows kd(k), vd(v), qd(q);
         dev_mem od(q.size() * sizeof(float));
         a.kv = dev.view();
         a.q = qd.mem.p, a.o = od.p, a.k = kd.view(T, kvh), a.v = vd.view(T, kvh);
+        a.variant = var.device[l];
         REQUIRE(cuda::prefill_can_implement(a).ok());
         REQUIRE(cuda::prefill_workspace_bytes(a) <= 64u << 20);
         REQUIRE(cuda::prefill_run(a, dev.workspace.p, 64u << 20, nullptr).ok());
-        CAPTURE(id, T, l);
+        CAPTURE(id, T, l, before.n);
         CHECK(nmse(download(od, q.size()), o_host) < nmse_bound);
       }
-  for (int step = 0; step < 150; ++step) {
+}
+
+// `steps` batched decode steps of both sequences: a token appended to each, every layer, then
+// `attend_run` over the batch against the mirror's `pool_attend`.
+void decode_steps(engine& host, device_pool& dev, std::mt19937& rng, int steps, const layer_variants& var) {
+  const int ids[] = {0, 1};
+  for (int step = 0; step < steps; ++step) {
     for (int l = 0; l < layers; ++l) {
       const int32_t m[] = {1, 1};
       append_both(host, dev, ids, m, l, randn(rng, 2 * kvh * d), randn(rng, 2 * kvh * d), 2);
     }
     for (int l = 0; l < layers; ++l) {
       const auto q = randn(rng, 2 * hq * d);
-      std::vector<float> o_host(q.size());
-      REQUIRE(host.attend(ids, l, q, o_host).ok());
       const auto items = host.decode_items(ids);
       cuda::attend_args a;
-      a.kv = dev.view();
+      a.kv = host.view();
       a.layer = l, a.q_heads = hq;
       a.items = items;
+      std::vector<float> o_host(q.size());
+      a.q = q.data(), a.q_type = dtype::f32, a.o = o_host.data(), a.o_type = dtype::f32;
+      a.variant = var.host[l];
+      REQUIRE(cpu::pool_attend(host.workers, a).ok());
+      a.kv = dev.view();
       const dev_rows qd(q);
       dev_mem od(q.size() * sizeof(float));
-      a.q = qd.mem.p, a.q_type = dtype::f32, a.o = od.p, a.o_type = dtype::f32;
+      a.q = qd.mem.p, a.o = od.p;
+      a.variant = var.device[l];
       a.one_format_per_head = true;  // (the engine's policy: one pair per layer)
       REQUIRE(cuda::attend_can_implement(a).ok());
       REQUIRE(cuda::attend_workspace_bytes(a) <= 64u << 20);
       REQUIRE(cuda::attend_run(a, dev.workspace.p, 64u << 20, nullptr).ok());
-      CAPTURE(step, l);
+      CAPTURE(step, l, host.seqs[0].n, host.seqs[1].n);
       CHECK(nmse(download(od, q.size()), o_host) < nmse_bound);
     }
   }
+}
+
+}  // namespace
+
+TEST_CASE("engine pool on CUDA: append, long prefill and batched decode over shared block tables", "[gpu][pool]") {
+  std::mt19937 rng(21);
+  engine host;
+  device_pool dev(host);
+  prefill_chunks(host, dev, rng, {});
+  decode_steps(host, dev, rng, 150, {});
   CHECK(host.seqs[1].n == 370);
+}
+
+// The low-level calls with `variant_args`: the engine's layers take a sliding window with
+// soft-capping and sink logits (layer 0) and a window shorter than a page (layer 1), the sink
+// logits in the memory each side reads (host for the mirror, device for `prefill_run` and
+// `attend_run`); a long prefill over a stored prefix and batched decode steps past the windows.
+TEST_CASE("engine pool on CUDA: prefill_run and attend_run apply variant_args", "[gpu][pool][variants]") {
+  std::mt19937 rng(22);
+  engine host;
+  device_pool dev(host);
+  const std::vector<float> sinks = randn(rng, hq);
+  dev_mem sinks_d(sinks.size() * sizeof(float));
+  upload(sinks_d, sinks);
+  layer_variants var;
+  var.host[0] = {100, 3.f, sinks.data()};
+  var.host[1] = {37, 0.f, nullptr};
+  var.device[0] = {100, 3.f, static_cast<const float*>(sinks_d.p)};
+  var.device[1] = var.host[1];
+  prefill_chunks(host, dev, rng, var);
+  decode_steps(host, dev, rng, 60, var);
 }

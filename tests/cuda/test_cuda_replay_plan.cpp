@@ -7,8 +7,10 @@
 
 #include <kvq/cuda/paged_attention.hpp>
 
+#include "attention/layout.hpp"
 #include "replay.hpp"
 
+#include <algorithm>
 #include <vector>
 
 using namespace kvq;
@@ -75,4 +77,60 @@ TEST_CASE("replay plan: refusals", "[cuda][plan][replay]") {
   REQUIRE(cuda::detail::replay_plan(layer(64, 4, true), 0, 4096, ws).error().code() == errc::invalid_argument);
   REQUIRE(cuda::detail::replay_plan(layer(64, 4, true), 4, 1, ws).error().code() == errc::invalid_argument);
   REQUIRE(cuda::detail::replay_plan(layer(64, 4, true), 4, 1024 * 64 + 1, ws).error().code() == errc::invalid_argument);
+}
+
+// A sliding layer's replayed plan (planned for the tokens a window reads, not max_tokens) holds
+// every item a step can bring: for each length n and each encoded length its ring allows, the
+// splits the kernels give the item after its window's skip (`item_splits`, mirrored here) fit the
+// plan's, with and without a sink split.
+TEST_CASE("replay plan: a sliding layer's splits hold every item after its window's skip", "[cuda][plan][replay][variants]") {
+  using cuda::detail::ceil_div;
+  const int page_tokens = GENERATE(64, 128);
+  const int window = GENERATE(37, 200, 1000, 4096);
+  const int sink_pages = GENERATE(0, 1);
+  const int batch = GENERATE(1, 32);
+  CAPTURE(page_tokens, window, sink_pages, batch);
+  const int64_t max_tokens = 33088;
+  cuda::attend_args a = layer(page_tokens, 4, true);
+  a.variant.window = window;
+  a.sink_pages = sink_pages;
+  size_t ws = 0;
+  const auto lp = cuda::detail::replay_plan(a, batch, max_tokens, ws).value_or_throw();
+  REQUIRE(lp.decode);
+  const int P = page_tokens, R = a.kv.window, u = lp.unit;
+  int worst = 0;
+  for (int n = 2; n <= max_tokens; ++n)
+    for (int e = std::max(0, (n - R) / P * P); e <= n; e += P) {
+      if (n - std::min(e, n - 1) > R) continue;  // (the ring holds the tokens not in pages)
+      const int f = std::min(e, n - 1);
+      const int units = ceil_div(f, u) + ceil_div(n - f, u);
+      const int skip = cuda::detail::window_skip_units(window, n - 1, f, P, u);
+      int splits;
+      if (lp.sink_units == 0) {
+        splits = ceil_div(units - skip, lp.tiles_per_split);
+      } else {
+        const int rest = std::max(skip, lp.sink_units);
+        splits = 1 + (units > rest ? ceil_div(units - rest, lp.tiles_per_split) : 0);
+      }
+      worst = std::max(worst, splits);
+      if (splits > lp.max_splits) {
+        CAPTURE(n, e, f, units, skip, splits, lp.max_splits, lp.tiles_per_split);
+        REQUIRE(splits <= lp.max_splits);
+      }
+    }
+  CHECK(worst <= lp.max_splits);
+}
+
+// The eager plan of a 4096-token window over 8 x 32K is the plan of 8 x 4K: the same splits over
+// the same tokens (the decode benchmark's W4096 rows read the 4K rows' bytes).
+TEST_CASE("attention plan: a sliding window plans the tokens it reads", "[cuda][plan][variants]") {
+  const int bits = GENERATE(2, 4, 8, 16);
+  CAPTURE(bits);
+  cuda::attend_args a = layer(64, bits, bits <= 4);
+  const cuda::attend_plan_info short_ctx = eager(a, 8, 4096);
+  a.variant.window = 4096;
+  const cuda::attend_plan_info windowed = eager(a, 8, 32768);
+  CHECK(windowed.kernel == short_ctx.kernel);
+  CHECK(windowed.max_splits == short_ctx.max_splits);
+  CHECK(windowed.tokens_per_split == short_ctx.tokens_per_split);
 }

@@ -40,12 +40,7 @@ cache_config config(backend where) {
 void append_both(KVCache& cpu, KVCache& gpu, seq_id s, int64_t n, std::mt19937& rng) {
   for (int l = 0; l < layers; ++l) {
     const auto k = randn_h(rng, size_t(n) * kvh * d), v = randn_h(rng, size_t(n) * kvh * d);
-    check(cpu.append(s, l, {k.data(), dtype::f16, n, kvh, d}, {v.data(), dtype::f16, n, kvh, d}));
-    dev_mem dk(k.size() * 2), dv(v.size() * 2);
-    upload(dk, k);
-    upload(dv, v);
-    check(gpu.append(s, l, {dk.p, dtype::f16, n, kvh, d}, {dv.p, dtype::f16, n, kvh, d}));
-    REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+    append_same(cpu, gpu, s, l, k, v, n);
   }
 }
 
