@@ -52,6 +52,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   cfg.budget_bytes = std::min<uint64_t>(info->total_bytes() * 2 + (1u << 20), uint64_t(1) << 28);
   cfg.sink_pages = info->sink_pages;
   cfg.rotation = info->rotation;
+  for (int32_t w : info->windows) cfg.attention.push_back({w, 0.f, {}});
   cfg.max_sequences = int(std::min<size_t>(info->sequences.size(), 64));
   auto made = kvq::KVCache::create(cfg, std::make_shared<kvq::static_policy>(kvq::static_policy::parse("fp16").value()));
   if (!made.ok()) return 0;
@@ -60,6 +61,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   for (size_t i = 0; i < info->sequences.size(); ++i) ids.push_back(kvq::seq_id(i));
   if (!cache.import_sequences(blob, ids).ok()) return 0;
   auto again = cache.export_sequences(ids);
-  if (!again.ok() || again->size() != blob.size() || !kvq::inspect_blob(*again).ok()) std::abort();
+  // (an older version's blob comes back in this build's version: the same sequences, other sizes)
+  if (!again.ok() || !kvq::inspect_blob(*again).ok()) std::abort();
+  if (info->version == kvq::blob_version && again->size() != blob.size()) std::abort();
   return 0;
 }

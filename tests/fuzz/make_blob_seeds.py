@@ -1,7 +1,8 @@
 """Writes the seed blobs of the sequence blob fuzzer (tests/fuzz/fuzz_blob.cpp) into
 tests/fuzz/blob_corpus/: small caches (1 layer, 1 kv head, head_dim 32, pages of 32 tokens) whose
 blobs reach every part of the reader. Each file is the fuzzer's input: a first byte (1, odd: the
-fuzzer recomputes the checksums; even: read as it is) and the blob.
+fuzzer recomputes the checksums; even: read as it is) and the blob. The *_v2.bin seeds are the same
+caches written by this script at blob version 2 (they keep the reader's version-2 path fuzzed).
 
     PYTHONPATH=build/python python3 tests/fuzz/make_blob_seeds.py
 """
@@ -41,7 +42,13 @@ c.create_sequence(3)
 feed(c, 3, 120)
 c.create_sequence(4)
 feed(c, 4, 5)
+# a sliding layer (window 40) whose first pages went back to the budget: released blocks (blob v3)
+d = kvq.Cache(1, 2, 1, 32, "kivi2/g32", budget_bytes=1 << 20, page_tokens=32, window=64, recent=16,
+              attention=[kvq.AttentionVariant(window=40)])
+d.create_sequence(5)
+for _ in range(4):
+    feed(d, 5, 40)
 for name, blob in [("kivi4", a.export_sequences([1])), ("cb2_fork_rot_sink", b.export_sequences([1, 2])),
-                   ("mixed_two", c.export_sequences([3, 4]))]:
+                   ("mixed_two", c.export_sequences([3, 4])), ("sliding_released", d.export_sequences([5]))]:
     (out / f"{name}.bin").write_bytes(b"\x01" + blob)
     print(name, len(blob), "bytes")
