@@ -3,6 +3,8 @@
 // causal_attention and the engine-pool calls against the reference for every format and head_dim;
 // a sliding layer's pages going back to the budget (stats, bytes_for) and staying correct through
 // fork, truncate, export / import and swap; bad variants refused by name.
+#include "attention_checks.hpp"
+
 #include <kvq/attention/cpu_attention.hpp>
 #include <kvq/attention/reference.hpp>
 #include <kvq/attention/variant.hpp>
@@ -21,14 +23,10 @@ using namespace kvq;
 
 namespace {
 
-std::vector<float> randn(std::mt19937& rng, size_t n, float sd = 1.f) {
-  std::normal_distribution<float> nd(0.f, sd);
-  std::vector<float> x(n);
-  for (auto& v : x) v = nd(rng);
-  return x;
-}
-float round16(float x) { return half_to_float(float_to_half(x)); }
-tensor_view view(const float* x, int64_t tokens, int heads, int d) { return {x, dtype::f32, tokens, heads, d}; }
+using test::randn;
+using test::require_close;
+using test::stored;
+using test::view;
 
 // The variants every test runs: a window shorter than a page, one of several pages that does not
 // divide them, soft-capping, sink logits, and all three together.
@@ -43,20 +41,6 @@ std::string describe(const attention_variant& v) {
          (v.sink_logits.empty() ? "" : " sinks");
 }
 
-// |a - b| <= tol (1 + |b|) everywhere.
-void require_close(const std::vector<float>& a, const std::vector<float>& b, double tol = 1e-5) {
-  REQUIRE(a.size() == b.size());
-  double worst = 0;
-  size_t bad = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    const double e = std::fabs(double(a[i]) - b[i]) / (1.0 + std::fabs(b[i]));
-    worst = std::max(worst, e);
-    bad += !(e <= tol);
-  }
-  CAPTURE(worst);
-  REQUIRE(bad == 0);
-}
-
 // One cache layer per variant (layer i takes variants[i]), every page in one format pair.
 KVCache make(int q_heads, int kv_heads, int d, const std::vector<attention_variant>& vars, const std::string& spec,
              uint64_t budget = 64ull << 20, int page = 64, int window = 128) {
@@ -66,15 +50,6 @@ KVCache make(int q_heads, int kv_heads, int d, const std::vector<attention_varia
   cfg.attention = vars;
   auto pol = std::make_shared<static_policy>(static_policy::parse(spec).value_or_throw());
   return KVCache::create(cfg, pol).value_or_throw();
-}
-
-// What (seq, layer) reads, rows [from, n) replaced by the fp16 rounding of `tail`.
-std::vector<float> stored(const KVCache& c, seq_id s, int layer, role r, int64_t from, const std::vector<float>& tail) {
-  const auto& sh = c.config().shape;
-  std::vector<float> out(size_t(c.length(s, layer)) * sh.kv_heads * sh.head_dim);
-  check(c.read(s, layer, r, out));
-  for (size_t i = 0; i < tail.size(); ++i) out[size_t(from) * sh.kv_heads * sh.head_dim + i] = round16(tail[i]);
-  return out;
 }
 
 // Appends `n` random tokens to every layer of (c, s) in chunks of 1..97.

@@ -2,6 +2,8 @@
 // (KVCache::read + kvq::ref::attend) on every format of the registry, mixed formats across pages,
 // GQA groups, head dims, q_len, batches and threads; and `prefill` / `attend_prefix` /
 // `merge_attention` against a float reference built from the stored prefix and the fp16 chunk.
+#include "attention_checks.hpp"
+
 #include <kvq/attention/cpu_attention.hpp>
 #include <kvq/attention/merge.hpp>
 #include <kvq/attention/reference.hpp>
@@ -72,37 +74,14 @@ KVCache make(const setup& s, std::shared_ptr<policy> pol) {
   return KVCache::create(cfg, std::move(pol)).value_or_throw();
 }
 
-std::vector<float> randn(std::mt19937& rng, size_t n) {
-  std::normal_distribution<float> nd(0.f, 1.f);
-  std::vector<float> x(n);
-  for (auto& v : x) v = nd(rng);
-  return x;
-}
-float round16(float x) { return half_to_float(float_to_half(x)); }
+using test::randn;
+using test::require_close;
+using test::round16;
+using test::view;
 
-tensor_view view(const float* x, int64_t tokens, int heads, int d) { return {x, dtype::f32, tokens, heads, d}; }
-
-// The stored view of (seq, layer 0, r), with rows [from, n) replaced by round16(tail).
+// What (seq, layer 0, r) reads, rows [from, n) replaced by round16(tail).
 std::vector<float> stored(const KVCache& c, seq_id s, role r, int64_t from, const std::vector<float>& tail) {
-  const auto& sh = c.config().shape;
-  std::vector<float> out(size_t(c.length(s, 0)) * sh.kv_heads * sh.head_dim);
-  check(c.read(s, 0, r, out));
-  for (size_t i = 0; i < tail.size(); ++i) out[size_t(from) * sh.kv_heads * sh.head_dim + i] = round16(tail[i]);
-  return out;
-}
-
-// |a - b| <= 1e-5 (1 + |b|) everywhere: the same decoded values, summation order aside.
-void require_close(const std::vector<float>& a, const std::vector<float>& b) {
-  REQUIRE(a.size() == b.size());
-  size_t bad = 0;
-  double worst = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    const double e = std::fabs(double(a[i]) - b[i]) / (1.0 + std::fabs(b[i]));
-    worst = std::max(worst, e);
-    bad += !(e <= 1e-5);
-  }
-  CAPTURE(worst);
-  REQUIRE(bad == 0);
+  return test::stored(c, s, 0, r, from, tail);
 }
 
 // Appends `n` random tokens to (c, s) in chunks of 1..97 tokens.
