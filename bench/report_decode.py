@@ -82,11 +82,19 @@ for fmt, base, goal in SAME_BITS:
                 verdict = ("met" if us / ref <= goal else "missed") if goal else "-"
                 same_rows.append(f"| {fmt + rot} | {base + rot} | {B} | {L} | {us:.1f} | {ref:.1f} | {us / ref:.2f} | "
                                  f"{goal if goal else '-'} | {verdict} |")
-if same_rows:
-    print()
-    print("| format | kivi at the same bits | B | context | µs | kivi µs | ratio | goal | goal met |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    print("\n".join(same_rows))
+
+
+def print_table(columns, rows):
+    """A markdown table after a blank line, when there are rows."""
+    if rows:
+        print()
+        print("| " + " | ".join(columns) + " |")
+        print("|" + " --- |" * len(columns))
+        print("\n".join(rows))
+
+
+print_table(["format", "kivi at the same bits", "B", "context", "µs", "kivi µs", "ratio", "goal", "goal met"],
+            same_rows)
 
 # Sliding-window rows (decode/<format>/B<b>/L<context>/W<window>): a window of W tokens over contexts
 # of L reads the bytes of the B x W row of its format, so its time over that row's, same run; the
@@ -102,11 +110,7 @@ for b in bench["benchmarks"]:
         verdict = ("met" if us / ref <= 1.10 else "missed") if ref else "-"
         window_rows.append(f"| {fmt} | {B} | {L} | {W} | {us:.1f} | {f'{ref:.1f}' if ref else 'n/a'} | {ratio} | "
                            f"{verdict} |")
-if window_rows:
-    print()
-    print("| format | B | context | window | µs | B x window µs | ratio | goal 1.10 met |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    print("\n".join(window_rows))
+print_table(["format", "B", "context", "window", "µs", "B x window µs", "ratio", "goal 1.10 met"], window_rows)
 
 steps = [b for b in bench["benchmarks"] if b["name"].startswith("append_step/")]
 if steps:
