@@ -173,6 +173,15 @@ TEST_CASE("a sliding layer returns the pages its window left behind, and fork, t
   CAPTURE(c.stats().pages, global_pages);
   REQUIRE(c.stats().pages >= global_pages);
   REQUIRE(c.stats().pages <= global_pages + uint64_t((W + 63) / 64 + 2) * H * 2);
+  // tokens held: the global layer's all, the sliding layer's from its first live page on, so that
+  // total_bits is bits per element held (an FP16 window costs 16, not 16 x the share still held)
+  const cache_stats held = c.stats();
+  const int64_t n = c.length(0, 0), sliding_held = held.tokens - n;
+  CAPTURE(n, held.tokens);
+  REQUIRE(sliding_held >= W);
+  REQUIRE(sliding_held <= ((W + 63) / 64 + 2) * 64);
+  REQUIRE(held.encoded_elements <= uint64_t(held.tokens) * H * d * 2);
+  REQUIRE(held.total_bits(H, d) >= held.page_bits());
 
   SECTION("bytes_for counts the sliding layer's net growth") {
     // the cache with only the global layer grows like this one does
@@ -194,6 +203,7 @@ TEST_CASE("a sliding layer returns the pages its window left behind, and fork, t
   }
   SECTION("fork shares the live pages; the fork and the parent go on independently") {
     check(c.fork(0, 1));
+    REQUIRE(c.stats().tokens == 2 * held.tokens);
     step_and_check(c, 1, 1, rng);
     step_and_check(c, 0, 3, rng);
     check(c.release_sequence(0));
@@ -215,6 +225,7 @@ TEST_CASE("a sliding layer returns the pages its window left behind, and fork, t
     KVCache d2 = make(Hq, H, d, vars, "k=kivi4/g32,v=kivi2/g32");
     check(d2.import_sequences(blob, std::vector<seq_id>{5}));
     REQUIRE(d2.stats().used_bytes <= c.stats().used_bytes);
+    REQUIRE(d2.stats().tokens == c.stats().tokens);
     for (role r : {role::k, role::v}) {
       std::vector<float> a(size_t(c.length(0, 0)) * H * d), b(a.size());
       check(c.read(0, 0, r, a));

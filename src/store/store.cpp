@@ -131,7 +131,7 @@ result<sequence_state*> page_store::fork(seq_id src, seq_id dst) {
     to.layers[l] = from->layers[l];  // node-based map: `from` stays valid across the insertion
     const layer_state& ls = to.layers[l];
     for (size_t i = live_entry(ls); i < ls.pages.size(); i += per_page) ref_block(ls, i);
-    totals_.tokens += ls.n;
+    totals_.tokens += ls.n - ls.released;
   }
   return &to;
 }
@@ -204,7 +204,7 @@ result<std::vector<uint64_t>> page_store::place(std::span<const blob_block> bloc
         }
         ref_block(ls, ls.pages.size() - per_page);
       }
-      totals_.tokens += ls.n;
+      totals_.tokens += ls.n - ls.released;
     }
     seqs_[ids[i]] = std::move(s);
   }
@@ -248,6 +248,7 @@ void page_store::release_before(sequence_state& s, int layer, int64_t token) {
     unref_block(ls, first);
     for (size_t j = 0; j < per_page; ++j) ls.pages[first + j].offset = released_page;
   }
+  if (upto > ls.released) totals_.tokens -= upto - ls.released;
   ls.released = std::max(ls.released, upto);
 }
 
@@ -270,10 +271,11 @@ void page_store::rewind(sequence_state& s, int layer, int64_t n, int64_t e, int6
   const size_t keep = size_t(keep_e / shape_.page_tokens) * per_page;
   for (size_t i = std::max(keep, live_entry(ls)); i < ls.pages.size(); i += per_page) unref_block(ls, i);
   ls.pages.resize(std::min(keep, ls.pages.size()));
-  ls.released = std::min(ls.released, keep_e);
+  const int64_t keep_released = std::min(ls.released, keep_e);
+  totals_.tokens -= (ls.n - ls.released) - (keep_n - keep_released);
+  ls.released = keep_released;
   ls.e = keep_e;
   ls.ring_from = std::min({ls.ring_from, ring_from, keep_e});
-  totals_.tokens -= ls.n - keep_n;
   ls.n = keep_n;
 }
 
@@ -338,7 +340,7 @@ status page_store::release(seq_id id) {
   sequence_state& s = it->second;
   for (auto& ls : s.layers) {
     for (size_t i = live_entry(ls); i < ls.pages.size(); i += size_t(shape_.kv_heads) * 2) unref_block(ls, i);
-    totals_.tokens -= ls.n;
+    totals_.tokens -= ls.n - ls.released;
   }
   give_lanes({s.ring_block, s.ring_lane, s.ring_lanes});
   free_slots_.push_back(s.slot);

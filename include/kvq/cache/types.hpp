@@ -53,7 +53,9 @@ struct cache_stats {
   uint64_t shared_pages = 0;        ///< pages listed by more than one sequence (`fork`)
   uint64_t shared_saved_bytes = 0;  ///< page bytes the extra listings of shared pages would take unshared
   int64_t sequences = 0;
-  int64_t tokens = 0;             ///< tokens held, summed over sequences and layers
+  /// Tokens held, summed over sequences and layers; a sliding layer holds its tokens from its
+  /// first live page on (those before it were released, `attention_variant::window`).
+  int64_t tokens = 0;
   uint64_t encoded_elements = 0;  ///< K and V elements held in pages
   std::array<uint64_t, format_count> bytes_by_format{};
   std::array<uint64_t, format_count> pages_by_format{};
@@ -70,8 +72,9 @@ struct cache_stats {
 
   /// Average bits per element of the pages, scales and zeros included.
   double page_bits() const { return encoded_elements ? 8.0 * page_bytes / double(encoded_elements) : 0.0; }
-  /// Bits per element of everything held (pages + windows) over the K and V elements of all
-  /// tokens: what the cache really costs per stored value.
+  /// Bits per element of everything held (pages + windows) over the K and V elements of the
+  /// tokens held: what the cache really costs per stored value (a sliding layer's released
+  /// tokens are in neither sum).
   double total_bits(int kv_heads, int head_dim) const {
     const double elems = double(tokens) * kv_heads * head_dim * 2;
     return elems > 0 ? 8.0 * double(page_bytes + window_bytes) / elems : 0.0;
