@@ -109,19 +109,16 @@ __global__ void __launch_bounds__(merge_threads) merge_kernel(const __grid_const
   const int mm = mt * 16 + r, i = mm / p.group, qh = h * p.group + mm % p.group;
   const int64_t out = int64_t(item.q_row + i) * p.o_stride + int64_t(qh) * D;
   const bool rotated = Rotated && head_rotated(p.rot, h);
-  // natural log of the scaled scores' sum (m and l are in base 2); the row's sink logit joins it
-  // here, once, after every split (`merge_sink`)
-  float o_scale = l > 0.f ? 1.f / l : 0.f, lse = l > 0.f ? (m + log2f(l)) * 0.6931471805599453f : -INFINITY;
-  if (p.sinks) merge_sink(p.sinks[qh], m, l, o_scale, lse);
+  const row_end end = end_row(m, l, p.sinks, qh);
   for (int c = threadIdx.x; c < D; c += merge_threads) {
     float o = 0.f;
 #pragma unroll
     for (int w = 0; w < warps; ++w) o += wo_sum[w][c];
-    o = l > 0.f ? (p.sinks ? o * o_scale : o / l) : 0.f;  // (no partial: an empty prefix)
+    o = end.out(o);
     if (rotated) f_s[c] = o;  // (f_s's readers finished before the reductions' barriers)
     else store_any(p.o, p.o_type, out + c, o);
   }
-  if (p.lse && threadIdx.x == 0) p.lse[int64_t(item.q_row + i) * p.q_heads + qh] = lse;
+  if (p.lse && threadIdx.x == 0) p.lse[int64_t(item.q_row + i) * p.q_heads + qh] = end.lse;
   if constexpr (Rotated) {
     if (!rotated) return;
     // A rotated head's output is R o: the first warp rotates it back (R^T) and stores it.
@@ -184,18 +181,15 @@ __global__ void __launch_bounds__(merge_rows_warps * 32) merge_rows_kernel(const
 #pragma unroll
   for (int o = 16; o > 0; o /= 2) l += __shfl_xor_sync(0xffffffffu, l, o);
   const int i = mm / p.group, qh = h * p.group + mm % p.group;
-  // natural log of the scaled scores' sum (m and l are in base 2); the row's sink logit joins it
-  // here, once, after every split (`merge_sink`)
-  float o_scale = l > 0.f ? 1.f / l : 0.f, lse = l > 0.f ? (m + log2f(l)) * 0.6931471805599453f : -INFINITY;
-  if (p.sinks) merge_sink(p.sinks[qh], m, l, o_scale, lse);
+  const row_end end = end_row(m, l, p.sinks, qh);
 #pragma unroll
-  for (int c = 0; c < per_lane; ++c) acc[c] = l > 0.f ? (p.sinks ? acc[c] * o_scale : acc[c] / l) : 0.f;  // (no partial: an empty prefix)
+  for (int c = 0; c < per_lane; ++c) acc[c] = end.out(acc[c]);
   if constexpr (Rotated)  // a rotated head's output is R o: rotated back (R^T)
     if (head_rotated(p.rot, h)) warp_rotate<per_lane>(acc, lane, p.rot.seed, p.layer, h, true);
   const int64_t out = int64_t(item.q_row + i) * p.o_stride + int64_t(qh) * D + lane * per_lane;
 #pragma unroll
   for (int c = 0; c < per_lane; ++c) store_any(p.o, p.o_type, out + c, acc[c]);
-  if (p.lse && lane == 0) p.lse[int64_t(item.q_row + i) * p.q_heads + qh] = lse;
+  if (p.lse && lane == 0) p.lse[int64_t(item.q_row + i) * p.q_heads + qh] = end.lse;
 }
 
 }  // namespace cuda::detail

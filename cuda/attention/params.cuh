@@ -112,16 +112,23 @@ __device__ __forceinline__ split_span item_splits(const attend_params& p, int T,
   return {skip < p.sink_units ? 0 : 1, 1 + (T > rest ? ceil_div(T - rest, p.tiles_per_split) : 0)};
 }
 
-// Merges a row's sink logit (natural units) into its merged partial: m the max (base 2, of the
-// scaled scores), l the sum of 2^(s - m), o_scale the factor that turns the unnormalized output
-// into the row's output (1 / l without a sink) and lse its log-sum-exp (natural log; -inf for an
-// empty row). As `merge_sink_row`: the sink's weight joins the sum and multiplies no value.
-__device__ __forceinline__ void merge_sink(float sink, float m, float l, float& o_scale, float& lse) {
-  const float s2 = sink * 1.4426950408889634f;
+// The end of a merged row: m the max (base 2, of the scaled scores), l the sum of 2^(s - m). `lse`
+// is the row's log-sum-exp (natural log; -inf for an empty row) and `out(o)` turns its
+// unnormalized output into the row's output: o / l, 0 for an empty row (no partial: an empty
+// prefix). A layer's sink logit (natural units; `sinks`, per query head) joins the sum here, once,
+// after every split, as in `merge_sink_row`: its weight multiplies no value.
+struct row_end {
+  float scale, lse;
+  bool divide;  // no sink: o / l, as before sinks existed
+  float l;
+  __device__ __forceinline__ float out(float o) const { return l > 0.f ? (divide ? o / l : o * scale) : 0.f; }
+};
+__device__ __forceinline__ row_end end_row(float m, float l, const float* sinks, int qh) {
+  if (!sinks) return {0.f, l > 0.f ? (m + log2f(l)) * 0.6931471805599453f : -INFINITY, true, l};
+  const float s2 = sinks[qh] * 1.4426950408889634f;
   const float mm = l > 0.f ? fmaxf(m, s2) : s2;
   const float a = l > 0.f ? l * exp2f(m - mm) : 0.f, total = a + exp2f(s2 - mm);
-  o_scale = l > 0.f ? exp2f(m - mm) / total : 0.f;
-  lse = (mm + log2f(total)) * 0.6931471805599453f;
+  return {l > 0.f ? exp2f(m - mm) / total : 0.f, (mm + log2f(total)) * 0.6931471805599453f, false, l};
 }
 
 static_assert(slab <= ring_slack_slots, "the ring blocks' slack covers a slab read past a sequence's last slot");
