@@ -8,7 +8,7 @@
 #   (default: tests sanitize bench peer)
 # examples: the examples that run the CUDA backend or the low-level CUDA API (examples.log).
 # ab: the decode benchmark of another build (KVQ_AB_BASE, default out/gpu-base/, staged the same
-# way from the commit to compare against) and of .gpu/, KVQ_AB_ROUNDS (default 2) rounds each,
+# way from the commit to compare against) and of KVQ_AB_NEW (default .gpu/), KVQ_AB_ROUNDS (default 2) rounds each,
 # interleaved (KVQ_AB_FILTER: a --benchmark_filter); ab.md is bench/ab_compare.py's table,
 # ab_json.tar.gz the raw results.
 # shapes: the decode benchmark over other models' attention shapes (head_dim 64/128/256, GQA 1-8;
@@ -142,7 +142,7 @@ PY
       mkdir -p "$OUT/ab"
       for r in $(seq "${KVQ_AB_ROUNDS:-2}"); do
         for who in base new; do
-          bin=$([ $who = base ] && echo "$base" || echo .gpu)/kvq_bench_decode_cuda
+          bin=$([ $who = base ] && echo "$base" || echo "${KVQ_AB_NEW:-.gpu}")/kvq_bench_decode_cuda
           "$bin" --benchmark_filter="${KVQ_AB_FILTER:-.}" --benchmark_out="$OUT/ab/${who}_$r.json" \
             --benchmark_out_format=json >/dev/null 2>&1
           rc=$((rc | $?)); echo "ab: round $r $who done"

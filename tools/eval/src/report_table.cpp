@@ -111,7 +111,7 @@ std::string render_table(const eval_report& r) {
   std::string out = grid(cols, rows);
   out += fmt::format(
       "{} teacher-forced decode positions {}..{} of {}; KL = mean KL(P_ref || P_config) in nats; bits/el = pages + "
-      "FP16 window over all K/V elements; needle = passed/trials\n",
+      "FP16 window over the K/V elements held; needle = passed/trials\n",
       r.options.tokens, r.options.prefill, r.options.prefill + r.options.tokens - 1, r.text.path);
   if (!r.options.clip_percentiles_path.empty())
     out += fmt::format("rolealign clip percentiles from {}\n", r.options.clip_percentiles_path);
