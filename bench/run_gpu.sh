@@ -4,7 +4,7 @@
 # one session so that ratios compare like with like. Logs and raw results go to $OUT (default
 # out/gpu, git-ignored).
 #   bash bench/run_gpu.sh [tests] [sanitize] [examples] [bench] [peer] [shapes] [canary] [prefill] [ab] [serve] [replay]
-#                         [step] [window]
+#                         [step] [window] [python]
 #   (default: tests sanitize bench peer)
 # examples: the examples that run the CUDA backend or the low-level CUDA API (examples.log).
 # ab: the decode benchmark of another build (KVQ_AB_BASE, default out/gpu-base/, staged the same
@@ -27,6 +27,8 @@
 # window: the sliding-window decode rows (a 4096-token window over 8 x 32K) and the 8 x 4K and
 # 8 x 32K rows of the same formats (KVQ_WINDOW_FORMATS, default kivi4/g32;kivi2/g32;sym8;fp8;fp16);
 # report_decode.py's window table (window.md: each window row over its 8 x 4K row; goal 1.10).
+# python: the Python package's tests (pytest python/tests, the GPU-marked ones included) over the
+# package scripts/gpu-stage put in .gpu/python (python.log).
 # replay: a decode step replayed from one CUDA graph (decode_step) against its eager calls, on a
 # Llama-8B-like stack at batch 1 / 8 / 32 and contexts 1K / 32K (replay.log).
 set -uo pipefail
@@ -115,6 +117,9 @@ PY
         ./.gpu/kvq_bench_decode_cuda --benchmark_filter='/B8/L(4096|32768)/' --benchmark_out="$OUT/window.json" \
         --benchmark_out_format=json > "$OUT/window.log" 2>&1; rc=$((rc | $?))
       python3 bench/report_decode.py "$OUT/window.json" /dev/null | tee "$OUT/window.md" | tail -8 ;;
+    python)
+      PYTHONPATH="$PWD/.gpu/python" python3 -m pytest python/tests -q -p no:cacheprovider 2>&1 | tee "$OUT/python.log" \
+        | tail -5; rc=$((rc | ${PIPESTATUS[0]})) ;;
     replay)
       for b in 1 8 32; do for c in 1024 32768; do
         ./.gpu/kvq_bench_replay_cuda --batch $b --context $c 2>&1 | tee -a "$OUT/replay.log"; rc=$((rc | ${PIPESTATUS[0]}))

@@ -213,7 +213,7 @@ void prefix_both(twin& t, seq_id s, int64_t T, std::mt19937& rng, const std::str
     }
     // To the fp16 rounding of the operands, as in test_cuda_prefill.cpp's require_close_lse: the
     // GPU's tensor cores take the dequantized keys in fp16, the CPU keeps them in float, and an LSE
-    // moves by the largest change of a score (2^-11 |q| |k| scale: up to 3.4e-4 (1 + |lse|) here,
+    // moves by the largest change of a score (2^-11 |q| |k| scale: up to 4.3e-4 (1 + |lse|) here,
     // at LSEs of about 26). A wrong window or cap moves it by far more; a sink logit counts where
     // the scores are near it: layer 5 of `variants`, whose capped scores are at most 3.
     INFO(about << ": lse worst relative error " << worst << " at row " << at / size_t(t.hq) << " head "

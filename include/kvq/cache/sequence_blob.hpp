@@ -89,7 +89,7 @@ struct blob_sequence {
 };
 
 /// What a blob holds (`inspect_blob`), and the plan `export_sequences` writes.
-struct blob_info {
+struct KVQ_EXPORT blob_info {
   uint32_t version = blob_version;
   cache_shape shape;
   int sink_pages = 0;
@@ -122,14 +122,15 @@ KVQ_EXPORT result<blob_info> inspect_blob(std::span<const uint8_t> blob);
 KVQ_EXPORT uint32_t crc32c(std::span<const uint8_t> bytes, uint32_t crc = 0);
 
 namespace detail {
+// (Exported from a shared libkvq for the tests, which forge blobs with them.)
 /// Lays out the payload of `info`: each block's offset and page bytes, each window's offset and
 /// bytes, `payload_bytes`.
-void lay_out_blob(blob_info& info);
+KVQ_EXPORT void lay_out_blob(blob_info& info);
 /// Lays out the payload of `info` (`lay_out_blob`) and returns its meta section (`meta_bytes` set).
-std::vector<uint8_t> plan_blob(blob_info& info);
+KVQ_EXPORT std::vector<uint8_t> plan_blob(blob_info& info);
 /// Writes the header and the meta section into `blob` (at least `info.total_bytes()` bytes, the
 /// payload already in place) and its checksums.
-void seal_blob(const blob_info& info, std::span<const uint8_t> meta, std::span<uint8_t> blob);
+KVQ_EXPORT void seal_blob(const blob_info& info, std::span<const uint8_t> meta, std::span<uint8_t> blob);
 }  // namespace detail
 
 KVQ_NAMESPACE_END
