@@ -3,8 +3,12 @@
 markdown table of docs/performance.md: kvq time, cuDNN BF16 time, their ratio, achieved TB/s and
 the fraction of the copy-bandwidth floor.
 
-usage: report_decode.py out/gpu/bench.json out/gpu/peer.csv [--svg out/gpu/decode.svg]
-                        [--csv docs/data/decode_h200.csv] > out/gpu/decode.md
+usage: report_decode.py out/gpu/bench.json out/gpu/peer.csv [--flashinfer out/gpu/peer_flashinfer.csv]
+                        [--svg out/gpu/decode.svg] [--csv docs/data/decode_h200.csv] > out/gpu/decode.md
+
+--flashinfer adds the quantized peer (bench/peer_flashinfer.py, same run): per shape the faster of
+FlashInfer's two paged decode kernels (CUDA-core and tensor-core) over a BF16 cache and over an FP8
+(e4m3) cache, and kvq's time over each (the columns "kvq / FI BF16" and "kvq / FI fp8").
 
 --csv also writes the decode table's numbers as CSV (the compact data file docs/ keeps).
 
@@ -40,9 +44,25 @@ peer = {}
 for row in csv.reader(line for line in open(sys.argv[2]) if line.startswith("peer,") and "backend" not in line):
     _, backend, B, L, *_rest = row
     peer[(backend, int(B), int(L))] = float(row[7])
+if "--flashinfer" in sys.argv:
+    for row in csv.reader(line for line in open(sys.argv[sys.argv.index("--flashinfer") + 1])
+                          if line.startswith("peer,") and "backend" not in line):
+        _, backend, B, L, *_rest = row
+        peer[(backend, int(B), int(L))] = float(row[7])
 
-print("| format | bits/elem | B | context | kvq µs | cuDNN BF16 µs | kvq / cuDNN | flash µs | kvq TB/s | floor fraction |")
-print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+
+def flashinfer_best(cache, B, L):
+    """The faster of FlashInfer's CUDA-core and tensor-core decode over a `cache` (bf16, fp8) cache."""
+    times = [peer[k] for k in ((f"flashinfer_{cache}", B, L), (f"flashinfer_{cache}_tc", B, L)) if k in peer]
+    return min(times) if times else None
+
+
+has_fi = any(k[0].startswith("flashinfer_") for k in peer)
+fi_head = " FI BF16 µs | kvq / FI BF16 | FI fp8 µs | kvq / FI fp8 |" if has_fi else ""
+
+print("| format | bits/elem | B | context | kvq µs | cuDNN BF16 µs | kvq / cuDNN | flash µs | kvq TB/s | floor fraction |"
+      + fi_head)
+print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |" + " --- |" * (4 if has_fi else 0))
 for b in bench["benchmarks"]:
     m = re.match(r"decode/(.+)/B(\d+)/L(\d+)/(?!W\d)", b["name"])
     if not m:
@@ -54,6 +74,10 @@ for b in bench["benchmarks"]:
     ratio = f"{us / cudnn:.2f}" if cudnn else "n/a"
     row = [f"{b['bits']:.2f}", B, L, f"{us:.1f}", cudnn if cudnn else "n/a", ratio, flash if flash else "n/a",
            f"{b['TBps']:.2f}", f"{b['floor_frac']:.3f}"]
+    if has_fi:
+        for cache in ("bf16", "fp8"):
+            fi = flashinfer_best(cache, B, L)
+            row += [f"{fi:.1f}", f"{us / fi:.2f}"] if fi else ["n/a", "n/a"]
     print(f"| {fmt} | " + " | ".join(str(x) for x in row) + " |")
     csv_rows.append([m.group(1)] + row)
 
@@ -61,7 +85,9 @@ if csv_path:
     with open(csv_path, "w", newline="") as f:
         w = csv.writer(f, lineterminator="\n")
         w.writerow(["format", "bits_per_elem", "batch", "context", "kvq_us", "cudnn_bf16_us", "kvq_over_cudnn",
-                    "flash_us", "kvq_tbps", "floor_fraction"])
+                    "flash_us", "kvq_tbps", "floor_fraction"]
+                   + (["flashinfer_bf16_us", "kvq_over_flashinfer_bf16", "flashinfer_fp8_us", "kvq_over_flashinfer_fp8"]
+                      if has_fi else []))
         w.writerows(csv_rows)
 
 # Codebook, nvfp4 and 3-bit formats against kivi (sym) at the same or the next code width, same run: the issue's goal for a

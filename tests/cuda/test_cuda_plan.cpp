@@ -3,7 +3,6 @@
 // stages that fit with 3 blocks per SM. (Any stage count: where warp pairs take a stage's pages in
 // turn, as with 8-bit pages on 3 stages at page_tokens 64, the kernel gives each stage one full
 // barrier per fill parity.)
-#define CATCH_CONFIG_MAIN
 #include <catch2/catch.hpp>
 
 #include "gpu_test.hpp"

@@ -8,8 +8,8 @@
 /// ctest entry's SKIP_RETURN_CODE, so ctest reports the entry as skipped. Entries that mix
 /// skippable and ordinary cases are split by tag (e.g. "[gguf]~[smollm2]" and "[smollm2]").
 ///
-/// The main file defines CATCH_CONFIG_RUNNER before including this header; other test files
-/// include it for the macro only.
+/// The one main file (catch_main.cpp, the library kvq_catch_main) defines CATCH_CONFIG_RUNNER
+/// before including this header; test files include it for the macro only.
 
 #include <catch2/catch.hpp>
 
