@@ -4,7 +4,7 @@
 # one session so that ratios compare like with like. Logs and raw results go to $OUT (default
 # out/gpu, git-ignored).
 #   bash bench/run_gpu.sh [tests] [sanitize] [examples] [bench] [peer] [shapes] [canary] [prefill] [ab] [serve] [replay]
-#                         [step] [window] [python]
+#                         [step] [window] [python] [flashinfer]
 #   (default: tests sanitize bench peer)
 # examples: the examples that run the CUDA backend or the low-level CUDA API (examples.log).
 # ab: the decode benchmark of another build (KVQ_AB_BASE, default out/gpu-base/, staged the same
@@ -29,6 +29,12 @@
 # report_decode.py's window table (window.md: each window row over its 8 x 4K row; goal 1.10).
 # python: the Python package's tests (pytest python/tests, the GPU-marked ones included) over the
 # package scripts/gpu-stage put in .gpu/python (python.log).
+# flashinfer: the quantized peer (issue 48): FlashInfer's paged decode over BF16 and FP8 caches and
+# its paged prefill (bench/peer_flashinfer.py), with kvq's decode rows of the same formats and the
+# BF16 peer in the same call (fi_kvq.json, fi_peer.csv, peer_flashinfer.csv, peer_flashinfer_prefill.csv,
+# decode_fi.md: report_decode.py --flashinfer). FlashInfer must be installed on the machine first
+# (bench/stage_flashinfer.sh device ..., an earlier call on the same held machine: FI_SITE, default
+# /tmp/fi-site); its JIT cache is FLASHINFER_WORKSPACE_BASE (default /tmp/fi-ws).
 # replay: a decode step replayed from one CUDA graph (decode_step) against its eager calls, on a
 # Llama-8B-like stack at batch 1 / 8 / 32 and contexts 1K / 32K (replay.log).
 set -uo pipefail
@@ -117,6 +123,23 @@ PY
         ./.gpu/kvq_bench_decode_cuda --benchmark_filter='/B8/L(4096|32768)/' --benchmark_out="$OUT/window.json" \
         --benchmark_out_format=json > "$OUT/window.log" 2>&1; rc=$((rc | $?))
       python3 bench/report_decode.py "$OUT/window.json" /dev/null | tee "$OUT/window.md" | tail -8 ;;
+    flashinfer)
+      fi_site=${FI_SITE:-/tmp/fi-site}
+      if [ ! -d "$fi_site/flashinfer" ]; then
+        echo "flashinfer: not installed in $fi_site (bench/stage_flashinfer.sh device ... first)"; rc=1; continue
+      fi
+      KVQ_BENCH_MODELS=0 KVQ_BENCH_ROTATED=0 KVQ_BENCH_FORMATS="${KVQ_FI_FORMATS:-fp16;fp8;sym8;kivi4/g32;kivi2/g32}" \
+        ./.gpu/kvq_bench_decode_cuda --benchmark_filter='^decode/' --benchmark_out="$OUT/fi_kvq.json" \
+        --benchmark_out_format=json > "$OUT/fi_kvq.log" 2>&1; rc=$((rc | $?))
+      python3 .gpu/peer_decode.py > "$OUT/fi_peer.csv" 2>&1; rc=$((rc | $?))
+      export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/fi-ws}
+      PYTHONPATH="$fi_site${PYTHONPATH:+:$PYTHONPATH}" python3 bench/peer_flashinfer.py > "$OUT/peer_flashinfer.csv" 2>&1
+      rc=$((rc | $?))
+      PYTHONPATH="$fi_site${PYTHONPATH:+:$PYTHONPATH}" python3 bench/peer_flashinfer.py --mode prefill \
+        > "$OUT/peer_flashinfer_prefill.csv" 2>&1; rc=$((rc | $?))
+      python3 bench/report_decode.py "$OUT/fi_kvq.json" "$OUT/fi_peer.csv" --flashinfer "$OUT/peer_flashinfer.csv" \
+        > "$OUT/decode_fi.md"; rc=$((rc | $?))
+      grep -E "^\| [^ ]+ \| [0-9.]+ \| 8 \| 32768" "$OUT/decode_fi.md"; grep -v "^#" "$OUT/peer_flashinfer_prefill.csv" ;;
     python)
       PYTHONPATH="$PWD/.gpu/python" python3 -m pytest python/tests -q -p no:cacheprovider 2>&1 | tee "$OUT/python.log" \
         | tail -5; rc=$((rc | ${PIPESTATUS[0]})) ;;
