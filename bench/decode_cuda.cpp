@@ -150,15 +150,16 @@ void bm_decode(benchmark::State& state, std::string spec, model_shape m, int bat
   const int chunk = 4096;  // tokens of an append while filling
   const double set_bytes = double(batch) * (window > 0 ? std::min(context, window) : context) * H * D * 2 * bpe / 8;
   const int sets = int(std::clamp(std::ceil(512e6 / set_bytes), 1.0, 64.0));
-  // a sliding layer holds at most its window, the chunk being appended and a page per sequence
+  // a sliding layer holds at most its window, the chunk being appended and a page per sequence, and
+  // one set more while the next set fills (a global layer's pool: the sets, as before windows)
   const double held_bytes =
-      window > 0 ? double(batch) * std::min(context, window + chunk + 128) * H * D * 2 * bpe / 8 : set_bytes;
+      window > 0 ? double(batch) * std::min(context, window + chunk + 128) * H * D * 2 * bpe / 8 * (sets + 1) : 0.0;
   kvq::cache_config cfg;
   cfg.shape = {1, Hq, H, D, 64, 128, 64};
   cfg.where = kvq::backend::cuda;
   cfg.max_sequences = batch * sets;
   cfg.max_tokens = context;
-  cfg.budget_bytes = uint64_t(std::max(set_bytes * sets, held_bytes * (sets + 1)) * 1.05) +
+  cfg.budget_bytes = uint64_t(std::max(set_bytes * sets, held_bytes) * 1.05) +
                      uint64_t(batch) * sets * (H * 2 * 128 * D * 2 + 4096) + (64 << 20);
   if (window > 0) cfg.attention = {kvq::attention_variant{window, 0.f, {}}};
   suffixes.apply(cfg);

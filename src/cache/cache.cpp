@@ -153,13 +153,20 @@ void commit_append(cache_state& st, sequence_state& s, int layer, int64_t m, app
     st.store.release_before(s, layer, var.first_key(n));
 }
 
+std::optional<int64_t> released_read(const cache_state& st, const sequence_state& s, int layer, int64_t pos) {
+  const int64_t first = st.cfg.layer_attention(layer).first_key(pos);
+  if (first >= s.layers[size_t(layer)].released) return std::nullopt;
+  return first;
+}
+
 status check_window_reach(const cache_state& st, const sequence_state& s, int layer, int64_t pos, const char* call) {
-  const int64_t released = s.layers[size_t(layer)].released, first = st.cfg.layer_attention(layer).first_key(pos);
-  if (first >= released) return {};
+  const std::optional<int64_t> first = released_read(st, s, layer, pos);
+  if (!first) return {};
+  const int64_t released = s.layers[size_t(layer)].released;
   return {errc::invalid_argument,
           fmt::format("{}: a query of sequence {} at position {} reads layer {} from token {}, but that sliding layer "
                       "(window {}) released its tokens before {} (attend each call's tokens before the next append)",
-                      call, s.id, pos, layer, first, st.cfg.layer_attention(layer).window, released)};
+                      call, s.id, pos, layer, *first, st.cfg.layer_attention(layer).window, released)};
 }
 
 }  // namespace detail
@@ -249,13 +256,13 @@ status KVCache::truncate(seq_id id, int64_t length, stream_ref stream) {
     if (length > s->layers[l].n)
       return {errc::invalid_argument, fmt::format("truncate: sequence {} layer {} holds {} tokens; cannot keep {}", id,
                                                   l, s->layers[l].n, length)};
-  for (int l = 0; l < int(s->layers.size()); ++l)
-    if (const attention_variant& var = state_->cfg.layer_attention(l); var.first_key(length) < s->layers[size_t(l)].released)
+  for (int l = 0; l < int(s->layers.size()); ++l)  // the next query, at position `length`, reads what it needs
+    if (const std::optional<int64_t> first = released_read(*state_, *s, l, length))
       return {errc::invalid_argument,
               fmt::format("truncate: sequence {} cannot keep {} tokens: its next query would read layer {} from token {}, "
                           "but that sliding layer (window {}) released its tokens before {}; keep at least {}",
-                          id, length, l, var.first_key(length), var.window, s->layers[size_t(l)].released,
-                          s->layers[size_t(l)].released + var.window - 1)};
+                          id, length, l, *first, state_->cfg.layer_attention(l).window, s->layers[size_t(l)].released,
+                          s->layers[size_t(l)].released + state_->cfg.layer_attention(l).window - 1)};
   KVQ_TRY(impl_->restore_ring(*s, length));
   state_->store.truncate(*s, length);
   return {};

@@ -3,6 +3,7 @@
 // the replayable decode step (src/cache/decode_step.cpp).
 #include <kvq/detail/backend.hpp>
 
+#include <optional>
 #include <string>
 
 KVQ_NAMESPACE_BEGIN
@@ -23,8 +24,11 @@ status move_window(const cache_shape& sh, cache_backend& b, sequence_state& s, c
 /// layer, then returns the pages no later query can see: the layer held n tokens before the append,
 /// so every query still to come stands at n or later and reads from `first_key(n)` on.
 void commit_append(cache_state& st, sequence_state& s, int layer, int64_t m, append_plan&& plan);
+/// The first token a query at position `pos` of (s, layer) reads (`attention_variant::first_key`)
+/// where a sliding layer has released it already; nothing where every token it reads is held.
+std::optional<int64_t> released_read(const cache_state& st, const sequence_state& s, int layer, int64_t pos);
 /// A call whose queries start at position `pos` of (s, layer) reads from the layer's window there:
-/// refused when a sliding layer released some of those tokens.
+/// refused when a sliding layer released some of those tokens (`released_read`).
 status check_window_reach(const cache_state& st, const sequence_state& s, int layer, int64_t pos, const char* call);
 
 /// The error of a call on a moved-from cache (its state went with the move).
