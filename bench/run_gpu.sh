@@ -171,7 +171,9 @@ PY
       for r in $(seq "${KVQ_AB_ROUNDS:-2}"); do
         for who in base new; do
           bin=$([ $who = base ] && echo "$base" || echo "${KVQ_AB_NEW:-.gpu}")/kvq_bench_decode_cuda
-          "$bin" --benchmark_filter="${KVQ_AB_FILTER:-.}" --benchmark_out="$OUT/ab/${who}_$r.json" \
+          # (each build with its own shared libraries first: a staged build's lib/ beside its binary)
+          LD_LIBRARY_PATH="$(dirname "$bin")/lib:$LD_LIBRARY_PATH" \
+            "$bin" --benchmark_filter="${KVQ_AB_FILTER:-.}" --benchmark_out="$OUT/ab/${who}_$r.json" \
             --benchmark_out_format=json >/dev/null 2>&1
           rc=$((rc | $?)); echo "ab: round $r $who done"
         done
