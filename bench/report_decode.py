@@ -41,14 +41,18 @@ svg_path = sys.argv[sys.argv.index("--svg") + 1] if "--svg" in sys.argv else Non
 csv_path = sys.argv[sys.argv.index("--csv") + 1] if "--csv" in sys.argv else None
 csv_rows = []
 peer = {}
-for row in csv.reader(line for line in open(sys.argv[2]) if line.startswith("peer,") and "backend" not in line):
-    _, backend, B, L, *_rest = row
-    peer[(backend, int(B), int(L))] = float(row[7])
-if "--flashinfer" in sys.argv:
-    for row in csv.reader(line for line in open(sys.argv[sys.argv.index("--flashinfer") + 1])
-                          if line.startswith("peer,") and "backend" not in line):
+
+
+def read_peer(path):
+    """The rows `peer,backend,B,L,...,us,...` of a peer CSV (peer_decode.py, peer_flashinfer.py) into `peer`."""
+    for row in csv.reader(line for line in open(path) if line.startswith("peer,") and "backend" not in line):
         _, backend, B, L, *_rest = row
         peer[(backend, int(B), int(L))] = float(row[7])
+
+
+read_peer(sys.argv[2])
+if "--flashinfer" in sys.argv:
+    read_peer(sys.argv[sys.argv.index("--flashinfer") + 1])
 
 
 def flashinfer_best(cache, B, L):

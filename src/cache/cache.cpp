@@ -257,12 +257,14 @@ status KVCache::truncate(seq_id id, int64_t length, stream_ref stream) {
       return {errc::invalid_argument, fmt::format("truncate: sequence {} layer {} holds {} tokens; cannot keep {}", id,
                                                   l, s->layers[l].n, length)};
   for (int l = 0; l < int(s->layers.size()); ++l)  // the next query, at position `length`, reads what it needs
-    if (const std::optional<int64_t> first = released_read(*state_, *s, l, length))
+    if (const std::optional<int64_t> first = released_read(*state_, *s, l, length)) {
+      const int64_t released = s->layers[size_t(l)].released;
+      const int window = state_->cfg.layer_attention(l).window;
       return {errc::invalid_argument,
               fmt::format("truncate: sequence {} cannot keep {} tokens: its next query would read layer {} from token {}, "
                           "but that sliding layer (window {}) released its tokens before {}; keep at least {}",
-                          id, length, l, *first, state_->cfg.layer_attention(l).window, s->layers[size_t(l)].released,
-                          s->layers[size_t(l)].released + state_->cfg.layer_attention(l).window - 1)};
+                          id, length, l, *first, window, released, released + window - 1)};
+    }
   KVQ_TRY(impl_->restore_ring(*s, length));
   state_->store.truncate(*s, length);
   return {};
