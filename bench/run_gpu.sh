@@ -41,6 +41,8 @@ set -uo pipefail
 OUT=${OUT:-$PWD/out/gpu}
 mkdir -p "$OUT"
 export LD_LIBRARY_PATH="$PWD/.gpu/lib:${LD_LIBRARY_PATH:-}"
+# (libkvq.so travels compressed: scripts/gpu-stage)
+bash scripts/gpu-unpack .gpu ${KVQ_AB_BASE:-out/gpu-base} ${KVQ_AB_NEW:-}
 steps=${*:-tests sanitize bench peer}
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 date -u +%Y-%m-%dT%H:%MZ >> "$OUT/gpu.txt"

@@ -10,6 +10,7 @@ mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0
 nccl_py=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null || true)
 export LD_LIBRARY_PATH="$PWD/.gpu/lib:/usr/local/cuda/lib:/usr/local/cuda/lib64:${nccl_py}:${LD_LIBRARY_PATH:-}"
+bash scripts/gpu-unpack .gpu  # (libkvq.so travels compressed: scripts/gpu-stage)
 steps=${*:-tests example bench}
 nvidia-smi --query-gpu=index,name,driver_version --format=csv | tee "$OUT/tp_gpu.txt"
 nvidia-smi topo -m >> "$OUT/tp_gpu.txt" 2>&1

@@ -121,8 +121,10 @@ result<launch_plan> replay_plan(const attend_args& a, int max_items_, int64_t ma
   if (!lp) return lp.error();
   if (!lp->decode)
     return status{errc::unsupported, msg("replayed attention runs the decode kernel: a GQA group of at most 8, not ", group)};
-  workspace = workspace_bytes(w, *lp);
-  return lp;
+  launch_plan out = *lp;
+  out.rules = out.rules || a.variant.window > 0;  // (planned as a global item: the layer's window masks still)
+  workspace = workspace_bytes(w, out);
+  return out;
 }
 
 status launch_attend_replay(const attend_args& a, const launch_plan& lp, const void* table, int max_items_,

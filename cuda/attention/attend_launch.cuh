@@ -13,17 +13,22 @@ KVQ_NAMESPACE_BEGIN
 namespace cuda::detail {
 namespace {
 
-// The decode kernel `lp` names over `grid` (splits, kv heads, items); `Replay`: its instance that
-// reads the items from `p.table`.
-template <int D, bool Replay>
-status launch_decode(const char* what, const attend_params& p, const launch_plan& lp, dim3 grid, cudaStream_t st) {
-  // (a 16-bit stage plan: the Wide instances)
+// The decode kernel `lp` names over `grid` (splits, kv heads, items): a 16-bit stage plan's Wide
+// instances, the window and soft-capping code only in the `Rules` instances (`launch_plan::rules`).
+// (A replayed step's kernels read its items from `p.table`: the same instances.)
+template <int D, bool Rules>
+auto decode_instance(const launch_plan& lp) {
   const bool w = lp.stage_cap == 16;
-  const auto kernel = !lp.page_stage ? (w ? decode_kernel<D, true, Replay> : decode_kernel<D, false, Replay>)
-                      : lp.two_full  ? (w ? decode_paged_kernel<D, true, false, true, Replay> : decode_paged_kernel<D, true, false, false, Replay>)
-                      : lp.whole     ? decode_paged_kernel<D, false, true, false, Replay>
-                      : w            ? decode_paged_kernel<D, false, false, true, Replay>
-                                     : decode_paged_kernel<D, false, false, false, Replay>;
+  return !lp.page_stage ? (w ? decode_kernel<D, true, Rules> : decode_kernel<D, false, Rules>)
+         : lp.two_full  ? (w ? decode_paged_kernel<D, true, false, true, Rules> : decode_paged_kernel<D, true, false, false, Rules>)
+         : lp.whole     ? decode_paged_kernel<D, false, true, false, Rules>
+         : w            ? decode_paged_kernel<D, false, false, true, Rules>
+                        : decode_paged_kernel<D, false, false, false, Rules>;
+}
+
+template <int D>
+status launch_decode(const char* what, const attend_params& p, const launch_plan& lp, dim3 grid, cudaStream_t st) {
+  const auto kernel = lp.rules ? decode_instance<D, true>(lp) : decode_instance<D, false>(lp);
   // The shared-memory opt-in belongs to the current device: set before every launch.
   KVQ_TRY(set_max_dynamic_smem(kernel, lp.smem));
   return launch(what, kernel, grid, dim3(dec_warps * 32), size_t(lp.smem), st, p);
@@ -36,7 +41,7 @@ status launch_attend_d(const attend_params& p, const launch_plan& lp, int kv_hea
   const dim3 mgrid(unsigned(items), unsigned(kv_heads * lp.mtiles), unsigned(lp.rows));
   if (lp.decode) {
     const dim3 grid(unsigned(lp.max_splits), unsigned(kv_heads), unsigned(items));
-    KVQ_TRY((launch_decode<D, false>("attention launch", p, lp, grid, st)));
+    KVQ_TRY((launch_decode<D>("attention launch", p, lp, grid, st)));
   } else {
     KVQ_TRY(launch_tile<D>("attention launch", p,
                            dim3(unsigned(lp.max_splits), unsigned(kv_heads * lp.mtiles), unsigned(items)), st));
@@ -46,7 +51,7 @@ status launch_attend_d(const attend_params& p, const launch_plan& lp, int kv_hea
 
 template <int D>
 status launch_attend_replay_d(const attend_params& p, const launch_plan& lp, dim3 grid, dim3 mgrid, cudaStream_t st) {
-  KVQ_TRY((launch_decode<D, true>("attention launch (replay)", p, lp, grid, st)));
+  KVQ_TRY((launch_decode<D>("attention launch (replay)", p, lp, grid, st)));
   return launch_merge<D, true>("merge launch (replay)", p, mgrid, st);
 }
 

@@ -39,10 +39,10 @@ __device__ __forceinline__ void issue_page(const attend_params& p, const page_ta
 // one_format_per_head`): blocks of 4/2-bit pages of one pair read whole 64-token units per step
 // (`pages`, below). An instance of its own: compiled into one kernel with the per-page dispatch,
 // it made that dispatch 2-5 % slower (register allocation), and a decode step over mixed layers
-// (EchoKV's tiers over time) 6-7 % slower. Replay: the items from `attend_params::table` (a
-// replayed step; blocks past its items exit at once). Wide: the instance of a 16-bit stage plan
-// (`decode_step`; not with Whole).
-template <int D, bool TwoFull, bool Whole, bool Wide, bool Replay = false>
+// (EchoKV's tiers over time) 6-7 % slower. Wide: the instance of a 16-bit stage plan
+// (`decode_step`; not with Whole). Rules: the instance of a layer with a sliding window or
+// soft-capping (`launch_plan::rules`; Whole: the window only, never soft-capped).
+template <int D, bool TwoFull, bool Whole, bool Wide, bool Rules>
 __global__ void __launch_bounds__(dec_warps * 32, (decode_blocks<D, Wide>))
     decode_paged_kernel(const __grid_constant__ attend_params p) {
   pdl_trigger();
@@ -53,7 +53,7 @@ __global__ void __launch_bounds__(dec_warps * 32, (decode_blocks<D, Wide>))
   const int h = blockIdx.y, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int warp = __shfl_sync(0xffffffffu, int(threadIdx.x) / 32, 0);  // (known warp-uniform: uniform registers)
   decode_item item;
-  if (!load_item<Replay>(p, int(blockIdx.z), item)) return;
+  if (!load_item(p, int(blockIdx.z), item)) return;  // (a replayed step: blocks past its items exit)
   const slab_range rg = block_slabs(p, item, 0);  // (the block's range; warps interleave below)
   if (rg.c0 >= rg.c1) return;
   const int P = p.kv.page_tokens, page_slabs = rg.page_slabs, c0 = rg.c0;  // c0: on a page boundary
@@ -174,13 +174,13 @@ __global__ void __launch_bounds__(dec_warps * 32, (decode_blocks<D, Wide>))
       sk.k = stages + st * st_bytes, sk.v = sk.k + sm.pages.v_offset[e];
       if (j + 1 < pc_end && k_st && v_st) {  // the chunk's two slabs as one step
         cur.valid = sk.valid = min(2 * slab, item.from_pages - cur.tok0);
-        decode_step<D, Cap, KK, KV, Wide, !Whole>(p, cur, sk, P, true, k_st, v_st, true, g, t, lane, sm.qh, qb, q_key, cs);
+        decode_step<D, Cap, KK, KV, Wide, Rules, Rules && !Whole>(p, cur, sk, P, true, k_st, v_st, true, g, t, lane, sm.qh, qb, q_key, cs);
       } else {
         for (int i = 0; i < 2 && j + i < pc_end; ++i) {
           slab_ref c1 = cur, s1 = sk;
           c1.tok0 = cur.tok0 + slab * i, c1.row0 = s1.row0 = cur.row0 + slab * i;
           c1.valid = s1.valid = min(slab, item.from_pages - c1.tok0);
-          decode_step<D, Cap, KK, KV, Wide, !Whole>(p, c1, s1, P, true, k_st, v_st, false, g, t, lane, sm.qh, qb, q_key, cs);
+          decode_step<D, Cap, KK, KV, Wide, Rules, Rules && !Whole>(p, c1, s1, P, true, k_st, v_st, false, g, t, lane, sm.qh, qb, q_key, cs);
         }
       }
       worked = true;
@@ -238,7 +238,7 @@ __global__ void __launch_bounds__(dec_warps * 32, (decode_blocks<D, Wide>))
 #pragma unroll
         for (int i = 0; i < 4; ++i) rs[4 * hf + i] = prs[i];
       }
-      softmax_tiles<D, 4, !Whole>(p, sc, rs, scale_log2, tok0, valid, g, cs, pv);
+      softmax_tiles<D, 4, Rules, false>(p, sc, rs, scale_log2, tok0, valid, g, cs, pv);
       values_kind<D, Cap, FV, BV, 4, HeadScale>(sk, HeadScale ? uint16_t(0) : sm.pages.fv[e].group, P, wnd, g, t, pv, valid, cs.acc, &fold);
       worked = true;
       __syncwarp();  // every lane is done with this unit's rows of the stage
@@ -320,7 +320,7 @@ __global__ void __launch_bounds__(dec_warps * 32, (decode_blocks<D, Wide>))
   }
   for (int j = max(c0, page_slabs) + warp; j < rg.c1; j += dec_warps) {  // the FP16 ring
     const slab_ref cur = locate_slab<D>(p, item, h, j, page_slabs, sm.pages);
-    decode_step<D, Cap, kind::dispatch, kind::dispatch, false, !Whole>(p, cur, cur, P, true, false, false, false, g, t, lane, sm.qh, qb, q_key, cs);
+    decode_step<D, Cap, kind::dispatch, kind::dispatch, false, Rules, Rules && !Whole>(p, cur, cur, P, true, false, false, false, g, t, lane, sm.qh, qb, q_key, cs);
     worked = true;
   }
   __syncthreads();  // the merge area overlays the stages (every page issued was waited for)

@@ -18,9 +18,9 @@ namespace cuda::detail {
 
 // One slab per stage (layers whose page-heads leave room for fewer than 3 page stages, e.g. 8 bits
 // at page_tokens 128, 16 bits at head_dim 256 and page_tokens 128; the block-staged kernel takes the others). With the two-slab step compiled
-// in, this path measured 3-10 % slower (one register allocation for both). `Replay`: the items
-// from `attend_params::table` (a replayed step; blocks past its items exit at once).
-template <int D, bool Wide, bool Replay = false>
+// in, this path measured 3-10 % slower (one register allocation for both). `Rules`: the
+// instance of a layer with a sliding window or soft-capping (`launch_plan::rules`).
+template <int D, bool Wide, bool Rules>
 __global__ void __launch_bounds__(dec_warps * 32, (decode_blocks<D, Wide>))
     decode_kernel(const __grid_constant__ attend_params p) {
   pdl_trigger();
@@ -30,7 +30,7 @@ __global__ void __launch_bounds__(dec_warps * 32, (decode_blocks<D, Wide>))
   uint8_t* stages = dsm + staged_head_bytes<D>;
   const int h = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   decode_item item;
-  if (!load_item<Replay>(p, int(blockIdx.z), item)) return;
+  if (!load_item(p, int(blockIdx.z), item)) return;  // (a replayed step: blocks past its items exit)
   const slab_range rg = block_slabs(p, item, warp);
   if (rg.c0 >= rg.c1) return;
   const int P = p.kv.page_tokens, page_slabs = rg.page_slabs, s0 = rg.s0, s1 = rg.s1;
@@ -90,7 +90,7 @@ __global__ void __launch_bounds__(dec_warps * 32, (decode_blocks<D, Wide>))
     slab_ref sk = cur;
     sk.k = st, sk.v = st + st_v, sk.row0 = 0;
 
-    decode_step<D, Cap, kind::dispatch, kind::dispatch, Wide>(p, cur, sk, rows, false, k_st, v_st, false, g, t, lane, sm.qh, qb, q_key, cs);
+    decode_step<D, Cap, kind::dispatch, kind::dispatch, Wide, Rules, Rules>(p, cur, sk, rows, false, k_st, v_st, false, g, t, lane, sm.qh, qb, q_key, cs);
     __syncwarp();  // every lane is done with this step's rows of the stage
     if (!cur.ring && ++cur_st == ns) cur_st = 0;
   }

@@ -301,8 +301,8 @@ __device__ __forceinline__ void values_wide_staged(const slab_ref& sk, family fa
 // by element, and pages wider than the stages (under a smaller `max_page_bits` hint). Wide: the
 // instance of a 16-bit stage plan, the only one with the code for 16-bit stages and for pages read
 // by element (the instances of narrower plans keep the code and registers they had without it).
-// Capped: with the soft-capping code (`softmax_tiles`).
-template <int D, int Cap, int KK = kind::dispatch, int KV = kind::dispatch, bool Wide = false, bool Capped = true>
+// Window, Capped: with the window masks, the soft-capping code (`softmax_tiles`).
+template <int D, int Cap, int KK, int KV, bool Wide, bool Window, bool Capped>
 __device__ __forceinline__ void decode_step(const attend_params& p, const slab_ref& cur, const slab_ref& sk, int rows,
                                             bool page_stage, bool k_st, bool v_st, bool pair, int g, int t, int lane,
                                             const uint4 (&qh)[D / 32][32], uint32_t (&qb)[D / 8], int& q_key,
@@ -344,7 +344,7 @@ __device__ __forceinline__ void decode_step(const attend_params& p, const slab_r
   if (pair) {
     float sc[8], rs[4] = {1.f, 1.f, 1.f, 1.f}, pv[8];
     scores_st.template operator()<2>(sc, rs);
-    softmax_tiles<D, 2, Capped>(p, sc, rs, p.scale_log2, cur.tok0, cur.valid, g, cs, pv);
+    softmax_tiles<D, 2, Window, Capped>(p, sc, rs, p.scale_log2, cur.tok0, cur.valid, g, cs, pv);
     values_st.template operator()<2>(pv);
   } else {
     // ---- S^T = K Q^T ----
@@ -372,7 +372,7 @@ __device__ __forceinline__ void decode_step(const attend_params& p, const slab_r
       }
     }
     float pv[4];
-    softmax_tiles<D, 1, Capped>(p, sc, rs, p.scale_log2, cur.tok0, cur.valid, g, cs, pv);
+    softmax_tiles<D, 1, Window, Capped>(p, sc, rs, p.scale_log2, cur.tok0, cur.valid, g, cs, pv);
 
     // ---- O^T += V^T P^T ----
     if (v_st) {

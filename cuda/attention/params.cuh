@@ -91,6 +91,12 @@ __device__ __forceinline__ bool load_item(const attend_params& p, int i, decode_
   }
   return true;
 }
+// The decode kernels: the replayed step's table where the call has one (a branch once per block,
+// not kernel instances of their own: they doubled the decode kernels' code, which the `Rules`
+// instances needed room for).
+__device__ __forceinline__ bool load_item(const attend_params& p, int i, decode_item& out) {
+  return p.table ? load_item<true>(p, i, out) : load_item<false>(p, i, out);
+}
 
 // The units an item's attention leaves out in a sliding layer (`window_skip_units`): from its first
 // query's position on (the prefix kernels and the tile kernel's prefix mode: the call's, set on the

@@ -46,10 +46,11 @@ __device__ __forceinline__ float ex2(float x) {  // 2^x, one MUFU op (-inf -> 0)
 // the S slabs and P is left in `pv`. `rs`: per-row score scales (fp8 keys), `cz`: per-column
 // score offsets (KIVI zeros).
 // `p`: the layer's attention rule (a sliding window's first tokens, soft-capping), read from the
-// parameters where used, so that a global layer's loop holds no more registers than before.
-// Capped = false: no soft-capping code (the whole-unit instance, which the plan never gives a
-// soft-capped layer: the code made its global layers' loop spill).
-template <int D, int S, bool Capped = true>
+// parameters where used. Window = false: no window masks, Capped = false: no soft-capping code
+// (the instances of layers without them, `launch_plan::rules`: the code made the plain decode
+// loops spill, up to 10 % slower; and the whole-unit instance, which the plan never gives a
+// soft-capped layer).
+template <int D, int S, bool Window, bool Capped>
 __device__ __forceinline__ void softmax_tiles(const attend_params& p, float (&sc)[4 * S], const float (&rs)[2 * S],
                                               float scale_log2, int tok0, int valid, int g, column_state<D>& cs,
                                               float (&pv)[4 * S]) {
@@ -64,6 +65,7 @@ __device__ __forceinline__ void softmax_tiles(const attend_params& p, float (&sc
   // A column sees the rows before `valid`, from its window's first token to its query's.
   const auto seen = [&](int i) {
     const int e = i % 4, row = slab * (i / 4) + g + (e / 2) * 8;
+    if constexpr (!Window) return row < valid && tok0 + row <= last_visible[e % 2];
     const int w = p.window > 0 ? p.window - 1 : INT_MAX / 2;  // (window 0: every first token below 0)
     return row < valid && tok0 + row <= last_visible[e % 2] && tok0 + row >= last_visible[e % 2] - w;
   };
@@ -76,7 +78,7 @@ __device__ __forceinline__ void softmax_tiles(const attend_params& p, float (&sc
       tile_max[i % 2] = fmaxf(tile_max[i % 2], sc[i]);
     }
   } else if (valid >= slab * S && tok0 + slab * S - 1 <= cs.all_visible &&
-             (p.window == 0 ||  // (warp-uniform) nothing to mask; a sliding layer's: every column's window holds tok0
+             (!Window || p.window == 0 ||  // (warp-uniform) nothing to mask; a sliding layer's: every column's window holds tok0
               __all_sync(0xffffffffu, tok0 >= max(last_visible[0], last_visible[1]) - (p.window - 1)))) {
 #pragma unroll
     for (int i = 0; i < 4 * S; ++i) {

@@ -134,3 +134,24 @@ TEST_CASE("attention plan: a sliding window plans the tokens it reads", "[cuda][
   CHECK(windowed.max_splits == short_ctx.max_splits);
   CHECK(windowed.tokens_per_split == short_ctx.tokens_per_split);
 }
+
+// The window's masks and soft-capping run in decode instances of their own: a layer with either
+// gets them, eager or replayed (its replayed plan is made for a global item of the window's
+// tokens, and still names them); a global layer, the instances without that code.
+TEST_CASE("attention plan: the rule instances serve sliding and soft-capped layers only", "[cuda][plan][variants]") {
+  const int bits = GENERATE(3, 4, 8, 16);
+  CAPTURE(bits);
+  cuda::attend_args a = layer(64, bits, bits <= 4);
+  CHECK_FALSE(eager(a, 8, 4096).rule_code);
+  size_t ws = 0;
+  CHECK_FALSE(cuda::detail::replay_plan(a, 8, 32768, ws).value_or_throw().rules);
+  cuda::attend_args sliding = a;
+  sliding.variant.window = 1024;
+  CHECK(eager(sliding, 8, 32768).rule_code);
+  CHECK(cuda::detail::replay_plan(sliding, 8, 32768, ws).value_or_throw().rules);
+  cuda::attend_args capped = a;
+  capped.variant.softcap = 30.f;
+  CHECK(eager(capped, 8, 4096).rule_code);
+  CHECK_FALSE(eager(capped, 8, 4096).whole_units);  // (the whole-unit instance has no soft-capping)
+  CHECK(cuda::detail::replay_plan(capped, 8, 32768, ws).value_or_throw().rules);
+}

@@ -273,6 +273,7 @@ struct attend_plan_info {
   int smem_bytes = 0;        ///< staged kernels: dynamic shared memory per thread block
   int blocks_per_sm = 0;     ///< staged kernels: resident thread blocks per SM
   bool whole_units = false;  ///< block-staged kernel: the instance for `one_format_per_head` (64-token steps)
+  bool rule_code = false;    ///< decode kernels: the instance with a sliding window's masks and soft-capping
   int max_splits = 0;        ///< thread blocks per (sequence, kv head), at most
   int tokens_per_split = 0;  ///< tokens each of them reads, at most
 };
