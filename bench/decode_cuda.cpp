@@ -336,20 +336,24 @@ void bm_append_step(benchmark::State& state, std::string spec, int batch, int co
 }
 
 const int registered = [] {
-  const char* formats_env = std::getenv("KVQ_BENCH_FORMATS");
-  // (cb4, cb2: codebook kinds, nvfp4, beside kivi4 / kivi2 at the same bits; kivi3: the 3-bit kind)
-  std::vector<std::string> formats = {"fp16",      "sym8", "kivi8/g32", "fp8", "kivi4/g32", "k=kivi4/g32,v=kivi2/g32", "kivi2/g32",
-                                      "kivi4/g32|kivi2/g32", "cb4", "cb2", "kivi3/g32", "nvfp4"};
-  if (formats_env) {
-    formats.clear();
-    std::string s = formats_env;
+  // A ';'-separated list from the environment variable `name`, else `fallback`.
+  const auto formats_from = [](const char* name, std::vector<std::string> fallback) {
+    const char* env = std::getenv(name);
+    if (!env) return fallback;
+    std::vector<std::string> out;
+    std::string s = env;
     for (size_t p = 0; p <= s.size();) {
       const size_t q = s.find(';', p);
-      formats.push_back(s.substr(p, q == std::string::npos ? std::string::npos : q - p));
+      out.push_back(s.substr(p, q == std::string::npos ? std::string::npos : q - p));
       if (q == std::string::npos) break;
       p = q + 1;
     }
-  }
+    return out;
+  };
+  // (cb4, cb2: codebook kinds, nvfp4, beside kivi4 / kivi2 at the same bits; kivi3: the 3-bit kind)
+  std::vector<std::string> formats =
+      formats_from("KVQ_BENCH_FORMATS", {"fp16", "sym8", "kivi8/g32", "fp8", "kivi4/g32", "k=kivi4/g32,v=kivi2/g32",
+                                         "kivi2/g32", "kivi4/g32|kivi2/g32", "cb4", "cb2", "kivi3/g32", "nvfp4"});
   const char* rot_env = std::getenv("KVQ_BENCH_ROTATED");
   const std::string rot = rot_env ? rot_env : "";
   std::vector<std::string> runs;  // each format, then (unless excluded) the same rotated
@@ -382,13 +386,15 @@ const int registered = [] {
             ->Unit(benchmark::kMicrosecond);
   // Other models' shapes: the formats of each bit width and decode family the kernels stage (the
   // codebooks and nvfp4 for their level lookups), at a short and a long
-  // context (KVQ_BENCH_FORMATS does not apply here).
-  // Each also rotated (`<format>+rot`), as the formats above, unless KVQ_BENCH_ROTATED excludes it.
+  // context (KVQ_BENCH_SHAPE_FORMATS, a list as KVQ_BENCH_FORMATS's, replaces them: e.g. formats
+  // with and without `+sink`). Each also rotated (`<format>+rot`), as the formats above, unless
+  // KVQ_BENCH_ROTATED excludes it.
   const std::pair<int, int> model_contexts[] = {{8, 4096}, {8, 32768}};
   std::vector<std::string> shape_formats;
-  for (const char* f : {"fp16", "fp8", "int8", "kivi8/g32", "kivi4/g32", "kivi3/g32", "kivi2/g32", "cb4", "cb2", "nvfp4"}) {
+  for (const std::string& f : formats_from("KVQ_BENCH_SHAPE_FORMATS", {"fp16", "fp8", "int8", "kivi8/g32", "kivi4/g32",
+                                                                      "kivi3/g32", "kivi2/g32", "cb4", "cb2", "nvfp4"})) {
     if (rot != "only") shape_formats.push_back(f);
-    if (rot != "0") shape_formats.push_back(std::string(f) + "+rot");
+    if (rot != "0" && f.find("+rot") == std::string::npos) shape_formats.push_back(f + "+rot");
   }
   if (models != "0")
     for (const model_shape& m : model_shapes)
