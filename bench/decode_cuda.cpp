@@ -1,7 +1,8 @@
 // GPU decode-attention benchmark of kvq's CUDA backend: Llama-8B-like layer (32 query heads,
 // 8 kv heads, head_dim 128), batch x context from the peer script's shapes, one format per run;
 // and the attention shapes of other models (`decode_shape/<model>/...`: head_dim 64, 128 and 256,
-// GQA groups 1 to 8; KVQ_BENCH_MODELS=0 leaves them out, =only runs just them), each beside
+// GQA groups 1 to 8; KVQ_BENCH_MODELS=0 leaves them out, =only runs just them; KVQ_BENCH_SHAPE_FORMATS
+// picks their formats), each beside
 // peer_decode.py run with the same heads (bench/run_gpu.sh shapes; report: bench/report_shapes.py).
 // CUDA-event timing (median over iterations), cold L2 by rotating over sets of sequences larger
 // than the L2, bytes processed = the bytes the kernel must read (pages with scales + the FP16
