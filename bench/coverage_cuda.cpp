@@ -34,9 +34,10 @@ std::vector<int> int_list(const char* s) {
 }
 
 // A step of `batch` sequences of `n` tokens, `q_len` queries each, in a layer of 8 kv heads and
-// 32 query heads; `bits` and `one_format`: the layer's hint (`attend_args::max_page_bits`,
-// `one_format_per_head`).
-kvq::result<kvq::cuda::attend_plan_info> plan(int head_dim, int page_tokens, int bits, bool one_format, int q_len) {
+// 32 query heads; `bits`, `one_format` and `three`: the layer's hint (`attend_args::max_page_bits`,
+// `one_format_per_head`, `three_bit_pages`).
+kvq::result<kvq::cuda::attend_plan_info> plan(int head_dim, int page_tokens, int bits, bool one_format, int q_len,
+                                              bool three = false) {
   using namespace kvq;
   cuda::paged_view kv;
   kv.layers = 1;
@@ -56,19 +57,22 @@ kvq::result<kvq::cuda::attend_plan_info> plan(int head_dim, int page_tokens, int
   a.items = items;
   a.max_page_bits = bits;
   a.one_format_per_head = one_format;
+  a.three_bit_pages = three;
   return cuda::attend_plan(a);
 }
 
-// "block-staged, whole units, 4-bit stages x 6" and the like.
-std::string describe(const kvq::result<kvq::cuda::attend_plan_info>& p, int bits) {
+// "block-staged, whole units, 4-bit stages x 6" and the like; `by_element`: the format's note
+// where its pages are read by element (16-bit stages).
+std::string describe(const kvq::result<kvq::cuda::attend_plan_info>& p, const std::string& by_element = "") {
   using kvq::cuda::attend_kernel;
   if (!p) return "refused";
   const auto& i = p.value();
   if (i.kernel == attend_kernel::tile) return "tile";
   std::string s = i.kernel == attend_kernel::decode_block_staged ? "block-staged" : "per-warp staged";
   if (i.whole_units) s += ", whole units";
-  s += ", " + std::to_string(bits) + "-bit stages x " + std::to_string(i.stages);
-  return s;
+  if (i.three_bit_dispatch) s += ", 3-bit dispatch";
+  s += ", " + std::to_string(i.stage_bits) + "-bit stages x " + std::to_string(i.stages);
+  return i.stage_bits == 16 ? s + by_element : s;
 }
 
 }  // namespace
@@ -110,17 +114,15 @@ int main(int argc, char** argv) {
     for (int P : pages)
       for (int D : dims) {
         if (cuda::page_bytes(role::k, P, D)[f] == 0 || cuda::page_bytes(role::v, P, D)[f] == 0) continue;
-        const int one_bits = cuda::head_kernel_bits(id, id), mixed_bits = cuda::kernel_bits(id);
-        const auto one = plan(D, P, one_bits, true, 1);
-        // the plan falls back to kernel_bits where its one-format instance does not run (3-bit pairs)
-        const bool one_whole = one && one.value().whole_units;
-        const auto one_used = one_whole || one_bits == mixed_bits ? one : plan(D, P, mixed_bits, true, 1);
-        const auto mixed = plan(D, P, mixed_bits, false, 1);
-        const auto extend = plan(D, P, mixed_bits, false, 4);
+        // the hints the CUDA backend gives a layer of this format on every head, and a layer of
+        // it among other formats (3-bit kinds counted as 3 bits: `three_bit_pages`)
+        const bool three = cuda::three_bit_kind(id);
+        const auto one = plan(D, P, cuda::head_kernel_bits(id, id), true, 1, three);
+        const auto mixed = plan(D, P, cuda::three_bit_kernel_bits(id), false, 1, three);
+        const auto extend = plan(D, P, cuda::kernel_bits(id), false, 4);
         const std::string by_element = cuda::read_by_element(t) ? " (pages read by element)" : "";
         std::printf("| %s | %d | %d | %d | %s | %s | %s | %s |\n", format_name(id).c_str(), int(t.bits), P, D,
-                    (describe(one_used, one_whole ? one_bits : mixed_bits) + (one_whole ? "" : by_element)).c_str(),
-                    (describe(mixed, mixed_bits) + by_element).c_str(), describe(extend, mixed_bits).c_str(),
+                    describe(one, by_element).c_str(), describe(mixed, by_element).c_str(), describe(extend).c_str(),
                     t.bits == 16                      ? "read in place (fp16)"
                     : cuda::tile_reads_by_element(t) ? "staged to fp16, by element"
                                                      : "staged to fp16");

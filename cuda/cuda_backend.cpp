@@ -79,6 +79,7 @@ class cuda_backend final : public cache_backend {
     KVQ_TRY(cuda_status(cudaDeviceGetAttribute(&sms_, cudaDevAttrMultiProcessorCount, dev_), "cudaDeviceGetAttribute"));
     max_pages_ = int(cuda_max_pages(cfg_));
     layer_bits_.assign(size_t(sh.layers), 2);
+    layer_bits3_.assign(size_t(sh.layers), 2);
     head_pair_.assign(size_t(sh.layers) * sh.kv_heads, -1);
     hints_.assign(size_t(sh.layers), decode_hint{2, true, false});
     KVQ_TRY(arena_.allocate(store_.arena().capacity(), "cache arena"));
@@ -314,8 +315,9 @@ class cuda_backend final : public cache_backend {
   }
 
   // After a write succeeded: notes, for the decode kernel's choice, the widest format of the
-  // layer (a format read by element counts as 16 bits: `kernel_bits`), whether each head has
-  // kept one format pair, and the hint that follows (`hints_`). Sink pages (FP16,
+  // layer (a format read by element counts as 16 bits: `kernel_bits`; in `layer_bits3_` the 3-bit
+  // kinds count as 3: `three_bit_kernel_bits`), whether each head has kept one format pair, and
+  // the hint that follows (`hints_`). Sink pages (FP16,
   // `cache_config::sink_pages`) are left out: a decode call gives them a split of their own
   // (`attend_args::sink_pages`), which reads them from global memory, so a layer's plan stays
   // the one of the pages the policy chose.
@@ -327,9 +329,11 @@ class cuda_backend final : public cache_backend {
     const size_t sinks = size_t(cache_state::sink_pages_among(cfg_, first_page, pages));
     for (size_t at = sinks * size_t(per_page); at < entries.size(); at += size_t(per_page)) {
       if (entries[at].offset == released_page) continue;  // (a sliding layer's page released: no format)
-      for (int j = 0; j < per_page; ++j)
-        layer_bits_[size_t(layer)] =
-            std::max(layer_bits_[size_t(layer)], uint8_t(cuda::kernel_bits(entries[at + size_t(j)].fmt)));
+      for (int j = 0; j < per_page; ++j) {
+        const format_id f = entries[at + size_t(j)].fmt;
+        layer_bits_[size_t(layer)] = std::max(layer_bits_[size_t(layer)], uint8_t(cuda::kernel_bits(f)));
+        layer_bits3_[size_t(layer)] = std::max(layer_bits3_[size_t(layer)], uint8_t(cuda::three_bit_kernel_bits(f)));
+      }
       for (int h = 0; h < cfg_.shape.kv_heads; ++h) {
         const int pair = 256 * int(entries[at + size_t(2 * h)].fmt) + int(entries[at + size_t(2 * h + 1)].fmt);
         int16_t& hp = head_pair_[size_t(layer) * cfg_.shape.kv_heads + size_t(h)];
@@ -339,14 +343,17 @@ class cuda_backend final : public cache_backend {
           hp = -2;
       }
     }
-    decode_hint h{2, true, false};
+    decode_hint h{2, true, layer_bits3_[size_t(layer)] < layer_bits_[size_t(layer)]};
     for (int i = 0; i < cfg_.shape.kv_heads && h.one_pair; ++i) {
       const int16_t hp = head_pair_[size_t(layer) * cfg_.shape.kv_heads + size_t(i)];
       if (hp == -2) h.one_pair = false;
       if (hp < 0) continue;
-      const int bits = cuda::head_kernel_bits(format_id(hp >> 8), format_id(hp & 255));
+      const format_id k = format_id(hp >> 8), v = format_id(hp & 255);
+      const int bits = cuda::head_kernel_bits(k, v);
       h.bits = uint8_t(std::max(int(h.bits), bits));
-      h.three = h.three || bits == 3;
+      // (a head of one 3-bit kind beside another format, e.g. K 4 / V 3 bits: the whole-unit
+      // instance reads 3-bit pages only in blocks of one 3-bit pair, so the layer plans as mixed)
+      if ((cuda::three_bit_kind(k) || cuda::three_bit_kind(v)) && bits != 3) h.one_pair = false;
     }
     hints_[size_t(layer)] = h;
   }
@@ -446,17 +453,14 @@ class cuda_backend final : public cache_backend {
     set_call(a, layer, q, o);
     a.items = items_;
     a.rotation = rotation_of(layer);  // before the plan: the workspace holds the rotated queries
-    // Heads of one 3-bit kind pair each (kivi3/kivi3, sym3/sym3) count 3 bits, so that the
-    // block-staged kernel's Whole instance reads their pages staged; where the plan is another
-    // kernel or instance, 16 (by element).
+    // Pages of the 3-bit kinds count 3 bits (`three_bit_pages`): heads of one 3-bit kind pair each
+    // (kivi3/kivi3, sym3/sym3) in the block-staged kernel's Whole instance, other layers in its
+    // Three instances; where the plan is another kernel, 16 (by element: the plan's own fallback).
     const decode_hint hint = hints_[size_t(layer)];
     a.one_format_per_head = hint.one_pair;
-    a.max_page_bits = hint.one_pair ? hint.bits : layer_bits_[size_t(layer)];
-    result<cuda::detail::launch_plan> plan = cuda::detail::checked_plan(a);  // once per call (twice at most)
-    if (plan && hint.one_pair && hint.three && plan->decode && !plan->whole) {
-      a.max_page_bits = layer_bits_[size_t(layer)];
-      plan = cuda::detail::checked_plan(a);
-    }
+    a.three_bit_pages = hint.three;
+    a.max_page_bits = hint.one_pair ? hint.bits : (hint.three ? layer_bits3_ : layer_bits_)[size_t(layer)];
+    const result<cuda::detail::launch_plan> plan = cuda::detail::checked_plan(a);  // once per call
     if (!plan) return plan.error();
     const size_t need = cuda::detail::workspace_bytes(a, *plan);
     KVQ_TRY(reserve_workspace(need));
@@ -844,11 +848,13 @@ class cuda_backend final : public cache_backend {
   cuda::paged_view view_;
   std::vector<cuda::decode_item> items_;
   std::vector<cuda::ring_restore> restore_jobs_;  // a truncation's layers (kept: no allocation per call)
-  std::vector<uint8_t> layer_bits_;  // [layers] the widest code bits of any page the layer has held
-  std::vector<int16_t> head_pair_;   // [layers][kv_heads] 256 K + V of the head's pages; -1 none yet, -2 several
-  // A layer's decode hint, from its `head_pair_`: whether each kv head has kept one pair, the
-  // widest `head_kernel_bits` of its heads (a 3-bit kind pair at 3), and whether a head holds a
-  // 3-bit kind pair (then a plan that is not the Whole instance is made again at `layer_bits_`).
+  std::vector<uint8_t> layer_bits_;   // [layers] the widest `kernel_bits` of any page the layer has held
+  std::vector<uint8_t> layer_bits3_;  // [layers] the same in `three_bit_kernel_bits` (3-bit kinds: 3)
+  std::vector<int16_t> head_pair_;    // [layers][kv_heads] 256 K + V of the head's pages; -1 none yet, -2 several
+  // A layer's decode hint, from its `head_pair_`: whether each kv head has kept one pair (and no
+  // head holds a 3-bit kind beside another format), the widest `head_kernel_bits` of its heads (a
+  // 3-bit kind pair at 3), and whether the layer has held a page of a 3-bit kind
+  // (`attend_args::three_bit_pages`).
   struct decode_hint {
     uint8_t bits;
     bool one_pair, three;

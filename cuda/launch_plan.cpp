@@ -97,14 +97,25 @@ launch_plan plan_for(const attend_args& a) {
     // time), so take the s of least cost, the fewest splits on a tie. At least 4 slabs per warp,
     // at most max_cta_slabs per block (the page table cache).
     // A soft-capped layer never runs the whole-unit instance (compiled without soft-capping: the
-    // code made its loop spill); its 3-bit pairs, staged there only, are read by element (16 bits).
+    // code made its loop spill).
     const bool capped = a.variant.softcap > 0.f;
     // The window's masks and soft-capping are compiled into instances of their own (`rules`): in
     // the plain instances they made global layers' decode up to 10 % slower (spills).
     lp.rules = capped || a.variant.window > 0;
-    const int max_bits = capped && a.max_page_bits == 3 ? 16 : a.max_page_bits;
     with_head_dim(a.kv.head_dim,
-                  [&]<int D>() { plan_stages<D>(a.kv, max_bits, a.one_format_per_head && !capped, lp); });
+                  [&]<int D>() { plan_stages<D>(a.kv, a.max_page_bits, a.one_format_per_head && !capped, lp); });
+    // 3-bit pages counted as 3 bits (`three_bit_pages`, or a hint of 3: heads of 3-bit pairs):
+    // the Whole instance reads blocks of one 3-bit pair; a block-staged plan of narrow stages
+    // otherwise runs a Three instance, whose dispatch reads them beside other formats. Elsewhere
+    // (the per-warp staged kernel) they are read by element: the plan of a hint of 16.
+    const bool three_bits = a.three_bit_pages || a.max_page_bits == 3;
+    if (three_bits && lp.stage_cap < 16 && !lp.whole) {
+      lp.three = lp.page_stage > 0;
+      if (!lp.three) {
+        lp.page_stage = 0, lp.two_full = false;
+        with_head_dim(a.kv.head_dim, [&]<int D>() { plan_stages<D>(a.kv, 16, a.one_format_per_head && !capped, lp); });
+      }
+    }
     // Sink pages: split 0 of every (item, kv head), so that no other block holds them; the
     // other splits share the rest. A sink block is short (its units + 8): it costs nothing where
     // it fits in the last wave's free slots, else a short wave of its own per wave it overflows.
@@ -200,6 +211,8 @@ result<attend_plan_info> attend_plan(const attend_args& a) {
   info.blocks_per_sm = lp.per_sm;
   info.whole_units = lp.decode && lp.page_stage && lp.whole;
   info.rule_code = lp.rules;
+  info.three_bit_dispatch = lp.three;
+  info.stage_bits = lp.stage_cap;
   return info;
 }
 

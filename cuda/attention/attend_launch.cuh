@@ -14,11 +14,14 @@ namespace cuda::detail {
 namespace {
 
 // The decode kernel `lp` names over `grid` (splits, kv heads, items): a 16-bit stage plan's Wide
-// instances, the window and soft-capping code only in the `Rules` instances (`launch_plan::rules`).
+// instances, the window and soft-capping code only in the `Rules` instances (`launch_plan::rules`),
+// the 3-bit kinds' dispatch only in the Three instances (`launch_plan::three`).
 // (A replayed step's kernels read its items from `p.table`: the same instances.)
 template <int D, bool Rules>
 auto decode_instance(const launch_plan& lp) {
   const bool w = lp.stage_cap == 16;
+  if (lp.three)  // (3-bit pages among other formats: block-staged, narrow stages, not Whole)
+    return lp.two_full ? decode_paged_kernel<D, true, false, false, Rules, true> : decode_paged_kernel<D, false, false, false, Rules, true>;
   return !lp.page_stage ? (w ? decode_kernel<D, true, Rules> : decode_kernel<D, false, Rules>)
          : lp.two_full  ? (w ? decode_paged_kernel<D, true, false, true, Rules> : decode_paged_kernel<D, true, false, false, Rules>)
          : lp.whole     ? decode_paged_kernel<D, false, true, false, Rules>

@@ -41,10 +41,15 @@ __device__ __forceinline__ void issue_page(const attend_params& p, const page_ta
 // it made that dispatch 2-5 % slower (register allocation), and a decode step over mixed layers
 // (EchoKV's tiers over time) 6-7 % slower. Wide: the instance of a 16-bit stage plan
 // (`decode_step`; not with Whole). Rules: the instance of a layer with a sliding window or
-// soft-capping (`launch_plan::rules`; Whole: the window only, never soft-capped).
-template <int D, bool TwoFull, bool Whole, bool Wide, bool Rules>
+// soft-capping (`launch_plan::rules`; Whole: the window only, never soft-capped). Three: the
+// instance of a layer whose 3-bit pages are among other formats (`launch_plan::three`; not with
+// Whole or Wide): its per-page dispatch has the 3-bit kinds' cases (`kind::dispatch3`), and blocks
+// of one 3-bit pair run their chunk loops. (In the other instances those cases made layers without
+// 3-bit pages 5-14 % slower: register allocation, stack 168 -> 280 bytes.)
+template <int D, bool TwoFull, bool Whole, bool Wide, bool Rules, bool Three = false>
 __global__ void __launch_bounds__(dec_warps * 32, (decode_blocks<D, Wide>))
     decode_paged_kernel(const __grid_constant__ attend_params p) {
+  static_assert(!(Three && (Whole || Wide)), "the Three instances: narrow stages, no whole units");
   pdl_trigger();
   constexpr int Cap = 8;
   extern __shared__ __align__(128) uint8_t dsm[];
@@ -85,10 +90,10 @@ __global__ void __launch_bounds__(dec_warps * 32, (decode_blocks<D, Wide>))
   // barriers) kivi8, sym8, fp8; 4/2-bit kivi4, kivi2, sym4, sym2, cb4, cb2, fp4 and KIVI's K4V2): whole 64-token
   // units per step (`pages`, the Whole instance, page_tokens 64 and up), else 32-token chunks
   // (`chunks`). Blocks of one 3-bit pair (kivi3, sym3: `three_bit_pairs`) run chunk loops of their
-  // own in the Whole instance only: the only code that reads 3-bit pages staged (the host plans
-  // that instance for them, `head_kernel_bits`; compiled into the non-Whole instance, whose
-  // per-page dispatch reads the layers of mixed pages, they made those layers 5-14 % slower).
-  // Other blocks run 32-token chunks that dispatch on each page's kinds, which have no 3-bit cases.
+  // own in the Whole instance and the Three instances, the only code that reads 3-bit pages staged
+  // (the host plans them for such layers: `head_kernel_bits`, `attend_args::three_bit_pages`).
+  // Other blocks run 32-token chunks that dispatch on each page's kinds, with 3-bit cases in the
+  // Three instances only.
   // (16-bit pages: `wide_pair` where every page of the block has 16-bit K and V)
   const auto uniform_kinds = [&]() {  // the (K kind, V kind) of every page of the block, both staged; else -1
     bool same = true;
@@ -168,8 +173,8 @@ __global__ void __launch_bounds__(dec_warps * 32, (decode_blocks<D, Wide>))
       cur.row0 = cur.tok0 & (P - 1);
       mbar_wait(full_bar(st, fill), full_parity(fill));
       // (narrower instances: no page read by element, so the width alone says what the stages hold)
-      const bool k_st = KK != kind::dispatch || (Wide ? stages_hold(cur.fk, cur.kk, p.stage_cap) : cur.fk.bits <= p.stage_cap),
-                 v_st = KV != kind::dispatch || (Wide ? stages_hold(cur.fv, cur.kv, p.stage_cap) : cur.fv.bits <= p.stage_cap);
+      const bool k_st = !per_page(KK) || (Wide ? stages_hold(cur.fk, cur.kk, p.stage_cap) : cur.fk.bits <= p.stage_cap),
+                 v_st = !per_page(KV) || (Wide ? stages_hold(cur.fv, cur.kv, p.stage_cap) : cur.fv.bits <= p.stage_cap);
       slab_ref sk = cur;
       sk.k = stages + st * st_bytes, sk.v = sk.k + sm.pages.v_offset[e];
       if (j + 1 < pc_end && k_st && v_st) {  // the chunk's two slabs as one step
@@ -293,15 +298,26 @@ __global__ void __launch_bounds__(dec_warps * 32, (decode_blocks<D, Wide>))
   } else {
     // A block whose pages all have the same staged K and V kinds runs the chunk loop compiled for
     // them (no dispatch per step): the pairs of `eight_bit_pairs` in the two-full-barrier ring,
-    // those of `whole_unit_pairs` otherwise.
+    // those of `whole_unit_pairs` otherwise, and in the Three instances `three_bit_pairs`; other
+    // blocks dispatch per page (Three: `kind::dispatch3`).
+    constexpr int Disp = Three ? kind::dispatch3 : kind::dispatch;
     kinds = uniform_kinds();
-    if constexpr (TwoFull) {
+    bool done = false;
+    if constexpr (Three) {
+      static_assert(three_bit_pairs::size == 2, "a pair without its case here");
+      done = true;
+      if (kinds == listed_pair<three_bit_pairs, kind::kivi3, kind::kivi3>) chunks.template operator()<kind::kivi3, kind::kivi3>();
+      else if (kinds == listed_pair<three_bit_pairs, kind::sym3, kind::sym3>) chunks.template operator()<kind::sym3, kind::sym3>();
+      else done = false;
+    }
+    if (done) {
+    } else if constexpr (TwoFull) {
       static_assert(eight_bit_pairs::size == 3, "a pair without its case here");
       switch (kinds) {
         case listed_pair<eight_bit_pairs, kind::kivi8, kind::kivi8>: chunks.template operator()<kind::kivi8, kind::kivi8>(); break;
         case listed_pair<eight_bit_pairs, kind::sym8, kind::sym8>: chunks.template operator()<kind::sym8, kind::sym8>(); break;
         case listed_pair<eight_bit_pairs, kind::fp8, kind::fp8>: chunks.template operator()<kind::fp8, kind::fp8>(); break;
-        default: chunks.template operator()<kind::dispatch, kind::dispatch>(); break;
+        default: chunks.template operator()<Disp, Disp>(); break;
       }
     } else {
       static_assert(whole_unit_pairs::size == 8, "a pair without its case here");
@@ -314,7 +330,7 @@ __global__ void __launch_bounds__(dec_warps * 32, (decode_blocks<D, Wide>))
         case listed_pair<whole_unit_pairs, kind::cb4, kind::cb4>: chunks.template operator()<kind::cb4, kind::cb4>(); break;
         case listed_pair<whole_unit_pairs, kind::cb2, kind::cb2>: chunks.template operator()<kind::cb2, kind::cb2>(); break;
         case listed_pair<whole_unit_pairs, kind::fp4, kind::fp4>: chunks.template operator()<kind::fp4, kind::fp4>(); break;
-        default: chunks.template operator()<kind::dispatch, kind::dispatch>(); break;
+        default: chunks.template operator()<Disp, Disp>(); break;
       }
     }
   }

@@ -214,13 +214,19 @@ __device__ __forceinline__ void values_kind(const slab_ref& sk, uint16_t group, 
 }
 
 // The K part and the V part of a step of S staged slabs of one page, compiled per kind of format:
-// the kind `Kind` (not `kind::dispatch`: a block whose pages are all of one kind), or the page's.
+// the kind `Kind` (a block whose pages are all of one kind), or the page's (`kind::dispatch`; with
+// the 3-bit kinds, `kind::dispatch3`: the Three instances, the only code with both).
 template <int D, int Cap, int S, int Kind = kind::dispatch>
 __device__ __forceinline__ void scores_staged(format_traits fk, const slab_ref& sk, int rows, int window, int g, int t,
                                               const uint32_t (&qb)[D / 8], float (&sc)[4 * S], float (&rs)[2 * S], int valid) {
-  if constexpr (Kind != kind::dispatch) {
+  if constexpr (!per_page(Kind)) {
     scores_kind<D, Cap, kind_family(Kind), kind_bits(Kind), S>(sk, fk.group, rows, window, g, t, qb, sc, rs, valid);
     return;
+  }
+  if constexpr (Kind == kind::dispatch3) {  // (both 3-bit kinds: kivi3, sym3)
+    static_assert(kind_count - page_kind_count == 2, "a 3-bit kind without its case here");
+    if (sk.kk == three_kind<kind::kivi3>) return scores_staged<D, Cap, S, kind::kivi3>(fk, sk, rows, window, g, t, qb, sc, rs, valid);
+    if (sk.kk == three_kind<kind::sym3>) return scores_staged<D, Cap, S, kind::sym3>(fk, sk, rows, window, g, t, qb, sc, rs, valid);
   }
   // (the page table gives a staged page its kind; every kind of the per-page dispatch has its case)
   static_assert(page_kind_count == 10, "a kind without its case here");
@@ -241,9 +247,13 @@ __device__ __forceinline__ void scores_staged(format_traits fk, const slab_ref& 
 template <int D, int Cap, int S, int Kind = kind::dispatch>
 __device__ __forceinline__ void values_staged(format_traits fv, const slab_ref& sk, int rows, int window, int g, int t,
                                               float (&pv)[4 * S], int valid, float (&acc)[D / 16][4]) {
-  if constexpr (Kind != kind::dispatch) {
+  if constexpr (!per_page(Kind)) {
     values_kind<D, Cap, kind_family(Kind), kind_bits(Kind), S>(sk, fv.group, rows, window, g, t, pv, valid, acc);
     return;
+  }
+  if constexpr (Kind == kind::dispatch3) {
+    if (sk.kv == three_kind<kind::kivi3>) return values_staged<D, Cap, S, kind::kivi3>(fv, sk, rows, window, g, t, pv, valid, acc);
+    if (sk.kv == three_kind<kind::sym3>) return values_staged<D, Cap, S, kind::sym3>(fv, sk, rows, window, g, t, pv, valid, acc);
   }
   // (the page table gives a staged page its kind; every kind of the per-page dispatch has its case)
   static_assert(page_kind_count == 10, "a kind without its case here");
@@ -296,7 +306,8 @@ __device__ __forceinline__ void values_wide_staged(const slab_ref& sk, family fa
 // of a staged chunk (`pair`). cur: the slab(s) in memory; sk: the same rows in their stage, which
 // has the shape of a `rows`-row page (a chunk stage holds one token group's KIVI key parameters, a
 // page stage (`page_stage`) the whole page's). KK, KV: the kinds of every page of the block
-// (`kind::staged16`: 16-bit pages, staged), or `kind::dispatch` (per page). Pages the stages do not
+// (`kind::staged16`: 16-bit pages, staged), or `kind::dispatch` (per page; `kind::dispatch3` with
+// the 3-bit kinds). Pages the stages do not
 // hold (k_st, v_st false) are read from global memory: 16-bit pages and the FP16 ring, pages read
 // by element, and pages wider than the stages (under a smaller `max_page_bits` hint). Wide: the
 // instance of a 16-bit stage plan, the only one with the code for 16-bit stages and for pages read
@@ -331,15 +342,15 @@ __device__ __forceinline__ void decode_step(const attend_params& p, const slab_r
   // S staged slabs: scores and P V of the kinds KK, KV, or of the page's (16-bit: `*_wide_staged`)
   const auto scores_st = [&]<int S>(float (&sc)[4 * S], float (&rs)[2 * S]) __attribute__((always_inline)) {
     if constexpr (KK == kind::staged16) scores_wide_staged<D, S>(sk, fk.fam, g, t, wnd, qb, sc);
-    else if constexpr (KK != kind::dispatch) scores_staged<D, Cap, S, KK>(fk, sk, rows, wnd, g, t, qb, sc, rs, cur.valid);
+    else if constexpr (!per_page(KK)) scores_staged<D, Cap, S, KK>(fk, sk, rows, wnd, g, t, qb, sc, rs, cur.valid);
     else if (Wide && fk.bits == 16) scores_wide_staged<D, S>(sk, fk.fam, g, t, wnd, qb, sc);
-    else scores_staged<D, Cap, S>(fk, sk, rows, wnd, g, t, qb, sc, rs, cur.valid);
+    else scores_staged<D, Cap, S, KK>(fk, sk, rows, wnd, g, t, qb, sc, rs, cur.valid);
   };
   const auto values_st = [&]<int S>(float (&pv)[4 * S]) __attribute__((always_inline)) {
     if constexpr (KV == kind::staged16) values_wide_staged<D, S>(sk, fv.fam, g, t, wnd, pv, cur.valid, cs.acc);
-    else if constexpr (KV != kind::dispatch) values_staged<D, Cap, S, KV>(fv, sk, rows, wnd, g, t, pv, cur.valid, cs.acc);
+    else if constexpr (!per_page(KV)) values_staged<D, Cap, S, KV>(fv, sk, rows, wnd, g, t, pv, cur.valid, cs.acc);
     else if (Wide && fv.bits == 16) values_wide_staged<D, S>(sk, fv.fam, g, t, wnd, pv, cur.valid, cs.acc);
-    else values_staged<D, Cap, S>(fv, sk, rows, wnd, g, t, pv, cur.valid, cs.acc);
+    else values_staged<D, Cap, S, KV>(fv, sk, rows, wnd, g, t, pv, cur.valid, cs.acc);
   };
   if (pair) {
     float sc[8], rs[4] = {1.f, 1.f, 1.f, 1.f}, pv[8];

@@ -224,6 +224,31 @@ TEST_CASE("gpu: mixed formats with pages read by element", "[gpu][decode][by_ele
   REQUIRE(attend_both(c, {{0, q_len}}, 1, rng) < nmse_bound);
 }
 
+// Pages of the 3-bit kinds (kivi3, sym3) beside other formats in one layer (temporal striping and
+// heads on their own formats), as EchoKV's tiers leave a layer: decode reads them staged in the
+// block-staged kernel's Three instances (`attend_args::three_bit_pages`), in 4-bit stages (page
+// tokens 64 and 128), 8-bit stages (3 of them: warp pairs take a stage's pages in turn) and 3-bit
+// stages, q_len 1 and 2 (GQA 4: 4 and 8 rows a kv head). Against the CPU.
+TEST_CASE("gpu: 3-bit pages among other formats decode staged", "[gpu][decode][three]") {
+  const int which = GENERATE(0, 1, 2, 3);
+  const int q_len = GENERATE(1, 2);
+  CAPTURE(which, q_len);
+  const int page = which == 3 ? 128 : 64;
+  auto c = make("kivi4/g32", 2, 32, 8, 128, page);
+  std::mt19937 rng(uint32_t(70 + which * 2 + q_len));
+  check(c.cpu.create_sequence(0));
+  check(c.gpu.create_sequence(0));
+  const char* four_tiers[] = {"kivi4/g32", "kivi3/g32", "k=kivi2/g32,v=sym3/g32", "cb4", "k=kivi3/g64,v=kivi4/g32",
+                              "sym3/g32"};
+  const char* eight_tiers[] = {"kivi8/g32", "kivi3/g32", "k=int8,v=sym3/g32", "fp8", "k=kivi3/g32,v=nvfp4", "sym3"};
+  const char* three_tiers[] = {"kivi3/g32", "sym3/g32", "k=kivi3/g64,v=sym3/g64", "kivi3/g128", "sym3",
+                               "k=sym3/g32,v=kivi3/g32"};
+  const char* const* tiers = which == 1 ? eight_tiers : which == 2 ? three_tiers : four_tiers;
+  const char* head_odd = which == 1 ? "fp8" : which == 2 ? "sym3/g32" : "kivi2/g32";
+  REQUIRE(append_striped(c, tiers, small() ? 4 : 6, "kivi3/g32", head_odd, rng) >= (small() ? 3 : 5));
+  REQUIRE(attend_both(c, {{0, q_len}}, 1, rng) < nmse_bound);
+}
+
 TEST_CASE("gpu: decode attention matches the CPU reference over formats and lengths", "[gpu][decode]") {
   const std::string spec =
       GENERATE("fp16", "bf16", "fp8", "int8", "sym4/g32", "sym2/g64", "kivi8/g32", "kivi4/g32", "kivi2/g32",

@@ -94,8 +94,8 @@ arena_on_host build(std::mt19937& rng, int P, const std::vector<std::string>& sp
 }
 
 // Runs two items over the arena of `specs` under each hint and checks them against the CPU
-// reference attention.
-void check_hints(int P, const std::vector<std::string>& specs, std::initializer_list<int> hints) {
+// reference attention. three: `attend_args::three_bit_pages` (3-bit kind pages counted as 3 bits).
+void check_hints(int P, const std::vector<std::string>& specs, std::initializer_list<int> hints, bool three = false) {
   const int pages = int(specs.size());
   const int n_all = pages * P + ring_tokens;
   std::mt19937 rng(11);
@@ -150,10 +150,16 @@ void check_hints(int P, const std::vector<std::string>& specs, std::initializer_
   REQUIRE(cudaDeviceGetAttribute(&args.num_sms, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess);
   for (int hint : hints)
     for (bool one_format : {false, true}) {  // true: a wrong promise here (mixed pages), still correct
-      CAPTURE(hint, one_format);
+      // (except for 3-bit pages counted as 3 bits where the promise plans the whole-unit instance,
+      // which reads them only in blocks of one 3-bit pair: documented at `one_format_per_head`)
+      if (three && one_format && hint <= 4) continue;
+      CAPTURE(hint, one_format, three);
       args.max_page_bits = hint;
       args.one_format_per_head = one_format;
+      args.three_bit_pages = three;
       REQUIRE(cuda::attend_can_implement(args).ok());
+      // (8-bit page-heads at page_tokens 128: the per-warp kernel, planned as 16 bits instead)
+      if (three && hint < 16) CHECK(cuda::attend_plan(args).value_or_throw().three_bit_dispatch == (P == 64 || hint <= 4));
       dev_mem ws(std::max<size_t>(16, cuda::attend_workspace_bytes(args)));
       std::vector<float> got(qh.size(), std::nanf(""));
       upload(dout, got);  // poisoned: every element must be written
@@ -178,6 +184,17 @@ TEST_CASE("gpu: attend_run reads pages of the formats read by element under the 
   const int P = GENERATE(64, 128);
   CAPTURE(P);
   check_hints(P, {"cb3/g32", "k=kivi4/g32,v=sym3/g32", "sym3/g32", "k=cb3/g64,v=fp16", "kivi3/g64", "k=fp8,v=cb3/g32"}, {16});
+}
+
+// Pages of the 3-bit kinds among others, counted as 3 bits (`three_bit_pages`): the block-staged
+// kernel's Three instances read them staged in 8-, 4- and 3-bit stages (wider pages from global
+// memory), the 16-bit plan by element.
+TEST_CASE("gpu: attend_run reads 3-bit pages among others staged under three_bit_pages",
+          "[gpu][decode][lowlevel][three]") {
+  const int P = GENERATE(64, 128);
+  CAPTURE(P);
+  check_hints(P, {"kivi3/g32", "k=kivi8/g64,v=sym3/g32", "k=kivi4/g32,v=kivi3/g64", "sym3", "k=fp8,v=kivi2/g32", "kivi3/g128"},
+              {16, 8, 4, 3}, true);
 }
 
 // Codebook and nvfp4 pages (kinds cb4, cb2, fp4) among the others under every hint: staged in 16-,

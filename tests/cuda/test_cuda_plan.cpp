@@ -247,11 +247,75 @@ TEST_CASE("attention plan: heads of 3-bit kind pairs take the Whole instance in 
   }
   // head_dim 256, 64-token pages: 4-bit page-heads leave room for 4 stages, too few for whole units
   CHECK_FALSE(plan(256, 64, 4, 8, 32768, 1, true).whole_units);
-  // page_tokens 256 at head_dim 128 and 256: fewer than 3 page stages, the per-warp kernel (the
-  // backend plans the layer again as 16-bit pages, read by element)
-  for (int d : {128, 256}) CHECK(plan(d, 256, 3, 8, 32768, 1, true).kernel == cuda::attend_kernel::decode_staged);
-  // without the hint, no Whole instance
+  // page_tokens 256 at head_dim 128 and 256: fewer than 3 page stages, the per-warp kernel, which
+  // has no code for 3-bit pages: the plan of 16-bit pages (read by element)
+  for (int d : {128, 256}) {
+    const auto p = plan(d, 256, 3, 8, 32768, 1, true);
+    CHECK(p.kernel == cuda::attend_kernel::decode_staged);
+    CHECK(p.stage_bits == 16);
+    CHECK_FALSE(p.three_bit_dispatch);
+  }
+  // without one_format_per_head, no Whole instance: a Three instance
   CHECK_FALSE(plan(128, 64, 3, 8, 32768).whole_units);
+  CHECK(plan(128, 64, 3, 8, 32768).three_bit_dispatch);
+}
+
+namespace {
+// A decode batch of 8 x 32K (GQA 4) under a hint with `three_bit_pages`.
+cuda::attend_plan_info plan3(int head_dim, int page_tokens, int max_bits, bool three, bool one_format = false,
+                             float softcap = 0.f) {
+  std::vector<cuda::decode_item> items;
+  for (int i = 0; i < 8; ++i) items.push_back({i, 1, 32768, 32768 - page_tokens / 2, 0, i});
+  cuda::attend_args a;
+  a.kv = view(head_dim, page_tokens);
+  a.q_heads = 32;
+  a.items = items;
+  a.max_page_bits = max_bits;
+  a.three_bit_pages = three;
+  a.one_format_per_head = one_format;
+  a.variant.softcap = softcap;
+  return cuda::attend_plan(a).value_or_throw();
+}
+}  // namespace
+
+TEST_CASE("attention plan: 3-bit pages among other formats take a Three instance of their stage width", "[cuda][plan]") {
+  // A mixed layer (EchoKV's tiers over time, striped pages) whose 3-bit kind pages count 3 bits:
+  // the block-staged kernel in the stages of the layer's widest page, its Three instance (3-bit
+  // cases in the per-page dispatch); the same layer without 3-bit pages keeps the plain instance.
+  for (int d : {64, 128, 256}) {
+    CAPTURE(d);
+    for (int bits : {3, 4, 8}) {
+      CAPTURE(bits);
+      const auto p = plan3(d, 64, bits, true);
+      CHECK(p.kernel == cuda::attend_kernel::decode_block_staged);
+      CHECK(p.three_bit_dispatch);
+      CHECK_FALSE(p.whole_units);
+      CHECK(p.stage_bits == bits);
+      if (bits > 3) CHECK_FALSE(plan3(d, 64, bits, false).three_bit_dispatch);
+    }
+  }
+  // heads of 3-bit pairs beside heads of 8-bit pairs: an 8-bit ring (no whole units), a Three
+  // instance whose chunk loops read the 3-bit blocks
+  const auto p8 = plan3(128, 64, 8, true, true);
+  CHECK(p8.three_bit_dispatch);
+  CHECK_FALSE(p8.whole_units);
+  // heads of 3-bit pairs beside 4-bit ones: the Whole instance reads both
+  CHECK(plan3(128, 64, 4, true, true).whole_units);
+  CHECK_FALSE(plan3(128, 64, 4, true, true).three_bit_dispatch);
+  // a soft-capped layer never runs whole units: its Three instance with the rule code
+  const auto pc = plan3(128, 64, 3, false, true, 30.f);
+  CHECK(pc.three_bit_dispatch);
+  CHECK(pc.rule_code);
+  CHECK_FALSE(pc.whole_units);
+  // 8-bit page-heads at page_tokens 128 take the per-warp kernel, which has no 3-bit code: the
+  // plan of 16-bit stages instead (its pages read by element)
+  CHECK(plan3(128, 128, 8, false).kernel == cuda::attend_kernel::decode_staged);
+  const auto pw = plan3(128, 128, 8, true);
+  CHECK(pw.stage_bits == 16);
+  CHECK_FALSE(pw.three_bit_dispatch);
+  // a hint of 16 (a 16-bit or by-element page in the layer) stays the 16-bit plan
+  CHECK_FALSE(plan3(128, 64, 16, true).three_bit_dispatch);
+  CHECK(plan3(128, 64, 16, true).stage_bits == 16);
 }
 
 TEST_CASE("attention plan: sink pages get a split of their own, the rest keeps the layer's instance", "[cuda][plan]") {

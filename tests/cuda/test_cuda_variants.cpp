@@ -233,10 +233,12 @@ TEST_CASE("gpu: attention variants in decode, prefill and attend_prefix equal th
   const int d = GENERATE_COPY(from_range(small() ? dims{128} : dims{64, 128, 256}));
   // every family, a per-head mix (layer 1 and head 1 of layer 2 on their own pairs), FP16 sink pages
   const std::string spec = GENERATE_COPY(from_range(
-      small() ? specs{"kivi4/g32", "k=kivi2/g32,v=int8;1=fp8;2.1=k=fp8,v=kivi4/g32+sink"}
+      small() ? specs{"kivi4/g32", "k=kivi2/g32,v=int8;1=fp8;2.1=k=fp8,v=kivi4/g32+sink", "k=kivi3/g32,v=kivi4/g32"}
               : specs{"fp16", "int8", "kivi4/g32", "kivi2/g32", "kivi3/g32", "fp8", "nvfp4", "cb4", "ra4/g32",
                       "k=kivi2/g32,v=int8;1=fp8;2.1=k=fp8,v=kivi4/g32", "kivi4/g32+sink",
-                      "k=kivi2/g32,v=int8;1=fp8;2.1=k=fp8,v=kivi4/g32+sink"}));
+                      "k=kivi2/g32,v=int8;1=fp8;2.1=k=fp8,v=kivi4/g32+sink",
+                      // (3-bit pages beside other formats: the Three instances, 4- and 8-bit stages)
+                      "k=kivi3/g32,v=kivi4/g32", "k=sym3/g32,v=kivi8/g32+sink"}));
   const uint32_t seed = uint32_t(d) * 7919u + uint32_t(std::hash<std::string>{}(spec) % 1000u);
   CAPTURE(d, spec, seed);
   std::mt19937 rng(seed);

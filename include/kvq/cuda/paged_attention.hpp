@@ -225,13 +225,23 @@ struct attend_args {
   /// flight) and run the kernel instances that have no code for 16-bit pages. A 16-bit page under
   /// a smaller hint is still read correctly, slower. A page of a format read by element (3-bit:
   /// `cuda::read_by_element`) counts as 16 bits (`cuda::kernel_bits`, include/kvq/cuda/read_plan.hpp): only the
-  /// decode kernels' 16-bit instances read it, so a layer that may hold one needs a hint of 16.
+  /// decode kernels' 16-bit instances read it, so a layer that may hold one needs a hint of 16;
+  /// except the 3-bit kinds (kivi3, sym3: `cuda::three_bit_kind`) under `three_bit_pages`.
   int max_page_bits = 16;
+  /// True if the layer may hold pages of the 3-bit kinds (kivi3, sym3 and rolealign at 3 bits) and
+  /// `max_page_bits` counts them as 3 bits (`cuda::three_bit_kernel_bits`): decode then reads them
+  /// staged, beside the layer's other pages, in kernel instances whose per-page dispatch has code
+  /// for them (kept apart from the other instances, where that code made layers without 3-bit
+  /// pages 5-14 % slower). Where the plan's kernel has no such instance (the per-warp staged
+  /// kernel, a 16-bit stage plan) it plans as for a hint of 16 (pages read by element): always
+  /// correct. Implied by a hint of 3 (e.g. heads of 3-bit kind pairs: `cuda::head_kernel_bits`).
+  bool three_bit_pages = false;
   /// True if the caller knows that every page of each kv head of the layer has one K format and
   /// one V format (the heads may differ: a static policy's layers, or EchoKV's until it moves
   /// one). 4- and 2-bit layers at page_tokens 64 and up then run a kernel that reads whole 64-token
   /// units per step (6-11 % faster on the H200 at 8-32 x 32K). Each thread block checks its pages: where they
-  /// differ, the call is still correct, slower than without the hint.
+  /// differ, the call is still correct, slower than without the hint (unless some are 3-bit pages
+  /// counted as 3 bits: the whole-unit instance reads those only in blocks of one 3-bit pair).
   bool one_format_per_head = false;
   /// The first `sink_pages` pages of every item are attention-sink pages (KVCache's
   /// `cache_config::sink_pages`: FP16 where the layer's other pages are narrower). A decode call
@@ -274,6 +284,8 @@ struct attend_plan_info {
   int blocks_per_sm = 0;     ///< staged kernels: resident thread blocks per SM
   bool whole_units = false;  ///< block-staged kernel: the instance for `one_format_per_head` (64-token steps)
   bool rule_code = false;    ///< decode kernels: the instance with a sliding window's masks and soft-capping
+  bool three_bit_dispatch = false;  ///< block-staged kernel: an instance whose per-page dispatch reads 3-bit pages
+  int stage_bits = 0;        ///< staged kernels: the widest code width the stages hold (2, 3, 4, 8 or 16)
   int max_splits = 0;        ///< thread blocks per (sequence, kv head), at most
   int tokens_per_split = 0;  ///< tokens each of them reads, at most
 };

@@ -28,11 +28,13 @@
 /// |      | kivi8 | kivi4 | kivi2 | sym8 | sym4 | sym2 | fp8 | cb4 | cb2 | fp4 | kivi3 | sym3 |
 ///
 /// 16-bit formats have kind -1 (the unstaged path). The 3-bit codebooks have no kind either: the
-/// decode kernels read them by element. The 3-bit kinds (kivi3, sym3) are read only by the chunk
-/// loops that the block-staged kernel's Whole instance compiles for a block whose pages all hold
-/// one pair kivi3/kivi3 or sym3/sym3 (`three_bit_pairs`), never by the per-page dispatch;
-/// everywhere else a 3-bit page is read by element. (Numbered last, they leave the other kinds'
-/// numbers, and so the dispatch's code, as they were without them.)
+/// decode kernels read them by element. The 3-bit kinds (kivi3, sym3) are read by the chunk loops
+/// compiled for a block whose pages all hold one pair kivi3/kivi3 or sym3/sym3 (`three_bit_pairs`:
+/// in the block-staged kernel's Whole instance and its Three instances) and by the per-page
+/// dispatch of the Three instances only (`kind::dispatch3`: layers whose 3-bit pages are among
+/// other formats, `attend_args::three_bit_pages`); everywhere else a 3-bit page is read by
+/// element. (Numbered last, they leave the other kinds' numbers, and so the plain dispatch's code,
+/// as they were without them.)
 
 #include <kvq/config.hpp>
 #include <kvq/format/format.hpp>
@@ -152,8 +154,8 @@ KVQ_HOST_DEVICE constexpr int kind_of(const format_traits& f) { return format_ki
 KVQ_HOST_DEVICE constexpr int kind_of(format_id id) { return format_kinds::kind_of(traits_of(id)); }
 /// True for the narrow formats the CUDA decode kernels read unstaged, each element through its
 /// codec (cuda/attention/element_read.cuh; docs/architecture.md), in their 16-bit instances: those
-/// without a kind (the 3-bit codebooks) and, outside the blocks of one 3-bit kind pair
-/// (`three_bit_pairs`), every other 3-bit format.
+/// without a kind (the 3-bit codebooks) and, outside the instances with code for the 3-bit kinds
+/// (`three_bit_pairs`, `attend_args::three_bit_pages`), every other 3-bit format.
 KVQ_HOST_DEVICE constexpr bool read_by_element(const format_traits& f) {
   return (kind_of(f) < 0 || f.bits == 3) && f.bits < 16 &&
          (f.fam == family::sym || f.has_zero() || f.fam == family::codebook || f.fam == family::nvfp4);
@@ -247,11 +249,21 @@ KVQ_HOST_DEVICE constexpr bool has_whole_units(int combo) { return in_kind_pairs
 /// kivi3/kivi3 (and rolealign), sym3/sym3.
 using three_bit_pairs = type_list<kv_types<kivi<3, 32>, kivi<3, 32>>, kv_types<sym<3, 32>, sym<3, 32>>>;
 
+/// True for the formats of the 3-bit kinds (kivi3, sym3: kivi, rolealign and sym at 3 bits),
+/// which the decode kernels read staged where the plan gives them an instance with code for them
+/// (`attend_args::three_bit_pages`), else by element.
+KVQ_HOST_DEVICE constexpr bool three_bit_kind(format_id id) { return kind_of(id) >= 0 && traits_of(id).bits == 3; }
+
+/// The code width a page of format `id` counts as in `attend_args::max_page_bits` when the call
+/// sets `three_bit_pages`: 3 for a format of a 3-bit kind (read staged, by the instances whose
+/// per-page dispatch has 3-bit cases), else `kernel_bits`.
+KVQ_HOST_DEVICE constexpr int three_bit_kernel_bits(format_id id) { return three_bit_kind(id) ? 3 : kernel_bits(id); }
+
 /// The code width a kv head's pages of one (K, V) pair count as in the choice of decode kernel
 /// when every page of the head holds that pair: 3 for a pair of `three_bit_pairs` (read staged by
 /// the block-staged kernel's chunk loops, in stages of 3 bits, or 4 beside 4-bit heads), else the
-/// wider `kernel_bits`. A caller must still fall back to `kernel_bits` (16) where the plan is not
-/// the block-staged kernel's Whole instance (`cuda::detail::launch_plan::whole`).
+/// wider `kernel_bits`. (The plan counts a hint of 3 as 16 itself where its kernel has no code for
+/// 3-bit pages: `attend_args::three_bit_pages`.)
 KVQ_HOST_DEVICE constexpr int head_kernel_bits(format_id k, format_id v) {
   if (in_kind_pairs(three_bit_pairs{}, kind_pair(kind_of(k), kind_of(v)))) return 3;
   return kernel_bits(k) > kernel_bits(v) ? kernel_bits(k) : kernel_bits(v);
