@@ -241,7 +241,7 @@ TEST_CASE("gpu: 3-bit pages among other formats decode staged", "[gpu][decode][t
   const char* four_tiers[] = {"kivi4/g32", "kivi3/g32", "k=kivi2/g32,v=sym3/g32", "cb4", "k=kivi3/g64,v=kivi4/g32",
                               "sym3/g32"};
   const char* eight_tiers[] = {"kivi8/g32", "kivi3/g32", "k=int8,v=sym3/g32", "fp8", "k=kivi3/g32,v=nvfp4", "sym3"};
-  const char* three_tiers[] = {"kivi3/g32", "sym3/g32", "k=kivi3/g64,v=sym3/g64", "kivi3/g128", "sym3",
+  const char* three_tiers[] = {"kivi3/g32", "sym3/g32", "k=kivi3/g64,v=sym3/g64", "kivi3/g64", "sym3",
                                "k=sym3/g32,v=kivi3/g32"};
   const char* const* tiers = which == 1 ? eight_tiers : which == 2 ? three_tiers : four_tiers;
   const char* head_odd = which == 1 ? "fp8" : which == 2 ? "sym3/g32" : "kivi2/g32";

@@ -193,7 +193,7 @@ TEST_CASE("gpu: attend_run reads 3-bit pages among others staged under three_bit
           "[gpu][decode][lowlevel][three]") {
   const int P = GENERATE(64, 128);
   CAPTURE(P);
-  check_hints(P, {"kivi3/g32", "k=kivi8/g64,v=sym3/g32", "k=kivi4/g32,v=kivi3/g64", "sym3", "k=fp8,v=kivi2/g32", "kivi3/g128"},
+  check_hints(P, {"kivi3/g32", "k=kivi8/g64,v=sym3/g32", "k=kivi4/g32,v=kivi3/g64", "sym3", "k=fp8,v=kivi2/g32", "sym3/g64"},
               {16, 8, 4, 3}, true);
 }
 

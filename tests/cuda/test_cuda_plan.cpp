@@ -32,18 +32,25 @@ cuda::paged_view view(int head_dim, int page_tokens) {
   return kv;
 }
 
-// A decode batch: `batch` sequences of `n` tokens, one query each (GQA 4).
+// A decode batch: `batch` sequences of `n` tokens, q_len queries each (GQA 4), under a hint
+// (`items` holds the batch: the arguments view it).
+cuda::attend_args batch_args(std::vector<cuda::decode_item>& items, int head_dim, int page_tokens, int max_bits,
+                             int batch, int n, int q_len, bool one_format) {
+  cuda::attend_args a;
+  const int ring = page_tokens / 2;  // tokens not yet in pages
+  for (int i = 0; i < batch; ++i) items.push_back({i, q_len, n, n - ring, 0, i * q_len});
+  a.items = items;
+  a.kv = view(head_dim, page_tokens);
+  a.q_heads = 32;
+  a.max_page_bits = max_bits;
+  a.one_format_per_head = one_format;
+  return a;
+}
+
 cuda::attend_plan_info plan(int head_dim, int page_tokens, int max_bits, int batch, int n, int q_len = 1,
                             bool one_format = false, int sink_pages = 0) {
   std::vector<cuda::decode_item> items;
-  const int ring = page_tokens / 2;  // tokens not yet in pages
-  for (int i = 0; i < batch; ++i) items.push_back({i, q_len, n, n - ring, 0, i * q_len});
-  cuda::attend_args a;
-  a.kv = view(head_dim, page_tokens);
-  a.q_heads = 32;
-  a.items = items;
-  a.max_page_bits = max_bits;
-  a.one_format_per_head = one_format;
+  cuda::attend_args a = batch_args(items, head_dim, page_tokens, max_bits, batch, n, q_len, one_format);
   a.sink_pages = sink_pages;
   return cuda::attend_plan(a).value_or_throw();
 }
@@ -261,18 +268,12 @@ TEST_CASE("attention plan: heads of 3-bit kind pairs take the Whole instance in 
 }
 
 namespace {
-// A decode batch of 8 x 32K (GQA 4) under a hint with `three_bit_pages`.
+// A decode batch of 8 x 32K under a hint with `three_bit_pages`.
 cuda::attend_plan_info plan3(int head_dim, int page_tokens, int max_bits, bool three, bool one_format = false,
                              float softcap = 0.f) {
   std::vector<cuda::decode_item> items;
-  for (int i = 0; i < 8; ++i) items.push_back({i, 1, 32768, 32768 - page_tokens / 2, 0, i});
-  cuda::attend_args a;
-  a.kv = view(head_dim, page_tokens);
-  a.q_heads = 32;
-  a.items = items;
-  a.max_page_bits = max_bits;
+  cuda::attend_args a = batch_args(items, head_dim, page_tokens, max_bits, 8, 32768, 1, one_format);
   a.three_bit_pages = three;
-  a.one_format_per_head = one_format;
   a.variant.softcap = softcap;
   return cuda::attend_plan(a).value_or_throw();
 }
