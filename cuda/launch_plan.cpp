@@ -106,15 +106,21 @@ launch_plan plan_for(const attend_args& a) {
                   [&]<int D>() { plan_stages<D>(a.kv, a.max_page_bits, a.one_format_per_head && !capped, lp); });
     // 3-bit pages counted as 3 bits (`three_bit_pages`, or a hint of 3: heads of 3-bit pairs):
     // the Whole instance reads blocks of one 3-bit pair; a block-staged plan of narrow stages
-    // otherwise runs a Three instance, whose dispatch reads them beside other formats. Elsewhere
-    // (the per-warp staged kernel) they are read by element: the plan of a hint of 16.
+    // otherwise runs a Three instance, whose dispatch reads them beside other formats. Where 8-bit
+    // page-heads leave room for fewer than 3 page stages (head_dim 256, page_tokens 128 and up),
+    // 4-bit stages instead (8-bit pages read from global memory, as under any smaller hint); where
+    // no block-staged plan fits, they are read by element: the plan of a hint of 16 (the per-warp
+    // staged kernel has no 3-bit code).
     const bool three_bits = a.three_bit_pages || a.max_page_bits == 3;
     if (three_bits && lp.stage_cap < 16 && !lp.whole) {
-      lp.three = lp.page_stage > 0;
-      if (!lp.three) {
+      for (const int bits : {4, 16}) {
+        if (lp.page_stage > 0) break;
         lp.page_stage = 0, lp.two_full = false;
-        with_head_dim(a.kv.head_dim, [&]<int D>() { plan_stages<D>(a.kv, 16, a.one_format_per_head && !capped, lp); });
+        with_head_dim(a.kv.head_dim, [&]<int D>() {
+          plan_stages<D>(a.kv, std::min(bits == 4 ? a.max_page_bits : 16, bits), a.one_format_per_head && !capped, lp);
+        });
       }
+      lp.three = lp.page_stage > 0 && lp.stage_cap < 16 && !lp.whole;
     }
     // Sink pages: split 0 of every (item, kv head), so that no other block holds them; the
     // other splits share the rest. A sink block is short (its units + 8): it costs nothing where

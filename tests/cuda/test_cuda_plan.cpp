@@ -287,11 +287,13 @@ TEST_CASE("attention plan: 3-bit pages among other formats take a Three instance
     CAPTURE(d);
     for (int bits : {3, 4, 8}) {
       CAPTURE(bits);
+      // (8-bit page-heads at head_dim 256 leave room for 2 page stages: 4-bit stages instead,
+      // the 8-bit pages read from global memory)
       const auto p = plan3(d, 64, bits, true);
       CHECK(p.kernel == cuda::attend_kernel::decode_block_staged);
       CHECK(p.three_bit_dispatch);
       CHECK_FALSE(p.whole_units);
-      CHECK(p.stage_bits == bits);
+      CHECK(p.stage_bits == (d == 256 && bits == 8 ? 4 : bits));
       if (bits > 3) CHECK_FALSE(plan3(d, 64, bits, false).three_bit_dispatch);
     }
   }
@@ -308,10 +310,15 @@ TEST_CASE("attention plan: 3-bit pages among other formats take a Three instance
   CHECK(pc.three_bit_dispatch);
   CHECK(pc.rule_code);
   CHECK_FALSE(pc.whole_units);
-  // 8-bit page-heads at page_tokens 128 take the per-warp kernel, which has no 3-bit code: the
-  // plan of 16-bit stages instead (its pages read by element)
+  // 8-bit page-heads at page_tokens 128 take the per-warp kernel, which has no 3-bit code: a
+  // Three instance of 4-bit stages instead; where those leave room for fewer than 3 page stages
+  // too (head_dim 256, page_tokens 256), the plan of 16-bit stages (3-bit pages read by element)
   CHECK(plan3(128, 128, 8, false).kernel == cuda::attend_kernel::decode_staged);
-  const auto pw = plan3(128, 128, 8, true);
+  const auto p4 = plan3(128, 128, 8, true);
+  CHECK(p4.kernel == cuda::attend_kernel::decode_block_staged);
+  CHECK(p4.stage_bits == 4);
+  CHECK(p4.three_bit_dispatch);
+  const auto pw = plan3(256, 256, 8, true);
   CHECK(pw.stage_bits == 16);
   CHECK_FALSE(pw.three_bit_dispatch);
   // a hint of 16 (a 16-bit or by-element page in the layer) stays the 16-bit plan
