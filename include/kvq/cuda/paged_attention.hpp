@@ -228,7 +228,7 @@ struct attend_args {
   /// decode kernels' 16-bit instances read it, so a layer that may hold one needs a hint of 16;
   /// except the 3-bit kinds (kivi3, sym3: `cuda::three_bit_kind`) under `three_bit_pages`.
   int max_page_bits = 16;
-  /// True if the layer may hold pages of the 3-bit kinds (kivi3, sym3 and rolealign at 3 bits) and
+  /// True if the layer may hold pages of the 3-bit kinds (kivi and sym at 3 bits) and
   /// `max_page_bits` counts them as 3 bits (`cuda::three_bit_kernel_bits`): decode then reads them
   /// staged, beside the layer's other pages, in kernel instances whose per-page dispatch has code
   /// for them (kept apart from the other instances, where that code made layers without 3-bit

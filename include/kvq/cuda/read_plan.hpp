@@ -249,7 +249,7 @@ KVQ_HOST_DEVICE constexpr bool has_whole_units(int combo) { return in_kind_pairs
 /// kivi3/kivi3 (and rolealign), sym3/sym3.
 using three_bit_pairs = type_list<kv_types<kivi<3, 32>, kivi<3, 32>>, kv_types<sym<3, 32>, sym<3, 32>>>;
 
-/// True for the formats of the 3-bit kinds (kivi3, sym3: kivi, rolealign and sym at 3 bits),
+/// True for the formats of the 3-bit kinds (kivi3, sym3: kivi and sym at 3 bits),
 /// which the decode kernels read staged where the plan gives them an instance with code for them
 /// (`attend_args::three_bit_pages`), else by element.
 KVQ_HOST_DEVICE constexpr bool three_bit_kind(format_id id) { return kind_of(id) >= 0 && traits_of(id).bits == 3; }
@@ -268,6 +268,13 @@ KVQ_HOST_DEVICE constexpr int head_kernel_bits(format_id k, format_id v) {
   if (in_kind_pairs(three_bit_pairs{}, kind_pair(kind_of(k), kind_of(v)))) return 3;
   return kernel_bits(k) > kernel_bits(v) ? kernel_bits(k) : kernel_bits(v);
 }
+
+static_assert(three_bit_kind(format_id_v<kivi<3, 32>>) && three_bit_kind(format_id_v<sym<3, 0>>) &&
+                  !three_bit_kind(format_id_v<codebook<3, 32>>) &&
+                  !three_bit_kind(format_id_v<kivi<4, 32>>) && three_bit_kernel_bits(format_id_v<sym<3, 32>>) == 3 &&
+                  three_bit_kernel_bits(format_id_v<codebook<3, 32>>) == 16 &&
+                  three_bit_kernel_bits(format_id_v<kivi<8, 32>>) == 8 && three_bit_kernel_bits(fp16_format) == 16,
+              "three_bit_pages counts the 3-bit kinds only at 3 bits");
 
 /// Every kind has the loops of its code width: its (K, K) pair is in `whole_unit_pairs` (4 and 2
 /// bits), `eight_bit_pairs` (8 bits) or `three_bit_pairs` (3 bits). A new staged format whose kind
