@@ -59,7 +59,7 @@ void plan_stages(const paged_view& kv, int max_bits, bool one_format, launch_pla
                (three || (kv.page_tokens >= 4 * slab && pns * (kv.page_tokens / (4 * slab)) > dec_warps));
   } else {
     blocks = max_blocks;
-    lp.page_stage = 0, st = int(stage_bytes(D, lp.stage_cap)), ring = dec_warps;
+    lp.page_stage = 0, lp.two_full = lp.whole = false, st = int(stage_bytes(D, lp.stage_cap)), ring = dec_warps;
     lp.stages = std::clamp(room(blocks) / (ring * st), 2, max_stages);
   }
   lp.smem = int(staged_head_bytes<D>) + std::max(ring * lp.stages * st, int(sizeof(merge_area<D>)));
@@ -102,8 +102,10 @@ launch_plan plan_for(const attend_args& a) {
     // The window's masks and soft-capping are compiled into instances of their own (`rules`): in
     // the plain instances they made global layers' decode up to 10 % slower (spills).
     lp.rules = capped || a.variant.window > 0;
-    with_head_dim(a.kv.head_dim,
-                  [&]<int D>() { plan_stages<D>(a.kv, a.max_page_bits, a.one_format_per_head && !capped, lp); });
+    const auto stages_for = [&](int bits) {
+      with_head_dim(a.kv.head_dim, [&]<int D>() { plan_stages<D>(a.kv, bits, a.one_format_per_head && !capped, lp); });
+    };
+    stages_for(a.max_page_bits);
     // 3-bit pages counted as 3 bits (`three_bit_pages`, or a hint of 3: heads of 3-bit pairs):
     // the Whole instance reads blocks of one 3-bit pair; a block-staged plan of narrow stages
     // otherwise runs a Three instance, whose dispatch reads them beside other formats. Where 8-bit
@@ -113,13 +115,8 @@ launch_plan plan_for(const attend_args& a) {
     // staged kernel has no 3-bit code).
     const bool three_bits = a.three_bit_pages || a.max_page_bits == 3;
     if (three_bits && lp.stage_cap < 16 && !lp.whole) {
-      for (const int bits : {4, 16}) {
-        if (lp.page_stage > 0) break;
-        lp.page_stage = 0, lp.two_full = false;
-        with_head_dim(a.kv.head_dim, [&]<int D>() {
-          plan_stages<D>(a.kv, std::min(bits == 4 ? a.max_page_bits : 16, bits), a.one_format_per_head && !capped, lp);
-        });
-      }
+      if (!lp.page_stage && a.max_page_bits > 4) stages_for(4);
+      if (!lp.page_stage) stages_for(16);
       lp.three = lp.page_stage > 0 && lp.stage_cap < 16 && !lp.whole;
     }
     // Sink pages: split 0 of every (item, kv head), so that no other block holds them; the
