@@ -126,6 +126,19 @@ int append_striped(pair_of_caches& c, const char* const* tiers, int steps, const
   return formats_used;
 }
 
+// A cache pair of 2 layers (32 query heads, 8 kv heads of head_dim 128, pages of `page` tokens)
+// whose layer 1 is striped (`append_striped`: at least `min_formats` formats used), then sequence
+// 0's attention there, q_len queries, against the CPU.
+void check_striped(int page, uint32_t seed, const char* const* tiers, int steps, const char* head_even,
+                   const char* head_odd, int min_formats, int q_len) {
+  auto c = make("kivi4/g32", 2, 32, 8, 128, page);
+  std::mt19937 rng(seed);
+  check(c.cpu.create_sequence(0));
+  check(c.gpu.create_sequence(0));
+  REQUIRE(append_striped(c, tiers, steps, head_even, head_odd, rng) >= min_formats);
+  REQUIRE(attend_both(c, {{0, q_len}}, 1, rng) < nmse_bound);
+}
+
 }  // namespace
 
 TEST_CASE("gpu: append stores what the CPU stores, every format", "[gpu][append]") {
@@ -210,18 +223,13 @@ TEST_CASE("gpu: mixed formats with pages read by element", "[gpu][decode][by_ele
   const int which = GENERATE(0, 1, 2);
   const int q_len = GENERATE(1, 16);
   CAPTURE(which, q_len);
-  const int page = which == 1 ? 128 : 64;
-  auto c = make("kivi4/g32", 2, 32, 8, 128, page);
-  std::mt19937 rng(uint32_t(40 + which * 2 + q_len));
-  check(c.cpu.create_sequence(0));
-  check(c.gpu.create_sequence(0));
   const char* narrow_tiers[] = {"kivi4/g32",           "cb4",     "k=kivi2/g32,v=cb2/g32", "kivi3/g32",
                                 "k=nvfp4,v=kivi4/g32", "sym3/g32"};
   const char* eight_tiers[] = {"kivi8/g32", "cb3/g32", "k=int8,v=nvfp4", "kivi4/g32", "k=kivi3/g32,v=fp8", "cb2"};
   const char* wide_tiers[] = {"fp16", "cb4/g32", "k=kivi4/g32,v=kivi3/g32", "k=nvfp4,v=fp16", "kivi2/g32", "cb2/g64"};
   const char* const* tiers = which == 0 ? narrow_tiers : which == 1 ? eight_tiers : wide_tiers;
-  REQUIRE(append_striped(c, tiers, small() ? 4 : 6, "kivi4/g32", "cb3", rng) >= (small() ? 4 : 6));
-  REQUIRE(attend_both(c, {{0, q_len}}, 1, rng) < nmse_bound);
+  check_striped(which == 1 ? 128 : 64, uint32_t(40 + which * 2 + q_len), tiers, small() ? 4 : 6, "kivi4/g32", "cb3",
+                small() ? 4 : 6, q_len);
 }
 
 // Pages of the 3-bit kinds (kivi3, sym3) beside other formats in one layer (temporal striping and
@@ -233,11 +241,6 @@ TEST_CASE("gpu: 3-bit pages among other formats decode staged", "[gpu][decode][t
   const int which = GENERATE(0, 1, 2, 3);
   const int q_len = GENERATE(1, 2);
   CAPTURE(which, q_len);
-  const int page = which == 3 ? 128 : 64;
-  auto c = make("kivi4/g32", 2, 32, 8, 128, page);
-  std::mt19937 rng(uint32_t(70 + which * 2 + q_len));
-  check(c.cpu.create_sequence(0));
-  check(c.gpu.create_sequence(0));
   const char* four_tiers[] = {"kivi4/g32", "kivi3/g32", "k=kivi2/g32,v=sym3/g32", "cb4", "k=kivi3/g64,v=kivi4/g32",
                               "sym3/g32"};
   const char* eight_tiers[] = {"kivi8/g32", "kivi3/g32", "k=int8,v=sym3/g32", "fp8", "k=kivi3/g32,v=nvfp4", "sym3"};
@@ -245,8 +248,8 @@ TEST_CASE("gpu: 3-bit pages among other formats decode staged", "[gpu][decode][t
                                "k=sym3/g32,v=kivi3/g32"};
   const char* const* tiers = which == 1 ? eight_tiers : which == 2 ? three_tiers : four_tiers;
   const char* head_odd = which == 1 ? "fp8" : which == 2 ? "sym3/g32" : "kivi2/g32";
-  REQUIRE(append_striped(c, tiers, small() ? 4 : 6, "kivi3/g32", head_odd, rng) >= (small() ? 3 : 5));
-  REQUIRE(attend_both(c, {{0, q_len}}, 1, rng) < nmse_bound);
+  check_striped(which == 3 ? 128 : 64, uint32_t(70 + which * 2 + q_len), tiers, small() ? 4 : 6, "kivi3/g32", head_odd,
+                small() ? 3 : 5, q_len);
 }
 
 TEST_CASE("gpu: decode attention matches the CPU reference over formats and lengths", "[gpu][decode]") {
@@ -335,16 +338,11 @@ TEST_CASE("gpu: mixed formats within one sequence (temporal striping)", "[gpu][d
   // with 16-bit pages (the staged kernels' 16-bit instances) and without
   const bool wide = GENERATE(true, false);
   CAPTURE(wide);
-  auto c = make("kivi4/g32", 2, 32, 8, 128);
-  std::mt19937 rng(wide ? 5 : 6);
-  check(c.cpu.create_sequence(0));
-  check(c.gpu.create_sequence(0));
   const char* wide_tiers[] = {"kivi4/g32", "k=kivi2/g32,v=fp8", "fp16", "k=int8,v=kivi2/g64", "ra2/g32", "bf16"};
   const char* narrow_tiers[] = {"kivi4/g32",          "k=kivi2/g32,v=fp8", "kivi8/g64",
                                 "k=int8,v=kivi2/g64", "ra2/g32",           "k=fp8,v=sym2/g32"};
   const char* const* tiers = wide ? wide_tiers : narrow_tiers;
-  REQUIRE(append_striped(c, tiers, small() ? 3 : 6, "sym4/g32", "sym4/g32", rng) >= (small() ? 5 : 6));
-  REQUIRE(attend_both(c, {{0, 1}}, 1, rng) < nmse_bound);
+  check_striped(64, wide ? 5 : 6, tiers, small() ? 3 : 6, "sym4/g32", "sym4/g32", small() ? 5 : 6, 1);
 }
 
 // Sink pages (cache_config::sink_pages: FP16) beside pages of every kind: the backend plans a
