@@ -47,6 +47,11 @@ csv_rows = []
 peer = {}
 
 
+def md_cell(fmt):
+    """A format name as a markdown table cell (a striped pair a|b keeps its bar)."""
+    return fmt.replace("|", " \\| ")
+
+
 def read_peer(path):
     """The rows `peer,backend,B,L,...,us,...` of a peer CSV (peer_decode.py, peer_flashinfer.py) into `peer`."""
     for row in csv.reader(line for line in open(path) if line.startswith("peer,") and "backend" not in line):
@@ -76,7 +81,7 @@ for b in bench["benchmarks"]:
     m = re.match(r"decode/(.+)/B(\d+)/L(\d+)/(?!W\d)", b["name"])
     if not m:
         continue
-    fmt, B, L = m.group(1).replace("|", " \\| "), int(m.group(2)), int(m.group(3))  # (a striped pair: a|b)
+    fmt, B, L = md_cell(m.group(1)), int(m.group(2)), int(m.group(3))
     us = b["median_us"]
     cudnn = peer.get(("cudnn", B, L))
     flash = peer.get(("flash", B, L))
@@ -116,8 +121,7 @@ for fmt, base, goal in SAME_BITS:
             ref = decode_us.get((base + rot, B, L))
             if f == fmt + rot and ref:
                 verdict = ("met" if us / ref <= goal else "missed") if goal else "-"
-                cell = lambda x: x.replace("|", "\\|")  # (a striped pair: a|b)
-                same_rows.append(f"| {cell(fmt + rot)} | {cell(base + rot)} | {B} | {L} | {us:.1f} | {ref:.1f} | {us / ref:.2f} | "
+                same_rows.append(f"| {md_cell(fmt + rot)} | {md_cell(base + rot)} | {B} | {L} | {us:.1f} | {ref:.1f} | {us / ref:.2f} | "
                                  f"{goal if goal else '-'} | {verdict} |")
 
 
