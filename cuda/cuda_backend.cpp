@@ -198,7 +198,9 @@ class cuda_backend final : public cache_backend {
   }
 
   bool reads(format_id f) const override { return cuda::kernels_read(f); }
-  int plan_bits(format_id f) const override { return cuda::kernel_bits(f); }
+  int plan_bits(format_id f, bool three_bit) const override {
+    return three_bit ? cuda::three_bit_kernel_bits(f) : cuda::kernel_bits(f);
+  }
 
   // Pages of a format the attention kernels do not read are refused before any launch.
   static status check_readable(const append_plan& plan) {
@@ -898,17 +900,31 @@ class cuda_step final : public step_backend {
       b_.set_call(a, int(l), {}, {});
       a.max_page_bits = std::max(layers[l].max_bits, int(b_.layer_bits_[l]));
       a.one_format_per_head = layers[l].one_pair_per_head;
+      // The 3-bit kinds count 3 bits (`three_bit_pages`, as the eager call's hint) where neither the
+      // policy's formats nor the pages held are 16-bit or read by element: `bits3` below `a`'s bits.
+      int bits3 = int(b_.layer_bits3_[l]);
+      bool mixed3 = !b_.hints_[l].one_pair;  // a head with a 3-bit kind beside another format
       for (int h = 0; h < heads; ++h) {  // the pages held so far must keep the policy's pair
         const format_pair f = b_.pol_->current(int(l), h);
         const int16_t held = b_.head_pair_[l * size_t(heads) + size_t(h)];
         if (held != -1 && held != 256 * int(f.k) + int(f.v)) a.one_format_per_head = false;
+        bits3 = std::max({bits3, cuda::three_bit_kernel_bits(f.k), cuda::three_bit_kernel_bits(f.v)});
+        mixed3 = mixed3 || ((cuda::three_bit_kind(f.k) || cuda::three_bit_kind(f.v)) && cuda::head_kernel_bits(f.k, f.v) != 3);
+      }
+      a.three_bit_pages = bits3 < a.max_page_bits;
+      if (a.three_bit_pages) {
+        a.max_page_bits = bits3;
+        // (the whole-unit instance reads 3-bit pages only in blocks of one 3-bit pair)
+        if (mixed3) a.one_format_per_head = false;
       }
       size_t need = 0;
       const result<cuda::detail::launch_plan> lp = cuda::detail::replay_plan(a, max_batch_, max_tokens_, need);
       if (!lp) return lp.error();
       plans_[l] = *lp;
       ws = std::max(ws, need);
-      layers[l] = {a.max_page_bits, a.one_format_per_head};
+      // (where the plan fell back to 16-bit stages, the 3-bit kinds are read by element: 16 bits)
+      const bool three = a.three_bit_pages && lp->stage_cap < 16;
+      layers[l] = {three || !a.three_bit_pages ? a.max_page_bits : 16, a.one_format_per_head, three};
     }
     return workspace_.allocate(ws, "decode step workspace");
   }

@@ -31,7 +31,7 @@ result<decode_step> decode_step::create(KVCache& cache, int max_batch, int64_t m
   std::vector<detail::step_layer> layers(size_t(sh.layers));
   for (int l = 0; l < sh.layers; ++l) {
     detail::step_layer& sl = layers[size_t(l)];
-    sl = {0, true};  // (a map gives each head one pair; the backend adds the pages the layer holds)
+    sl = {0, true, false};  // (a map gives each head one pair; the backend adds the pages the layer holds)
     for (int h = 0; h < sh.kv_heads; ++h) {
       const format_pair f = st.pol->current(l, h);
       // the bits the backend's kernels plan for (`cache_backend::plan_bits`)
@@ -94,13 +94,14 @@ status decode_step::prepare(std::span<const seq_id> seqs) {
             const format_id f = st.page_format({s->id, l, h, r, first});
             (r == role::k ? pairs[size_t(h)].k : pairs[size_t(h)].v) = f;
             // (a sink page's FP16 is read from global memory under any plan)
-            if (first >= st.sink_tokens() && cache_->impl_->plan_bits(f) > layers_[size_t(l)].max_bits)
+            const detail::step_layer& sl = layers_[size_t(l)];
+            const int bits = cache_->impl_->plan_bits(f, sl.three_bit);
+            if (first >= st.sink_tokens() && bits > sl.max_bits)
               return {errc::unsupported,
                       fmt::format("decode_step::prepare: layer {} kv head {}: policy {} chose {} ({} bits) for a new "
                                   "page of sequence {}; the step was planned for at most {} kernel bits in this layer (make "
                                   "a new decode_step); nothing was changed",
-                                  l, h, st.pol->name(), format_name(f), cache_->impl_->plan_bits(f), s->id,
-                                  layers_[size_t(l)].max_bits)};
+                                  l, h, st.pol->name(), format_name(f), bits, s->id, sl.max_bits)};
           }
         need += st.store.block_bytes(pairs);
       }

@@ -43,6 +43,10 @@ struct stream_guard {
 // full barriers in both layers of the narrow map).
 const std::string narrow_spec = "k=kivi8/g32,v=sym4/g32;0.1=k=kivi4/g32,v=kivi2/g32;1.0=k=sym8/g32,v=fp8;1.1=kivi2/g32";
 const std::string fp16_spec = "fp16;1=kivi4/g32";
+// 3-bit pages read staged in the replay as in the eager calls: layer 0 a kivi3 head beside a K 4 /
+// V 3-bit one (a Three instance, 4-bit stages), layer 1 a kivi3 head beside a kivi2 one (one pair
+// per head: the whole-unit instance in 3-bit stages, both heads rotated).
+const std::string three_spec = "kivi3/g32;0.1=k=kivi4/g32,v=sym3/g32;1.1=kivi2/g32";
 
 KVCache make(cudaStream_t st, uint64_t budget = 64ull << 20, std::shared_ptr<policy> pol = nullptr, int sinks = 0) {
   cache_config cfg;
@@ -109,7 +113,7 @@ bool small() { return std::getenv("KVQ_GPU_TEST_SMALL") != nullptr; }
 }  // namespace
 
 TEST_CASE("gpu: a decode step captured once replays 200 steps as its eager calls compute", "[gpu][graph][replay]") {
-  const std::string map = GENERATE(spec, narrow_spec, fp16_spec);
+  const std::string map = GENERATE(spec, narrow_spec, fp16_spec, three_spec);
   // with a sink page, the shorter sequences encode it during the replayed steps (FP16, read from
   // global memory under the plans of the narrower formats)
   const int sinks = GENERATE(0, 1);

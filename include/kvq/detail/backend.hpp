@@ -75,10 +75,13 @@ struct cache_state {
 };
 
 /// The pages a replayed step's layer can hold, from the policy when the step is made: the widest
-/// code bits of its formats, and whether every kv head keeps one (K, V) format pair.
+/// code bits of its formats, and whether every kv head keeps one (K, V) format pair. The backend
+/// raises them to its plan; `three_bit`: its plan reads the 3-bit kinds staged, so that they count
+/// by their own bits (`cache_backend::plan_bits`).
 struct step_layer {
   int max_bits;
   bool one_pair_per_head;
+  bool three_bit = false;
 };
 
 /// The data plane of a replayable decode step (`decode_step`, cache/decode_step.hpp): launches
@@ -132,8 +135,9 @@ class cache_backend {
   virtual bool reads(format_id /*f*/) const { return true; }
   /// The code width a page of format `f` counts as in the choice of this backend's decode kernels,
   /// which a replayed decode step plans each layer for (CUDA: `cuda::kernel_bits`, 16 for a format
-  /// read by element; the CPU: the format's bits).
-  virtual int plan_bits(format_id f) const { return traits_of(f).bits; }
+  /// read by element; with `three_bit`, in a layer planned for the 3-bit kinds staged,
+  /// `cuda::three_bit_kernel_bits`; the CPU: the format's bits).
+  virtual int plan_bits(format_id f, bool /*three_bit*/ = false) const { return traits_of(f).bits; }
 
   /// Converts, validates (finite, within fp16 range) and stores m tokens; encodes the planned
   /// pages. With `check_values`, values are rejected before anything is stored: at the call
