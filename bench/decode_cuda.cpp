@@ -136,12 +136,18 @@ double pair_bits(const kvq::format_pair& fp, int D) {
 }
 
 // spec: a format pair, or two joined by '|' (pages alternating between them: `striped_policy`),
-// optionally followed by `+rot` and `+sink<N>` (`strip_suffixes`). window > 0: a sliding layer of
+// optionally followed by `+rot` and `+sink<N>` (`strip_suffixes`), then by `@<page tokens>` (this
+// benchmark's own: pages of that many tokens, 64 without it). window > 0: a sliding layer of
 // that many tokens (`attention_variant::window`), whose pages before the window are released as
 // the sequences fill; a call reads the window's pages only, so the sets rotating through the L2
 // are sized as for a context of the window.
 void bm_decode(benchmark::State& state, std::string spec, model_shape m, int batch, int context, int window) {
   const int Hq = m.hq, H = m.h, D = m.d;
+  int P = 64;  // page tokens (`@<n>`)
+  if (const size_t at = spec.find('@'); at != std::string::npos) {
+    P = std::stoi(spec.substr(at + 1));
+    spec.resize(at);
+  }
   const kvq::cache_suffixes suffixes = strip_suffixes(spec);
   // memory: pages for every set + windows
   const size_t bar = spec.find('|');
@@ -156,12 +162,12 @@ void bm_decode(benchmark::State& state, std::string spec, model_shape m, int bat
   const double held_bytes =
       window > 0 ? double(batch) * std::min(context, window + chunk + 128) * H * D * 2 * bpe / 8 * (sets + 1) : 0.0;
   kvq::cache_config cfg;
-  cfg.shape = {1, Hq, H, D, 64, 128, 64};
+  cfg.shape = {1, Hq, H, D, P, 2 * P, 64};
   cfg.where = kvq::backend::cuda;
   cfg.max_sequences = batch * sets;
   cfg.max_tokens = context;
   cfg.budget_bytes = uint64_t(std::max(set_bytes * sets, held_bytes) * 1.05) +
-                     uint64_t(batch) * sets * (H * 2 * 128 * D * 2 + 4096) + (64 << 20);
+                     uint64_t(batch) * sets * (H * 2 * 2 * P * D * 2 + 4096) + (64 << 20);
   if (window > 0) cfg.attention = {kvq::attention_variant{window, 0.f, {}}};
   suffixes.apply(cfg);
   std::shared_ptr<kvq::policy> pol;
@@ -189,7 +195,7 @@ void bm_decode(benchmark::State& state, std::string spec, model_shape m, int bat
     for (int b = 0; b < batch; ++b) items[size_t(s)].push_back({s * batch + b, 1});
   const auto st = cache.stats();
   // bytes one call must read: its set's pages + the ring tokens not in pages
-  const int64_t in_pages = (context - 64) / 64 * 64;
+  const int64_t in_pages = (context - P) / P * P;
   const double bytes = double(st.page_bytes) / sets + double(batch) * (context - in_pages) * H * D * 2 * 2;
   cudaEvent_t e0, e1;
   cudaEventCreate(&e0);

@@ -456,8 +456,8 @@ class cuda_backend final : public cache_backend {
     a.items = items_;
     a.rotation = rotation_of(layer);  // before the plan: the workspace holds the rotated queries
     // Pages of the 3-bit kinds count 3 bits (`three_bit_pages`): heads of one 3-bit kind pair each
-    // (kivi3/kivi3, sym3/sym3) in the block-staged kernel's Whole instance, other layers in its
-    // Three instances; where the plan is another kernel, 16 (by element: the plan's own fallback).
+    // (kivi3/kivi3, sym3/sym3) in the block-staged kernel's Whole instance, other layers in the
+    // staged kernels' Three instances (block-staged or per-warp).
     const decode_hint hint = hints_[size_t(layer)];
     a.one_format_per_head = hint.one_pair;
     a.three_bit_pages = hint.three;

@@ -107,17 +107,18 @@ launch_plan plan_for(const attend_args& a) {
     };
     stages_for(a.max_page_bits);
     // 3-bit pages counted as 3 bits (`three_bit_pages`, or a hint of 3: heads of 3-bit pairs):
-    // the Whole instance reads blocks of one 3-bit pair; a block-staged plan of narrow stages
-    // otherwise runs a Three instance, whose dispatch reads them beside other formats. Where 8-bit
-    // page-heads leave room for fewer than 3 page stages (head_dim 256, page_tokens 128 and up),
-    // 4-bit stages instead (8-bit pages read from global memory, as under any smaller hint); where
-    // no block-staged plan fits, they are read by element: the plan of a hint of 16 (the per-warp
-    // staged kernel has no 3-bit code).
+    // the Whole instance reads blocks of one 3-bit pair; any other plan of narrow stages runs a
+    // Three instance (block-staged or per-warp), whose dispatch reads them beside other formats.
+    // Where 8-bit page-heads leave room for fewer than 3 page stages (head_dim 256, page_tokens
+    // 128 and up), block-staged 4-bit stages if those fit (8-bit pages read from global memory, as
+    // under any smaller hint), else the per-warp kernel in the layer's own stage width.
     const bool three_bits = a.three_bit_pages || a.max_page_bits == 3;
     if (three_bits && lp.stage_cap < 16 && !lp.whole) {
-      if (!lp.page_stage && a.max_page_bits > 4) stages_for(4);
-      if (!lp.page_stage) stages_for(16);
-      lp.three = lp.page_stage > 0 && lp.stage_cap < 16 && !lp.whole;
+      if (!lp.page_stage && a.max_page_bits > 4) {
+        stages_for(4);
+        if (!lp.page_stage) stages_for(a.max_page_bits);
+      }
+      lp.three = !lp.whole;
     }
     // Sink pages: split 0 of every (item, kv head), so that no other block holds them; the
     // other splits share the rest. A sink block is short (its units + 8): it costs nothing where

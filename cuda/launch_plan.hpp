@@ -20,7 +20,7 @@ struct launch_plan {
   bool two_full;                        // its stage x chunks per page not a multiple of 4: two full barriers per stage
   bool whole;                           // the caller's `one_format_per_head` on a ring without two_full
   bool rules;                           // decode: the instances with a sliding window's masks and soft-capping
-  bool three;                           // block-staged, not whole: the Three instance (3-bit pages among others)
+  bool three;                           // narrow stages, not whole: a Three instance (3-bit kind pages)
 };
 
 /// The plan of a call, unchecked (`attend_can_implement` holds for `a`). A call of more than

@@ -135,6 +135,11 @@ TEST_CASE(
   CHECK(in_kind_pairs(eight_bit_pairs{}, kind_pair(fp8, fp8)));
   CHECK_FALSE(in_kind_pairs(eight_bit_pairs{}, kind_pair(kivi8, sym8)));
   CHECK(in_kind_pairs(three_bit_pairs{}, kind_pair(kivi3, kivi3)));
+  // (a 4-bit K beside a 3-bit V: a chunk loop of its own in the Three instances; its head still
+  // counts by its wider kernel bits, read by element outside them)
+  CHECK(in_kind_pairs(three_bit_mixed_pairs{}, kind_pair(kivi4, kivi3)));
+  CHECK_FALSE(in_kind_pairs(three_bit_mixed_pairs{}, kind_pair(kivi3, kivi4)));
+  CHECK(head_kernel_bits(format_id_v<kivi<4, 32>>, format_id_v<kivi<3, 32>>) == 16);
   CHECK(in_kind_pairs(eight_bit_pairs{}, kind_pair(sym8, sym8)));
 }
 

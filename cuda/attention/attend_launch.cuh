@@ -20,8 +20,10 @@ namespace {
 template <int D, bool Rules>
 auto decode_instance(const launch_plan& lp) {
   const bool w = lp.stage_cap == 16;
-  if (lp.three)  // (3-bit pages among other formats: block-staged, narrow stages, not Whole)
-    return lp.two_full ? decode_paged_kernel<D, true, false, false, Rules, true> : decode_paged_kernel<D, false, false, false, Rules, true>;
+  if (lp.three)  // (3-bit pages among other formats, or in a per-warp plan: narrow stages, not Whole)
+    return !lp.page_stage ? decode_kernel<D, false, Rules, true>
+           : lp.two_full  ? decode_paged_kernel<D, true, false, false, Rules, true>
+                          : decode_paged_kernel<D, false, false, false, Rules, true>;
   return !lp.page_stage ? (w ? decode_kernel<D, true, Rules> : decode_kernel<D, false, Rules>)
          : lp.two_full  ? (w ? decode_paged_kernel<D, true, false, true, Rules> : decode_paged_kernel<D, true, false, false, Rules>)
          : lp.whole     ? decode_paged_kernel<D, false, true, false, Rules>

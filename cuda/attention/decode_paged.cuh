@@ -91,8 +91,9 @@ __global__ void __launch_bounds__(dec_warps * 32, (decode_blocks<D, Wide>))
   // units per step (`pages`, the Whole instance, page_tokens 64 and up), else 32-token chunks
   // (`chunks`). Blocks of one 3-bit pair (kivi3, sym3: `three_bit_pairs`) run chunk loops of their
   // own in the Whole instance and the Three instances, the only code that reads 3-bit pages staged
-  // (the host plans them for such layers: `head_kernel_bits`, `attend_args::three_bit_pages`).
-  // Other blocks run 32-token chunks that dispatch on each page's kinds, with 3-bit cases in the
+  // (the host plans them for such layers: `head_kernel_bits`, `attend_args::three_bit_pages`);
+  // the Three instances also compile chunk loops for a 3-bit V beside a 4-bit K
+  // (`three_bit_mixed_pairs`). Other blocks run 32-token chunks that dispatch on each page's kinds, with 3-bit cases in the
   // Three instances only.
   // (16-bit pages: `wide_pair` where every page of the block has 16-bit K and V)
   const auto uniform_kinds = [&]() {  // the (K kind, V kind) of every page of the block, both staged; else -1
@@ -298,17 +299,24 @@ __global__ void __launch_bounds__(dec_warps * 32, (decode_blocks<D, Wide>))
   } else {
     // A block whose pages all have the same staged K and V kinds runs the chunk loop compiled for
     // them (no dispatch per step): the pairs of `eight_bit_pairs` in the two-full-barrier ring,
-    // those of `whole_unit_pairs` otherwise, and in the Three instances `three_bit_pairs`; other
-    // blocks dispatch per page (Three: `kind::dispatch3`).
+    // those of `whole_unit_pairs` otherwise, and in the Three instances `three_bit_pairs` and
+    // `three_bit_mixed_pairs`; other blocks dispatch per page (Three: `kind::dispatch3`).
     constexpr int Disp = Three ? kind::dispatch3 : kind::dispatch;
     kinds = uniform_kinds();
     bool done = false;
     if constexpr (Three) {
-      static_assert(three_bit_pairs::size == 2, "a pair without its case here");
+      static_assert(three_bit_pairs::size == 2 && three_bit_mixed_pairs::size == 1, "a pair without its case here");
       done = true;
       if (kinds == listed_pair<three_bit_pairs, kind::kivi3, kind::kivi3>) chunks.template operator()<kind::kivi3, kind::kivi3>();
       else if (kinds == listed_pair<three_bit_pairs, kind::sym3, kind::sym3>) chunks.template operator()<kind::sym3, kind::sym3>();
-      else done = false;
+      // (kivi4 K + kivi3 V: 4-bit stages, which are never two_full at page_tokens 64 and up; in the
+      // TwoFull instance, whose 3- and 8-bit stripes its code made slower, those blocks dispatch)
+      else if constexpr (!TwoFull) {
+        if (kinds == listed_pair<three_bit_mixed_pairs, kind::kivi4, kind::kivi3>) chunks.template operator()<kind::kivi4, kind::kivi3>();
+        else done = false;
+      } else {
+        done = false;
+      }
     }
     if (done) {
     } else if constexpr (TwoFull) {

@@ -19,10 +19,15 @@ namespace cuda::detail {
 // One slab per stage (layers whose page-heads leave room for fewer than 3 page stages, e.g. 8 bits
 // at page_tokens 128, 16 bits at head_dim 256 and page_tokens 128; the block-staged kernel takes the others). With the two-slab step compiled
 // in, this path measured 3-10 % slower (one register allocation for both). `Rules`: the
-// instance of a layer with a sliding window or soft-capping (`launch_plan::rules`).
-template <int D, bool Wide, bool Rules>
+// instance of a layer with a sliding window or soft-capping (`launch_plan::rules`). Three: the
+// instance of a layer with 3-bit kind pages (`launch_plan::three`; narrow stages, never Wide):
+// its stages hold them as 16-row 3-bit pages (both planes, `section_copy::bit_plane`), its
+// per-page dispatch has their cases (`kind::dispatch3`).
+template <int D, bool Wide, bool Rules, bool Three = false>
 __global__ void __launch_bounds__(dec_warps * 32, (decode_blocks<D, Wide>))
     decode_kernel(const __grid_constant__ attend_params p) {
+  static_assert(!(Three && Wide), "the Three instances: narrow stages");
+  constexpr int Disp = Three ? kind::dispatch3 : kind::dispatch;
   pdl_trigger();
   constexpr int Cap = 8;
   extern __shared__ __align__(128) uint8_t dsm[];
@@ -50,7 +55,7 @@ __global__ void __launch_bounds__(dec_warps * 32, (decode_blocks<D, Wide>))
   const int issue_end = min(s1, page_slabs);
   int issue_j = s0, issue_st = 0;
   for (; issue_j < issue_end && issue_st < ns - 1; ++issue_j, ++issue_st)
-    issue_chunk<D>(p, sm.pages, sm.sect, issue_j, issue_j == s0, lane, my_stages_s + issue_st * st_bytes, my_bars + issue_st * 8);
+    issue_chunk<D, Three>(p, sm.pages, sm.sect, issue_j, issue_j == s0, lane, my_stages_s + issue_st * st_bytes, my_bars + issue_st * 8);
   if (issue_st == ns) issue_st = 0;
 
   int q_key = -2;  // the KIVI token group (its first token) whose scales qb holds; -1: the plain query
@@ -61,7 +66,7 @@ __global__ void __launch_bounds__(dec_warps * 32, (decode_blocks<D, Wide>))
   int8_t pkk = kind::wide, pvk = kind::wide;     // and their kinds
   for (int j = s0; j < s1; ++j) {
     if (issue_j < issue_end) {  // refill the stage the previous slab freed
-      issue_chunk<D>(p, sm.pages, sm.sect, issue_j, false, lane, my_stages_s + issue_st * st_bytes, my_bars + issue_st * 8);
+      issue_chunk<D, Three>(p, sm.pages, sm.sect, issue_j, false, lane, my_stages_s + issue_st * st_bytes, my_bars + issue_st * 8);
       ++issue_j;
       if (++issue_st == ns) issue_st = 0;
     }
@@ -90,7 +95,7 @@ __global__ void __launch_bounds__(dec_warps * 32, (decode_blocks<D, Wide>))
     slab_ref sk = cur;
     sk.k = st, sk.v = st + st_v, sk.row0 = 0;
 
-    decode_step<D, Cap, kind::dispatch, kind::dispatch, Wide, Rules, Rules>(p, cur, sk, rows, false, k_st, v_st, false, g, t, lane, sm.qh, qb, q_key, cs);
+    decode_step<D, Cap, Disp, Disp, Wide, Rules, Rules>(p, cur, sk, rows, false, k_st, v_st, false, g, t, lane, sm.qh, qb, q_key, cs);
     __syncwarp();  // every lane is done with this step's rows of the stage
     if (!cur.ring && ++cur_st == ns) cur_st = 0;
   }

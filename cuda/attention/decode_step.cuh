@@ -46,8 +46,10 @@ __device__ __forceinline__ void staged_start(const attend_params& p, const decod
 // Issues the bulk copies of page slab j into a per-warp stage (lane
 // l < 6 copies one section: K codes, K scales, K zeros, V codes, V scales, V zeros, as described by
 // `chunk_section`) and arms the stage's barrier with their bytes. KIVI key scales and zeros are
-// copied only when the warp enters their token group (`first`: the warp's first slab).
-template <int D>
+// copied only when the warp enters their token group (`first`: the warp's first slab). Three: the
+// instance whose stages hold 3-bit pages, whose code section's lane also copies the bit plane
+// (`section_copy::bit_plane`).
+template <int D, bool Three = false>
 __device__ __forceinline__ void issue_chunk(const attend_params& p, const page_table_cache& pc, const section_copy (*sect)[2][3], int j,
                                             bool first, int lane, uint32_t stage, uint32_t bar) {
   const int P = p.kv.page_tokens;
@@ -59,10 +61,14 @@ __device__ __forceinline__ void issue_chunk(const attend_params& p, const page_t
   uint32_t bytes = lane < 6 ? d.bytes() : 0u;
   // (a KIVI key group's scales and zeros: once per group, when the warp enters it)
   if (d.key_group() && !first && (row0 & ((1u << shift) - 1u))) bytes = 0;
-  const uint32_t total = __reduce_add_sync(0xffffffffu, bytes);
+  const bool plane = Three && d.bit_plane() && bytes;  // (a 3-bit page's codes: bit plane rows of half the bytes)
+  const uint32_t total = __reduce_add_sync(0xffffffffu, plane ? bytes + bytes / 2 : bytes);
   if (bytes) {
-    const uint8_t* src = p.pages + size_t(pc.page16[e]) * 16 + (is_v ? pc.v_offset[e] : 0u) + d.offset() + (row0 >> shift) * d.row_bytes();
-    bulk_copy(stage + (is_v ? stage_k_bytes(D, p.stage_cap) : 0u) + d.stage_offset(), src, bytes, bar);
+    const uint8_t* block = p.pages + size_t(pc.page16[e]) * 16 + (is_v ? pc.v_offset[e] : 0u) + d.offset();
+    const uint32_t dst = stage + (is_v ? stage_k_bytes(D, p.stage_cap) : 0u) + d.stage_offset();
+    bulk_copy(dst, block + (row0 >> shift) * d.row_bytes(), bytes, bar);
+    if (plane)
+      bulk_copy(dst + bytes, block + uint32_t(p.kv.page_tokens) * d.row_bytes() + row0 * (d.row_bytes() / 2), bytes / 2, bar);
   }
   if (lane == 0) mbar_expect_tx(bar, total);
 }

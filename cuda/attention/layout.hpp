@@ -110,19 +110,26 @@ struct merge_area {
 // One bulk copy of a page section into a per-warp stage, for one slab (16 rows), as the 16 bytes
 // a lane reads in one vector load (`issue_chunk`; made by `chunk_section`):
 //   x: offset of row 0 (group 0) in the page's role block;
-//   y: bytes per row (bits 0-15) | row shift (16-23: rows >> shift per row) | KIVI key group (24);
+//   y: bytes per row (bits 0-15) | row shift (16-23: rows >> shift per row) | KIVI key group (24)
+//      | bit plane (25: a 3-bit page's codes, whose bit plane follows; below);
 //   z: bytes to copy (0: nothing); w: offset in the stage's role region.
 struct section_copy {
   uint4 w;
   __host__ __device__ static constexpr section_copy make(uint32_t offset, uint32_t row_bytes, uint32_t row_shift,
-                                                          bool key_group, uint32_t bytes, uint32_t stage_offset) {
-    return {{offset, row_bytes | row_shift << 16 | uint32_t(key_group) << 24, bytes, stage_offset}};
+                                                          bool key_group, uint32_t bytes, uint32_t stage_offset,
+                                                          bool bit_plane = false) {
+    return {{offset, row_bytes | row_shift << 16 | uint32_t(key_group) << 24 | uint32_t(bit_plane) << 25, bytes, stage_offset}};
   }
   __host__ __device__ constexpr uint32_t offset() const { return w.x; }
   __host__ __device__ constexpr uint32_t row_bytes() const { return w.y & 0xffffu; }
   __host__ __device__ constexpr uint32_t row_shift() const { return (w.y >> 16) & 0xffu; }
   // Scales and zeros of a KIVI key token group: copied once per group (rows >> row_shift per row).
-  __host__ __device__ constexpr bool key_group() const { return (w.y >> 24) != 0; }
+  __host__ __device__ constexpr bool key_group() const { return (w.y >> 24) & 1u; }
+  // The codes of a 3-bit page (the kinds kivi3, sym3): this section is the 2-bit plane ([P][D/4]
+  // bytes, `row_bytes` D/4); its bit plane ([P][D/8] after it) goes right after it in the stage, so
+  // that the stage holds a 16-row 3-bit page (`load_rows3`). Copied by the per-warp kernel's Three
+  // instances only (`issue_chunk`).
+  __host__ __device__ constexpr bool bit_plane() const { return (w.y >> 25) & 1u; }
   __host__ __device__ constexpr uint32_t bytes() const { return w.z; }
   __host__ __device__ constexpr uint32_t stage_offset() const { return w.w; }
 };

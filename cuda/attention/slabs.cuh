@@ -296,7 +296,8 @@ __device__ __forceinline__ section_copy chunk_section(format_id f, int r, int pa
   const section_copy none{};
   if (!stages_hold(f, cap)) return none;  // (pages read by element: from memory)
   const uint32_t rb = D * t.bits / 8, code = P * rb;
-  if (part == 0) return section_copy::make(0, rb, 0, false, rows * rb, 0);
+  if (part == 0)  // (3 bits: the 2-bit plane, its bit plane after it: `section_copy::bit_plane`)
+    return t.bits == 3 ? section_copy::make(0, D / 4, 0, false, rows * (D / 4), 0, true) : section_copy::make(0, rb, 0, false, rows * rb, 0);
   if (t.fam == family::fp8_e4m3) return part == 1 ? section_copy::make(code, 4, 0, false, rows * 4, rows * rb) : none;
   if (r == 0 && t.has_zero()) {  // KIVI keys: the chunk's token group, scales then zeros
     const uint32_t lg = uint32_t(log2i(t.group));

@@ -236,9 +236,11 @@ TEST_CASE("gpu: mixed formats with pages read by element", "[gpu][decode][by_ele
 // heads on their own formats), as EchoKV's tiers leave a layer: decode reads them staged in the
 // block-staged kernel's Three instances (`attend_args::three_bit_pages`), in 4-bit stages (page
 // tokens 64 and 128), 8-bit stages (3 of them: warp pairs take a stage's pages in turn) and 3-bit
-// stages, q_len 1 and 2 (GQA 4: 4 and 8 rows a kv head). Against the CPU.
+// stages, q_len 1 and 2 (GQA 4: 4 and 8 rows a kv head); at page_tokens 256 (fewer than 3 page
+// stages: which 4, 5) in the per-warp kernel's Three instance, in 4- and 8-bit stages. Against the
+// CPU.
 TEST_CASE("gpu: 3-bit pages among other formats decode staged", "[gpu][decode][three]") {
-  const int which = GENERATE(0, 1, 2, 3);
+  const int which = GENERATE(0, 1, 2, 3, 4, 5);
   const int q_len = GENERATE(1, 2);
   CAPTURE(which, q_len);
   const char* four_tiers[] = {"kivi4/g32", "kivi3/g32", "k=kivi2/g32,v=sym3/g32", "cb4", "k=kivi3/g64,v=kivi4/g32",
@@ -246,10 +248,11 @@ TEST_CASE("gpu: 3-bit pages among other formats decode staged", "[gpu][decode][t
   const char* eight_tiers[] = {"kivi8/g32", "kivi3/g32", "k=int8,v=sym3/g32", "fp8", "k=kivi3/g32,v=nvfp4", "sym3"};
   const char* three_tiers[] = {"kivi3/g32", "sym3/g32", "k=kivi3/g64,v=sym3/g64", "kivi3/g64", "sym3",
                                "k=sym3/g32,v=kivi3/g32"};
-  const char* const* tiers = which == 1 ? eight_tiers : which == 2 ? three_tiers : four_tiers;
-  const char* head_odd = which == 1 ? "fp8" : which == 2 ? "sym3/g32" : "kivi2/g32";
-  check_striped(which == 3 ? 128 : 64, uint32_t(70 + which * 2 + q_len), tiers, small() ? 4 : 6, "kivi3/g32", head_odd,
-                small() ? 3 : 5, q_len);
+  const bool eight = which == 1 || which == 5;
+  const char* const* tiers = eight ? eight_tiers : which == 2 ? three_tiers : four_tiers;
+  const char* head_odd = eight ? "fp8" : which == 2 ? "sym3/g32" : "kivi2/g32";
+  check_striped(which >= 4 ? 256 : which == 3 ? 128 : 64, uint32_t(70 + which * 2 + q_len), tiers, small() ? 4 : 6,
+                "kivi3/g32", head_odd, small() || which >= 4 ? 3 : 5, q_len);  // (256-token pages: fewer sealed)
 }
 
 TEST_CASE("gpu: decode attention matches the CPU reference over formats and lengths", "[gpu][decode]") {
@@ -279,10 +282,13 @@ TEST_CASE("gpu: decode attention matches the CPU reference over formats and leng
 // of 3 bits; of 4 beside a head of 4-bit pages); where the plan is another kernel or instance
 // (page_tokens 256 at head_dim 128 and 256: the per-warp kernel; head_dim 256 beside a 4-bit head
 // at page_tokens 64: 4 page stages, too few for the Whole instance), the backend plans them as
-// 16-bit pages, read by element. Both against the CPU.
-TEST_CASE("gpu: layers of one 3-bit pair per head decode staged or by element", "[gpu][decode]") {
+// 16-bit pages, read by element. A 4-bit K beside a 3-bit V (`three_bit_mixed_pairs`) decodes in
+// the Three instances, in a chunk loop of its own (alone, and beside a kivi2 head). Both against
+// the CPU.
+TEST_CASE("gpu: layers of one 3-bit pair per head decode staged or by element", "[gpu][decode][three]") {
   const std::string spec =
-      GENERATE("kivi3/g32", "sym3/g32", "sym3", "kivi3/g128", "kivi3/g32;0.1=kivi4/g32", "sym3/g32;0.0=kivi2/g32");
+      GENERATE("kivi3/g32", "sym3/g32", "sym3", "kivi3/g128", "kivi3/g32;0.1=kivi4/g32", "sym3/g32;0.0=kivi2/g32",
+               "k=kivi4/g32,v=kivi3/g32", "k=kivi4/g32,v=kivi3/g32;0.1=kivi2/g32");
   const int d = GENERATE(64, 128, 256);
   const int page = GENERATE(64, 128, 256);
   const int gqa = GENERATE(1, 4);

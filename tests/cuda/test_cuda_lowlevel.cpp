@@ -150,16 +150,18 @@ void check_hints(int P, const std::vector<std::string>& specs, std::initializer_
   REQUIRE(cudaDeviceGetAttribute(&args.num_sms, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess);
   for (int hint : hints)
     for (bool one_format : {false, true}) {  // true: a wrong promise here (mixed pages), still correct
-      // (except for 3-bit pages counted as 3 bits where the promise plans the whole-unit instance,
-      // which reads them only in blocks of one 3-bit pair: documented at `one_format_per_head`)
-      if (three && one_format && hint <= 4) continue;
       CAPTURE(hint, one_format, three);
       args.max_page_bits = hint;
       args.one_format_per_head = one_format;
       args.three_bit_pages = three;
       REQUIRE(cuda::attend_can_implement(args).ok());
-      // (8-bit page-heads at page_tokens 128 leave room for 2 page stages: 4-bit stages instead)
-      if (three && hint < 16) CHECK(cuda::attend_plan(args).value_or_throw().three_bit_dispatch);
+      const cuda::attend_plan_info plan = cuda::attend_plan(args).value_or_throw();
+      // (except for 3-bit pages counted as 3 bits where the promise plans the whole-unit instance,
+      // which reads them only in blocks of one 3-bit pair: documented at `one_format_per_head`;
+      // the hints 4 and 3, and 8 at page_tokens 128, whose 8-bit page-heads leave room for 2 page
+      // stages: 4-bit stages instead)
+      if (three && one_format && plan.whole_units) continue;
+      if (three && hint < 16) CHECK(plan.three_bit_dispatch);
       dev_mem ws(std::max<size_t>(16, cuda::attend_workspace_bytes(args)));
       std::vector<float> got(qh.size(), std::nanf(""));
       upload(dout, got);  // poisoned: every element must be written

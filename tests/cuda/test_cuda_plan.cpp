@@ -254,13 +254,14 @@ TEST_CASE("attention plan: heads of 3-bit kind pairs take the Whole instance in 
   }
   // head_dim 256, 64-token pages: 4-bit page-heads leave room for 4 stages, too few for whole units
   CHECK_FALSE(plan(256, 64, 4, 8, 32768, 1, true).whole_units);
-  // page_tokens 256 at head_dim 128 and 256: fewer than 3 page stages, the per-warp kernel, which
-  // has no code for 3-bit pages: the plan of 16-bit pages (read by element)
+  // page_tokens 256 at head_dim 128 and 256: fewer than 3 page stages, the per-warp kernel's Three
+  // instance in 3-bit stages (its stages hold 16-row 3-bit pages)
   for (int d : {128, 256}) {
     const auto p = plan(d, 256, 3, 8, 32768, 1, true);
     CHECK(p.kernel == cuda::attend_kernel::decode_staged);
-    CHECK(p.stage_bits == 16);
-    CHECK_FALSE(p.three_bit_dispatch);
+    CHECK(p.stage_bits == 3);
+    CHECK(p.three_bit_dispatch);
+    CHECK_FALSE(p.whole_units);
   }
   // without one_format_per_head, no Whole instance: a Three instance
   CHECK_FALSE(plan(128, 64, 3, 8, 32768).whole_units);
@@ -310,17 +311,23 @@ TEST_CASE("attention plan: 3-bit pages among other formats take a Three instance
   CHECK(pc.three_bit_dispatch);
   CHECK(pc.rule_code);
   CHECK_FALSE(pc.whole_units);
-  // 8-bit page-heads at page_tokens 128 take the per-warp kernel, which has no 3-bit code: a
-  // Three instance of 4-bit stages instead; where those leave room for fewer than 3 page stages
-  // too (head_dim 256, page_tokens 256), the plan of 16-bit stages (3-bit pages read by element)
+  // 8-bit page-heads at page_tokens 128 take the per-warp kernel: a block-staged Three instance of
+  // 4-bit stages instead (the 8-bit pages from global memory); where those leave room for fewer
+  // than 3 page stages too (head_dim 256, page_tokens 256), the per-warp kernel's Three instance in
+  // 8-bit stages (every page staged)
   CHECK(plan3(128, 128, 8, false).kernel == cuda::attend_kernel::decode_staged);
   const auto p4 = plan3(128, 128, 8, true);
   CHECK(p4.kernel == cuda::attend_kernel::decode_block_staged);
   CHECK(p4.stage_bits == 4);
   CHECK(p4.three_bit_dispatch);
   const auto pw = plan3(256, 256, 8, true);
-  CHECK(pw.stage_bits == 16);
-  CHECK_FALSE(pw.three_bit_dispatch);
+  CHECK(pw.kernel == cuda::attend_kernel::decode_staged);
+  CHECK(pw.stage_bits == 8);
+  CHECK(pw.three_bit_dispatch);
+  // without 3-bit pages the same layer keeps the plain per-warp instance
+  CHECK_FALSE(plan3(256, 256, 8, false).three_bit_dispatch);
+  CHECK(plan3(256, 256, 4, true).kernel == cuda::attend_kernel::decode_staged);
+  CHECK(plan3(256, 256, 4, true).three_bit_dispatch);
   // a hint of 16 (a 16-bit or by-element page in the layer) stays the 16-bit plan
   CHECK_FALSE(plan3(128, 64, 16, true).three_bit_dispatch);
   CHECK(plan3(128, 64, 16, true).stage_bits == 16);

@@ -232,9 +232,8 @@ struct attend_args {
   /// `max_page_bits` counts them as 3 bits (`cuda::three_bit_kernel_bits`): decode then reads them
   /// staged, beside the layer's other pages, in kernel instances whose per-page dispatch has code
   /// for them (kept apart from the other instances, where that code made layers without 3-bit
-  /// pages 5-14 % slower). Where the plan's kernel has no such instance (the per-warp staged
-  /// kernel, a 16-bit stage plan) it plans as for a hint of 16 (pages read by element): always
-  /// correct. Implied by a hint of 3 (e.g. heads of 3-bit kind pairs: `cuda::head_kernel_bits`).
+  /// pages 5-14 % slower): the block-staged kernel's and the per-warp staged kernel's Three
+  /// instances. Implied by a hint of 3 (e.g. heads of 3-bit kind pairs: `cuda::head_kernel_bits`).
   bool three_bit_pages = false;
   /// True if the caller knows that every page of each kv head of the layer has one K format and
   /// one V format (the heads may differ: a static policy's layers, or EchoKV's until it moves
@@ -284,7 +283,7 @@ struct attend_plan_info {
   int blocks_per_sm = 0;     ///< staged kernels: resident thread blocks per SM
   bool whole_units = false;  ///< block-staged kernel: the instance for `one_format_per_head` (64-token steps)
   bool rule_code = false;    ///< decode kernels: the instance with a sliding window's masks and soft-capping
-  bool three_bit_dispatch = false;  ///< block-staged kernel: an instance whose per-page dispatch reads 3-bit pages
+  bool three_bit_dispatch = false;  ///< staged kernels: an instance whose per-page dispatch reads 3-bit pages
   int stage_bits = 0;        ///< staged kernels: the widest code width the stages hold (2, 3, 4, 8 or 16)
   int max_splits = 0;        ///< thread blocks per (sequence, kv head), at most
   int tokens_per_split = 0;  ///< tokens each of them reads, at most

@@ -30,10 +30,11 @@
 /// 16-bit formats have kind -1 (the unstaged path). The 3-bit codebooks have no kind either: the
 /// decode kernels read them by element. The 3-bit kinds (kivi3, sym3) are read by the chunk loops
 /// compiled for a block whose pages all hold one pair kivi3/kivi3 or sym3/sym3 (`three_bit_pairs`:
-/// in the block-staged kernel's Whole instance and its Three instances) and by the per-page
-/// dispatch of the Three instances only (`kind::dispatch3`: layers whose 3-bit pages are among
-/// other formats, `attend_args::three_bit_pages`); everywhere else a 3-bit page is read by
-/// element. (Numbered last, they leave the other kinds' numbers, and so the plain dispatch's code,
+/// in the block-staged kernel's Whole instance and its Three instances; kivi4 K + kivi3 V,
+/// `three_bit_mixed_pairs`, in the Three instances) and by the per-page dispatch of the Three
+/// instances only (block-staged and per-warp, `kind::dispatch3`: layers whose 3-bit pages are among
+/// other formats or too large for 3 page stages, `attend_args::three_bit_pages`); a 16-bit stage
+/// plan reads a 3-bit page by element. (Numbered last, they leave the other kinds' numbers, and so the plain dispatch's code,
 /// as they were without them.)
 
 #include <kvq/config.hpp>
@@ -249,6 +250,13 @@ KVQ_HOST_DEVICE constexpr bool has_whole_units(int combo) { return in_kind_pairs
 /// kivi3/kivi3 (and rolealign), sym3/sym3.
 using three_bit_pairs = type_list<kv_types<kivi<3, 32>, kivi<3, 32>>, kv_types<sym<3, 32>, sym<3, 32>>>;
 
+/// The (K, V) kind pairs of a 3-bit kind beside a wider one whose chunk loops the block-staged
+/// kernel's Three instances of one full barrier per stage compile (`attend_args::three_bit_pages`;
+/// the pair's 4-bit stages never need two), for a block whose pages all hold the pair: kivi4 K +
+/// kivi3 V (KIVI's keys a bit wider than its values). Other such pairs dispatch on each page's
+/// kinds.
+using three_bit_mixed_pairs = type_list<kv_types<kivi<4, 32>, kivi<3, 32>>>;
+
 /// True for the formats of the 3-bit kinds (kivi3, sym3: kivi and sym at 3 bits),
 /// which the decode kernels read staged where the plan gives them an instance with code for them
 /// (`attend_args::three_bit_pages`), else by element.
@@ -261,9 +269,10 @@ KVQ_HOST_DEVICE constexpr int three_bit_kernel_bits(format_id id) { return three
 
 /// The code width a kv head's pages of one (K, V) pair count as in the choice of decode kernel
 /// when every page of the head holds that pair: 3 for a pair of `three_bit_pairs` (read staged by
-/// the block-staged kernel's chunk loops, in stages of 3 bits, or 4 beside 4-bit heads), else the
-/// wider `kernel_bits`. (The plan counts a hint of 3 as 16 itself where its kernel has no code for
-/// 3-bit pages: `attend_args::three_bit_pages`.)
+/// the block-staged kernel's chunk loops, in stages of 3 bits, or 4 beside 4-bit heads; where
+/// page-heads leave room for fewer than 3 page stages, the per-warp kernel's Three instance), else
+/// the wider `kernel_bits` (a 4-bit K beside a 3-bit V: `three_bit_mixed_pairs`, read staged under
+/// `attend_args::three_bit_pages`).
 KVQ_HOST_DEVICE constexpr int head_kernel_bits(format_id k, format_id v) {
   if (in_kind_pairs(three_bit_pairs{}, kind_pair(kind_of(k), kind_of(v)))) return 3;
   return kernel_bits(k) > kernel_bits(v) ? kernel_bits(k) : kernel_bits(v);
