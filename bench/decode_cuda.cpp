@@ -10,7 +10,8 @@
 // Run beside ../shared/bench/peer_decode.py (see bench/run_gpu.sh) and compare ratios.
 // Every format also runs rotated (spec suffix `+rot`: every kv head under the Hadamard rotation,
 // docs/architecture.md "Rotation"), beside the same format unrotated, shape by shape;
-// KVQ_BENCH_ROTATED=0 leaves the rotated runs out, =only runs just them.
+// KVQ_BENCH_ROTATED=0 leaves the rotated runs out, =only runs just them. A format's `@<n>` suffix
+// (after `+rot`, `+sink`): pages of n tokens, 64 without it (e.g. `kivi3/g32@256`).
 #include <kvq/cache/cache.hpp>
 #include <kvq/cache/config_string.hpp>
 #include <kvq/format/numeric.hpp>
