@@ -922,9 +922,9 @@ class cuda_step final : public step_backend {
       if (!lp) return lp.error();
       plans_[l] = *lp;
       ws = std::max(ws, need);
-      // (where the plan fell back to 16-bit stages, the 3-bit kinds are read by element: 16 bits)
-      const bool three = a.three_bit_pages && lp->stage_cap < 16;
-      layers[l] = {three || !a.three_bit_pages ? a.max_page_bits : 16, a.one_format_per_head, three};
+      // (the plan of 3-bit pages counted as 3 bits is always one of narrow stages: a Three or the
+      // Whole instance reads them)
+      layers[l] = {a.max_page_bits, a.one_format_per_head, a.three_bit_pages};
     }
     return workspace_.allocate(ws, "decode step workspace");
   }

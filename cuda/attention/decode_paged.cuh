@@ -92,7 +92,7 @@ __global__ void __launch_bounds__(dec_warps * 32, (decode_blocks<D, Wide>))
   // (`chunks`). Blocks of one 3-bit pair (kivi3, sym3: `three_bit_pairs`) run chunk loops of their
   // own in the Whole instance and the Three instances, the only code that reads 3-bit pages staged
   // (the host plans them for such layers: `head_kernel_bits`, `attend_args::three_bit_pages`);
-  // the Three instances also compile chunk loops for a 3-bit V beside a 4-bit K
+  // the Three instances of one full barrier also compile one for a 3-bit V beside a 4-bit K
   // (`three_bit_mixed_pairs`). Other blocks run 32-token chunks that dispatch on each page's kinds, with 3-bit cases in the
   // Three instances only.
   // (16-bit pages: `wide_pair` where every page of the block has 16-bit K and V)

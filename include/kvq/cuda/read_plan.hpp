@@ -31,7 +31,7 @@
 /// decode kernels read them by element. The 3-bit kinds (kivi3, sym3) are read by the chunk loops
 /// compiled for a block whose pages all hold one pair kivi3/kivi3 or sym3/sym3 (`three_bit_pairs`:
 /// in the block-staged kernel's Whole instance and its Three instances; kivi4 K + kivi3 V,
-/// `three_bit_mixed_pairs`, in the Three instances) and by the per-page dispatch of the Three
+/// `three_bit_mixed_pairs`, in those of one full barrier) and by the per-page dispatch of the Three
 /// instances only (block-staged and per-warp, `kind::dispatch3`: layers whose 3-bit pages are among
 /// other formats or too large for 3 page stages, `attend_args::three_bit_pages`); a 16-bit stage
 /// plan reads a 3-bit page by element. (Numbered last, they leave the other kinds' numbers, and so the plain dispatch's code,
