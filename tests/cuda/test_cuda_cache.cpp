@@ -281,10 +281,10 @@ TEST_CASE("gpu: decode attention matches the CPU reference over formats and leng
 // block-staged kernel's Whole instance, in chunk loops compiled for that pair, staged (in stages
 // of 3 bits; of 4 beside a head of 4-bit pages); where the plan is another kernel or instance
 // (page_tokens 256 at head_dim 128 and 256: the per-warp kernel; head_dim 256 beside a 4-bit head
-// at page_tokens 64: 4 page stages, too few for the Whole instance), the backend plans them as
-// 16-bit pages, read by element. A 4-bit K beside a 3-bit V (`three_bit_mixed_pairs`) decodes in
-// the Three instances, in a chunk loop of its own (alone, and beside a kivi2 head). Both against
-// the CPU.
+// at page_tokens 64: 4 page stages, too few for the Whole instance), in a Three instance, staged
+// too. A 4-bit K beside a 3-bit V (`three_bit_mixed_pairs`) decodes in the Three instances, in a
+// chunk loop of its own at page_tokens 64 and 128 (alone, and beside a kivi2 head). Against the
+// CPU.
 TEST_CASE("gpu: layers of one 3-bit pair per head decode staged or by element", "[gpu][decode][three]") {
   const std::string spec =
       GENERATE("kivi3/g32", "sym3/g32", "sym3", "kivi3/g128", "kivi3/g32;0.1=kivi4/g32", "sym3/g32;0.0=kivi2/g32",
