@@ -285,7 +285,7 @@ TEST_CASE("gpu: decode attention matches the CPU reference over formats and leng
 // too. A 4-bit K beside a 3-bit V (`three_bit_mixed_pairs`) decodes in the Three instances, in a
 // chunk loop of its own at page_tokens 64 and 128 (alone, and beside a kivi2 head). Against the
 // CPU.
-TEST_CASE("gpu: layers of one 3-bit pair per head decode staged or by element", "[gpu][decode][three]") {
+TEST_CASE("gpu: layers of one 3-bit pair per head decode staged", "[gpu][decode][three]") {
   const std::string spec =
       GENERATE("kivi3/g32", "sym3/g32", "sym3", "kivi3/g128", "kivi3/g32;0.1=kivi4/g32", "sym3/g32;0.0=kivi2/g32",
                "k=kivi4/g32,v=kivi3/g32", "k=kivi4/g32,v=kivi3/g32;0.1=kivi2/g32");
